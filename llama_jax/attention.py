@@ -1,0 +1,44 @@
+"""Causal dot-product attention with one code path for MHA, GQA and MQA.
+
+N query heads share K key/value heads (K = N: MHA, K = 1: MQA, otherwise GQA; Ainslie et al.
+2023). Queries are reshaped to (K, G = N/K) and contracted against the K key/value heads
+directly, so repeated K/V are never materialised. Logits, mask and softmax are fp32.
+
+Masks are built from slot indices, not from RoPE positions: positions restart at each packed
+document and may be arbitrary, while causality is about where a token sits in the sequence (or
+in the KV cache). Segment ids keep packed documents from attending to each other.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Finite, so that a fully masked row (e.g. padding) gives a uniform softmax instead of NaN.
+_MASKED = float(jnp.finfo(jnp.float32).min)
+
+
+def attention_mask(q_index_BT: jax.Array, kv_index_BS: jax.Array,
+                   q_segment_BT: jax.Array | None = None,
+                   kv_segment_BS: jax.Array | None = None) -> jax.Array:
+    """`[B, T, S]` bool: query t may see key s iff s is not after t (and, with segment ids,
+    both belong to the same segment)."""
+    mask_BTS = kv_index_BS[:, None, :] <= q_index_BT[:, :, None]
+    if q_segment_BT is not None:
+        mask_BTS &= q_segment_BT[:, :, None] == kv_segment_BS[:, None, :]
+    return mask_BTS
+
+
+def attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+              mask_BTS: jax.Array) -> jax.Array:
+    """softmax(q·kᵀ/√H + mask)·v for grouped heads; returns `[B, T, N, H]` in q's dtype."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+    logits_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH,
+                              preferred_element_type=jnp.float32) * H ** -0.5
+    logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, _MASKED)
+    probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
+    out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS.astype(v_BSKH.dtype), v_BSKH,
+                           preferred_element_type=jnp.float32)
+    return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)

@@ -1,0 +1,260 @@
+"""Model configuration: a frozen, hashable dataclass validated on construction, and YAML files.
+
+A config is static under `jax.jit` (it is hashable), so shapes and code paths may depend on it.
+Field names follow Meta's `params.json` where one exists (dim, n_layers, n_heads, n_kv_heads,
+multiple_of, ffn_dim_multiplier, norm_eps, rope_theta); the dimension letters of the rest of the
+code are exposed as read-only properties (D, L, N, K, G, H, F, V).
+
+Config files are YAML. A file may name a `base:` (a preset name or a path relative to the file)
+whose content it overrides key by key, so an ablation is a few lines of difference. Every error
+names the file and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+ROPE_TYPES = ("default", "llama3")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the file (when there is one) and the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """LLaMA-3.1 "llama3" frequency rescaling (Meta's `apply_scaling`, HF's rope_type "llama3")."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            object.__setattr__(self, name, _as_float(f"rope_scaling.{name}", getattr(self, name)))
+        _require(self.factor >= 1.0, "rope_scaling.factor", self.factor, "must be >= 1")
+        _require(self.low_freq_factor > 0, "rope_scaling.low_freq_factor", self.low_freq_factor,
+                 "must be > 0")
+        _require(self.high_freq_factor > self.low_freq_factor, "rope_scaling.high_freq_factor",
+                 self.high_freq_factor, f"must be > low_freq_factor ({self.low_freq_factor})")
+        _require(self.original_max_position_embeddings > 0,
+                 "rope_scaling.original_max_position_embeddings",
+                 self.original_max_position_embeddings, "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Sizes and numerics of one LLaMA model. `ffn_dim` and `head_dim` default to Meta's rules."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None  # None: equal to n_heads (MHA)
+    head_dim: int | None = None  # None: dim // n_heads
+    ffn_dim: int | None = None  # None: Meta's rule from dim, multiple_of, ffn_dim_multiplier
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: str = "none"
+
+    def __post_init__(self):
+        for name in ("norm_eps", "rope_theta", "init_std", "ffn_dim_multiplier"):
+            object.__setattr__(self, name, _as_float(name, getattr(self, name)))
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "multiple_of", "max_seq_len"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, name, value, "must be a positive integer")
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        _require(isinstance(self.n_kv_heads, int) and self.n_kv_heads > 0, "n_kv_heads",
+                 self.n_kv_heads, "must be a positive integer")
+        _require(self.n_heads % self.n_kv_heads == 0, "n_kv_heads", self.n_kv_heads,
+                 f"must divide n_heads ({self.n_heads}): each KV head serves a whole group of "
+                 "query heads")
+        if self.head_dim is None:
+            _require(self.dim % self.n_heads == 0, "n_heads", self.n_heads,
+                     f"must divide dim ({self.dim}) unless head_dim is given")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        _require(isinstance(self.head_dim, int) and self.head_dim > 0, "head_dim", self.head_dim,
+                 "must be a positive integer")
+        _require(self.head_dim % 2 == 0, "head_dim", self.head_dim,
+                 "must be even: RoPE rotates pairs of features")
+        if self.ffn_dim_multiplier is not None:
+            _require(self.ffn_dim_multiplier > 0, "ffn_dim_multiplier", self.ffn_dim_multiplier,
+                     "must be > 0")
+        if self.ffn_dim is None:
+            object.__setattr__(self, "ffn_dim", meta_ffn_dim(self.dim, self.multiple_of,
+                                                             self.ffn_dim_multiplier))
+        _require(isinstance(self.ffn_dim, int) and self.ffn_dim > 0, "ffn_dim", self.ffn_dim,
+                 "must be a positive integer")
+        _require(self.norm_eps > 0, "norm_eps", self.norm_eps, "must be > 0")
+        _require(self.rope_theta > 0, "rope_theta", self.rope_theta, "must be > 0")
+        _require(self.init_std > 0, "init_std", self.init_std, "must be > 0")
+        _require(self.rope_type in ROPE_TYPES, "rope_type", self.rope_type,
+                 f"is not one of {ROPE_TYPES}")
+        _require((self.rope_type == "llama3") == (self.rope_scaling is not None), "rope_scaling",
+                 self.rope_scaling, f"must be given exactly when rope_type is 'llama3' "
+                 f"(rope_type is {self.rope_type!r})")
+        _require(self.param_dtype in DTYPES, "param_dtype", self.param_dtype, f"is not one of {DTYPES}")
+        _require(self.compute_dtype in DTYPES, "compute_dtype", self.compute_dtype,
+                 f"is not one of {DTYPES}")
+        _require(self.remat in REMAT_POLICIES, "remat", self.remat,
+                 f"is not one of {REMAT_POLICIES}")
+
+    # The dimension key of DESIGN.md, so code can say `config.K` where the math says K.
+    V = property(lambda self: self.vocab_size)
+    D = property(lambda self: self.dim)
+    L = property(lambda self: self.n_layers)
+    N = property(lambda self: self.n_heads)
+    K = property(lambda self: self.n_kv_heads)
+    G = property(lambda self: self.n_heads // self.n_kv_heads)
+    H = property(lambda self: self.head_dim)
+    F = property(lambda self: self.ffn_dim)
+
+    @classmethod
+    def from_dict(cls, fields: Mapping[str, Any], where: str = "model") -> "ModelConfig":
+        """Builds a config from plain data (a YAML section); `where` prefixes error messages."""
+        try:
+            fields = dict(fields)
+            _check_keys(fields, cls, where)
+            scaling = fields.get("rope_scaling")
+            if isinstance(scaling, Mapping):
+                _check_keys(scaling, RopeScaling, f"{where}.rope_scaling")
+                fields["rope_scaling"] = RopeScaling(**scaling)
+            return cls(**fields)
+        except ConfigError as e:
+            if str(e).startswith(where):
+                raise
+            raise ConfigError(f"{where}.{e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def meta_ffn_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """Meta's SwiGLU width: int(2·4D/3), times the multiplier, rounded up to `multiple_of`."""
+    hidden = int(2 * 4 * dim / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+def _as_float(field: str, value: Any) -> float | None:
+    """Accepts ints and numeric strings: YAML 1.1 reads `1e-5` (no dot) as a string."""
+    if value is None or (isinstance(value, float)):
+        return value
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{field}={value!r} must be a number") from None
+
+
+def _require(ok: bool, field: str, value: Any, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field}={value!r} {message}")
+
+
+def _check_keys(fields: Mapping[str, Any], cls: type, where: str) -> None:
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in fields:
+        if key not in known:
+            hint = difflib.get_close_matches(str(key), known, n=1)
+            suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise ConfigError(f"{where}: unknown key {key!r}{suggestion}; known keys: "
+                              f"{', '.join(known)}")
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.default is dataclasses.MISSING and f.name not in fields]
+    if missing:
+        raise ConfigError(f"{where}: missing required key(s) {', '.join(missing)}")
+
+
+# ----------------------------------------------------------------------------------- YAML files
+
+SECTIONS = ("model",)
+
+
+def resolve_config_path(name_or_path: str | Path, relative_to: Path | None = None) -> Path:
+    """A preset name (`llama3-8b`) or a path; relative paths are tried next to `relative_to`."""
+    path = Path(name_or_path)
+    candidates = [path]
+    if relative_to is not None and not path.is_absolute():
+        candidates.insert(0, relative_to / path)
+    if path.suffix not in (".yaml", ".yml") and len(path.parts) == 1:
+        candidates.append(CONFIG_DIR / f"{path}.yaml")
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    presets = ", ".join(list_presets())
+    raise ConfigError(f"config {str(name_or_path)!r} is neither a file nor a preset; "
+                      f"presets: {presets}")
+
+
+def load_config_tree(name_or_path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Reads a YAML config with its `base:` chain merged in (the child wins, key by key)."""
+    path = resolve_config_path(name_or_path, _seen[-1].parent if _seen else None).resolve()
+    if path in _seen:
+        chain = " -> ".join(str(p) for p in (*_seen, path))
+        raise ConfigError(f"{path}: `base` chain loops: {chain}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: cannot read config: {e}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(tree).__name__}")
+    unknown = [k for k in tree if k not in (*SECTIONS, "base")]
+    if unknown:
+        raise ConfigError(f"{path}: unknown top-level key(s) {unknown}; expected base and "
+                          f"sections {list(SECTIONS)}")
+    base = tree.pop("base", None)
+    if base is None:
+        return tree
+    return _merge(load_config_tree(base, (*_seen, path)), tree)
+
+
+def _merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in child.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_model_config(name_or_path: str | Path) -> ModelConfig:
+    """The validated `model:` section of a config file or preset."""
+    path = resolve_config_path(name_or_path)
+    tree = load_config_tree(path)
+    if "model" not in tree:
+        raise ConfigError(f"{path}: no `model:` section (directly or through `base:`)")
+    try:
+        return ModelConfig.from_dict(tree["model"])
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except TypeError as e:  # e.g. a YAML list where a number belongs
+        raise ConfigError(f"{path}: model: {e}") from None
+
+
+def list_presets() -> list[str]:
+    """Names of the complete model presets (files starting with `_` are family bases)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if not p.stem.startswith("_"))

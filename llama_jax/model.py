@@ -1,0 +1,92 @@
+"""The LLaMA decoder as pure functions over a `Params` pytree.
+
+Architecture (Touvron et al. 2023a/b, Grattafiori et al. 2024; Meta's reference `model.py`):
+token embedding → L pre-norm blocks `h = x + Attn(RMSNorm(x)); out = h + SwiGLU(RMSNorm(h))`
+→ final RMSNorm → LM head (untied, or tied to the embedding as in LLaMA 3.2 1B/3B). RoPE is
+applied to q and k after the projections. No biases anywhere.
+
+The L blocks run under one `lax.scan` over the stacked layer weights, so compile time does not
+grow with depth; `config.remat` wraps the block in `jax.checkpoint` with a named policy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from llama_jax.attention import attention, attention_mask
+from llama_jax.config import ModelConfig
+from llama_jax.ops import dense, rms_norm, swiglu
+from llama_jax.params import LayerParams, Params
+from llama_jax.rope import apply_rope, rope_cos_sin
+
+REMAT_POLICY_FNS = {
+    "full": None,  # save nothing: recompute the whole block in the backward pass
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def forward(config: ModelConfig, params: Params, tokens_BT: jax.Array, *,
+            positions_BT: jax.Array | None = None,
+            segment_ids_BT: jax.Array | None = None) -> jax.Array:
+    """Next-token logits `[B, T, V]` in fp32 for int32 tokens `[B, T]`.
+
+    positions default to 0..T-1 per row; with `segment_ids_BT` (packed documents) tokens attend
+    only within their own segment, and positions should restart at each document.
+    """
+    x_BTD = embed(config, params, tokens_BT)
+    h_BTD = hidden_states(config, params, x_BTD, positions_BT=positions_BT,
+                          segment_ids_BT=segment_ids_BT)
+    return lm_head(config, params, h_BTD)
+
+
+def embed(config: ModelConfig, params: Params, tokens_BT: jax.Array) -> jax.Array:
+    return jnp.take(params.embed, tokens_BT, axis=0).astype(config.compute_dtype)
+
+
+def lm_head(config: ModelConfig, params: Params, h_BTD: jax.Array) -> jax.Array:
+    """fp32 logits: the loss and sampling want them in full precision."""
+    if config.tie_embeddings:
+        w_VD = params.embed.astype(h_BTD.dtype)
+        return jnp.einsum("BTD,VD->BTV", h_BTD, w_VD, preferred_element_type=jnp.float32)
+    w_DV = params.lm_head.astype(h_BTD.dtype)
+    return jnp.einsum("BTD,DV->BTV", h_BTD, w_DV, preferred_element_type=jnp.float32)
+
+
+def hidden_states(config: ModelConfig, params: Params, x_BTD: jax.Array, *,
+                  positions_BT: jax.Array | None = None,
+                  segment_ids_BT: jax.Array | None = None) -> jax.Array:
+    """Embeddings `[B, T, D]` → final-normed hidden states `[B, T, D]` (what heads consume)."""
+    B, T, _ = x_BTD.shape
+    index_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    if positions_BT is None:
+        positions_BT = index_BT
+    cos_BTh, sin_BTh = rope_cos_sin(config, positions_BT)
+    mask_BTS = attention_mask(index_BT, index_BT, segment_ids_BT, segment_ids_BT)
+
+    step = functools.partial(block, config, cos_BTh=cos_BTh, sin_BTh=sin_BTh, mask_BTS=mask_BTS)
+    if config.remat != "none":
+        step = jax.checkpoint(step, policy=REMAT_POLICY_FNS[config.remat], prevent_cse=False)
+    x_BTD, _ = jax.lax.scan(lambda x, layer: (step(layer, x), None), x_BTD, params.layers)
+    return rms_norm(x_BTD, params.final_norm, config.norm_eps)
+
+
+def block(config: ModelConfig, layer: LayerParams, x_BTD: jax.Array, *, cos_BTh: jax.Array,
+          sin_BTh: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+    """One pre-norm decoder block; `layer` holds a single layer's (unstacked) weights."""
+    attn_in = rms_norm(x_BTD, layer.attn_norm, config.norm_eps)
+    h_BTD = x_BTD + self_attention(layer, attn_in, cos_BTh, sin_BTh, mask_BTS)
+    ffn_in = rms_norm(h_BTD, layer.ffn_norm, config.norm_eps)
+    return h_BTD + swiglu(ffn_in, layer.w_gate, layer.w_up, layer.w_down)
+
+
+def self_attention(layer: LayerParams, x_BTD: jax.Array, cos_BTh: jax.Array, sin_BTh: jax.Array,
+                   mask_BTS: jax.Array) -> jax.Array:
+    q_BTNH = apply_rope(dense("BTD,DNH->BTNH", x_BTD, layer.wq), cos_BTh, sin_BTh)
+    k_BTKH = apply_rope(dense("BTD,DKH->BTKH", x_BTD, layer.wk), cos_BTh, sin_BTh)
+    v_BTKH = dense("BTD,DKH->BTKH", x_BTD, layer.wv)
+    out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS)
+    return dense("BTNH,NHD->BTD", out_BTNH, layer.wo)

@@ -1,0 +1,36 @@
+"""Pointwise and matmul building blocks: RMSNorm, SwiGLU and a mixed-precision einsum.
+
+Numerics follow Meta's reference `model.py`: norm statistics in fp32, the normalised activations
+cast back to the compute dtype before the gain is applied; matmuls accumulate in fp32
+(`preferred_element_type`) whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def dense(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`einsum(equation, x, w)` in x's dtype with fp32 accumulation; w is cast to x's dtype.
+
+    Casting the weights here is what separates the parameter dtype (e.g. fp32 master weights)
+    from the compute dtype (e.g. bf16) without a second copy of the parameters.
+    """
+    out = jnp.einsum(equation, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    return out.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
+    """`x / sqrt(mean(x²) + eps) * gain` over the last axis; statistics in fp32, no mean, no bias."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return normed.astype(x.dtype) * gain.astype(x.dtype)
+
+
+def swiglu(x_BTD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array,
+           w_down_FD: jax.Array) -> jax.Array:
+    """`down(silu(gate(x)) * up(x))` (Shazeer 2020, as in LLaMA)."""
+    gate_BTF = dense("BTD,DF->BTF", x_BTD, w_gate_DF)
+    up_BTF = dense("BTD,DF->BTF", x_BTD, w_up_DF)
+    return dense("BTF,FD->BTD", jax.nn.silu(gate_BTF) * up_BTF, w_down_FD)
