@@ -75,6 +75,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"
+    scan_layers: bool = True  # False unrolls the layer loop (compile time grows with L)
 
     def __post_init__(self):
         for name in ("norm_eps", "rope_theta", "init_std", "ffn_dim_multiplier"):

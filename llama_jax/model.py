@@ -6,7 +6,8 @@ token embedding → L pre-norm blocks `h = x + Attn(RMSNorm(x)); out = h + SwiGL
 applied to q and k after the projections. No biases anywhere.
 
 The L blocks run under one `lax.scan` over the stacked layer weights, so compile time does not
-grow with depth; `config.remat` wraps the block in `jax.checkpoint` with a named policy.
+grow with depth (`scan_layers=False` unrolls them, for comparison or for backends that schedule
+unrolled code better); `config.remat` wraps the block in `jax.checkpoint` with a named policy.
 """
 
 from __future__ import annotations
@@ -70,7 +71,11 @@ def hidden_states(config: ModelConfig, params: Params, x_BTD: jax.Array, *,
     step = functools.partial(block, config, cos_BTh=cos_BTh, sin_BTh=sin_BTh, mask_BTS=mask_BTS)
     if config.remat != "none":
         step = jax.checkpoint(step, policy=REMAT_POLICY_FNS[config.remat], prevent_cse=False)
-    x_BTD, _ = jax.lax.scan(lambda x, layer: (step(layer, x), None), x_BTD, params.layers)
+    if config.scan_layers:
+        x_BTD, _ = jax.lax.scan(lambda x, layer: (step(layer, x), None), x_BTD, params.layers)
+    else:
+        for i in range(config.n_layers):
+            x_BTD = step(jax.tree.map(lambda w: w[i], params.layers), x_BTD)
     return rms_norm(x_BTD, params.final_norm, config.norm_eps)
 
 

@@ -1,0 +1,110 @@
+"""Config validation, presets and YAML inheritance."""
+
+import dataclasses
+
+import jax
+import pytest
+
+from llama_jax.config import (ConfigError, ModelConfig, RopeScaling, list_presets,
+                              load_model_config, meta_ffn_dim)
+
+TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4)
+
+
+def test_defaults_follow_meta():
+    c = ModelConfig(**TINY)
+    assert (c.K, c.H, c.G) == (4, 8, 1)
+    assert c.F == meta_ffn_dim(32, 256, None) == 256
+
+
+@pytest.mark.parametrize("dim, multiple_of, mult, expected", [
+    (4096, 256, None, 11008), (5120, 256, None, 13824), (6656, 256, None, 17920),
+    (8192, 256, None, 22016), (8192, 4096, 1.3, 28672), (4096, 1024, 1.3, 14336),
+    (16384, 4096, 1.2, 53248), (2048, 256, 1.5, 8192), (3072, 256, 1.0, 8192)])
+def test_meta_ffn_rule(dim, multiple_of, mult, expected):
+    assert meta_ffn_dim(dim, multiple_of, mult) == expected
+
+
+def test_config_is_hashable_and_static_under_jit():
+    a, b = ModelConfig(**TINY), ModelConfig(**TINY)
+    assert a == b and hash(a) == hash(b)
+    assert {a: 1}[b] == 1
+    f = jax.jit(lambda c, x: x * c.n_heads, static_argnums=0)
+    assert f(a, 2.0) == 8.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.dim = 3
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(n_kv_heads=3), "n_kv_heads"),
+    (dict(dim=36, n_heads=4), "head_dim"),  # head dim 9 is odd
+    (dict(dim=30), "n_heads"),
+    (dict(vocab_size=-5), "vocab_size"),
+    (dict(n_layers=0), "n_layers"),
+    (dict(norm_eps=0.0), "norm_eps"),
+    (dict(norm_eps="tiny"), "norm_eps"),
+    (dict(rope_type="yarn"), "rope_type"),
+    (dict(rope_type="llama3"), "rope_scaling"),
+    (dict(rope_scaling=RopeScaling()), "rope_scaling"),
+    (dict(param_dtype="float64"), "param_dtype"),
+    (dict(remat="sometimes"), "remat"),
+])
+def test_bad_values_name_the_field(overrides, field):
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig(**{**TINY, **overrides})
+
+
+def test_bad_rope_scaling_names_the_field():
+    with pytest.raises(ConfigError, match=r"rope_scaling\.high_freq_factor"):
+        RopeScaling(low_freq_factor=4.0, high_freq_factor=1.0)
+
+
+def test_yaml_numbers_without_dot_are_accepted():
+    # YAML 1.1 reads `1e-5` as a string; the config turns it into a float.
+    c = ModelConfig.from_dict({**TINY, "norm_eps": "1e-5", "rope_theta": 500000})
+    assert c.norm_eps == 1e-5 and isinstance(c.rope_theta, float)
+
+
+def test_from_dict_unknown_key_suggests_the_right_one():
+    with pytest.raises(ConfigError, match=r"unknown key 'n_head'.*did you mean 'n_heads'"):
+        ModelConfig.from_dict({**TINY, "n_head": 4})
+    with pytest.raises(ConfigError, match=r"model\.rope_scaling: unknown key 'factr'"):
+        ModelConfig.from_dict({**TINY, "rope_type": "llama3", "rope_scaling": {"factr": 8}})
+    with pytest.raises(ConfigError, match="missing required key"):
+        ModelConfig.from_dict({"dim": 32})
+
+
+def test_every_preset_loads_and_family_bases_are_not_presets():
+    presets = list_presets()
+    assert {"llama1-7b", "llama2-70b", "llama3.1-405b", "llama3.2-1b", "tiny"} <= set(presets)
+    assert not any(p.startswith("_") for p in presets)
+    for name in presets:
+        assert isinstance(load_model_config(name), ModelConfig)
+
+
+def test_inheritance_overrides_key_by_key(tmp_path):
+    (tmp_path / "ablation.yaml").write_text("base: llama3.1-8b\nmodel:\n  n_layers: 4\n"
+                                            "  rope_scaling: {factor: 16.0}\n")
+    c = load_model_config(tmp_path / "ablation.yaml")
+    assert c.n_layers == 4 and c.dim == 4096 and c.rope_theta == 500000.0
+    assert c.rope_scaling == RopeScaling(factor=16.0, original_max_position_embeddings=8192)
+    (tmp_path / "child.yaml").write_text("base: ablation.yaml\nmodel: {n_heads: 16}\n")
+    assert load_model_config(tmp_path / "child.yaml").head_dim == 256
+
+
+def test_file_errors_name_the_file_and_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base: tiny\nmodel: {n_kv_heads: 3}\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: model\.n_kv_heads=3 must divide n_heads"):
+        load_model_config(bad)
+    bad.write_text("base: tiny\nmodle: {dim: 3}\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: unknown top-level key"):
+        load_model_config(bad)
+    bad.write_text("base: bad.yaml\n")
+    with pytest.raises(ConfigError, match="chain loops"):
+        load_model_config(bad)
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: cannot read config"):
+        load_model_config(bad)
+    with pytest.raises(ConfigError, match="neither a file nor a preset"):
+        load_model_config("llama9-1t")

@@ -1,0 +1,140 @@
+"""The whole model: float64 reference (MHA, GQA, MQA, tied, llama3 scaling past the original
+context), causality, packing, batching, scan == unrolled loop, remat, mixed precision."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import llama_jax
+from llama_jax.config import load_model_config
+from llama_jax.model import block, embed, hidden_states
+from llama_jax.rope import rope_cos_sin
+from llama_jax.attention import attention_mask
+from llama_jax.params import param_specs
+from reference import relative_error
+import reference as ref
+
+TINY = load_model_config("tiny")  # GQA (N=4, K=2), untied, rope_theta 10000
+CONFIGS = {
+    "gqa": TINY,
+    "mha": dataclasses.replace(TINY, n_kv_heads=4),
+    "mqa-tied-llama3": load_model_config("tiny-llama3.2"),  # K=1, scaling past 64 positions
+}
+forward = jax.jit(llama_jax.forward, static_argnums=0)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return {name: llama_jax.init_params(c, jax.random.key(i))
+            for i, (name, c) in enumerate(CONFIGS.items())}
+
+
+def tokens(config, B, T, seed=0):
+    return jax.random.randint(jax.random.key(seed), (B, T), 0, config.vocab_size, jnp.int32)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_float64_reference(name, params):
+    config = CONFIGS[name]
+    T = 96 if config.rope_scaling else 24  # llama3: beyond original_max_position_embeddings
+    toks = tokens(config, 2, T)
+    out = forward(config, params[name], toks)
+    assert out.shape == (2, T, config.vocab_size) and out.dtype == jnp.float32
+    assert relative_error(out, ref.forward(config, params[name], toks)) < 1e-5
+
+
+def test_custom_positions_match_reference(params):
+    toks = tokens(TINY, 1, 16)
+    positions = jnp.arange(16, dtype=jnp.int32)[None] + 1000
+    out = forward(TINY, params["gqa"], toks, positions_BT=positions)
+    assert relative_error(out, ref.forward(TINY, params["gqa"], toks, positions)) < 1e-5
+
+
+def test_packed_documents_equal_separate_documents(params):
+    a, b = tokens(TINY, 1, 5, seed=1), tokens(TINY, 1, 9, seed=2)
+    packed = jnp.concatenate([a, b], axis=1)
+    positions = jnp.concatenate([jnp.arange(5), jnp.arange(9)])[None].astype(jnp.int32)
+    segments = jnp.array([[1] * 5 + [2] * 9], jnp.int32)
+    out = forward(TINY, params["gqa"], packed, positions_BT=positions, segment_ids_BT=segments)
+    np.testing.assert_allclose(out[:, :5], forward(TINY, params["gqa"], a), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[:, 5:], forward(TINY, params["gqa"], b), rtol=1e-5, atol=1e-5)
+
+
+def test_batched_equals_single(params):
+    toks = tokens(TINY, 3, 12)
+    batched = forward(TINY, params["gqa"], toks)
+    for i in range(3):
+        np.testing.assert_allclose(batched[i:i + 1], forward(TINY, params["gqa"], toks[i:i + 1]),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_causality_by_gradient(params):
+    T = 10
+    x = embed(TINY, params["gqa"], tokens(TINY, 1, T))
+    jac = jax.jacrev(lambda x: hidden_states(TINY, params["gqa"], x))(x)[0, :, :, 0]  # [T,D,T,D]
+    influence = np.abs(np.asarray(jac)).sum(axis=(1, 3))  # [t_out, t_in]
+    assert np.all(influence[np.triu_indices(T, k=1)] == 0.0)  # exactly zero from the future
+    assert np.all(influence[np.tril_indices(T)] > 0.0)
+
+
+@pytest.mark.parametrize("name", ["gqa", "mqa-tied-llama3"])
+def test_scan_equals_unrolled_loop(name, params):
+    config = CONFIGS[name]
+    toks = tokens(config, 2, 16)
+    scanned = forward(config, params[name], toks)
+    unrolled = forward(dataclasses.replace(config, scan_layers=False), params[name], toks)
+    np.testing.assert_allclose(scanned, unrolled, rtol=1e-6, atol=1e-6)
+    hlo = jax.jit(llama_jax.forward, static_argnums=0).lower(config, params[name], toks).as_text()
+    assert "while" in hlo  # the layers really are a loop, not L inlined copies
+
+
+def loss_and_grads(config, params, toks):
+    def loss(p):
+        logits = llama_jax.forward(config, p, toks[:, :-1])
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.take_along_axis(logp, toks[:, 1:, None], axis=-1).mean()
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch"])
+def test_remat_does_not_change_values_or_gradients(policy, params):
+    toks = tokens(TINY, 2, 17)
+    loss, grads = loss_and_grads(TINY, params["gqa"], toks)
+    remat_loss, remat_grads = loss_and_grads(dataclasses.replace(TINY, remat=policy),
+                                             params["gqa"], toks)
+    assert remat_loss == pytest.approx(float(loss), rel=1e-6)
+    for g, rg in zip(jax.tree.leaves(grads), jax.tree.leaves(remat_grads)):
+        np.testing.assert_allclose(rg, g, rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_compute_with_fp32_params_is_close(params):
+    config = dataclasses.replace(TINY, compute_dtype="bfloat16")
+    toks = tokens(TINY, 2, 16)
+    out = forward(config, params["gqa"], toks)
+    assert out.dtype == jnp.float32  # logits stay fp32 for the loss
+    assert relative_error(out, forward(TINY, params["gqa"], toks)) < 3e-2
+
+
+def test_bf16_params():
+    config = dataclasses.replace(TINY, param_dtype="bfloat16", compute_dtype="bfloat16")
+    p = llama_jax.init_params(config, jax.random.key(0))
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(p))
+    assert np.isfinite(forward(config, p, tokens(config, 1, 8))).all()
+
+
+def test_init_matches_the_description(params):
+    for name, config in CONFIGS.items():
+        specs = param_specs(config)
+        shapes = jax.tree.map(lambda s: s.shape(config), specs)
+        assert jax.tree.map(lambda a: a.shape, params[name]) == shapes
+        assert (params[name].lm_head is None) == config.tie_embeddings
+    p = params["gqa"]
+    np.testing.assert_array_equal(p.layers.attn_norm, 1.0)
+    assert float(jnp.std(p.layers.wq)) == pytest.approx(TINY.init_std, rel=0.05)
+    assert float(jnp.std(p.layers.wo)) == pytest.approx(
+        TINY.init_std / np.sqrt(2 * TINY.n_layers), rel=0.05)
+    again = llama_jax.init_params(TINY, jax.random.key(0))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(again)))
