@@ -109,6 +109,11 @@ class ModelConfig:
         _require(self.norm_eps > 0, "norm_eps", self.norm_eps, "must be > 0")
         _require(self.rope_theta > 0, "rope_theta", self.rope_theta, "must be > 0")
         _require(self.init_std > 0, "init_std", self.init_std, "must be > 0")
+        _require(self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling),
+                 "rope_scaling", self.rope_scaling, "must be a mapping of llama3 scaling fields")
+        for name in ("tie_embeddings", "scan_layers"):
+            _require(isinstance(getattr(self, name), bool), name, getattr(self, name),
+                     "must be true or false")
         _require(self.rope_type in ROPE_TYPES, "rope_type", self.rope_type,
                  f"is not one of {ROPE_TYPES}")
         _require((self.rope_type == "llama3") == (self.rope_scaling is not None), "rope_scaling",

@@ -46,6 +46,8 @@ def test_config_is_hashable_and_static_under_jit():
     (dict(rope_type="yarn"), "rope_type"),
     (dict(rope_type="llama3"), "rope_scaling"),
     (dict(rope_scaling=RopeScaling()), "rope_scaling"),
+    (dict(rope_type="llama3", rope_scaling=8.0), "rope_scaling"),
+    (dict(tie_embeddings="yes"), "tie_embeddings"),
     (dict(param_dtype="float64"), "param_dtype"),
     (dict(remat="sometimes"), "remat"),
 ])
