@@ -7,9 +7,10 @@ import sys
 from typing import Callable
 
 from llama_jax.config import ConfigError
+from llama_jax.formats import CheckpointError
 
 # Errors that describe the user's input; anything else is a bug and keeps its traceback.
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError,)
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, CheckpointError)
 
 
 def user_errors_exit(main: Callable[..., int | None]) -> Callable[..., int]:

@@ -1,0 +1,77 @@
+"""`load_checkpoint`: one entry point for every checkpoint format llama_jax reads.
+
+    config, params = load_checkpoint("path/to/dir", dtype="bfloat16")
+
+The directory's contents decide the format: `config.yaml` + `params/` (llama_jax, orbax),
+`config.json` + safetensors (Hugging Face), `params.json` + `consolidated.NN.pth` (Meta).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+from llama_jax.config import DTYPES, ModelConfig
+from llama_jax.formats import CheckpointError, hf, meta, native
+from llama_jax.params import Params
+
+FORMATS = {"native": native, "hf": hf, "meta": meta}
+
+
+def detect_format(path: str | Path) -> str:
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: expected a checkpoint directory, got a file")
+    for name, is_format in (("native", native.is_native), ("hf", hf.is_hf),
+                            ("meta", meta.is_meta)):
+        if is_format(path):
+            return name
+    found = ", ".join(sorted(p.name for p in path.iterdir())[:12]) or "nothing"
+    raise CheckpointError(
+        f"{path}: not a checkpoint llama_jax reads; expected config.json + model.safetensors "
+        f"(Hugging Face), params.json + consolidated.NN.pth (Meta) or config.yaml + params/ "
+        f"(llama_jax); found: {found}")
+
+
+def load_checkpoint(path: str | Path, dtype: str | None = None) -> tuple[ModelConfig, Params]:
+    """(config, params) from any supported checkpoint; `dtype` None keeps the stored dtype.
+    The returned config computes in the same dtype as its parameters."""
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    return FORMATS[detect_format(path)].load(Path(path), dtype)
+
+
+@contextlib.contextmanager
+def atomic_directory(dst: str | Path) -> Iterator[Path]:
+    """Yields an empty hidden directory beside `dst` that becomes `dst` only if the block
+    succeeds; an existing `dst` is never touched, and a failure leaves nothing behind."""
+    dst = Path(dst)
+    if dst.exists():
+        raise CheckpointError(f"{dst}: already exists; refusing to overwrite it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def export_hf(config: ModelConfig, params: Params, path: str | Path) -> None:
+    """Writes a Hugging Face Llama directory (config.json + safetensors) that
+    `transformers.AutoModelForCausalLM.from_pretrained` loads; `path` must not exist."""
+    with atomic_directory(path) as tmp:
+        hf.save(config, params, tmp)
+
+
+def save_native(config: ModelConfig, params: Params, path: str | Path) -> None:
+    """Writes a llama_jax checkpoint (config.yaml + orbax params/); `path` must not exist."""
+    with atomic_directory(path) as tmp:
+        native.save(config, params, tmp)

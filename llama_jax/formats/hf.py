@@ -1,0 +1,202 @@
+"""Hugging Face Llama checkpoints: `config.json` + `model.safetensors` (or shards + index).
+
+Reads both config forms found in the wild: `rope_theta` + `rope_scaling` (transformers 4.x, all
+official LLaMA-3.1/3.2 uploads) and `rope_parameters` (transformers 5.x). Writes the 4.x form,
+which both generations load. Tensors are memory-mapped and read one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llama_jax.config import ConfigError, ModelConfig, RopeScaling
+from llama_jax.formats import CheckpointError
+from llama_jax.formats.layout import (TENSORS, TorchTensor, assemble, torch_shape, torch_tensors,
+                                      with_dtype)
+from llama_jax.params import Params
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+# Buffers some older exports saved with the weights; recomputed, never needed.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def is_hf(path: Path) -> bool:
+    return (path / CONFIG).is_file() and ((path / SINGLE).is_file() or (path / INDEX).is_file())
+
+
+def read_config(path: Path) -> ModelConfig:
+    """`config.json` → ModelConfig; rejects architectures that are not plain Llama."""
+    file = path / CONFIG
+    try:
+        hf = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: cannot read: {e}") from None
+    model_type = hf.get("model_type")
+    if model_type != "llama":
+        raise CheckpointError(f"{file}: model_type {model_type!r} (architectures "
+                              f"{hf.get('architectures')}) is not a Llama model; expected "
+                              "model_type 'llama' (no sliding window, no biases)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise CheckpointError(f"{file}: {flag}=true is not part of the Llama architecture")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"{file}: hidden_act {act!r}; Llama's SwiGLU uses 'silu'")
+    try:
+        rope_theta, rope_type, scaling = _rope(hf)
+        return ModelConfig(
+            vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+            n_heads=hf["num_attention_heads"],
+            n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim"), ffn_dim=hf["intermediate_size"],
+            norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope_theta, rope_type=rope_type,
+            rope_scaling=scaling, max_seq_len=hf.get("max_position_embeddings", 2048),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    except KeyError as e:
+        raise CheckpointError(f"{file}: missing field {e.args[0]!r}") from None
+    except ConfigError as e:
+        raise CheckpointError(f"{file}: {e}") from None
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, str, RopeScaling | None]:
+    params = hf.get("rope_parameters") or dict(hf.get("rope_scaling") or {})
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, "default", None
+    if rope_type != "llama3":
+        raise ConfigError(f"rope_type {rope_type!r} is not supported (Llama uses 'default' or "
+                          "'llama3')")
+    return theta, "llama3", RopeScaling(
+        factor=params["factor"], low_freq_factor=params["low_freq_factor"],
+        high_freq_factor=params["high_freq_factor"],
+        original_max_position_embeddings=params["original_max_position_embeddings"])
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name → safetensors file, from the index or the single file."""
+    from safetensors import safe_open
+
+    if (path / INDEX).is_file():
+        try:
+            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{path / INDEX}: not a safetensors index: {e}") from None
+        files = {name: path / file for name, file in weight_map.items()}
+        missing = sorted({str(f) for f in files.values() if not f.is_file()})
+        if missing:
+            raise CheckpointError(f"{path / INDEX}: shard(s) missing: {', '.join(missing)}")
+        return files
+    file = path / SINGLE
+    try:
+        with safe_open(file, framework="numpy") as f:
+            return {name: file for name in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from None
+
+
+def load(path: Path, dtype: str | None) -> tuple[ModelConfig, Params]:
+    from safetensors import safe_open
+
+    config = read_config(path)
+    files = _weight_files(path)
+    expected = {t.hf.format(i=i) for t in TENSORS for i in range(config.n_layers)
+                if not (t.leaf == "lm_head" and config.tie_embeddings)}
+    missing = sorted(expected - files.keys())
+    if missing:
+        raise CheckpointError(f"{path}: tensor(s) missing from the safetensors files: "
+                              f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    unexpected = sorted(n for n in files.keys() - expected
+                        if not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight")
+    if unexpected:
+        raise CheckpointError(f"{path}: tensor(s) that are not Llama weights: "
+                              f"{', '.join(unexpected[:5])}")
+    config = with_dtype(config, dtype or _stored_dtype(files[TENSORS[0].hf], TENSORS[0].hf))
+
+    def read(tensor: TorchTensor, layer: int | None) -> np.ndarray:
+        name = tensor.hf.format(i=layer)
+        file = files[name]
+        try:
+            with safe_open(file, framework="numpy") as f:
+                w = f.get_tensor(name)
+        except Exception as e:
+            raise CheckpointError(f"{file}: cannot read tensor {name!r}: {e}") from None
+        expected_shape = torch_shape(config, tensor)
+        if w.shape != expected_shape:
+            raise CheckpointError(f"{file}: tensor {name!r} has shape {w.shape}, expected "
+                                  f"{expected_shape} from {path / CONFIG}")
+        return w
+
+    return config, assemble(config, read, np.dtype(config.param_dtype), meta=False)
+
+
+def _stored_dtype(file: Path, name: str) -> str:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="numpy") as f:
+            stored = f.get_slice(name).get_dtype()
+    except Exception as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from None
+    return _SAFETENSORS_DTYPES.get(stored, "float32")
+
+
+def hf_config(config: ModelConfig) -> dict[str, Any]:
+    """config.json content in the transformers 4.x form (also read by 5.x)."""
+    scaling = None
+    if config.rope_scaling is not None:
+        s = config.rope_scaling
+        scaling = {"rope_type": "llama3", "factor": s.factor,
+                   "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
+                   "original_max_position_embeddings": s.original_max_position_embeddings}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": config.vocab_size, "hidden_size": config.dim,
+        "intermediate_size": config.ffn_dim, "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads, "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta, "rope_scaling": scaling,
+        "tie_word_embeddings": config.tie_embeddings, "attention_bias": False,
+        "mlp_bias": False, "torch_dtype": config.param_dtype,
+    }
+
+
+def save(config: ModelConfig, params: Params, path: Path,
+         max_shard_bytes: int = 5 * 1024 ** 3) -> None:
+    """Writes config.json and safetensors shards (with an index when there is more than one)
+    into the existing empty directory `path`, converting and writing one shard at a time."""
+    from safetensors.numpy import save_file
+
+    written: list[tuple[Path, list[str]]] = []  # (file, tensor names); renamed once counted
+    shard: dict[str, np.ndarray] = {}
+    total = 0
+
+    def flush():
+        file = path / f"shard-{len(written):05d}.tmp"
+        save_file(shard, str(file), metadata={"format": "pt"})
+        written.append((file, list(shard)))
+        shard.clear()
+
+    for name, tensor in torch_tensors(config, params):
+        if shard and sum(t.nbytes for t in shard.values()) + tensor.nbytes > max_shard_bytes:
+            flush()
+        shard[name] = tensor
+        total += tensor.nbytes
+    flush()
+    n = len(written)
+    names = [SINGLE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    for (file, _), name in zip(written, names):
+        file.rename(path / name)
+    if n > 1:
+        weight_map = {t: name for (_, tensors), name in zip(written, names) for t in tensors}
+        (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                              "weight_map": weight_map}, indent=2))
+    (path / CONFIG).write_text(json.dumps(hf_config(config), indent=2))

@@ -1,0 +1,116 @@
+"""Tokenizers of the LLaMA family, behind one small interface.
+
+- LLaMA 1/2: a SentencePiece `tokenizer.model` (BPE with byte fallback); BOS/EOS ids come from
+  the model file.
+- LLaMA 3.x: Meta's `tokenizer.model` in tiktoken's BPE-ranks format (128000 tokens) plus 256
+  special tokens (`<|begin_of_text|>` = 128000, ...), with LLaMA 3's pre-split pattern. Needs
+  the optional `tiktoken` package (`pip install 'llama_jax[llama3]'`).
+
+`load_tokenizer(path)` takes the file or a checkpoint directory holding `tokenizer.model`, and
+tells the two formats apart by content (tiktoken files are lines of `base64 rank`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Protocol, Sequence
+
+from llama_jax.formats import CheckpointError
+
+TOKENIZER_FILE = "tokenizer.model"
+
+# Meta's LLaMA 3 pre-tokenizer pattern and special tokens (llama-models, llama3/tokenizer.py).
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_NAMED_SPECIALS = (
+    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
+    "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
+    "<|image|>",
+)
+LLAMA3_NUM_SPECIALS = 256
+# tiktoken panics on very long inputs; Meta encodes in chunks of this many characters.
+_MAX_ENCODE_CHARS = 400_000
+_TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]+=* \d+\r?$")
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_id: int
+    eos_ids: tuple[int, ...]  # every id that ends generation
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class SentencePieceTokenizer:
+    def __init__(self, path: Path):
+        import sentencepiece
+
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        except (OSError, RuntimeError) as e:
+            raise CheckpointError(f"{path}: not a SentencePiece model: {e}") from None
+        self.path = path
+        self.vocab_size = self._sp.vocab_size()
+        self.bos_id = self._sp.bos_id()
+        self.eos_ids = (self._sp.eos_id(),)
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        ids = self._sp.encode(text)
+        return [self.bos_id] * bos + ids + list(self.eos_ids[:1]) * eos
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+class Llama3Tokenizer:
+    def __init__(self, path: Path):
+        try:
+            import tiktoken
+            from tiktoken.load import load_tiktoken_bpe
+        except ImportError:
+            raise CheckpointError(f"{path}: the LLaMA 3 tokenizer needs tiktoken "
+                                  "(pip install 'llama_jax[llama3]')") from None
+        try:
+            ranks = load_tiktoken_bpe(str(path))
+        except Exception as e:  # tiktoken raises ValueError/binascii errors for bad lines
+            raise CheckpointError(f"{path}: not a tiktoken BPE file: {e}") from None
+        n_base = len(ranks)
+        names = LLAMA3_NAMED_SPECIALS + tuple(
+            f"<|reserved_special_token_{2 + i}|>"
+            for i in range(LLAMA3_NUM_SPECIALS - len(LLAMA3_NAMED_SPECIALS)))
+        self.special_tokens = {name: n_base + i for i, name in enumerate(names)}
+        self._enc = tiktoken.Encoding(name=path.name, pat_str=LLAMA3_PATTERN,
+                                      mergeable_ranks=ranks, special_tokens=self.special_tokens)
+        self.path = path
+        self.vocab_size = n_base + len(names)
+        self.bos_id = self.special_tokens["<|begin_of_text|>"]
+        self.eos_ids = tuple(self.special_tokens[t] for t in
+                             ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"))
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        """Special-token text in `text` is encoded as ordinary text, never as a control token."""
+        ids = [self.bos_id] * bos
+        for start in range(0, len(text), _MAX_ENCODE_CHARS):
+            ids += self._enc.encode_ordinary(text[start:start + _MAX_ENCODE_CHARS])
+        return ids + [self.eos_ids[0]] * eos
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer in `path` (a `tokenizer.model` file or a directory containing one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no tokenizer file (expected {TOKENIZER_FILE})")
+    with path.open("rb") as f:
+        first_line = f.readline(1024)
+    if _TIKTOKEN_LINE.match(first_line.rstrip(b"\n")):
+        return Llama3Tokenizer(path)
+    return SentencePieceTokenizer(path)

@@ -1,0 +1,119 @@
+"""Tiny random checkpoints for the interop tests: HF models built by transformers, and the same
+weights written in Meta's layout by an index-by-index permutation (independent of llama_jax's)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+HF_BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5)
+HF_CASES = {
+    "mha": dict(num_key_value_heads=4),
+    "gqa": dict(num_key_value_heads=2),
+    "mqa": dict(num_key_value_heads=1),
+    "theta500k": dict(num_key_value_heads=2, rope_parameters=dict(rope_type="default",
+                                                                  rope_theta=500000.0)),
+    "llama3.1-tied": dict(num_key_value_heads=2, tie_word_embeddings=True, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=32)),
+    # Meta's params.json cannot say original_max_position_embeddings: it is always 8192.
+    "llama3.2-tied": dict(num_key_value_heads=1, tie_word_embeddings=True, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=8192)),
+}
+
+
+def hf_model(case: str, seed: int = 0):
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**{**HF_BASE, **HF_CASES[case]})
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # HF's init is tiny (std 0.02); larger weights make logits distinct
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.1)
+    return model
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+
+
+def to_legacy_config(path: Path) -> None:
+    """Rewrites a transformers 5 config.json in the 4.x form (rope_theta + rope_scaling)."""
+    cfg = json.loads((path / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    cfg["rope_scaling"] = None if rope.get("rope_type") == "default" else rope
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def meta_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """HF rows (h, j·H/2 + i) → Meta rows (h, 2i + j), one index at a time."""
+    out = np.empty_like(w)
+    H = w.shape[0] // heads
+    for h in range(heads):
+        for i in range(H // 2):
+            for j in range(2):
+                out[h * H + 2 * i + j] = w[h * H + j * (H // 2) + i]
+    return out
+
+
+def write_meta(model, path: Path, n_shards: int = 2, vocab_parallel_embedding: bool = False):
+    """Writes `model`'s weights as Meta's consolidated.NN.pth model-parallel shards."""
+    import torch
+
+    c = model.config
+    sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    full = {"tok_embeddings.weight": sd["model.embed_tokens.weight"],
+            "norm.weight": sd["model.norm.weight"]}
+    if not c.tie_word_embeddings:
+        full["output.weight"] = sd["lm_head.weight"]
+    for i in range(c.num_hidden_layers):
+        p, m = f"model.layers.{i}.", f"layers.{i}."
+        full[m + "attention.wq.weight"] = meta_rows(sd[p + "self_attn.q_proj.weight"],
+                                                    c.num_attention_heads)
+        full[m + "attention.wk.weight"] = meta_rows(sd[p + "self_attn.k_proj.weight"],
+                                                    c.num_key_value_heads)
+        full[m + "attention.wv.weight"] = sd[p + "self_attn.v_proj.weight"]
+        full[m + "attention.wo.weight"] = sd[p + "self_attn.o_proj.weight"]
+        full[m + "feed_forward.w1.weight"] = sd[p + "mlp.gate_proj.weight"]
+        full[m + "feed_forward.w3.weight"] = sd[p + "mlp.up_proj.weight"]
+        full[m + "feed_forward.w2.weight"] = sd[p + "mlp.down_proj.weight"]
+        full[m + "attention_norm.weight"] = sd[p + "input_layernorm.weight"]
+        full[m + "ffn_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
+
+    def split_axis(name):  # Meta's fairscale layers: column-, row-parallel, or replicated
+        if "norm" in name:
+            return None
+        if name == "tok_embeddings.weight":
+            return 0 if vocab_parallel_embedding else 1
+        return 1 if name.endswith(("wo.weight", "w2.weight")) else 0
+
+    path.mkdir(parents=True, exist_ok=True)
+    for s in range(n_shards):
+        shard = {}
+        for name, w in full.items():
+            axis = split_axis(name)
+            part = w if axis is None else np.split(w, n_shards, axis=axis)[s]
+            shard[name] = torch.from_numpy(np.ascontiguousarray(part))
+        torch.save(shard, path / f"consolidated.{s:02d}.pth")
+    rope = c.rope_parameters
+    params = {"dim": c.hidden_size, "n_layers": c.num_hidden_layers,
+              "n_heads": c.num_attention_heads, "n_kv_heads": c.num_key_value_heads,
+              "vocab_size": -1 if not vocab_parallel_embedding else c.vocab_size,
+              "multiple_of": 32, "ffn_dim_multiplier": 0.5, "norm_eps": c.rms_norm_eps,
+              "rope_theta": rope["rope_theta"], "max_seq_len": c.max_position_embeddings}
+    if rope.get("rope_type") == "llama3":
+        params.update(use_scaled_rope=True, rope_scaling_factor=rope["factor"])
+    (path / "params.json").write_text(json.dumps(params))
