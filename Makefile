@@ -25,6 +25,7 @@ demo: install
 
 bench: install
 	$(PY) bench/compile_time.py --unrolled
+	$(PY) bench/load_memory.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

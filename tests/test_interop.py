@@ -235,3 +235,19 @@ def test_native_shape_mismatch(hf_dirs, tmp_path):
 def test_bad_dtype():
     with pytest.raises(CheckpointError, match="float64"):
         load_checkpoint(".", dtype="float64")
+
+
+def test_hf_loading_holds_the_weights_about_once(tmp_path):
+    """Peak resident memory while loading stays near one copy of the weights (bench/
+    load_memory.py measures every format; this guards the streaming HF path)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = llama_jax.ModelConfig(vocab_size=32000, dim=512, n_layers=4, n_heads=8)
+    llama_jax.export_hf(config, llama_jax.init_params(config, jax.random.key(0)), tmp_path / "m")
+    bench = Path(__file__).parent.parent / "bench" / "load_memory.py"
+    out = subprocess.run([sys.executable, str(bench), "--child", "hf", str(tmp_path / "m"),
+                          "float32"], check=True, capture_output=True, text=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["extra_bytes"] < 1.5 * result["weight_bytes"], result

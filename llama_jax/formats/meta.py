@@ -118,8 +118,17 @@ def load(path: Path, dtype: str | None) -> tuple[ModelConfig, Params]:
     stored = _TORCH_DTYPES.get(str(shards[0]["tok_embeddings.weight"].dtype), "float32") \
         if "tok_embeddings.weight" in shards[0] else "float32"
     config = with_dtype(config, dtype or stored)
+    # Shards are re-opened for each leaf: dropping the previous mmaps releases the file pages
+    # already read, so resident memory holds the weights once, not the weights plus the files.
+    opened = {"leaf": None, "shards": shards}
 
     def read(tensor: TorchTensor, layer: int | None) -> np.ndarray:
-        return _gather(shards, tensor.meta.format(i=layer), torch_shape(config, tensor), path)
+        if opened["leaf"] not in (None, tensor.leaf):
+            opened["shards"] = None
+            opened["shards"] = _open_shards(path)
+        opened["leaf"] = tensor.leaf
+        return _gather(opened["shards"], tensor.meta.format(i=layer), torch_shape(config, tensor),
+                       path)
 
+    del shards
     return config, assemble(config, read, np.dtype(config.param_dtype), meta=True)

@@ -1,0 +1,117 @@
+"""Peak host memory while loading a checkpoint, relative to one copy of the weights.
+
+    python bench/load_memory.py [--dim 1024] [--layers 8] [--vocab 32000] [--repeats 3]
+
+Writes one random model in each format (HF safetensors, Meta consolidated.00.pth, native orbax)
+to a temporary directory, then loads each in a fresh process and reports the peak resident set
+size (VmHWM) above the process's RSS after imports, divided by the bytes of the weights in
+the target dtype. 1.0x means the loader never held more than the final weights. transformers'
+`from_pretrained` on the same HF directory is measured the same way as the peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def peak_rss_bytes() -> int:
+    """VmHWM: this process image's peak RSS (ru_maxrss would include the parent's at fork)."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def child(kind: str, path: str, dtype: str) -> dict:
+    import jax
+
+    import llama_jax
+
+    if kind == "transformers":
+        import torch
+        import transformers
+    before = rss_bytes()
+    if kind == "transformers":
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=getattr(torch, dtype))
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    else:
+        _, params = llama_jax.load_checkpoint(path, dtype=dtype)
+        jax.block_until_ready(params)
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))  # no host copy
+    peak = peak_rss_bytes()
+    return {"extra_bytes": peak - before, "weight_bytes": weight_bytes}
+
+
+def write_checkpoints(root: Path, dim: int, layers: int, vocab: int) -> dict[str, Path]:
+    import jax
+    import numpy as np
+    import torch
+
+    import llama_jax
+    from llama_jax.formats.layout import torch_tensors
+
+    config = llama_jax.ModelConfig(vocab_size=vocab, dim=dim, n_layers=layers,
+                                   n_heads=dim // 64, n_kv_heads=dim // 256)
+    params = llama_jax.init_params(config, jax.random.key(0))
+    paths = {"hf": root / "hf", "native": root / "native", "meta": root / "meta"}
+    llama_jax.export_hf(config, params, paths["hf"])
+    llama_jax.save_native(config, params, paths["native"])
+    paths["meta"].mkdir()
+    state = {name: torch.from_numpy(np.array(w)) for name, w in torch_tensors(config, params,
+                                                                                meta=True)}
+    torch.save(state, paths["meta"] / "consolidated.00.pth")
+    (paths["meta"] / "params.json").write_text(json.dumps(dict(
+        dim=dim, n_layers=layers, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,
+        vocab_size=vocab, multiple_of=config.multiple_of, norm_eps=config.norm_eps)))
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(*args.child)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = write_checkpoints(Path(tmp), args.dim, args.layers, args.vocab)
+        print(f"model D={args.dim} L={args.layers} V={args.vocab}, fp32 on disk; median of "
+              f"{args.repeats} fresh processes")
+        print("| loader | target dtype | weights MiB | peak extra RSS MiB | ratio |")
+        print("|---|---|---|---|---|")
+        runs = [("hf", "float32"), ("hf", "bfloat16"), ("meta", "float32"),
+                ("native", "float32"), ("transformers", "float32"),
+                ("transformers", "bfloat16")]
+        for kind, dtype in runs:
+            path = paths["hf" if kind == "transformers" else kind]
+            results = []
+            for _ in range(args.repeats):
+                out = subprocess.run([sys.executable, __file__, "--child", kind, str(path), dtype],
+                                     check=True, capture_output=True, text=True).stdout
+                results.append(json.loads(out.strip().splitlines()[-1]))
+            extra = statistics.median(r["extra_bytes"] for r in results)
+            weights = results[0]["weight_bytes"]
+            name = "transformers from_pretrained" if kind == "transformers" else \
+                f"load_checkpoint ({kind})"
+            print(f"| {name} | {dtype} | {weights / 2**20:.0f} | {extra / 2**20:.0f} | "
+                  f"{extra / weights:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
