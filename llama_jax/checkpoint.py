@@ -32,6 +32,9 @@ def detect_format(path: str | Path) -> str:
         if is_format(path):
             return name
     found = ", ".join(sorted(p.name for p in path.iterdir())[:12]) or "nothing"
+    if (path / hf.CONFIG).is_file():
+        raise CheckpointError(f"{path}: has {hf.CONFIG} but no {hf.SINGLE} or {hf.INDEX} "
+                              f"(only safetensors weights are read, never pickles); found: {found}")
     raise CheckpointError(
         f"{path}: not a checkpoint llama_jax reads; expected config.json + model.safetensors "
         f"(Hugging Face), params.json + consolidated.NN.pth (Meta) or config.yaml + params/ "

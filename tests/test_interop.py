@@ -167,6 +167,13 @@ def test_not_a_checkpoint(tmp_path):
         load_checkpoint(tmp_path / "missing")
 
 
+def test_pickled_hf_weights_are_not_read(hf_dirs, tmp_path):
+    path = copy_hf(hf_dirs, tmp_path)
+    (path / "model.safetensors").rename(path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="only safetensors weights are read"):
+        load_checkpoint(path)
+
+
 def test_missing_shard(models, tmp_path):
     models["gqa"].save_pretrained(tmp_path, max_shard_size="40KB")
     next(tmp_path.glob("model-00002-of-*.safetensors")).unlink()
