@@ -75,7 +75,8 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"
-    scan_layers: bool = True  # False unrolls the layer loop (compile time grows with L)
+    scan_layers: bool = True
+    eos_ids: tuple[int, ...] = ()  # ids that end generation by default (from the tokenizer)  # False unrolls the layer loop (compile time grows with L)
 
     def __post_init__(self):
         for name in ("norm_eps", "rope_theta", "init_std", "ffn_dim_multiplier"):
@@ -114,6 +115,12 @@ class ModelConfig:
         for name in ("tie_embeddings", "scan_layers"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name),
                      "must be true or false")
+        _require(isinstance(self.eos_ids, (list, tuple)), "eos_ids", self.eos_ids,
+                 "must be a list of token ids")
+        object.__setattr__(self, "eos_ids", tuple(self.eos_ids))
+        for token in self.eos_ids:
+            _require(isinstance(token, int) and 0 <= token < self.vocab_size, "eos_ids",
+                     self.eos_ids, f"must be token ids in [0, vocab_size={self.vocab_size})")
         _require(self.rope_type in ROPE_TYPES, "rope_type", self.rope_type,
                  f"is not one of {ROPE_TYPES}")
         _require((self.rope_type == "llama3") == (self.rope_scaling is not None), "rope_scaling",
@@ -152,7 +159,8 @@ class ModelConfig:
             raise ConfigError(f"{where}.{e}") from None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain data for a YAML file (tuples become lists)."""
+        return {**dataclasses.asdict(self), "eos_ids": list(self.eos_ids)}
 
 
 def meta_ffn_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:

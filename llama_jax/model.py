@@ -82,16 +82,23 @@ def hidden_states(config: ModelConfig, params: Params, x_BTD: jax.Array, *,
 def block(config: ModelConfig, layer: LayerParams, x_BTD: jax.Array, *, cos_BTh: jax.Array,
           sin_BTh: jax.Array, mask_BTS: jax.Array) -> jax.Array:
     """One pre-norm decoder block; `layer` holds a single layer's (unstacked) weights."""
-    attn_in = rms_norm(x_BTD, layer.attn_norm, config.norm_eps)
-    h_BTD = x_BTD + self_attention(layer, attn_in, cos_BTh, sin_BTh, mask_BTS)
+    q_BTNH, k_BTKH, v_BTKH = project_qkv(config, layer, x_BTD, cos_BTh, sin_BTh)
+    return finish_block(config, layer, x_BTD, attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS))
+
+
+def project_qkv(config: ModelConfig, layer: LayerParams, x_BTD: jax.Array, cos_BTh: jax.Array,
+                sin_BTh: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """RMSNorm, then the q/k/v projections with RoPE on q and k (never v)."""
+    h_BTD = rms_norm(x_BTD, layer.attn_norm, config.norm_eps)
+    q_BTNH = apply_rope(dense("BTD,DNH->BTNH", h_BTD, layer.wq), cos_BTh, sin_BTh)
+    k_BTKH = apply_rope(dense("BTD,DKH->BTKH", h_BTD, layer.wk), cos_BTh, sin_BTh)
+    v_BTKH = dense("BTD,DKH->BTKH", h_BTD, layer.wv)
+    return q_BTNH, k_BTKH, v_BTKH
+
+
+def finish_block(config: ModelConfig, layer: LayerParams, x_BTD: jax.Array,
+                 attn_BTNH: jax.Array) -> jax.Array:
+    """Output projection and residual, then the SwiGLU half of the block."""
+    h_BTD = x_BTD + dense("BTNH,NHD->BTD", attn_BTNH, layer.wo)
     ffn_in = rms_norm(h_BTD, layer.ffn_norm, config.norm_eps)
     return h_BTD + swiglu(ffn_in, layer.w_gate, layer.w_up, layer.w_down)
-
-
-def self_attention(layer: LayerParams, x_BTD: jax.Array, cos_BTh: jax.Array, sin_BTh: jax.Array,
-                   mask_BTS: jax.Array) -> jax.Array:
-    q_BTNH = apply_rope(dense("BTD,DNH->BTNH", x_BTD, layer.wq), cos_BTh, sin_BTh)
-    k_BTKH = apply_rope(dense("BTD,DKH->BTKH", x_BTD, layer.wk), cos_BTh, sin_BTh)
-    v_BTKH = dense("BTD,DKH->BTKH", x_BTD, layer.wv)
-    out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS)
-    return dense("BTNH,NHD->BTD", out_BTNH, layer.wo)

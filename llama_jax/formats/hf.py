@@ -58,11 +58,26 @@ def read_config(path: Path) -> ModelConfig:
             head_dim=hf.get("head_dim"), ffn_dim=hf["intermediate_size"],
             norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope_theta, rope_type=rope_type,
             rope_scaling=scaling, max_seq_len=hf.get("max_position_embeddings", 2048),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            eos_ids=_eos_ids(path, hf))
     except KeyError as e:
         raise CheckpointError(f"{file}: missing field {e.args[0]!r}") from None
     except ConfigError as e:
         raise CheckpointError(f"{file}: {e}") from None
+
+
+def _eos_ids(path: Path, hf: dict[str, Any]) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (instruct models list several) or config.json."""
+    eos = hf.get("eos_token_id")
+    generation = path / "generation_config.json"
+    if generation.is_file():
+        try:
+            eos = json.loads(generation.read_text()).get("eos_token_id", eos)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{generation}: cannot read: {e}") from None
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (eos,)
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, str, RopeScaling | None]:
@@ -166,6 +181,8 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         "rope_theta": config.rope_theta, "rope_scaling": scaling,
         "tie_word_embeddings": config.tie_embeddings, "attention_bias": False,
         "mlp_bias": False, "torch_dtype": config.param_dtype,
+        "eos_token_id": (None if not config.eos_ids else config.eos_ids[0]
+                         if len(config.eos_ids) == 1 else list(config.eos_ids)),
     }
 
 

@@ -74,11 +74,19 @@ def read_config(path: Path, shards: list[dict]) -> ModelConfig:
             rope_scaling=RopeScaling(factor=meta.get("rope_scaling_factor") or 8.0)
             if scaled else None,
             max_seq_len=meta.get("max_seq_len", default_context),
-            tie_embeddings="output.weight" not in shards[0])
+            tie_embeddings="output.weight" not in shards[0],
+            eos_ids=_tokenizer_eos_ids(path))
     except KeyError as e:
         raise CheckpointError(f"{file}: missing field {e.args[0]!r}") from None
     except ConfigError as e:
         raise CheckpointError(f"{file}: {e}") from None
+
+
+def _tokenizer_eos_ids(path: Path) -> tuple[int, ...]:
+    """Meta's params.json has no EOS ids; the tokenizer beside it does."""
+    from llama_jax.tokenizer import TOKENIZER_FILE, load_tokenizer
+
+    return load_tokenizer(path).eos_ids if (path / TOKENIZER_FILE).is_file() else ()
 
 
 def _vocab_size(shards: list[dict], dim: int | None) -> int:

@@ -1,0 +1,77 @@
+"""The KV cache as a functional pytree, and the forward pass that reads and extends it.
+
+Layout: `k, v: [L, B, S, K, H]` — KV heads only (never repeated to N), so the cache is exactly
+2·L·B·S·K·H·bytes. Rows of a ragged batch are left-padded: row b's sequence occupies slots
+`start[b] .. end-1`, and every step writes all rows at the same slot `end`, so an update is a
+single `dynamic_update_slice`. Slots before `start[b]` are masked out of attention (they form
+segment 0), and positions (for RoPE) are `slot - start[b]`: a row computes exactly what it would
+compute alone.
+
+Inside the layer scan the stacked cache rides in the carry and is updated in place; passing it
+as scanned inputs/outputs would make XLA copy it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from llama_jax.attention import attention, attention_mask
+from llama_jax.config import ModelConfig
+from llama_jax.model import embed, finish_block, project_qkv
+from llama_jax.ops import rms_norm
+from llama_jax.params import Params
+from llama_jax.rope import rope_cos_sin
+
+
+@struct.dataclass
+class KVCache:
+    k: jax.Array  # [L, B, S, K, H]
+    v: jax.Array  # [L, B, S, K, H]
+    start: jax.Array  # [B] int32: first slot of each row (left padding before it)
+    end: jax.Array  # [] int32: the next slot to write, shared by all rows
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: str = "bfloat16",
+               start_B: jax.Array | None = None) -> KVCache:
+    shape = (config.n_layers, batch, max_len, config.n_kv_heads, config.head_dim)
+    start = jnp.zeros((batch,), jnp.int32) if start_B is None else start_B.astype(jnp.int32)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), start=start,
+                   end=jnp.zeros((), jnp.int32))
+
+
+def forward_cached(config: ModelConfig, params: Params, tokens_BT: jax.Array,
+                   cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Runs T new tokens (a prompt, or one token per decode step) against the cache: writes their
+    K/V at slots `end .. end+T-1` and returns final-normed hidden states `[B, T, D]`."""
+    B, T = tokens_BT.shape
+    S = cache.max_len
+    q_index_BT = jnp.broadcast_to(cache.end + jnp.arange(T, dtype=jnp.int32), (B, T))
+    kv_index_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    positions_BT = jnp.maximum(q_index_BT - cache.start[:, None], 0)  # padding queries: unused
+    mask_BTS = attention_mask(q_index_BT, kv_index_BS, jnp.ones((B, T), jnp.int32),
+                              (kv_index_BS >= cache.start[:, None]).astype(jnp.int32))
+    cos_BTh, sin_BTh = rope_cos_sin(config, positions_BT)
+
+    def layer_step(carry, xs):
+        x_BTD, k_LBSKH, v_LBSKH = carry
+        layer, i = xs
+        q_BTNH, k_BTKH, v_BTKH = project_qkv(config, layer, x_BTD, cos_BTh, sin_BTh)
+        at = (i, 0, cache.end, 0, 0)
+        k_LBSKH = jax.lax.dynamic_update_slice(k_LBSKH, k_BTKH[None].astype(k_LBSKH.dtype), at)
+        v_LBSKH = jax.lax.dynamic_update_slice(v_LBSKH, v_BTKH[None].astype(v_LBSKH.dtype), at)
+        k_BSKH = k_LBSKH[i].astype(x_BTD.dtype)
+        v_BSKH = v_LBSKH[i].astype(x_BTD.dtype)
+        out_BTNH = attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
+        return (finish_block(config, layer, x_BTD, out_BTNH), k_LBSKH, v_LBSKH), None
+
+    layer_ids = jnp.arange(config.n_layers, dtype=jnp.int32)
+    (x_BTD, k, v), _ = jax.lax.scan(layer_step, (embed(config, params, tokens_BT), cache.k,
+                                                 cache.v), (params.layers, layer_ids))
+    h_BTD = rms_norm(x_BTD, params.final_norm, config.norm_eps)
+    return h_BTD, cache.replace(k=k, v=v, end=cache.end + T)

@@ -1,0 +1,220 @@
+"""Generation: cached decode equals the full forward, ragged batches equal single rows, greedy
+equals transformers, the sampling filters, seeds, stop tokens, the cache layout and bad input."""
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import llama_jax
+from llama_jax import costs
+from llama_jax.generate import GenerateError, GenerationStats, _EXECUTABLES, generate, stream
+from llama_jax.kv_cache import forward_cached, init_cache
+from llama_jax.model import lm_head
+from llama_jax.sampling import SamplingParams, filter_logits, sample
+from reference import relative_error
+
+TINY = llama_jax.load_model_config("tiny")  # N=4, K=2
+KV_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
+CONFIGS = {name: dataclasses.replace(TINY, n_kv_heads=k) for name, k in KV_HEADS.items()}
+forward = jax.jit(llama_jax.forward, static_argnums=0)
+cached = jax.jit(forward_cached, static_argnums=0)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return {name: llama_jax.init_params(c, jax.random.key(i))
+            for i, (name, c) in enumerate(CONFIGS.items())}
+
+
+def prompts(lengths, seed=0, vocab=TINY.vocab_size):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_prefill_then_decode_equals_full_forward(name, params):
+    config, p = CONFIGS[name], params[name]
+    tokens = np.asarray(prompts([24, 24], seed=1))
+    full = forward(config, p, tokens)
+    cache = init_cache(config, 2, 32, "float32")
+    h, cache = cached(config, p, tokens[:, :10], cache)  # prefill 10 tokens in one pass
+    logits = [lm_head(config, p, h)]
+    for t in range(10, 24):  # then one token per step
+        h, cache = cached(config, p, tokens[:, t:t + 1], cache)
+        logits.append(lm_head(config, p, h))
+    assert relative_error(jnp.concatenate(logits, axis=1), full) < 1e-5
+
+
+def test_left_padded_rows_compute_what_they_compute_alone(params):
+    config, p = CONFIGS["gqa"], params["gqa"]
+    short, long = prompts([5, 12], seed=2)
+    padded = np.zeros((2, 12), np.int32)
+    padded[0, 7:], padded[1] = short, long
+    cache = init_cache(config, 2, 16, "float32", jnp.array([7, 0]))
+    h, cache = cached(config, p, padded, cache)
+    np.testing.assert_allclose(lm_head(config, p, h)[0, 7:], forward(config, p, np.array([short]))[0],
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lm_head(config, p, h)[1], forward(config, p, np.array([long]))[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_batch_equals_each_row_alone(params):
+    batch = prompts([3, 17, 9, 1, 30], seed=3)
+    together = generate(TINY, params["gqa"], batch, 20, stop_tokens=[])
+    for prompt, out in zip(batch, together):
+        assert generate(TINY, params["gqa"], [prompt], 20, stop_tokens=[])[0] == out
+    assert all(len(out) == 20 for out in together)
+
+
+def test_greedy_equals_step_by_step_argmax_and_logprobs_match(params):
+    prompt = prompts([7], seed=4)[0]
+    tokens, logprobs = generate(TINY, params["gqa"], [prompt], 12, stop_tokens=[],
+                                cache_dtype="float32", return_logprobs=True)
+    sequence = list(prompt)
+    for _ in range(12):
+        logits = forward(TINY, params["gqa"], np.array([sequence]))[0, -1]
+        sequence.append(int(jnp.argmax(logits)))
+    assert tokens[0] == sequence[len(prompt):]
+    full = jax.nn.log_softmax(forward(TINY, params["gqa"], np.array([sequence[:-1]]))[0])
+    expected = [float(full[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens[0])]
+    np.testing.assert_allclose(logprobs[0], expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["mha", "gqa", "mqa", "llama3.1-tied"])
+def test_greedy_equals_transformers_generate(case, tmp_path):
+    pytest.importorskip("transformers")
+    import torch
+    from checkpoints import hf_model
+
+    model = hf_model(case)
+    model.save_pretrained(tmp_path)
+    config, p = llama_jax.load_checkpoint(tmp_path)
+    batch = prompts([6, 11], seed=5, vocab=config.vocab_size)
+    ours = generate(config, p, batch, 40, stop_tokens=[], cache_dtype="float32")
+    for prompt, out in zip(batch, ours):
+        ids = torch.tensor([prompt])  # explicit mask: token 0 must not be taken for padding
+        hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40,
+                            do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out == hf[0, len(prompt):].tolist()
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy(params):
+    batch = prompts([4, 9], seed=6)
+    greedy = generate(TINY, params["gqa"], batch, 16, stop_tokens=[])
+    assert generate(TINY, params["gqa"], batch, 16, stop_tokens=[], temperature=1.0, top_k=1,
+                    seed=3) == greedy
+    assert generate(TINY, params["gqa"], batch, 16, stop_tokens=[], temperature=1.0, top_p=1e-6,
+                    seed=4) == greedy
+
+
+def test_sampled_tokens_lie_inside_the_filtered_sets():
+    rng = np.random.default_rng(7)
+    logits = jnp.asarray(rng.standard_normal((4, 64)) * 3, jnp.float32)
+    settings = [dict(top_k=5), dict(top_p=0.6), dict(min_p=0.2), dict(top_k=8, top_p=0.7,
+                                                                       min_p=0.05)]
+    for setting in settings:
+        params = SamplingParams.broadcast(4, temperature=0.8, **setting)
+        allowed = _reference_allowed(np.asarray(logits) / 0.8, **setting)
+        draw = jax.jit(lambda k: sample(logits, k, params, sort=True))
+        seen = np.stack([np.asarray(draw(jax.random.key(i))) for i in range(300)])  # [300, 4]
+        for b in range(4):
+            assert set(seen[:, b]) <= allowed[b], setting
+            assert len(set(seen[:, b])) > 1 or len(allowed[b]) == 1  # it does sample
+
+
+def _reference_allowed(scaled, top_k=0, top_p=1.0, min_p=0.0):
+    """The HF-order filters in float64 numpy, one row at a time."""
+    out = []
+    for row in scaled.astype(np.float64):
+        order = np.argsort(-row)
+        keep = order[:top_k] if top_k else order
+        probs = np.exp(row[keep] - row[keep].max())
+        probs /= probs.sum()
+        n = np.searchsorted(np.cumsum(probs) - probs, top_p, side="left") if top_p < 1 else len(keep)
+        keep = keep[:max(n, 1)]
+        keep = [t for t in keep if np.exp(row[t] - row.max()) >= min_p]
+        out.append(set(int(t) for t in keep))
+    return out
+
+
+def test_filter_keeps_everything_when_off():
+    logits = jnp.asarray(np.random.default_rng(8).standard_normal((2, 50)), jnp.float32)
+    out = filter_logits(logits, SamplingParams.broadcast(2, temperature=1.0), sort=True)
+    assert np.isfinite(np.asarray(out)).all()
+
+
+def test_same_seed_same_output_and_chunking_does_not_matter(params):
+    batch = prompts([5, 8], seed=9)
+    kw = dict(temperature=1.0, top_p=0.95, stop_tokens=[])
+    a = generate(TINY, params["gqa"], batch, 24, seed=11, **kw)
+    assert generate(TINY, params["gqa"], batch, 24, seed=11, **kw) == a
+    assert generate(TINY, params["gqa"], batch, 24, seed=12, **kw) != a
+    chunks = list(stream(TINY, params["gqa"], batch, 24, seed=11, chunk_steps=5, **kw))
+    assert len(chunks) == 1 + 5  # the first token, then ceil(23 / 5) chunks
+    assert [sum((c[0][row] for c in chunks), []) for row in range(2)] == a
+
+
+def test_stop_tokens(params):
+    prompt = prompts([6], seed=10)[0]
+    free = generate(TINY, params["gqa"], [prompt], 12, stop_tokens=[])[0]
+    stop = free[4]
+    first = free.index(stop)
+    assert generate(TINY, params["gqa"], [prompt], 12, stop_tokens=[stop])[0] == free[:first]
+    eos_config = dataclasses.replace(TINY, eos_ids=(stop,))
+    assert generate(eos_config, params["gqa"], [prompt], 12)[0] == free[:first]  # None = EOS
+    assert len(generate(eos_config, params["gqa"], [prompt], 12, stop_tokens=[])[0]) == 12
+
+
+def test_full_context_stops_cleanly_with_a_message(params):
+    config = dataclasses.replace(TINY, max_seq_len=40)
+    stats = GenerationStats()
+    with pytest.warns(UserWarning, match="context is full: generating at most 5 of 20"):
+        out = generate(config, params["gqa"], prompts([35, 3], seed=11), 20, stop_tokens=[],
+                       stats=stats)
+    assert [len(o) for o in out] == [5, 5] and stats.truncated
+
+
+def test_kv_cache_bytes_equal_the_formula():
+    config = TINY
+    cache = init_cache(config, batch=3, max_len=48)  # bf16 by default
+    L, K, H = config.n_layers, config.n_kv_heads, config.head_dim
+    assert cache.k.shape == (L, 3, 48, K, H) and cache.k.dtype == jnp.bfloat16
+    assert cache.k.nbytes + cache.v.nbytes == 2 * L * 3 * 48 * K * H * 2
+    assert cache.k.nbytes + cache.v.nbytes == costs.kv_cache_bytes_per_token(config) * 3 * 48
+
+
+def test_decode_step_updates_the_cache_in_place(params):
+    config = dataclasses.replace(TINY, n_layers=8, max_seq_len=4096)
+    p = llama_jax.init_params(config, jax.random.key(0))
+    cache = init_cache(config, 4, 2048, "float32")
+    step = jax.jit(forward_cached, static_argnums=0, donate_argnums=3)
+    memory = step.lower(config, p, np.zeros((4, 1), np.int32), cache).compile().memory_analysis()
+    cache_bytes = cache.k.nbytes + cache.v.nbytes
+    assert memory.alias_size_in_bytes >= cache_bytes  # the donated cache is the output buffer
+    assert memory.temp_size_in_bytes < cache_bytes / 2  # no copy of the stacked cache
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompts=[]), "prompts is empty"),
+    (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
+    (dict(prompts=[[1, 99999]]), r"token id\(s\) \[99999\] outside the vocabulary"),
+    (dict(prompts=[[-1]]), "outside the vocabulary"),
+    (dict(prompts=[[1] * 256]), "context .* is 256"),
+    (dict(max_new_tokens=0), "max_new_tokens=0"),
+    (dict(temperature=-0.5), "temperature=-0.5"),
+    (dict(top_p=0.0), "top_p=0.0"),
+    (dict(top_p=1.5), "top_p=1.5"),
+    (dict(top_k=-1), "top_k=-1"),
+    (dict(min_p=1.0), "min_p=1.0"),
+    (dict(stop_tokens=[5000]), "stop_tokens"),
+])
+def test_bad_requests_fail_before_compiling(kwargs, message, params):
+    request = {"prompts": [[1, 2, 3]], "max_new_tokens": 4, **kwargs}
+    compiled_before = len(_EXECUTABLES)
+    with pytest.raises(GenerateError, match=message):
+        generate(TINY, params["gqa"], **request)
+    assert len(_EXECUTABLES) == compiled_before
