@@ -8,9 +8,10 @@ from typing import Callable
 
 from llama_jax.config import ConfigError
 from llama_jax.formats import CheckpointError
+from llama_jax.generate import GenerateError
 
 # Errors that describe the user's input; anything else is a bug and keeps its traceback.
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, CheckpointError)
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, CheckpointError, GenerateError)
 
 
 def user_errors_exit(main: Callable[..., int | None]) -> Callable[..., int]:

@@ -63,7 +63,7 @@ class SentencePieceTokenizer:
         return [self.bos_id] * bos + ids + list(self.eos_ids[:1]) * eos
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._sp.decode([int(i) for i in ids])
+        return self._sp.decode(_known(ids, self.vocab_size))
 
 
 class Llama3Tokenizer:
@@ -99,7 +99,13 @@ class Llama3Tokenizer:
         return ids + [self.eos_ids[0]] * eos
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._enc.decode([int(i) for i in ids])
+        return self._enc.decode(_known(ids, self.vocab_size))
+
+
+def _known(ids: Sequence[int], vocab_size: int) -> list[int]:
+    """Drops ids the tokenizer has no piece for: models often pad their embedding table past the
+    tokenizer's vocabulary, and an untrained model may sample those rows."""
+    return [int(i) for i in ids if 0 <= int(i) < vocab_size]
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
@@ -114,3 +120,26 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if _TIKTOKEN_LINE.match(first_line.rstrip(b"\n")):
         return Llama3Tokenizer(path)
     return SentencePieceTokenizer(path)
+
+
+class TextStream:
+    """Turns a growing list of token ids into text increments for printing as they arrive.
+    Holds back a trailing partial UTF-8 character (decoded as U+FFFD) until it completes."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._printed = 0
+
+    def push(self, ids: Sequence[int]) -> str:
+        self._ids += ids
+        text = self._tokenizer.decode(self._ids)
+        stable = len(text.rstrip("\ufffd"))
+        new = text[self._printed:stable]
+        self._printed = max(self._printed, stable)
+        return new
+
+    def flush(self) -> str:
+        text = self._tokenizer.decode(self._ids)
+        new, self._printed = text[self._printed:], len(text)
+        return new

@@ -1,0 +1,96 @@
+"""Sample continuations from any checkpoint llama_jax reads (HF, Meta, native).
+
+    python sample.py --checkpoint DIR --prompt "Once upon a time" [--prompt ...]
+                     [--prompt-file FILE] [--max-new-tokens 128] [--temperature 0.6]
+                     [--top-k 0] [--top-p 0.9] [--min-p 0] [--seed 0] [--dtype bfloat16]
+
+A single prompt streams to stdout as it is generated (decoded in chunks of --chunk-steps
+steps); several prompts run as one ragged batch and print when done. Time to first token,
+tokens/s and compile time go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from llama_jax import load_checkpoint, load_tokenizer
+from llama_jax.cli import user_errors_exit
+from llama_jax.config import DTYPES
+from llama_jax.generate import GenerateError, GenerationStats, stream
+from llama_jax.tokenizer import TextStream
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    parser.add_argument("--tokenizer", help="tokenizer.model (default: the checkpoint's)")
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    parser.add_argument("--prompt-file", help="a file with one prompt per non-empty line")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=0.9, help="1 = off")
+    parser.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="parameter and compute dtype (default: as stored)")
+    parser.add_argument("--cache-dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--chunk-steps", type=int, default=8,
+                        help="decode steps between prints when streaming")
+    return parser.parse_args(argv)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        try:
+            lines = Path(args.prompt_file).read_text().splitlines()
+        except OSError as e:
+            raise GenerateError(f"--prompt-file {args.prompt_file}: {e.strerror}") from None
+        prompts += [line for line in lines if line.strip()]
+    if not prompts:
+        raise GenerateError("no prompt: give --prompt TEXT or --prompt-file FILE")
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise GenerateError(f"prompt {i} is empty")
+    return prompts
+
+
+@user_errors_exit
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    prompts = read_prompts(args)
+    tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
+    config, params = load_checkpoint(args.checkpoint, args.dtype)
+    token_prompts = [tokenizer.encode(p, bos=True) for p in prompts]
+    stats = GenerationStats()
+    streaming = len(prompts) == 1
+    text = TextStream(tokenizer)
+    generated: list[list[int]] = [[] for _ in prompts]
+    if streaming:
+        print(prompts[0], end="", flush=True)
+    for new_tokens, _ in stream(config, params, token_prompts, args.max_new_tokens,
+                                temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                                cache_dtype=args.cache_dtype,
+                                chunk_steps=args.chunk_steps if streaming else None,
+                                stats=stats):
+        for row, tokens in zip(generated, new_tokens):
+            row += tokens
+        if streaming:
+            print(text.push(new_tokens[0]), end="", flush=True)
+    if streaming:
+        print(text.flush())
+    else:
+        for i, (prompt, tokens) in enumerate(zip(prompts, generated)):
+            print(f"--- prompt {i} ---\n{prompt}{tokenizer.decode(tokens)}\n")
+    print(f"[{stats.new_tokens} tokens in {len(prompts)} row(s); time to first token "
+          f"{stats.time_to_first_token_s * 1e3:.1f} ms; {stats.tokens_per_s:.1f} tokens/s; "
+          f"compile {stats.compile_s:.1f} s]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""sample.py end to end on a tiny native checkpoint with a SentencePiece tokenizer."""
+
+import dataclasses
+import io
+import shutil
+
+import jax
+import pytest
+
+import llama_jax
+import sample
+from llama_jax.generate import generate
+
+TEXT = ["The cat sat on the mat and looked at the dog.",
+        "A dog is a good friend; a cat is a proud one.", "Numbers: 12 34 56 78 90."] * 40
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    import sentencepiece as spm
+
+    root = tmp_path_factory.mktemp("ckpt")
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXT), model_writer=model,
+                                   vocab_size=300, model_type="bpe", byte_fallback=True,
+                                   minloglevel=2)
+    (root / "tok").mkdir()
+    (root / "tok" / "tokenizer.model").write_bytes(model.getvalue())
+    tokenizer = llama_jax.load_tokenizer(root / "tok")
+    config = dataclasses.replace(llama_jax.load_model_config("tiny"), vocab_size=320,
+                                 eos_ids=tokenizer.eos_ids)
+    llama_jax.save_native(config, llama_jax.init_params(config, jax.random.key(0)), root / "m")
+    shutil.copy(root / "tok" / "tokenizer.model", root / "m" / "tokenizer.model")
+    return root / "m"
+
+
+def test_single_prompt_streams_the_greedy_continuation(checkpoint, capsys):
+    assert sample.main(["--checkpoint", str(checkpoint), "--prompt", "The cat",
+                        "--temperature", "0", "--max-new-tokens", "20", "--chunk-steps", "3",
+                        "--cache-dtype", "float32"]) == 0
+    out, err = capsys.readouterr()
+    config, params = llama_jax.load_checkpoint(checkpoint)
+    tok = llama_jax.load_tokenizer(checkpoint)
+    expected = generate(config, params, [tok.encode("The cat")], 20, cache_dtype="float32")[0]
+    assert out == "The cat" + tok.decode(expected) + "\n"
+    assert "time to first token" in err and "tokens/s" in err
+
+
+def test_several_prompts_and_a_prompt_file(checkpoint, tmp_path, capsys):
+    (tmp_path / "prompts.txt").write_text("A dog\n\nNumbers:\n")
+    assert sample.main(["--checkpoint", str(checkpoint), "--prompt", "The cat",
+                        "--prompt-file", str(tmp_path / "prompts.txt"), "--seed", "3",
+                        "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("--- prompt")] == [
+        "--- prompt 0 ---", "--- prompt 1 ---", "--- prompt 2 ---"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", ""], "prompt 0 is empty"),
+    (["--prompt", "x", "--top-p", "0"], "top_p=0.0 must be in"),
+    (["--prompt", "x", "--temperature", "-1"], "temperature=-1.0"),
+    (["--prompt-file", "/nonexistent"], "No such file"),
+    ([], "no prompt"),
+])
+def test_bad_input_is_one_line_and_exit_2(checkpoint, argv, message, capsys):
+    assert sample.main(["--checkpoint", str(checkpoint), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err and "Traceback" not in err
+
+
+def test_missing_checkpoint(tmp_path, capsys):
+    assert sample.main(["--checkpoint", str(tmp_path / "nope"), "--prompt", "x"]) == 2
+    assert "no tokenizer file" in capsys.readouterr().err
