@@ -29,16 +29,20 @@ def attention_mask(q_index_BT: jax.Array, kv_index_BS: jax.Array,
     return mask_BTS
 
 
-def attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-              mask_BTS: jax.Array) -> jax.Array:
-    """softmax(q·kᵀ/√H + mask)·v for grouped heads; returns `[B, T, N, H]` in q's dtype."""
+def attention(q_BTNH: jax.Array, k: jax.Array, v: jax.Array, mask_BTS: jax.Array,
+              kv_layout: str = "BSKH") -> jax.Array:
+    """softmax(q·kᵀ/√H + mask)·v for grouped heads; returns `[B, T, N, H]` in q's dtype.
+
+    `kv_layout` names the axes of k and v: "BSKH" (fresh projections) or "BKSH" (the KV cache,
+    whose heads lead so that each (b, k) block of keys is contiguous for the batched matmuls).
+    """
     B, T, N, H = q_BTNH.shape
-    K = k_BSKH.shape[2]
+    K = k.shape[kv_layout.index("K")]
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-    logits_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH,
+    logits_BKGTS = jnp.einsum(f"BTKGH,{kv_layout}->BKGTS", q_BTKGH, k,
                               preferred_element_type=jnp.float32) * H ** -0.5
     logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, _MASKED)
     probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
-    out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS.astype(v_BSKH.dtype), v_BSKH,
+    out_BTKGH = jnp.einsum(f"BKGTS,{kv_layout}->BTKGH", probs_BKGTS.astype(v.dtype), v,
                            preferred_element_type=jnp.float32)
     return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)

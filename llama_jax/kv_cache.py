@@ -1,7 +1,9 @@
 """The KV cache as a functional pytree, and the forward pass that reads and extends it.
 
-Layout: `k, v: [L, B, S, K, H]` — KV heads only (never repeated to N), so the cache is exactly
-2·L·B·S·K·H·bytes. Rows of a ragged batch are left-padded: row b's sequence occupies slots
+Layout: `k, v: [L, B, K, S, H]` — KV heads only (never repeated to N), so the cache is exactly
+2·L·B·S·K·H·bytes. Heads come before slots so that the keys of one (row, head) are contiguous:
+the batched attention matmuls then read the cache in place (measured on CPU: 2.7x faster than
+[L, B, S, K, H], which makes XLA transpose every layer's slice at every step). Rows of a ragged batch are left-padded: row b's sequence occupies slots
 `start[b] .. end-1`, and every step writes all rows at the same slot `end`, so an update is a
 single `dynamic_update_slice`. Slots before `start[b]` are masked out of attention (they form
 segment 0), and positions (for RoPE) are `slot - start[b]`: a row computes exactly what it would
@@ -27,19 +29,19 @@ from llama_jax.rope import rope_cos_sin
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, K, H]
-    v: jax.Array  # [L, B, S, K, H]
+    k: jax.Array  # [L, B, K, S, H]
+    v: jax.Array  # [L, B, K, S, H]
     start: jax.Array  # [B] int32: first slot of each row (left padding before it)
     end: jax.Array  # [] int32: the next slot to write, shared by all rows
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: str = "bfloat16",
                start_B: jax.Array | None = None) -> KVCache:
-    shape = (config.n_layers, batch, max_len, config.n_kv_heads, config.head_dim)
+    shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
     start = jnp.zeros((batch,), jnp.int32) if start_B is None else start_B.astype(jnp.int32)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), start=start,
                    end=jnp.zeros((), jnp.int32))
@@ -59,19 +61,25 @@ def forward_cached(config: ModelConfig, params: Params, tokens_BT: jax.Array,
     cos_BTh, sin_BTh = rope_cos_sin(config, positions_BT)
 
     def layer_step(carry, xs):
-        x_BTD, k_LBSKH, v_LBSKH = carry
+        x_BTD, k_LBKSH, v_LBKSH = carry
         layer, i = xs
         q_BTNH, k_BTKH, v_BTKH = project_qkv(config, layer, x_BTD, cos_BTh, sin_BTh)
-        at = (i, 0, cache.end, 0, 0)
-        k_LBSKH = jax.lax.dynamic_update_slice(k_LBSKH, k_BTKH[None].astype(k_LBSKH.dtype), at)
-        v_LBSKH = jax.lax.dynamic_update_slice(v_LBSKH, v_BTKH[None].astype(v_LBSKH.dtype), at)
-        k_BSKH = k_LBSKH[i].astype(x_BTD.dtype)
-        v_BSKH = v_LBSKH[i].astype(x_BTD.dtype)
-        out_BTNH = attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
-        return (finish_block(config, layer, x_BTD, out_BTNH), k_LBSKH, v_LBSKH), None
+        at = (i, 0, 0, cache.end, 0)
+        k_LBKSH = _write(k_LBKSH, k_BTKH, at)
+        v_LBKSH = _write(v_LBKSH, v_BTKH, at)
+        k_BKSH = k_LBKSH[i].astype(x_BTD.dtype)
+        v_BKSH = v_LBKSH[i].astype(x_BTD.dtype)
+        out_BTNH = attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, kv_layout="BKSH")
+        return (finish_block(config, layer, x_BTD, out_BTNH), k_LBKSH, v_LBKSH), None
 
     layer_ids = jnp.arange(config.n_layers, dtype=jnp.int32)
     (x_BTD, k, v), _ = jax.lax.scan(layer_step, (embed(config, params, tokens_BT), cache.k,
                                                  cache.v), (params.layers, layer_ids))
     h_BTD = rms_norm(x_BTD, params.final_norm, config.norm_eps)
     return h_BTD, cache.replace(k=k, v=v, end=cache.end + T)
+
+
+def _write(cache_LBKSH: jax.Array, x_BTKH: jax.Array, at: tuple) -> jax.Array:
+    """Writes new keys or values `[B, T, K, H]` into the stacked cache in place."""
+    update = jnp.swapaxes(x_BTKH, 1, 2)[None].astype(cache_LBKSH.dtype)
+    return jax.lax.dynamic_update_slice(cache_LBKSH, update, at)

@@ -182,7 +182,7 @@ def test_kv_cache_bytes_equal_the_formula():
     config = TINY
     cache = init_cache(config, batch=3, max_len=48)  # bf16 by default
     L, K, H = config.n_layers, config.n_kv_heads, config.head_dim
-    assert cache.k.shape == (L, 3, 48, K, H) and cache.k.dtype == jnp.bfloat16
+    assert cache.k.shape == (L, 3, K, 48, H) and cache.k.dtype == jnp.bfloat16
     assert cache.k.nbytes + cache.v.nbytes == 2 * L * 3 * 48 * K * H * 2
     assert cache.k.nbytes + cache.v.nbytes == costs.kv_cache_bytes_per_token(config) * 3 * 48
 
