@@ -26,6 +26,7 @@ demo: install
 bench: install
 	$(PY) bench/compile_time.py --unrolled
 	$(PY) bench/load_memory.py
+	$(PY) bench/decode.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,7 +1,8 @@
 """Decode throughput: llama_jax `generate` vs transformers `generate()` (KV cache, torch CPU),
 and against the memory-bandwidth floor measured in the same run.
 
-    python bench/decode.py [--repeats 7] [--batches 1 8] [--dtypes float32 bfloat16]
+    python bench/decode.py [--rounds 3] [--repeats 3] [--batches 1 8]
+                           [--cases float32/float32 float32/bfloat16 bfloat16/bfloat16]
 
 Same model for both (D=512, L=8, N=8, K=4, F=1536, V=8192, random weights, exported once from
 llama_jax to a HF directory), a 128-token random prompt per row, 128 new tokens, greedy, no early
@@ -38,7 +39,6 @@ from llama_jax.generate import GenerationStats, generate
 CONFIG = llama_jax.ModelConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=4,
                                ffn_dim=1536, max_seq_len=2048)
 PROMPT, NEW = 128, 128
-CACHE_DTYPE = "bfloat16"
 # Untimed runs first: on this VM the first seconds after allocating run up to 2x slower.
 WARMUP_RUNS = 3
 
@@ -56,24 +56,28 @@ def bandwidth_probe():
     return measure
 
 
-def floor_seconds(config, weight_dtype: str, batch: int, bandwidth: float) -> float:
+def floor_seconds(config, weight_dtype: str, cache_dtype: str, batch: int,
+                  bandwidth: float) -> float:
     weights = costs.decode_bytes_per_step(config, batch, 0, weight_dtype)
-    kv = batch * (PROMPT + NEW // 2) * costs.kv_cache_bytes_per_token(config, CACHE_DTYPE)
+    kv = batch * (PROMPT + NEW // 2) * costs.kv_cache_bytes_per_token(config, cache_dtype)
     return (weights + kv) / bandwidth
 
 
-def run_ours(hf_dir: str, dtype: str, batch: int, repeats: int) -> dict:
+def run_ours(hf_dir: str, case: str, batch: int, repeats: int) -> dict:
+    dtype, cache_dtype = case.split("/")
     config, params = llama_jax.load_checkpoint(hf_dir, dtype=dtype)
     prompts = np.random.default_rng(batch).integers(0, CONFIG.vocab_size, (batch, PROMPT))
     probe = bandwidth_probe()
     warm = GenerationStats()
     for _ in range(WARMUP_RUNS):
-        generate(config, params, prompts.tolist(), NEW, stop_tokens=[], stats=warm)
+        generate(config, params, prompts.tolist(), NEW, stop_tokens=[], stats=warm,
+                 cache_dtype=cache_dtype)
     result = {"tokens_per_s": [], "step_s": [], "bandwidth": [], "compile_s": warm.compile_s}
     for _ in range(repeats):
         stats = GenerationStats()
         start = time.perf_counter()
-        out = generate(config, params, prompts.tolist(), NEW, stop_tokens=[], stats=stats)
+        out = generate(config, params, prompts.tolist(), NEW, stop_tokens=[], stats=stats,
+                       cache_dtype=cache_dtype)
         result["tokens_per_s"].append(batch * NEW / (time.perf_counter() - start))
         result["step_s"].append(stats.decode_s / (NEW - 1))
         result["bandwidth"].append(probe())
@@ -81,11 +85,12 @@ def run_ours(hf_dir: str, dtype: str, batch: int, repeats: int) -> dict:
     return result
 
 
-def run_transformers(hf_dir: str, dtype: str, batch: int, repeats: int, threads: int) -> dict:
+def run_transformers(hf_dir: str, case: str, batch: int, repeats: int, threads: int) -> dict:
     import torch
     import transformers
 
     torch.set_num_threads(threads)
+    dtype = case.split("/")[0]  # transformers' cache is in the model's dtype
     model = transformers.AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=getattr(torch, dtype)).eval()
     ids = torch.as_tensor(np.random.default_rng(batch).integers(0, CONFIG.vocab_size,
@@ -107,10 +112,10 @@ def run_transformers(hf_dir: str, dtype: str, batch: int, repeats: int, threads:
     return result
 
 
-def worker(kind: str, hf_dir: str, dtype: str, batch: int, repeats: int, threads: int) -> dict:
+def worker(kind: str, hf_dir: str, case: str, batch: int, repeats: int, threads: int) -> dict:
     """One implementation in a fresh process: torch's OpenMP threads keep spinning after a
     call and would slow whatever runs next in the same process."""
-    out = subprocess.run([sys.executable, __file__, "--worker", kind, hf_dir, dtype, str(batch),
+    out = subprocess.run([sys.executable, __file__, "--worker", kind, hf_dir, case, str(batch),
                           str(repeats), "--threads", str(threads)],
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -122,41 +127,44 @@ def main() -> None:
                         help="alternations of the two implementations")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per round")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--cases", nargs="+", default=["float32/float32", "float32/bfloat16",
+                                                         "bfloat16/bfloat16"],
+                        help="weight dtype / our KV-cache dtype")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        kind, hf_dir, dtype, batch, repeats = args.worker
+        kind, hf_dir, case, batch, repeats = args.worker
         run = run_ours if kind == "ours" else functools.partial(run_transformers,
                                                                 threads=args.threads)
-        print(json.dumps(run(hf_dir, dtype, int(batch), int(repeats))))
+        print(json.dumps(run(hf_dir, case, int(batch), int(repeats))))
         return
 
     hf_dir = str(Path(tempfile.mkdtemp()) / "hf")
     llama_jax.export_hf(CONFIG, llama_jax.init_params(CONFIG, jax.random.key(0)), hf_dir)
     print(f"model D={CONFIG.D} L={CONFIG.L} N={CONFIG.N} K={CONFIG.K} F={CONFIG.F} "
-          f"V={CONFIG.V}; prompt {PROMPT}, new {NEW}, greedy; cache {CACHE_DTYPE}; torch threads "
+          f"V={CONFIG.V}; prompt {PROMPT}, new {NEW}, greedy; torch threads "
           f"{args.threads}; median of {args.rounds} rounds x {args.repeats} runs, each "
           "implementation in its own process")
-    print("| batch | weights | ours tok/s | transformers tok/s | ratio | ours step ms | "
-          "floor ms | % of floor | bandwidth GB/s | compile s |")
+    print("| batch | weights / our cache | ours tok/s | transformers tok/s | ratio | ours step ms "
+          "| floor ms | % of floor | bandwidth GB/s | compile s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for dtype in args.dtypes:
+    for case in args.cases:
+        dtype, cache_dtype = case.split("/")
         for batch in args.batches:
             ours: dict = {"tokens_per_s": [], "step_s": [], "bandwidth": [], "compile_s": []}
             hf: list[float] = []
             for _ in range(args.rounds):
-                result = worker("ours", hf_dir, dtype, batch, args.repeats, args.threads)
+                result = worker("ours", hf_dir, case, batch, args.repeats, args.threads)
                 for key in ("tokens_per_s", "step_s", "bandwidth"):
                     ours[key] += result[key]
                 ours["compile_s"].append(result["compile_s"])
-                hf += worker("hf", hf_dir, dtype, batch, args.repeats,
+                hf += worker("hf", hf_dir, case, batch, args.repeats,
                              args.threads)["tokens_per_s"]
             med = {k: statistics.median(v) for k, v in ours.items()}
             hf_tps = statistics.median(hf)
-            floor = floor_seconds(CONFIG, dtype, batch, med["bandwidth"])
-            print(f"| {batch} | {dtype} | {med['tokens_per_s']:.0f} | {hf_tps:.0f} | "
+            floor = floor_seconds(CONFIG, dtype, cache_dtype, batch, med["bandwidth"])
+            print(f"| {batch} | {case} | {med['tokens_per_s']:.0f} | {hf_tps:.0f} | "
                   f"{med['tokens_per_s'] / hf_tps:.2f}x | {med['step_s'] * 1e3:.2f} | "
                   f"{floor * 1e3:.2f} | {100 * floor / med['step_s']:.0f}% | "
                   f"{med['bandwidth'] / 1e9:.1f} | {med['compile_s']:.2f} |", flush=True)

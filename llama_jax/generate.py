@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import time
 import warnings
+import weakref
 from typing import Iterator, Sequence
 
 import jax
@@ -30,7 +31,7 @@ import numpy as np
 from flax import struct
 
 from llama_jax.config import ModelConfig
-from llama_jax.kv_cache import KVCache, forward_cached, init_cache
+from llama_jax.kv_cache import KVCache, forward_cached, init_cache, unstack_layers
 from llama_jax.model import lm_head
 from llama_jax.params import Params
 from llama_jax.sampling import SamplingParams, sample
@@ -123,6 +124,20 @@ def _decode(config: ModelConfig, params: Params, state: DecodeState, n_steps: ja
 
 
 _EXECUTABLES: dict = {}
+_UNSTACKED: dict = {}  # id(params) -> (weakref to params, unstacked copy); one entry
+
+
+def _decoder_params(params: Params) -> Params:
+    """On CPU, the decoder runs over unstacked layers (see `kv_cache.unstack_layers`); the copy
+    is made once per parameter tree and reused while that tree is alive."""
+    if jax.default_backend() != "cpu" or isinstance(params.layers, tuple):
+        return params
+    ref, unstacked = _UNSTACKED.get(id(params), (None, None))
+    if ref is None or ref() is not params:
+        unstacked = unstack_layers(params)
+        _UNSTACKED.clear()
+        _UNSTACKED[id(params)] = (weakref.ref(params), unstacked)
+    return unstacked
 
 
 def _compiled(fn, stats: GenerationStats, *args, **static):
@@ -205,6 +220,7 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     stop_BS = np.tile(np.asarray(stops, np.int32), (B, 1))
     sampling = SamplingParams.broadcast(B, temperature, top_k, top_p, min_p)
     sort = bool(top_k > 0 or top_p < 1.0) and temperature > 0
+    params = _decoder_params(params)
     args = (config, params, prompts_BT, start_B, active_B, stop_BS, sampling,
             np.int32(max_new), jax.random.key(seed))
     prefill = _compiled(_prefill, stats, *args, cache_len=T + N, n_out=N,

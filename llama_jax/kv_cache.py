@@ -72,11 +72,27 @@ def forward_cached(config: ModelConfig, params: Params, tokens_BT: jax.Array,
         out_BTNH = attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, kv_layout="BKSH")
         return (finish_block(config, layer, x_BTD, out_BTNH), k_LBKSH, v_LBKSH), None
 
-    layer_ids = jnp.arange(config.n_layers, dtype=jnp.int32)
-    (x_BTD, k, v), _ = jax.lax.scan(layer_step, (embed(config, params, tokens_BT), cache.k,
-                                                 cache.v), (params.layers, layer_ids))
+    carry = (embed(config, params, tokens_BT), cache.k, cache.v)
+    if isinstance(params.layers, tuple):  # unstacked (see `unstack_layers`): an unrolled loop
+        for i, layer in enumerate(params.layers):
+            carry, _ = layer_step(carry, (layer, i))
+    else:
+        layer_ids = jnp.arange(config.n_layers, dtype=jnp.int32)
+        carry, _ = jax.lax.scan(layer_step, carry, (params.layers, layer_ids))
+    x_BTD, k, v = carry
     h_BTD = rms_norm(x_BTD, params.final_norm, config.norm_eps)
     return h_BTD, cache.replace(k=k, v=v, end=cache.end + T)
+
+
+def unstack_layers(params: Params) -> Params:
+    """The same parameters with `layers` as a tuple of per-layer LayerParams (a copy).
+
+    XLA:CPU materialises every layer's weights out of the stacked arrays at every scan step
+    (measured: the copies took longer than the matmuls of a decode step). `forward_cached` runs
+    an unrolled loop over unstacked layers instead, so the CPU decoder reads each weight once."""
+    n_layers = params.layers.attn_norm.shape[0]
+    return params.replace(layers=tuple(jax.tree.map(lambda w: w[i], params.layers)
+                                       for i in range(n_layers)))
 
 
 def _write(cache_LBKSH: jax.Array, x_BTKH: jax.Array, at: tuple) -> jax.Array:
