@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from llama_jax.ops import einsum_f32
+
 # Finite, so that a fully masked row (e.g. padding) gives a uniform softmax instead of NaN.
 _MASKED = float(jnp.finfo(jnp.float32).min)
 
@@ -39,10 +41,8 @@ def attention(q_BTNH: jax.Array, k: jax.Array, v: jax.Array, mask_BTS: jax.Array
     B, T, N, H = q_BTNH.shape
     K = k.shape[kv_layout.index("K")]
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-    logits_BKGTS = jnp.einsum(f"BTKGH,{kv_layout}->BKGTS", q_BTKGH, k,
-                              preferred_element_type=jnp.float32) * H ** -0.5
+    logits_BKGTS = einsum_f32(f"BTKGH,{kv_layout}->BKGTS", q_BTKGH, k) * H ** -0.5
     logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, _MASKED)
     probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
-    out_BTKGH = jnp.einsum(f"BKGTS,{kv_layout}->BTKGH", probs_BKGTS.astype(v.dtype), v,
-                           preferred_element_type=jnp.float32)
+    out_BTKGH = einsum_f32(f"BKGTS,{kv_layout}->BTKGH", probs_BKGTS.astype(v.dtype), v)
     return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)

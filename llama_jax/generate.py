@@ -231,7 +231,8 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     while True:
         step = int(state.step)  # waits for the device
         tokens_BN, logprobs_BN = np.asarray(state.tokens_BN), np.asarray(state.logprobs_BN)
-        new = _new_tokens(tokens_BN[:len(prompts)], logprobs_BN, emitted, step, stops)
+        rows = len(prompts)  # the rest is batch padding
+        new = _new_tokens(tokens_BN[:rows], logprobs_BN[:rows], emitted, step, stops)
         stats.new_tokens += sum(len(t) for t in new[0])
         elapsed = time.perf_counter() - start
         if emitted == 0:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from llama_jax.attention import attention, attention_mask
 from llama_jax.config import ModelConfig
-from llama_jax.ops import dense, rms_norm, swiglu
+from llama_jax.ops import dense, einsum_f32, rms_norm, swiglu
 from llama_jax.params import LayerParams, Params
 from llama_jax.rope import apply_rope, rope_cos_sin
 
@@ -51,10 +51,8 @@ def embed(config: ModelConfig, params: Params, tokens_BT: jax.Array) -> jax.Arra
 def lm_head(config: ModelConfig, params: Params, h_BTD: jax.Array) -> jax.Array:
     """fp32 logits: the loss and sampling want them in full precision."""
     if config.tie_embeddings:
-        w_VD = params.embed.astype(h_BTD.dtype)
-        return jnp.einsum("BTD,VD->BTV", h_BTD, w_VD, preferred_element_type=jnp.float32)
-    w_DV = params.lm_head.astype(h_BTD.dtype)
-    return jnp.einsum("BTD,DV->BTV", h_BTD, w_DV, preferred_element_type=jnp.float32)
+        return einsum_f32("BTD,VD->BTV", h_BTD, params.embed.astype(h_BTD.dtype))
+    return einsum_f32("BTD,DV->BTV", h_BTD, params.lm_head.astype(h_BTD.dtype))
 
 
 def hidden_states(config: ModelConfig, params: Params, x_BTD: jax.Array, *,

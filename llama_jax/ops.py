@@ -11,14 +11,27 @@ import jax
 import jax.numpy as jnp
 
 
+def einsum_f32(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`einsum` with fp32 accumulation and an fp32 result, for operands of any float dtype.
+
+    XLA:CPU has no bf16 x bf16 -> fp32 kernel for every dot shape (it fails at run time with
+    "Unsupported element type for DotThunk"), so on CPU 16-bit operands are widened first —
+    the same numbers, since products of bf16/fp16 values are exact in fp32. Accelerators get
+    `preferred_element_type` and keep their 16-bit inputs.
+    """
+    if jax.default_backend() == "cpu":
+        a, b = a.astype(jnp.promote_types(a.dtype, jnp.float32)), b.astype(
+            jnp.promote_types(b.dtype, jnp.float32))
+    return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
+
+
 def dense(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """`einsum(equation, x, w)` in x's dtype with fp32 accumulation; w is cast to x's dtype.
 
     Casting the weights here is what separates the parameter dtype (e.g. fp32 master weights)
     from the compute dtype (e.g. bf16) without a second copy of the parameters.
     """
-    out = jnp.einsum(equation, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-    return out.astype(x.dtype)
+    return einsum_f32(equation, x, w.astype(x.dtype)).astype(x.dtype)
 
 
 def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:

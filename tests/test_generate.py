@@ -12,7 +12,7 @@ import pytest
 import llama_jax
 from llama_jax import costs
 from llama_jax.generate import GenerateError, GenerationStats, _EXECUTABLES, generate, stream
-from llama_jax.kv_cache import forward_cached, init_cache
+from llama_jax.kv_cache import forward_cached, init_cache, unstack_layers
 from llama_jax.model import lm_head
 from llama_jax.sampling import SamplingParams, filter_logits, sample
 from reference import relative_error
@@ -47,6 +47,19 @@ def test_prefill_then_decode_equals_full_forward(name, params):
         h, cache = cached(config, p, tokens[:, t:t + 1], cache)
         logits.append(lm_head(config, p, h))
     assert relative_error(jnp.concatenate(logits, axis=1), full) < 1e-5
+
+
+def test_unstacked_layers_compute_the_same(params):
+    config, p = CONFIGS["gqa"], params["gqa"]
+    tokens = np.asarray(prompts([2, 9], seed=12)[1:] * 2)
+    outs = []
+    for layers in (p, unstack_layers(p)):
+        cache = init_cache(config, 2, 16, "float32")
+        h, cache = cached(config, layers, tokens[:, :6], cache)
+        h2, _ = cached(config, layers, tokens[:, 6:7], cache)
+        outs.append(np.concatenate([h, h2], axis=1))
+    assert isinstance(unstack_layers(p).layers, tuple)
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6, atol=1e-6)
 
 
 def test_left_padded_rows_compute_what_they_compute_alone(params):
@@ -218,3 +231,13 @@ def test_bad_requests_fail_before_compiling(kwargs, message, params):
     with pytest.raises(GenerateError, match=message):
         generate(TINY, params["gqa"], **request)
     assert len(_EXECUTABLES) == compiled_before
+
+
+def test_bf16_model_decodes_batches(params):
+    """bf16 weights and compute: batched decode runs (XLA:CPU lacks some bf16 dot kernels) and
+    each row still matches its single-row run."""
+    config = dataclasses.replace(TINY, param_dtype="bfloat16", compute_dtype="bfloat16")
+    p = jax.tree.map(lambda w: w.astype(jnp.bfloat16), params["gqa"])
+    batch = prompts([5, 9, 3, 12, 7, 8, 2, 10], seed=13)
+    together = generate(config, p, batch, 6, stop_tokens=[])
+    assert [generate(config, p, [row], 6, stop_tokens=[])[0] for row in batch[:3]] == together[:3]
