@@ -18,7 +18,7 @@ from pathlib import Path
 from llama_jax import load_checkpoint, load_tokenizer
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import DTYPES
-from llama_jax.generate import GenerateError, GenerationStats, stream
+from llama_jax.decoder import GenerateError, GenerationStats, stream
 from llama_jax.tokenizer import TextStream
 
 

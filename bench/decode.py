@@ -34,7 +34,7 @@ import numpy as np
 
 import llama_jax
 from llama_jax import costs
-from llama_jax.generate import GenerationStats, generate
+from llama_jax.decoder import GenerationStats, generate
 
 CONFIG = llama_jax.ModelConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=4,
                                ffn_dim=1536, max_seq_len=2048)

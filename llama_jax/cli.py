@@ -8,7 +8,7 @@ from typing import Callable
 
 from llama_jax.config import ConfigError
 from llama_jax.formats import CheckpointError
-from llama_jax.generate import GenerateError
+from llama_jax.decoder import GenerateError
 
 # Errors that describe the user's input; anything else is a bug and keeps its traceback.
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, CheckpointError, GenerateError)

@@ -11,7 +11,7 @@ import pytest
 
 import llama_jax
 from llama_jax import costs
-from llama_jax.generate import GenerateError, GenerationStats, _EXECUTABLES, generate, stream
+from llama_jax.decoder import GenerateError, GenerationStats, _EXECUTABLES, generate, stream
 from llama_jax.kv_cache import forward_cached, init_cache, unstack_layers
 from llama_jax.model import lm_head
 from llama_jax.sampling import SamplingParams, filter_logits, sample
