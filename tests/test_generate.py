@@ -2,7 +2,6 @@
 equals transformers, the sampling filters, seeds, stop tokens, the cache layout and bad input."""
 
 import dataclasses
-import warnings
 
 import jax
 import jax.numpy as jnp

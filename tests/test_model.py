@@ -10,9 +10,7 @@ import pytest
 
 import llama_jax
 from llama_jax.config import load_model_config
-from llama_jax.model import block, embed, hidden_states
-from llama_jax.rope import rope_cos_sin
-from llama_jax.attention import attention_mask
+from llama_jax.model import embed, hidden_states
 from llama_jax.params import param_specs
 from reference import relative_error
 import reference as ref

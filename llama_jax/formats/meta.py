@@ -21,7 +21,7 @@ import numpy as np
 
 from llama_jax.config import ConfigError, ModelConfig, RopeScaling
 from llama_jax.formats import CheckpointError
-from llama_jax.formats.layout import TENSORS, TorchTensor, assemble, torch_shape, with_dtype
+from llama_jax.formats.layout import TorchTensor, assemble, torch_shape, with_dtype
 from llama_jax.params import Params
 
 PARAMS = "params.json"
