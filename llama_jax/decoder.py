@@ -132,11 +132,13 @@ def _decoder_params(params: Params) -> Params:
     is made once per parameter tree and reused while that tree is alive."""
     if jax.default_backend() != "cpu" or isinstance(params.layers, tuple):
         return params
-    ref, unstacked = _UNSTACKED.get(id(params), (None, None))
+    key = id(params)
+    ref, unstacked = _UNSTACKED.get(key, (None, None))
     if ref is None or ref() is not params:
         unstacked = unstack_layers(params)
         _UNSTACKED.clear()
-        _UNSTACKED[id(params)] = (weakref.ref(params), unstacked)
+        # The copy goes when the original does: no second model lingers after generation.
+        _UNSTACKED[key] = (weakref.ref(params, lambda _: _UNSTACKED.pop(key, None)), unstacked)
     return unstacked
 
 

@@ -240,3 +240,17 @@ def test_bf16_model_decodes_batches(params):
     batch = prompts([5, 9, 3, 12, 7, 8, 2, 10], seed=13)
     together = generate(config, p, batch, 6, stop_tokens=[])
     assert [generate(config, p, [row], 6, stop_tokens=[])[0] for row in batch[:3]] == together[:3]
+
+
+def test_cpu_decoder_copy_lives_only_as_long_as_the_params():
+    import gc
+
+    from llama_jax import decoder
+
+    p = llama_jax.init_params(TINY, jax.random.key(5))
+    first = generate(TINY, p, [[1, 2, 3]], 4, stop_tokens=[])
+    assert generate(TINY, p, [[1, 2, 3]], 4, stop_tokens=[]) == first  # reuses the copy
+    assert len(decoder._UNSTACKED) == 1
+    del p
+    gc.collect()
+    assert len(decoder._UNSTACKED) == 0
