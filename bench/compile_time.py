@@ -3,8 +3,8 @@
     python bench/compile_time.py [--layers 4 16 64] [--repeats 3] [--unrolled]
 
 Each measurement runs in a fresh process (a cold JAX cache): trace + lower + XLA compile of
-`jax.jit(forward)` and of a training step (loss, grad, optax AdamW update), on abstract inputs so
-no weights are allocated. Width: D=512, N=8, K=4, F=1536, V=8192, batch 8, seq 256 (the shape of
+`jax.jit(forward)`, of a training step (loss, grad, optax AdamW update) and of the decoder's
+prefill + decode executables, on abstract inputs so no weights are allocated. Width: D=512, N=8, K=4, F=1536, V=8192, batch 8, seq 256 (the shape of
 the other benchmarks). Prints medians over `--repeats` processes and the ratio to the shallowest
 depth; `--unrolled` adds the same with `scan_layers=False` for contrast.
 """
@@ -54,8 +54,36 @@ def measure(n_layers: int, scan: bool) -> dict[str, float]:
         jax.jit(fn).lower(*args).compile()
         return time.perf_counter() - start
 
-    return {"forward": compile_seconds(forward, params, tokens),
-            "train_step": compile_seconds(train_step, params, opt_state, tokens)}
+    result = {"forward": compile_seconds(forward, params, tokens),
+              "train_step": compile_seconds(train_step, params, opt_state, tokens)}
+    if scan:  # the decoder is the same for both layouts (on CPU it always unrolls)
+        result["decode"] = decode_compile_seconds(config, params)
+    return result
+
+
+def decode_compile_seconds(config, params) -> float:
+    """Prefill + decode executables of `generate` for batch 1, a 128-token prompt bucket and 128
+    new tokens, through the same AOT path generate uses."""
+    import jax
+    import numpy as np
+
+    from llama_jax import decoder
+    from llama_jax.sampling import SamplingParams
+
+    stats = decoder.GenerationStats()
+    layers = jax.eval_shape(decoder._decoder_params, params) if jax.default_backend() == "cpu" \
+        else params
+    B, T, N = 1, 128, 128
+    args = (config, layers, np.zeros((B, T), np.int32), np.zeros((B,), np.int32),
+            np.ones((B,), bool), np.full((B, 1), -1, np.int32), SamplingParams.broadcast(B),
+            np.int32(N), jax.random.key(0))
+    decoder._compiled(decoder._prefill, stats, *args, cache_len=T + N, n_out=N,
+                      cache_dtype="bfloat16", sort=False)
+    state = jax.eval_shape(lambda *a: decoder._prefill(config, *a, cache_len=T + N, n_out=N,
+                                                       cache_dtype="bfloat16", sort=False),
+                           *args[1:])
+    decoder._compiled(decoder._decode, stats, config, layers, state, np.int32(N), sort=False)
+    return stats.compile_s
 
 
 def run_child(n_layers: int, scan: bool) -> dict[str, float]:
@@ -77,17 +105,18 @@ def main() -> None:
 
     print(f"width {WIDTH}, batch {BATCH}, seq {SEQ}; median of {args.repeats} cold processes")
     print("| layers | layout | forward compile s | train step compile s | forward / shallowest "
-          "| train / shallowest |")
-    print("|---|---|---|---|---|---|")
+          "| train / shallowest | decode (prefill+decode) compile s |")
+    print("|---|---|---|---|---|---|---|")
     for scan in [True, False] if args.unrolled else [True]:
         base = None
         for n_layers in args.layers:
             runs = [run_child(n_layers, scan) for _ in range(args.repeats)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             base = base or med
+            decode = f"{med['decode']:.2f}" if "decode" in med else "-"
             print(f"| {n_layers} | {'scan' if scan else 'unrolled'} | {med['forward']:.2f} | "
                   f"{med['train_step']:.2f} | {med['forward'] / base['forward']:.2f}x | "
-                  f"{med['train_step'] / base['train_step']:.2f}x |", flush=True)
+                  f"{med['train_step'] / base['train_step']:.2f}x | {decode} |", flush=True)
 
 
 if __name__ == "__main__":
