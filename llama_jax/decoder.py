@@ -94,7 +94,8 @@ def _prefill(config: ModelConfig, params: Params, prompts_BT: jax.Array, start_B
              max_new: jax.Array, key: jax.Array, *, cache_len: int, n_out: int,
              cache_dtype: str, sort: bool) -> DecodeState:
     B = prompts_BT.shape[0]
-    cache = init_cache(config, B, cache_len, cache_dtype, start_B)
+    cache = init_cache(config, B, cache_len, cache_dtype, start_B,
+                       per_layer=isinstance(params.layers, tuple))
     h_BTD, cache = forward_cached(config, params, prompts_BT, cache)
     state = DecodeState(
         cache=cache, tokens_BN=jnp.full((B, n_out), NO_TOKEN, jnp.int32),

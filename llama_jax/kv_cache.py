@@ -29,28 +29,37 @@ from llama_jax.rope import rope_cos_sin
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, K, S, H]
-    v: jax.Array  # [L, B, K, S, H]
+    k: jax.Array | tuple[jax.Array, ...]  # [L, B, K, S, H], or L arrays [B, K, S, H]
+    v: jax.Array | tuple[jax.Array, ...]
     start: jax.Array  # [B] int32: first slot of each row (left padding before it)
     end: jax.Array  # [] int32: the next slot to write, shared by all rows
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]  # layer 0 of either form: [B, K, S, H]
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: str = "bfloat16",
-               start_B: jax.Array | None = None) -> KVCache:
-    shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
+               start_B: jax.Array | None = None, per_layer: bool = False) -> KVCache:
+    """A zeroed cache: stacked `[L, B, K, S, H]`, or (`per_layer`, for unstacked parameters)
+    a tuple of L arrays `[B, K, S, H]` — same bytes, no per-layer slicing."""
+    shape = (batch, config.n_kv_heads, max_len, config.head_dim)
+    if per_layer:
+        k = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers))
+        v = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers))
+    else:
+        k = v = jnp.zeros((config.n_layers, *shape), dtype)
     start = jnp.zeros((batch,), jnp.int32) if start_B is None else start_B.astype(jnp.int32)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), start=start,
-                   end=jnp.zeros((), jnp.int32))
+    return KVCache(k=k, v=v, start=start, end=jnp.zeros((), jnp.int32))
 
 
 def forward_cached(config: ModelConfig, params: Params, tokens_BT: jax.Array,
                    cache: KVCache) -> tuple[jax.Array, KVCache]:
     """Runs T new tokens (a prompt, or one token per decode step) against the cache: writes their
-    K/V at slots `end .. end+T-1` and returns final-normed hidden states `[B, T, D]`."""
+    K/V at slots `end .. end+T-1` and returns final-normed hidden states `[B, T, D]`.
+
+    Stacked parameters run under `lax.scan` with the stacked cache in the carry; unstacked ones
+    (a tuple of layers, with a per-layer cache) run an unrolled loop."""
     B, T = tokens_BT.shape
     S = cache.max_len
     q_index_BT = jnp.broadcast_to(cache.end + jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -60,26 +69,30 @@ def forward_cached(config: ModelConfig, params: Params, tokens_BT: jax.Array,
                               (kv_index_BS >= cache.start[:, None]).astype(jnp.int32))
     cos_BTh, sin_BTh = rope_cos_sin(config, positions_BT)
 
-    def layer_step(carry, xs):
-        x_BTD, k_LBKSH, v_LBKSH = carry
-        layer, i = xs
+    def block_cached(layer, x_BTD, k_cache, v_cache, i):
+        """One block; `i` indexes the stacked cache (None: k_cache/v_cache are this layer's)."""
         q_BTNH, k_BTKH, v_BTKH = project_qkv(config, layer, x_BTD, cos_BTh, sin_BTh)
-        at = (i, 0, 0, cache.end, 0)
-        k_LBKSH = _write(k_LBKSH, k_BTKH, at)
-        v_LBKSH = _write(v_LBKSH, v_BTKH, at)
-        k_BKSH = k_LBKSH[i].astype(x_BTD.dtype)
-        v_BKSH = v_LBKSH[i].astype(x_BTD.dtype)
+        k_cache = _write(k_cache, k_BTKH, cache.end, i)
+        v_cache = _write(v_cache, v_BTKH, cache.end, i)
+        k_BKSH = (k_cache if i is None else k_cache[i]).astype(x_BTD.dtype)
+        v_BKSH = (v_cache if i is None else v_cache[i]).astype(x_BTD.dtype)
         out_BTNH = attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, kv_layout="BKSH")
-        return (finish_block(config, layer, x_BTD, out_BTNH), k_LBKSH, v_LBKSH), None
+        return finish_block(config, layer, x_BTD, out_BTNH), k_cache, v_cache
 
-    carry = (embed(config, params, tokens_BT), cache.k, cache.v)
-    if isinstance(params.layers, tuple):  # unstacked (see `unstack_layers`): an unrolled loop
+    x_BTD = embed(config, params, tokens_BT)
+    if isinstance(params.layers, tuple):  # unstacked (see `unstack_layers`)
+        k, v = list(cache.k), list(cache.v)
         for i, layer in enumerate(params.layers):
-            carry, _ = layer_step(carry, (layer, i))
+            x_BTD, k[i], v[i] = block_cached(layer, x_BTD, k[i], v[i], None)
+        k, v = tuple(k), tuple(v)
     else:
+        def layer_step(carry, xs):
+            layer, i = xs
+            return block_cached(layer, *carry, i), None
+
         layer_ids = jnp.arange(config.n_layers, dtype=jnp.int32)
-        carry, _ = jax.lax.scan(layer_step, carry, (params.layers, layer_ids))
-    x_BTD, k, v = carry
+        (x_BTD, k, v), _ = jax.lax.scan(layer_step, (x_BTD, cache.k, cache.v),
+                                        (params.layers, layer_ids))
     h_BTD = rms_norm(x_BTD, params.final_norm, config.norm_eps)
     return h_BTD, cache.replace(k=k, v=v, end=cache.end + T)
 
@@ -95,7 +108,11 @@ def unstack_layers(params: Params) -> Params:
                                        for i in range(n_layers)))
 
 
-def _write(cache_LBKSH: jax.Array, x_BTKH: jax.Array, at: tuple) -> jax.Array:
-    """Writes new keys or values `[B, T, K, H]` into the stacked cache in place."""
-    update = jnp.swapaxes(x_BTKH, 1, 2)[None].astype(cache_LBKSH.dtype)
-    return jax.lax.dynamic_update_slice(cache_LBKSH, update, at)
+def _write(cache: jax.Array, x_BTKH: jax.Array, end: jax.Array, layer: jax.Array | None
+           ) -> jax.Array:
+    """Writes new keys or values `[B, T, K, H]` at slot `end`, in place: into layer `layer` of a
+    stacked cache, or into a per-layer cache (`layer` None)."""
+    update = jnp.swapaxes(x_BTKH, 1, 2).astype(cache.dtype)  # [B, K, T, H]
+    if layer is None:
+        return jax.lax.dynamic_update_slice(cache, update, (0, 0, end, 0))
+    return jax.lax.dynamic_update_slice(cache, update[None], (layer, 0, 0, end, 0))
