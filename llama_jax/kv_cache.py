@@ -3,10 +3,14 @@
 Layout: `k, v: [L, B, K, S, H]` — KV heads only (never repeated to N), so the cache is exactly
 2·L·B·S·K·H·bytes. Heads come before slots so that the keys of one (row, head) are contiguous:
 the batched attention matmuls then read the cache in place (measured on CPU: 2.7x faster than
-[L, B, S, K, H], which makes XLA transpose every layer's slice at every step). Rows of a ragged batch are left-padded: row b's sequence occupies slots
-`start[b] .. end-1`, and every step writes all rows at the same slot `end`, so an update is a
-single `dynamic_update_slice`. Slots before `start[b]` are masked out of attention (they form
-segment 0), and positions (for RoPE) are `slot - start[b]`: a row computes exactly what it would
+[L, B, S, K, H], which makes XLA transpose every layer's slice at every step). With unstacked
+parameters (the CPU decoder) the cache is a tuple of L arrays `[B, K, S, H]` instead: same
+bytes, and no per-layer slice to copy.
+
+Rows of a ragged batch are left-padded: row b's sequence occupies slots `start[b] .. end-1`, and
+every step writes all rows at the same slot `end`, so an update is a single
+`dynamic_update_slice`. Slots before `start[b]` are masked out of attention (they form segment
+0), and positions (for RoPE) are `slot - start[b]`: a row computes exactly what it would
 compute alone.
 
 Inside the layer scan the stacked cache rides in the carry and is updated in place; passing it

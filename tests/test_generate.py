@@ -53,7 +53,7 @@ def test_unstacked_layers_compute_the_same(params):
     tokens = np.asarray(prompts([2, 9], seed=12)[1:] * 2)
     outs = []
     for layers in (p, unstack_layers(p)):
-        cache = init_cache(config, 2, 16, "float32")
+        cache = init_cache(config, 2, 16, "float32", per_layer=layers is not p)
         h, cache = cached(config, layers, tokens[:, :6], cache)
         h2, _ = cached(config, layers, tokens[:, 6:7], cache)
         outs.append(np.concatenate([h, h2], axis=1))
@@ -197,6 +197,9 @@ def test_kv_cache_bytes_equal_the_formula():
     assert cache.k.shape == (L, 3, K, 48, H) and cache.k.dtype == jnp.bfloat16
     assert cache.k.nbytes + cache.v.nbytes == 2 * L * 3 * 48 * K * H * 2
     assert cache.k.nbytes + cache.v.nbytes == costs.kv_cache_bytes_per_token(config) * 3 * 48
+    per_layer = init_cache(config, batch=3, max_len=48, per_layer=True)
+    assert [a.shape for a in per_layer.k] == [(3, K, 48, H)] * L
+    assert sum(a.nbytes for a in per_layer.k + per_layer.v) == cache.k.nbytes + cache.v.nbytes
 
 
 def test_decode_step_updates_the_cache_in_place(params):
