@@ -46,3 +46,24 @@ def attention(q_BTNH: jax.Array, k: jax.Array, v: jax.Array, mask_BTS: jax.Array
     probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
     out_BTKGH = einsum_f32(f"BKGTS,{kv_layout}->BTKGH", probs_BKGTS.astype(v.dtype), v)
     return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
+
+
+def decode_attention_block_diagonal(q_B1NH: jax.Array, k_BCH: jax.Array, v_BCH: jax.Array,
+                                    mask_BS: jax.Array) -> jax.Array:
+    """Attention of one query per row over a per-layer cache `[B, C = K·S, H]`.
+
+    Each row is one matmul over all K·S keys, with query/key pairs of different groups masked
+    out, so the result equals `attention`. That spends K times the score FLOPs of a decode step
+    (small next to reading the cache), but XLA:CPU runs B matmuls of N rows far faster than the
+    B·K matmuls of G = N/K rows of the grouped form (measured: 2.2x on the attention alone,
+    8.6 -> 6.1 ms for a batch-8 decode step of the benchmark model).
+    """
+    B, _, N, H = q_B1NH.shape
+    C, S = k_BCH.shape[1], mask_BS.shape[1]
+    K = C // S
+    logits_BNC = einsum_f32("BNH,BCH->BNC", q_B1NH[:, 0], k_BCH) * H ** -0.5
+    same_group_NC = (jnp.arange(N) // (N // K))[:, None] == (jnp.arange(C) // S)[None, :]
+    mask_BNC = same_group_NC[None] & jnp.tile(mask_BS, (1, K))[:, None, :]
+    probs_BNC = jax.nn.softmax(jnp.where(mask_BNC, logits_BNC, _MASKED), axis=-1)
+    out_BNH = einsum_f32("BNC,BCH->BNH", probs_BNC.astype(v_BCH.dtype), v_BCH)
+    return out_BNH[:, None].astype(q_B1NH.dtype)

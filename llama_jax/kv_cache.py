@@ -4,8 +4,9 @@ Layout: `k, v: [L, B, K, S, H]` — KV heads only (never repeated to N), so the 
 2·L·B·S·K·H·bytes. Heads come before slots so that the keys of one (row, head) are contiguous:
 the batched attention matmuls then read the cache in place (measured on CPU: 2.7x faster than
 [L, B, S, K, H], which makes XLA transpose every layer's slice at every step). With unstacked
-parameters (the CPU decoder) the cache is a tuple of L arrays `[B, K, S, H]` instead: same
-bytes, and no per-layer slice to copy.
+parameters (the CPU decoder) the cache is a tuple of L arrays `[B, K·S, H]` instead — the same
+bytes as `[B, K, S, H]` with K and S merged — so no per-layer slice is copied and a decode step
+attends with one matmul per row (`attention.decode_attention_block_diagonal`).
 
 Rows of a ragged batch are left-padded: row b's sequence occupies slots `start[b] .. end-1`, and
 every step writes all rows at the same slot `end`, so an update is a single
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from llama_jax.attention import attention, attention_mask
+from llama_jax.attention import attention, attention_mask, decode_attention_block_diagonal
 from llama_jax.config import ModelConfig
 from llama_jax.model import embed, finish_block, project_qkv
 from llama_jax.ops import rms_norm
@@ -33,28 +34,25 @@ from llama_jax.rope import rope_cos_sin
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array | tuple[jax.Array, ...]  # [L, B, K, S, H], or L arrays [B, K, S, H]
+    k: jax.Array | tuple[jax.Array, ...]  # [L, B, K, S, H], or L arrays [B, K·S, H]
     v: jax.Array | tuple[jax.Array, ...]
     start: jax.Array  # [B] int32: first slot of each row (left padding before it)
     end: jax.Array  # [] int32: the next slot to write, shared by all rows
-
-    @property
-    def max_len(self) -> int:
-        return self.k[0].shape[2]  # layer 0 of either form: [B, K, S, H]
+    max_len: int = struct.field(pytree_node=False)  # S
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: str = "bfloat16",
                start_B: jax.Array | None = None, per_layer: bool = False) -> KVCache:
     """A zeroed cache: stacked `[L, B, K, S, H]`, or (`per_layer`, for unstacked parameters)
-    a tuple of L arrays `[B, K, S, H]` — same bytes, no per-layer slicing."""
-    shape = (batch, config.n_kv_heads, max_len, config.head_dim)
+    a tuple of L arrays `[B, K·S, H]` — same bytes."""
+    K, H = config.n_kv_heads, config.head_dim
     if per_layer:
-        k = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers))
-        v = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers))
+        k = tuple(jnp.zeros((batch, K * max_len, H), dtype) for _ in range(config.n_layers))
+        v = tuple(jnp.zeros((batch, K * max_len, H), dtype) for _ in range(config.n_layers))
     else:
-        k = v = jnp.zeros((config.n_layers, *shape), dtype)
+        k = v = jnp.zeros((config.n_layers, batch, K, max_len, H), dtype)
     start = jnp.zeros((batch,), jnp.int32) if start_B is None else start_B.astype(jnp.int32)
-    return KVCache(k=k, v=v, start=start, end=jnp.zeros((), jnp.int32))
+    return KVCache(k=k, v=v, start=start, end=jnp.zeros((), jnp.int32), max_len=max_len)
 
 
 def forward_cached(config: ModelConfig, params: Params, tokens_BT: jax.Array,
@@ -76,11 +74,21 @@ def forward_cached(config: ModelConfig, params: Params, tokens_BT: jax.Array,
     def block_cached(layer, x_BTD, k_cache, v_cache, i):
         """One block; `i` indexes the stacked cache (None: k_cache/v_cache are this layer's)."""
         q_BTNH, k_BTKH, v_BTKH = project_qkv(config, layer, x_BTD, cos_BTh, sin_BTh)
-        k_cache = _write(k_cache, k_BTKH, cache.end, i)
-        v_cache = _write(v_cache, v_BTKH, cache.end, i)
-        k_BKSH = (k_cache if i is None else k_cache[i]).astype(x_BTD.dtype)
-        v_BKSH = (v_cache if i is None else v_cache[i]).astype(x_BTD.dtype)
-        out_BTNH = attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, kv_layout="BKSH")
+        if i is None:
+            k_cache = _write_merged(k_cache, k_BTKH, cache.end, S)
+            v_cache = _write_merged(v_cache, v_BTKH, cache.end, S)
+            k_BCH, v_BCH = k_cache.astype(x_BTD.dtype), v_cache.astype(x_BTD.dtype)
+            if T == 1:
+                out_BTNH = decode_attention_block_diagonal(q_BTNH, k_BCH, v_BCH, mask_BTS[:, 0])
+            else:
+                K, H = k_BTKH.shape[2:]
+                out_BTNH = attention(q_BTNH, k_BCH.reshape(B, K, S, H),
+                                     v_BCH.reshape(B, K, S, H), mask_BTS, kv_layout="BKSH")
+        else:
+            k_cache = _write(k_cache, k_BTKH, cache.end, i)
+            v_cache = _write(v_cache, v_BTKH, cache.end, i)
+            out_BTNH = attention(q_BTNH, k_cache[i].astype(x_BTD.dtype),
+                                 v_cache[i].astype(x_BTD.dtype), mask_BTS, kv_layout="BKSH")
         return finish_block(config, layer, x_BTD, out_BTNH), k_cache, v_cache
 
     x_BTD = embed(config, params, tokens_BT)
@@ -112,11 +120,17 @@ def unstack_layers(params: Params) -> Params:
                                        for i in range(n_layers)))
 
 
-def _write(cache: jax.Array, x_BTKH: jax.Array, end: jax.Array, layer: jax.Array | None
-           ) -> jax.Array:
-    """Writes new keys or values `[B, T, K, H]` at slot `end`, in place: into layer `layer` of a
-    stacked cache, or into a per-layer cache (`layer` None)."""
-    update = jnp.swapaxes(x_BTKH, 1, 2).astype(cache.dtype)  # [B, K, T, H]
-    if layer is None:
-        return jax.lax.dynamic_update_slice(cache, update, (0, 0, end, 0))
-    return jax.lax.dynamic_update_slice(cache, update[None], (layer, 0, 0, end, 0))
+def _write(cache_LBKSH: jax.Array, x_BTKH: jax.Array, end: jax.Array,
+           layer: jax.Array) -> jax.Array:
+    """Writes new keys or values `[B, T, K, H]` at slot `end` of one layer, in place."""
+    update = jnp.swapaxes(x_BTKH, 1, 2)[None].astype(cache_LBKSH.dtype)  # [1, B, K, T, H]
+    return jax.lax.dynamic_update_slice(cache_LBKSH, update, (layer, 0, 0, end, 0))
+
+
+def _write_merged(cache_BCH: jax.Array, x_BTKH: jax.Array, end: jax.Array,
+                  max_len: int) -> jax.Array:
+    """The same for a per-layer cache `[B, K·S, H]`: head k's slots start at row k·S."""
+    for head in range(x_BTKH.shape[2]):
+        update = x_BTKH[:, :, head].astype(cache_BCH.dtype)  # [B, T, H]
+        cache_BCH = jax.lax.dynamic_update_slice(cache_BCH, update, (0, head * max_len + end, 0))
+    return cache_BCH

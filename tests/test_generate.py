@@ -198,7 +198,7 @@ def test_kv_cache_bytes_equal_the_formula():
     assert cache.k.nbytes + cache.v.nbytes == 2 * L * 3 * 48 * K * H * 2
     assert cache.k.nbytes + cache.v.nbytes == costs.kv_cache_bytes_per_token(config) * 3 * 48
     per_layer = init_cache(config, batch=3, max_len=48, per_layer=True)
-    assert [a.shape for a in per_layer.k] == [(3, K, 48, H)] * L
+    assert [a.shape for a in per_layer.k] == [(3, K * 48, H)] * L
     assert sum(a.nbytes for a in per_layer.k + per_layer.v) == cache.k.nbytes + cache.v.nbytes
 
 
