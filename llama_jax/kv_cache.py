@@ -130,7 +130,12 @@ def _write(cache_LBKSH: jax.Array, x_BTKH: jax.Array, end: jax.Array,
 def _write_merged(cache_BCH: jax.Array, x_BTKH: jax.Array, end: jax.Array,
                   max_len: int) -> jax.Array:
     """The same for a per-layer cache `[B, K·S, H]`: head k's slots start at row k·S."""
+    dtype = cache_BCH.dtype
+    # 16-bit caches are updated through an integer view: XLA:CPU upcasts a bf16 update to fp32
+    # (convert, update, convert back), which rewrites the whole cache at every write.
+    view = jnp.uint16 if dtype.itemsize == 2 else dtype
+    bits_BCH = jax.lax.bitcast_convert_type(cache_BCH, view)
     for head in range(x_BTKH.shape[2]):
-        update = x_BTKH[:, :, head].astype(cache_BCH.dtype)  # [B, T, H]
-        cache_BCH = jax.lax.dynamic_update_slice(cache_BCH, update, (0, head * max_len + end, 0))
-    return cache_BCH
+        update = jax.lax.bitcast_convert_type(x_BTKH[:, :, head].astype(dtype), view)
+        bits_BCH = jax.lax.dynamic_update_slice(bits_BCH, update, (0, head * max_len + end, 0))
+    return jax.lax.bitcast_convert_type(bits_BCH, dtype)

@@ -89,3 +89,19 @@ def test_bf16_attention_is_close_to_fp32():
     out = attention(*(jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)), causal())
     assert out.dtype == jnp.bfloat16
     assert relative_error(out, attention(q, k, v, causal())) < 2e-2
+
+
+@pytest.mark.parametrize("N, K", [(4, 4), (8, 2), (4, 1)], ids=["MHA", "GQA", "MQA"])
+def test_block_diagonal_decode_attention_matches_reference(N, K):
+    from llama_jax.attention import decode_attention_block_diagonal
+
+    S = 13
+    q = rng.standard_normal((B, 1, N, H)).astype(np.float32)
+    k, v = (rng.standard_normal((B, K, S, H)).astype(np.float32) for _ in range(2))
+    valid = np.ones((B, S), bool)
+    valid[0, :4] = False  # left padding of row 0
+    valid[:, 9:] = False  # slots after the current token
+    out = decode_attention_block_diagonal(q, k.reshape(B, K * S, H), v.reshape(B, K * S, H),
+                                          valid)
+    ref_out = ref.attention(q, np.swapaxes(k, 1, 2), np.swapaxes(v, 1, 2), valid[:, None, :])
+    assert relative_error(out, ref_out) < 1e-6
