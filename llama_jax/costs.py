@@ -50,6 +50,7 @@ def abstract_params(config: ModelConfig) -> Params:
     return jax.eval_shape(functools.partial(init_params, config), jax.random.key(0))
 
 
+@functools.lru_cache(maxsize=64)  # the planner asks several times per config; tracing is not free
 def param_counts(config: ModelConfig) -> ParamCounts:
     abstract = abstract_params(config)
     size = lambda x: math.prod(x.shape)  # noqa: E731

@@ -230,11 +230,10 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
                         cache_dtype=cache_dtype, sort=sort)
     start = time.perf_counter()
     state = prefill(*args[1:])
-    emitted = 0
+    emitted, rows = 0, len(prompts)  # rows past len(prompts) are batch padding
     while True:
         step = int(state.step)  # waits for the device
         tokens_BN, logprobs_BN = np.asarray(state.tokens_BN), np.asarray(state.logprobs_BN)
-        rows = len(prompts)  # the rest is batch padding
         new = _new_tokens(tokens_BN[:rows], logprobs_BN[:rows], emitted, step, stops)
         stats.new_tokens += sum(len(t) for t in new[0])
         elapsed = time.perf_counter() - start

@@ -39,7 +39,8 @@ def dense(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
     assert lhs[-n_in:] == rhs[:n_in] and out == lhs[:-n_in] + rhs[n_in:], equation
     # As one 2-D matmul (rows x contracted): XLA:CPU runs these faster than the N-D einsum.
     rows, contracted = x.shape[:x.ndim - n_in], math.prod(x.shape[x.ndim - n_in:])
-    y = einsum_f32("MK,KN->MN", x.reshape(-1, contracted), w.astype(x.dtype).reshape(contracted, -1))
+    w_KN = w.astype(x.dtype).reshape(contracted, -1)
+    y = einsum_f32("MK,KN->MN", x.reshape(-1, contracted), w_KN)
     return y.reshape(*rows, *w.shape[n_in:]).astype(x.dtype)
 
 
