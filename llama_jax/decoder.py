@@ -34,7 +34,7 @@ from llama_jax.config import ModelConfig
 from llama_jax.kv_cache import KVCache, forward_cached, init_cache, unstack_layers
 from llama_jax.model import lm_head
 from llama_jax.params import Params
-from llama_jax.sampling import SamplingParams, sample
+from llama_jax.sampling import SamplingParams, Strategy, sample
 
 NO_TOKEN = -1  # an empty slot in the output buffer and the padding of the stop-id table
 MIN_BUCKET = 16
@@ -71,9 +71,9 @@ class GenerationStats:
         return self.new_tokens / max(self.decode_s + self.time_to_first_token_s, 1e-9)
 
 
-def _emit(state: DecodeState, logits_BV: jax.Array, sort: bool) -> DecodeState:
+def _emit(state: DecodeState, logits_BV: jax.Array, strategy: Strategy) -> DecodeState:
     """Samples the token of step `state.step` for every row, records it and updates `done`."""
-    token_B = sample(logits_BV, jax.random.fold_in(state.key, state.step), state.sampling, sort)
+    token_B = sample(logits_BV, jax.random.fold_in(state.key, state.step), state.sampling, strategy)
     logprob_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV), token_B[:, None], -1)[:, 0]
     active_B = ~state.done_B
     column = (0, state.step)
@@ -88,11 +88,11 @@ def _emit(state: DecodeState, logits_BV: jax.Array, sort: bool) -> DecodeState:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "cache_len", "n_out", "cache_dtype",
-                                             "sort"))
+                                             "strategy"))
 def _prefill(config: ModelConfig, params: Params, prompts_BT: jax.Array, start_B: jax.Array,
              active_B: jax.Array, stop_BS: jax.Array, sampling: SamplingParams,
              max_new: jax.Array, key: jax.Array, *, cache_len: int, n_out: int,
-             cache_dtype: str, sort: bool) -> DecodeState:
+             cache_dtype: str, strategy: Strategy) -> DecodeState:
     B = prompts_BT.shape[0]
     cache = init_cache(config, B, cache_len, cache_dtype, start_B,
                        per_layer=isinstance(params.layers, tuple))
@@ -102,12 +102,12 @@ def _prefill(config: ModelConfig, params: Params, prompts_BT: jax.Array, start_B
         logprobs_BN=jnp.zeros((B, n_out), jnp.float32), last_B=prompts_BT[:, -1],
         done_B=~active_B, step=jnp.zeros((), jnp.int32), max_new=max_new, stop_BS=stop_BS,
         sampling=sampling, key=key)
-    return _emit(state, lm_head(config, params, h_BTD[:, -1:])[:, 0], sort)
+    return _emit(state, lm_head(config, params, h_BTD[:, -1:])[:, 0], strategy)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sort"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "strategy"), donate_argnames=("state",))
 def _decode(config: ModelConfig, params: Params, state: DecodeState, n_steps: jax.Array, *,
-            sort: bool) -> DecodeState:
+            strategy: Strategy) -> DecodeState:
     """Up to `n_steps` decode steps; stops early when every row is done."""
 
     def keep_going(carry):
@@ -118,7 +118,7 @@ def _decode(config: ModelConfig, params: Params, state: DecodeState, n_steps: ja
         i, st = carry
         h_B1D, cache = forward_cached(config, params, st.last_B[:, None], st.cache)
         logits_BV = lm_head(config, params, h_B1D)[:, 0]
-        return i + 1, _emit(st.replace(cache=cache), logits_BV, sort)
+        return i + 1, _emit(st.replace(cache=cache), logits_BV, strategy)
 
     _, state = jax.lax.while_loop(keep_going, step, (jnp.zeros((), jnp.int32), state))
     return state
@@ -222,12 +222,12 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     active_B = np.arange(B) < len(prompts)
     stop_BS = np.tile(np.asarray(stops, np.int32), (B, 1))
     sampling = SamplingParams.broadcast(B, temperature, top_k, top_p, min_p)
-    sort = bool(top_k > 0 or top_p < 1.0) and temperature > 0
+    strategy = Strategy.of(temperature, top_k, top_p)
     params = _decoder_params(params)
     args = (config, params, prompts_BT, start_B, active_B, stop_BS, sampling,
             np.int32(max_new), jax.random.key(seed))
     prefill = _compiled(_prefill, stats, *args, cache_len=T + N, n_out=N,
-                        cache_dtype=cache_dtype, sort=sort)
+                        cache_dtype=cache_dtype, strategy=strategy)
     start = time.perf_counter()
     state = prefill(*args[1:])
     emitted, rows = 0, len(prompts)  # rows past len(prompts) are batch padding
@@ -246,7 +246,7 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
         if bool(np.all(np.asarray(state.done_B))):
             return
         n_steps = np.int32(chunk_steps or N)
-        decode = _compiled(_decode, stats, config, params, state, n_steps, sort=sort)
+        decode = _compiled(_decode, stats, config, params, state, n_steps, strategy=strategy)
         start = time.perf_counter()
         state = decode(params, state, n_steps)
 

@@ -39,20 +39,24 @@ class KVCache:
     start: jax.Array  # [B] int32: first slot of each row (left padding before it)
     end: jax.Array  # [] int32: the next slot to write, shared by all rows
     max_len: int = struct.field(pytree_node=False)  # S
+    dtype: str = struct.field(pytree_node=False, default="bfloat16")  # of the cached values
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: str = "bfloat16",
                start_B: jax.Array | None = None, per_layer: bool = False) -> KVCache:
     """A zeroed cache: stacked `[L, B, K, S, H]`, or (`per_layer`, for unstacked parameters)
-    a tuple of L arrays `[B, K·S, H]` — same bytes."""
+    a tuple of L arrays `[B, K·S, H]` — same bytes. A per-layer 16-bit cache holds its values'
+    bits as uint16 (see `_write_merged`)."""
     K, H = config.n_kv_heads, config.head_dim
     if per_layer:
-        k = tuple(jnp.zeros((batch, K * max_len, H), dtype) for _ in range(config.n_layers))
-        v = tuple(jnp.zeros((batch, K * max_len, H), dtype) for _ in range(config.n_layers))
+        stored = _bits_type(jnp.dtype(dtype))
+        k = tuple(jnp.zeros((batch, K * max_len, H), stored) for _ in range(config.n_layers))
+        v = tuple(jnp.zeros((batch, K * max_len, H), stored) for _ in range(config.n_layers))
     else:
         k = v = jnp.zeros((config.n_layers, batch, K, max_len, H), dtype)
     start = jnp.zeros((batch,), jnp.int32) if start_B is None else start_B.astype(jnp.int32)
-    return KVCache(k=k, v=v, start=start, end=jnp.zeros((), jnp.int32), max_len=max_len)
+    return KVCache(k=k, v=v, start=start, end=jnp.zeros((), jnp.int32), max_len=max_len,
+                   dtype=jnp.dtype(dtype).name)
 
 
 def forward_cached(config: ModelConfig, params: Params, tokens_BT: jax.Array,
@@ -75,9 +79,10 @@ def forward_cached(config: ModelConfig, params: Params, tokens_BT: jax.Array,
         """One block; `i` indexes the stacked cache (None: k_cache/v_cache are this layer's)."""
         q_BTNH, k_BTKH, v_BTKH = project_qkv(config, layer, x_BTD, cos_BTh, sin_BTh)
         if i is None:
-            k_cache = _write_merged(k_cache, k_BTKH, cache.end, S)
-            v_cache = _write_merged(v_cache, v_BTKH, cache.end, S)
-            k_BCH, v_BCH = k_cache.astype(x_BTD.dtype), v_cache.astype(x_BTD.dtype)
+            k_cache = _write_merged(k_cache, k_BTKH, cache.end, S, cache.dtype)
+            v_cache = _write_merged(v_cache, v_BTKH, cache.end, S, cache.dtype)
+            k_BCH = _read_merged(k_cache, cache.dtype, x_BTD.dtype)
+            v_BCH = _read_merged(v_cache, cache.dtype, x_BTD.dtype)
             if T == 1:
                 out_BTNH = decode_attention_block_diagonal(q_BTNH, k_BCH, v_BCH, mask_BTS[:, 0])
             else:
@@ -127,15 +132,29 @@ def _write(cache_LBKSH: jax.Array, x_BTKH: jax.Array, end: jax.Array,
     return jax.lax.dynamic_update_slice(cache_LBKSH, update, (layer, 0, 0, end, 0))
 
 
-def _write_merged(cache_BCH: jax.Array, x_BTKH: jax.Array, end: jax.Array,
-                  max_len: int) -> jax.Array:
+def _bits_type(dtype: jnp.dtype) -> jnp.dtype:
+    """How a per-layer cache stores `dtype`: 16-bit floats as their uint16 bits. XLA:CPU upcasts
+    a bf16 `dynamic_update_slice` to fp32 (rewriting the whole cache at every write), and even
+    a bitcast view of a bf16 buffer made it copy the cache before each in-place update."""
+    return jnp.dtype(jnp.uint16) if dtype.itemsize == 2 else dtype
+
+
+def _write_merged(cache_BCH: jax.Array, x_BTKH: jax.Array, end: jax.Array, max_len: int,
+                  dtype: str) -> jax.Array:
     """The same for a per-layer cache `[B, K·S, H]`: head k's slots start at row k·S."""
-    dtype = cache_BCH.dtype
-    # 16-bit caches are updated through an integer view: XLA:CPU upcasts a bf16 update to fp32
-    # (convert, update, convert back), which rewrites the whole cache at every write.
-    view = jnp.uint16 if dtype.itemsize == 2 else dtype
-    bits_BCH = jax.lax.bitcast_convert_type(cache_BCH, view)
     for head in range(x_BTKH.shape[2]):
-        update = jax.lax.bitcast_convert_type(x_BTKH[:, :, head].astype(dtype), view)
-        bits_BCH = jax.lax.dynamic_update_slice(bits_BCH, update, (0, head * max_len + end, 0))
-    return jax.lax.bitcast_convert_type(bits_BCH, dtype)
+        update = x_BTKH[:, :, head].astype(dtype)
+        if cache_BCH.dtype == jnp.uint16:
+            update = jax.lax.bitcast_convert_type(update, jnp.uint16)
+        cache_BCH = jax.lax.dynamic_update_slice(cache_BCH, update, (0, head * max_len + end, 0))
+    return cache_BCH
+
+
+def _read_merged(cache_BCH: jax.Array, dtype: str, compute_dtype: jnp.dtype) -> jax.Array:
+    """The cached values in `compute_dtype`. bf16 bits widen to fp32 exactly by a shift."""
+    if cache_BCH.dtype != jnp.uint16:
+        return cache_BCH.astype(compute_dtype)
+    if dtype == "bfloat16":
+        widened = jax.lax.bitcast_convert_type(cache_BCH.astype(jnp.uint32) << 16, jnp.float32)
+        return widened.astype(compute_dtype)
+    return jax.lax.bitcast_convert_type(cache_BCH, dtype).astype(compute_dtype)

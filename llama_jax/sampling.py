@@ -3,10 +3,13 @@
 Every setting is a per-row array, so one compiled decoder serves a batch of requests with
 different settings. Filters apply in the order of Hugging Face's logits processors: temperature,
 then top-k, then top-p on what top-k kept, then min-p. A row with temperature 0 is greedy.
-Sorting the vocabulary (for top-k / top-p) is skipped at trace time when no row needs it.
+What the batch needs is a static `Strategy`: an all-greedy batch compiles no random draw, and
+sorting the vocabulary (for top-k / top-p) is compiled only when some row uses it.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +32,28 @@ class SamplingParams:
                    top_k=jnp.full((batch,), top_k, jnp.int32),
                    top_p=jnp.full((batch,), top_p, jnp.float32),
                    min_p=jnp.full((batch,), min_p, jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """Static (trace-time) needs of a batch: `draw` if some row samples (temperature > 0),
+    `sort` if some row that samples uses top-k or top-p."""
+    draw: bool
+    sort: bool
+
+    @classmethod
+    def of(cls, temperature: float, top_k: int, top_p: float) -> "Strategy":
+        draw = temperature > 0
+        return cls(draw=draw, sort=draw and (top_k > 0 or top_p < 1.0))
+
+
+def argmax(x_BV: jax.Array) -> jax.Array:
+    """First index of the maximum along the last axis, int32 (what `jnp.argmax` returns for
+    finite inputs). Two plain reductions: XLA:CPU runs argmax's variadic (value, index)
+    reduction unvectorised, ~0.3 ms per [8, 8192] call, a twentieth of a decode step."""
+    max_B1 = jnp.max(x_BV, axis=-1, keepdims=True)
+    index_V = jnp.arange(x_BV.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(x_BV == max_B1, index_V, x_BV.shape[-1] - 1), axis=-1)
 
 
 def filter_logits(logits_BV: jax.Array, params: SamplingParams, sort: bool) -> jax.Array:
@@ -54,10 +79,12 @@ def filter_logits(logits_BV: jax.Array, params: SamplingParams, sort: bool) -> j
 
 
 def sample(logits_BV: jax.Array, key: jax.Array, params: SamplingParams,
-           sort: bool) -> jax.Array:
+           strategy: Strategy) -> jax.Array:
     """Next token per row, int32 `[B]`: argmax where temperature is 0, else a draw from the
-    filtered distribution."""
-    greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    drawn_B = jax.random.categorical(key, filter_logits(logits_BV, params, sort)).astype(
-        jnp.int32)
+    filtered distribution (Gumbel-max, the same draw as `jax.random.categorical`)."""
+    greedy_B = argmax(logits_BV)
+    if not strategy.draw:
+        return greedy_B
+    gumbel_BV = jax.random.gumbel(key, logits_BV.shape, logits_BV.dtype)
+    drawn_B = argmax(filter_logits(logits_BV, params, strategy.sort) + gumbel_BV)
     return jnp.where(params.temperature > 0, drawn_B, greedy_B)

@@ -13,7 +13,7 @@ from llama_jax import costs
 from llama_jax.decoder import GenerateError, GenerationStats, _EXECUTABLES, generate, stream
 from llama_jax.kv_cache import forward_cached, init_cache, unstack_layers
 from llama_jax.model import lm_head
-from llama_jax.sampling import SamplingParams, filter_logits, sample
+from llama_jax.sampling import SamplingParams, Strategy, argmax, filter_logits, sample
 from reference import relative_error
 
 TINY = llama_jax.load_model_config("tiny")  # N=4, K=2
@@ -48,12 +48,15 @@ def test_prefill_then_decode_equals_full_forward(name, params):
     assert relative_error(jnp.concatenate(logits, axis=1), full) < 1e-5
 
 
-def test_unstacked_layers_compute_the_same(params):
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "float16"])
+def test_unstacked_layers_compute_the_same(params, cache_dtype):
+    """Per-layer caches (16-bit ones stored as uint16 bits) hold exactly what the stacked one
+    holds."""
     config, p = CONFIGS["gqa"], params["gqa"]
     tokens = np.asarray(prompts([2, 9], seed=12)[1:] * 2)
     outs = []
     for layers in (p, unstack_layers(p)):
-        cache = init_cache(config, 2, 16, "float32", per_layer=layers is not p)
+        cache = init_cache(config, 2, 16, cache_dtype, per_layer=layers is not p)
         h, cache = cached(config, layers, tokens[:, :6], cache)
         h2, _ = cached(config, layers, tokens[:, 6:7], cache)
         outs.append(np.concatenate([h, h2], axis=1))
@@ -131,7 +134,7 @@ def test_sampled_tokens_lie_inside_the_filtered_sets():
     for setting in settings:
         params = SamplingParams.broadcast(4, temperature=0.8, **setting)
         allowed = _reference_allowed(np.asarray(logits) / 0.8, **setting)
-        draw = jax.jit(lambda k: sample(logits, k, params, sort=True))
+        draw = jax.jit(lambda k: sample(logits, k, params, Strategy(draw=True, sort=True)))
         seen = np.stack([np.asarray(draw(jax.random.key(i))) for i in range(300)])  # [300, 4]
         for b in range(4):
             assert set(seen[:, b]) <= allowed[b], setting
@@ -151,6 +154,26 @@ def _reference_allowed(scaled, top_k=0, top_p=1.0, min_p=0.0):
         keep = [t for t in keep if np.exp(row[t] - row.max()) >= min_p]
         out.append(set(int(t) for t in keep))
     return out
+
+
+def test_argmax_is_the_first_index_of_the_maximum():
+    rng = np.random.default_rng(12)
+    ties = jnp.asarray(rng.integers(-3, 4, (16, 257)), jnp.float32)  # many tied maxima
+    wide = jnp.asarray(rng.standard_normal((3, 8192)), jnp.float32)
+    for x in (ties, wide, -jnp.abs(wide)):
+        np.testing.assert_array_equal(argmax(x), np.argmax(np.asarray(x), axis=-1))
+
+
+def test_a_draw_is_jax_categorical_and_greedy_rows_stay_greedy():
+    logits = jnp.asarray(np.random.default_rng(13).standard_normal((4, 300)) * 2, jnp.float32)
+    params = SamplingParams.broadcast(4, temperature=1.0)
+    params = params.replace(temperature=jnp.asarray([1.0, 0.0, 1.0, 0.0]))
+    for i in range(20):
+        key = jax.random.key(i)
+        drawn = np.asarray(sample(logits, key, params, Strategy(draw=True, sort=False)))
+        expected = np.asarray(jax.random.categorical(key, logits))
+        np.testing.assert_array_equal(drawn[[0, 2]], expected[[0, 2]])
+        np.testing.assert_array_equal(drawn[[1, 3]], np.argmax(np.asarray(logits), -1)[[1, 3]])
 
 
 def test_filter_keeps_everything_when_off():
