@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     token_prompts = [tokenizer.encode(p, bos=True) for p in prompts]
     stats = GenerationStats()
     streaming = len(prompts) == 1
-    text = TextStream(tokenizer)
+    text = TextStream(tokenizer, token_prompts[0])
     generated: list[list[int]] = [[] for _ in prompts]
     if streaming:
         print(prompts[0], end="", flush=True)
@@ -84,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     if streaming:
         print(text.flush())
     else:
-        for i, (prompt, tokens) in enumerate(zip(prompts, generated)):
-            print(f"--- prompt {i} ---\n{prompt}{tokenizer.decode(tokens)}\n")
+        for i, (prompt, context, tokens) in enumerate(zip(prompts, token_prompts, generated)):
+            continuation = TextStream(tokenizer, context)
+            print(f"--- prompt {i} ---\n{prompt}{continuation.push(tokens)}"
+                  f"{continuation.flush()}\n")
     print(f"[{stats.new_tokens} tokens in {len(prompts)} row(s); time to first token "
           f"{stats.time_to_first_token_s * 1e3:.1f} ms; {stats.tokens_per_s:.1f} tokens/s; "
           f"compile {stats.compile_s:.1f} s]", file=sys.stderr)

@@ -4,9 +4,10 @@
 
 Each measurement runs in a fresh process (a cold JAX cache): trace + lower + XLA compile of
 `jax.jit(forward)`, of a training step (loss, grad, optax AdamW update) and of the decoder's
-prefill + decode executables, on abstract inputs so no weights are allocated. Width: D=512, N=8, K=4, F=1536, V=8192, batch 8, seq 256 (the shape of
-the other benchmarks). Prints medians over `--repeats` processes and the ratio to the shallowest
-depth; `--unrolled` adds the same with `scan_layers=False` for contrast.
+prefill + decode executables, on abstract inputs so no weights are allocated. Width: D=512,
+N=8, K=4, F=1536, V=8192, batch 8, seq 256 (the shape of the other benchmarks). Prints medians
+over `--repeats` processes and the ratio to the shallowest depth; `--unrolled` adds the same
+with `scan_layers=False` for contrast.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import time
+
+from common import run_child
 
 WIDTH = dict(vocab_size=8192, dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1536, max_seq_len=256)
 BATCH, SEQ = 8, 256
@@ -68,9 +69,10 @@ def decode_compile_seconds(config, params) -> float:
     import numpy as np
 
     from llama_jax import decoder
-    from llama_jax.sampling import SamplingParams
+    from llama_jax.sampling import SamplingParams, Strategy
 
     stats = decoder.GenerationStats()
+    greedy = Strategy(draw=False, sort=False)
     layers = jax.eval_shape(decoder._decoder_params, params) if jax.default_backend() == "cpu" \
         else params
     B, T, N = 1, 128, 128
@@ -78,18 +80,12 @@ def decode_compile_seconds(config, params) -> float:
             np.ones((B,), bool), np.full((B, 1), -1, np.int32), SamplingParams.broadcast(B),
             np.int32(N), jax.random.key(0))
     decoder._compiled(decoder._prefill, stats, *args, cache_len=T + N, n_out=N,
-                      cache_dtype="bfloat16", sort=False)
+                      cache_dtype="bfloat16", strategy=greedy)
     state = jax.eval_shape(lambda *a: decoder._prefill(config, *a, cache_len=T + N, n_out=N,
-                                                       cache_dtype="bfloat16", sort=False),
+                                                       cache_dtype="bfloat16", strategy=greedy),
                            *args[1:])
-    decoder._compiled(decoder._decode, stats, config, layers, state, np.int32(N), sort=False)
+    decoder._compiled(decoder._decode, stats, config, layers, state, np.int32(N), strategy=greedy)
     return stats.compile_s
-
-
-def run_child(n_layers: int, scan: bool) -> dict[str, float]:
-    out = subprocess.run([sys.executable, __file__, "--child", str(n_layers), str(int(scan))],
-                         check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -110,7 +106,8 @@ def main() -> None:
     for scan in [True, False] if args.unrolled else [True]:
         base = None
         for n_layers in args.layers:
-            runs = [run_child(n_layers, scan) for _ in range(args.repeats)]
+            runs = [run_child(__file__, "--child", str(n_layers), str(int(scan)))
+                    for _ in range(args.repeats)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             base = base or med
             decode = f"{med['decode']:.2f}" if "decode" in med else "-"

@@ -22,8 +22,6 @@ import argparse
 import functools
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,8 +34,9 @@ import llama_jax
 from llama_jax import costs
 from llama_jax.decoder import GenerationStats, generate
 
-CONFIG = llama_jax.ModelConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=4,
-                               ffn_dim=1536, max_seq_len=2048)
+from common import BENCH_MODEL, run_child
+
+CONFIG = BENCH_MODEL
 PROMPT, NEW = 128, 128
 # Untimed runs first: on this VM the first seconds after allocating run up to 2x slower.
 WARMUP_RUNS = 3
@@ -113,12 +112,8 @@ def run_transformers(hf_dir: str, case: str, batch: int, repeats: int, threads: 
 
 
 def worker(kind: str, hf_dir: str, case: str, batch: int, repeats: int, threads: int) -> dict:
-    """One implementation in a fresh process: torch's OpenMP threads keep spinning after a
-    call and would slow whatever runs next in the same process."""
-    out = subprocess.run([sys.executable, __file__, "--worker", kind, hf_dir, case, str(batch),
-                          str(repeats), "--threads", str(threads)],
-                         check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return run_child(__file__, "--worker", kind, hf_dir, case, str(batch), str(repeats),
+                     "--threads", str(threads))
 
 
 def main() -> None:

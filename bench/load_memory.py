@@ -13,24 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def peak_rss_bytes() -> int:
-    """VmHWM: this process image's peak RSS (ru_maxrss would include the parent's at fork)."""
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
+from common import peak_rss_bytes, rss_bytes, run_child
 
 
 def child(kind: str, path: str, dtype: str) -> dict:
@@ -102,9 +89,7 @@ def main() -> None:
             path = paths["hf" if kind == "transformers" else kind]
             results = []
             for _ in range(args.repeats):
-                out = subprocess.run([sys.executable, __file__, "--child", kind, str(path), dtype],
-                                     check=True, capture_output=True, text=True).stdout
-                results.append(json.loads(out.strip().splitlines()[-1]))
+                results.append(run_child(__file__, "--child", kind, str(path), dtype))
             extra = statistics.median(r["extra_bytes"] for r in results)
             weights = results[0]["weight_bytes"]
             name = "transformers from_pretrained" if kind == "transformers" else \

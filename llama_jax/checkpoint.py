@@ -3,7 +3,8 @@
     config, params = load_checkpoint("path/to/dir", dtype="bfloat16")
 
 The directory's contents decide the format: `config.yaml` + `params/` (llama_jax, orbax),
-`config.json` + safetensors (Hugging Face), `params.json` + `consolidated.NN.pth` (Meta).
+`config.json` + safetensors (Hugging Face), `params.json` + `consolidated.NN.pth` (Meta), or a
+training run's workdir (`config.yaml` + `checkpoints/`: its latest checkpoint).
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from pathlib import Path
 from typing import Iterator
 
 from llama_jax.config import DTYPES, ModelConfig
-from llama_jax.formats import CheckpointError, hf, meta, native
+from llama_jax.formats import CheckpointError, hf, meta, native, run
 from llama_jax.params import Params
 
-FORMATS = {"native": native, "hf": hf, "meta": meta}
+FORMATS = {"native": native, "hf": hf, "meta": meta, "run": run}
 
 
 def detect_format(path: str | Path) -> str:
@@ -28,7 +29,7 @@ def detect_format(path: str | Path) -> str:
     if not path.is_dir():
         raise CheckpointError(f"{path}: expected a checkpoint directory, got a file")
     for name, is_format in (("native", native.is_native), ("hf", hf.is_hf),
-                            ("meta", meta.is_meta)):
+                            ("meta", meta.is_meta), ("run", run.is_run)):
         if is_format(path):
             return name
     found = ", ".join(sorted(p.name for p in path.iterdir())[:12]) or "nothing"

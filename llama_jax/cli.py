@@ -7,11 +7,15 @@ import sys
 from typing import Callable
 
 from llama_jax.config import ConfigError
-from llama_jax.formats import CheckpointError
+from llama_jax.data import DataError
 from llama_jax.decoder import GenerateError
+from llama_jax.formats import CheckpointError
+from llama_jax.trainer import TrainingError
 
-# Errors that describe the user's input; anything else is a bug and keeps its traceback.
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, CheckpointError, GenerateError)
+# Errors that describe the user's input (or a run that cannot go on); anything else is a bug
+# and keeps its traceback.
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, CheckpointError, GenerateError,
+                                            DataError, TrainingError)
 
 
 def user_errors_exit(main: Callable[..., int | None]) -> Callable[..., int]:

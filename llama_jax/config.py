@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import yaml
 
@@ -75,8 +76,8 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"
-    scan_layers: bool = True
-    eos_ids: tuple[int, ...] = ()  # ids that end generation by default (from the tokenizer)  # False unrolls the layer loop (compile time grows with L)
+    scan_layers: bool = True  # False unrolls the layer loop (compile time grows with L)
+    eos_ids: tuple[int, ...] = ()  # ids that end generation by default (from the tokenizer)
 
     def __post_init__(self):
         for name in ("norm_eps", "rope_theta", "init_std", "ffn_dim_multiplier"):
@@ -145,22 +146,119 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, fields: Mapping[str, Any], where: str = "model") -> "ModelConfig":
         """Builds a config from plain data (a YAML section); `where` prefixes error messages."""
-        try:
-            fields = dict(fields)
-            _check_keys(fields, cls, where)
-            scaling = fields.get("rope_scaling")
-            if isinstance(scaling, Mapping):
-                _check_keys(scaling, RopeScaling, f"{where}.rope_scaling")
-                fields["rope_scaling"] = RopeScaling(**scaling)
-            return cls(**fields)
-        except ConfigError as e:
-            if str(e).startswith(where):
-                raise
-            raise ConfigError(f"{where}.{e}") from None
+        fields = dict(fields)
+        scaling = fields.get("rope_scaling")
+        if isinstance(scaling, Mapping):
+            _check_keys(scaling, RopeScaling, f"{where}.rope_scaling")
+            fields["rope_scaling"] = build_section(RopeScaling, scaling, where)
+        return build_section(cls, fields, where)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for a YAML file (tuples become lists)."""
         return {**dataclasses.asdict(self), "eos_ids": list(self.eos_ids)}
+
+
+SCHEDULES = ("cosine", "wsd", "constant")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and bookkeeping of a training run (the `train:` section)."""
+
+    seq_len: int = 256  # tokens per packed sequence
+    batch_size: int = 8  # sequences per optimizer step, across all devices
+    micro_batches: int = 1  # gradient accumulation: the batch is split into this many parts
+    steps: int = 1000  # the schedule's horizon
+    learning_rate: float = 3e-4  # peak
+    schedule: str = "cosine"  # cosine: warmup, cosine decay; wsd: warmup, stable, decay
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1  # final learning rate / peak
+    decay_fraction: float = 0.2  # wsd: share of the steps spent decaying (linearly)
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # AdamW, decoupled; never applied to norm gains
+    clip_norm: float = 1.0  # global gradient norm; 0 = off
+    z_loss: float = 0.0  # coefficient of log(Z)^2 (PaLM); 0 = off
+    seed: int = 0  # parameter init and data order
+    log_every: int = 10  # lr, tokens/s and MFU every this many steps (loss is every step)
+    eval_every: int = 200  # validation loss every this many steps, and at the end
+    eval_batches: int = 10
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+    max_nonfinite: int = 5  # stop after this many non-finite steps in a row
+    peak_flops: float | None = None  # per device, for MFU; None: known table or measured
+
+    # Fields that only change bookkeeping: a run may resume with different values.
+    RESUMABLE_CHANGES = ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every",
+                         "keep_checkpoints", "max_nonfinite", "peak_flops")
+
+    def __post_init__(self):
+        for name in ("learning_rate", "min_lr_ratio", "decay_fraction", "b1", "b2", "eps",
+                     "weight_decay", "clip_norm", "z_loss", "peak_flops"):
+            object.__setattr__(self, name, _as_float(name, getattr(self, name)))
+        for name in ("seq_len", "batch_size", "micro_batches", "steps", "log_every", "eval_every",
+                     "eval_batches", "checkpoint_every", "keep_checkpoints", "max_nonfinite"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                     name, value, "must be a positive integer")
+        for name in ("warmup_steps", "seed"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+                     name, value, "must be a non-negative integer")
+        _require(self.batch_size % self.micro_batches == 0, "micro_batches",
+                 self.micro_batches, f"must divide batch_size ({self.batch_size})")
+        _require(self.schedule in SCHEDULES, "schedule", self.schedule,
+                 f"is not one of {SCHEDULES}")
+        _require(self.learning_rate > 0, "learning_rate", self.learning_rate, "must be > 0")
+        for name in ("min_lr_ratio", "b1", "b2"):
+            _require(0 <= getattr(self, name) <= 1, name, getattr(self, name),
+                     "must be in [0, 1]")
+        _require(0 < self.decay_fraction <= 1, "decay_fraction", self.decay_fraction,
+                 "must be in (0, 1]")
+        for name in ("eps", "weight_decay", "clip_norm", "z_loss"):
+            _require(getattr(self, name) >= 0, name, getattr(self, name),
+                     "must be >= 0")
+        _require(self.peak_flops is None or self.peak_flops > 0, "peak_flops",
+                 self.peak_flops, "must be > 0 (or null to measure)")
+
+
+DEFAULT_CORPUS = "/usr/share/doc/python3.11/html/_sources"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where the text comes from and how it is split (the `data:` section)."""
+
+    corpus: str = DEFAULT_CORPUS  # a directory (every file below it) or a glob; one document each
+    tokenizer: str | None = None  # a tokenizer.model; None: train SentencePiece BPE on the corpus
+    val_fraction: float = 0.05  # share of documents held out for validation
+    max_tokenizer_chars: int = 20_000_000  # text fed to tokenizer training (sampled by document)
+
+    def __post_init__(self):
+        object.__setattr__(self, "val_fraction", _as_float("val_fraction", self.val_fraction))
+        _require(isinstance(self.corpus, str) and self.corpus != "", "corpus", self.corpus,
+                 "must be a directory or a glob")
+        _require(self.tokenizer is None or isinstance(self.tokenizer, str), "tokenizer",
+                 self.tokenizer, "must be a path to a tokenizer.model (or null to train one)")
+        _require(0 < self.val_fraction < 1, "val_fraction", self.val_fraction,
+                 "must be in (0, 1)")
+        _require(isinstance(self.max_tokenizer_chars, int) and self.max_tokenizer_chars > 0,
+                 "max_tokenizer_chars", self.max_tokenizer_chars,
+                 "must be a positive integer")
+
+
+def build_section(cls: type, fields: Mapping[str, Any], where: str):
+    """`cls(**fields)` with unknown or missing keys and bad values reported as `where.field`."""
+    try:
+        _check_keys(fields, cls, where)
+        return cls(**fields)
+    except ConfigError as e:
+        if str(e).startswith(where):  # from _check_keys
+            raise
+        raise ConfigError(f"{where}.{e}") from None
+    except TypeError as e:  # e.g. a YAML list where a number belongs
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def meta_ffn_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
@@ -204,7 +302,7 @@ def _check_keys(fields: Mapping[str, Any], cls: type, where: str) -> None:
 
 # ----------------------------------------------------------------------------------- YAML files
 
-SECTIONS = ("model",)
+SECTIONS = ("model", "train", "data")
 
 
 def resolve_config_path(name_or_path: str | Path, relative_to: Path | None = None) -> Path:
@@ -255,18 +353,57 @@ def _merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def load_model_config(name_or_path: str | Path) -> ModelConfig:
-    """The validated `model:` section of a config file or preset."""
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a training run is defined by: the model, its optimisation and its data."""
+
+    model: ModelConfig
+    train: TrainConfig = TrainConfig()
+    data: DataConfig = DataConfig()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model.to_dict(), "train": dataclasses.asdict(self.train),
+                "data": dataclasses.asdict(self.data)}
+
+    @classmethod
+    def from_tree(cls, tree: Mapping[str, Any], where: str) -> "RunConfig":
+        """From a merged YAML tree; `where` (the file) prefixes error messages."""
+        if "model" not in tree:
+            raise ConfigError(f"{where}: no `model:` section (directly or through `base:`)")
+        sections = {}
+        for name, build in (("model", ModelConfig.from_dict),
+                            ("train", functools.partial(build_section, TrainConfig)),
+                            ("data", functools.partial(build_section, DataConfig))):
+            fields = tree.get(name) or {}
+            if not isinstance(fields, Mapping):
+                raise ConfigError(f"{where}: `{name}:` must be a mapping, got {fields!r}")
+            try:
+                sections[name] = build(fields, where=name)
+            except ConfigError as e:
+                raise ConfigError(f"{where}: {e}") from None
+        return cls(**sections)
+
+
+def load_run_config(name_or_path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+    """A config file or preset with `SECTION.KEY=VALUE` overrides (values parsed as YAML)."""
     path = resolve_config_path(name_or_path)
     tree = load_config_tree(path)
-    if "model" not in tree:
-        raise ConfigError(f"{path}: no `model:` section (directly or through `base:`)")
-    try:
-        return ModelConfig.from_dict(tree["model"])
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
-    except TypeError as e:  # e.g. a YAML list where a number belongs
-        raise ConfigError(f"{path}: model: {e}") from None
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        *parents, leaf = key.split(".")
+        if not sep or not parents or parents[0] not in SECTIONS:
+            raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE with SECTION one of "
+                              f"{', '.join(SECTIONS)} (e.g. train.learning_rate=1e-3)")
+        node = tree
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = yaml.safe_load(value)
+    return RunConfig.from_tree(tree, str(path))
+
+
+def load_model_config(name_or_path: str | Path) -> ModelConfig:
+    """The validated `model:` section of a config file or preset."""
+    return load_run_config(name_or_path).model
 
 
 def list_presets() -> list[str]:

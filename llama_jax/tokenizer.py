@@ -12,9 +12,11 @@ tells the two formats apart by content (tiktoken files are lines of `base64 rank
 
 from __future__ import annotations
 
+import io
+import os
 import re
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Iterable, Protocol, Sequence
 
 from llama_jax.formats import CheckpointError
 
@@ -122,14 +124,40 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return SentencePieceTokenizer(path)
 
 
+def train_sentencepiece(texts: Iterable[str], vocab_size: int, path: Path) -> None:
+    """Trains a LLaMA-1/2-style SentencePiece BPE model (byte fallback, digits split, text kept
+    verbatim: no whitespace folding, no Unicode normalisation, so code survives a round trip)
+    and writes it to `path`. Ids: 0 <unk>, 1 <s> (BOS), 2 </s> (EOS), as in LLaMA.
+
+    SentencePiece learns from lines; a newline is never part of a piece and encodes through
+    byte fallback, exactly as in Meta's tokenizer.
+    """
+    import sentencepiece
+
+    lines = (line for text in texts for line in text.splitlines() if line.strip())
+    model = io.BytesIO()  # not a file prefix: the model would record the (temporary) path
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=lines, model_writer=model, model_type="bpe", vocab_size=vocab_size,
+        byte_fallback=True, split_digits=True, character_coverage=0.9999,
+        normalization_rule_name="identity", remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True, max_sentence_length=1 << 16, unk_id=0, bos_id=1,
+        eos_id=2, pad_id=-1, num_threads=os.cpu_count() or 1, minloglevel=2)
+    path.write_bytes(model.getvalue())
+
+
 class TextStream:
     """Turns a growing list of token ids into text increments for printing as they arrive.
-    Holds back a trailing partial UTF-8 character (decoded as U+FFFD) until it completes."""
+    Holds back a trailing partial UTF-8 character (decoded as U+FFFD) until it completes.
 
-    def __init__(self, tokenizer: Tokenizer):
+    The ids are decoded after `context` (the prompt) and only the text past the context's own
+    decoding is returned: SentencePiece drops the space of a sequence's first piece, so a
+    continuation decoded alone would lose the space between the prompt and its first word.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()):
         self._tokenizer = tokenizer
-        self._ids: list[int] = []
-        self._printed = 0
+        self._ids: list[int] = list(context)
+        self._printed = len(tokenizer.decode(self._ids))
 
     def push(self, ids: Sequence[int]) -> str:
         self._ids += ids

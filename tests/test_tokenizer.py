@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from llama_jax.formats import CheckpointError
-from llama_jax.tokenizer import Llama3Tokenizer, SentencePieceTokenizer, load_tokenizer
+from llama_jax.tokenizer import Llama3Tokenizer, SentencePieceTokenizer, TextStream, load_tokenizer
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Émile's café served 3.14159 crêpes! "
         "def f(x):\n    return x ** 2  # <|begin_of_text|> is just text here\n\n\t naïve — 東京")
@@ -37,6 +37,19 @@ def test_sentencepiece_ids_come_from_the_model_file(sp_model):
     ids = tok.encode(TEXT, bos=True, eos=True)
     assert ids[0] == 3 and ids[-1] == 7
     assert tok.decode(ids[1:-1]) == TEXT  # byte fallback: lossless, even for unseen characters
+
+
+def test_text_stream_continues_the_prompt_exactly(sp_model):
+    """Pieces arrive a few at a time; the printed text is exactly what decoding prompt +
+    continuation adds to the prompt's text (its leading space included), never a broken
+    character."""
+    tok = load_tokenizer(sp_model)
+    ids = tok.encode(TEXT, bos=False)
+    for cut in (1, 7, 23):
+        stream = TextStream(tok, ids[:cut])
+        pieces = [stream.push(ids[i:i + 2]) for i in range(cut, len(ids), 2)]
+        assert all("\ufffd" not in piece for piece in pieces)
+        assert tok.decode(ids[:cut]) + "".join(pieces) + stream.flush() == TEXT
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,36 @@
+"""What the benchmark scripts share: the issues' benchmark model, child processes, memory."""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+
+import llama_jax
+
+# The model the issues' benchmarks name: D=512, 8 layers, 8 heads, 4 KV heads, FFN 1536,
+# vocab 8192.
+BENCH_MODEL = llama_jax.ModelConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8,
+                                    n_kv_heads=4, ffn_dim=1536, max_seq_len=2048)
+
+
+def run_child(script: str, *args: str) -> dict:
+    """Runs `python script *args` and returns the JSON object on its last stdout line. Each
+    measurement gets a fresh process: torch's OpenMP threads keep spinning after a call and
+    slow whatever runs next in the same process, and peak RSS is per process."""
+    out = subprocess.run([sys.executable, script, *args], check=True, capture_output=True,
+                         text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def peak_rss_bytes() -> int:
+    """VmHWM: this process image's peak RSS (ru_maxrss would include the parent's at fork)."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024

@@ -1,0 +1,57 @@
+"""Peak matmul rates for MFU: a published table for accelerators, a measurement for CPUs.
+
+MFU = model FLOPs per second / (devices × peak per device). On a CPU there is no datasheet
+figure that XLA can reach, so the peak is the rate of a large jitted matmul measured on the same
+machine in the same run (DESIGN.md §5).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+# Dense bf16 matmul peak per chip / GPU, FLOP/s (vendor datasheets; no sparsity).
+PEAK_BF16_FLOPS = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,  # v5e
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,  # v6e (Trillium)
+    "TPU v6e": 918e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA A100": 312e12,
+}
+
+
+def peak_flops_per_device(dtype: str = "float32") -> float:
+    """The peak matmul rate of one of this process's devices."""
+    device = jax.devices()[0]
+    for prefix, flops in PEAK_BF16_FLOPS.items():
+        if device.device_kind.startswith(prefix):
+            return flops
+    return measure_matmul_flops(dtype)
+
+
+def measure_matmul_flops(dtype: str = "float32", size: int = 1536, repeats: int = 5) -> float:
+    """Best-of-`repeats` rate of a jitted [size, size] @ [size, size] matmul on device 0, run
+    eight times per timing so dispatch overhead does not count."""
+    keys = jax.random.split(jax.random.key(0), 2)
+    a, b = (jax.random.normal(k, (size, size), jnp.float32).astype(dtype) for k in keys)
+
+    @jax.jit
+    def chain(a, b):
+        for _ in range(8):
+            a = jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype) * 1e-3
+        return a
+
+    chain(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        chain(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 8 * 2 * size ** 3 / best

@@ -1,0 +1,241 @@
+"""The training loop: data, state, checkpoints, metrics and signals around `training.train_step`.
+
+Order of work, so that every mistake in the input surfaces before anything is compiled: check
+the config against the devices, claim the workdir (refusing one that holds another run's
+checkpoints), find and tokenize the corpus, then compile the step ahead of time (its compile
+time is reported on its own), restore the latest checkpoint if there is one, and train.
+
+The batch is split across all devices along a `data` mesh axis and the state is replicated
+(data parallelism); sharding the state itself is the sharding module's business.
+
+Stopping: at `train.steps`, at `stop_at`, or on SIGTERM / SIGINT, the loop finishes the step in
+flight, writes a checkpoint and returns. Non-finite steps are skipped by the optimizer; after
+`train.max_nonfinite` of them in a row the run stops with `TrainingError`, without saving
+(the last checkpoint holds finite parameters from before the trouble).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tqdm import tqdm
+
+from llama_jax import costs, data, hardware, workdir as run_dir
+from llama_jax.config import ConfigError, RunConfig
+from llama_jax.metrics import MetricsLog
+from llama_jax.optim import learning_rate_schedule, make_optimizer
+from llama_jax.training import TrainState, eval_sums, init_state, train_step
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. the loss stayed non-finite); the message says why and where."""
+
+
+@dataclasses.dataclass
+class Outcome:
+    step: int  # the last step taken (and checkpointed)
+    stopped_by: str | None = None  # "SIGTERM", "SIGINT", "stop_at"; None when the run finished
+    val_loss: float | None = None  # the last evaluation
+    val_unigram_entropy: float = 0.0  # nats/token: the validation loss of a context-free model
+    compile_s: float = 0.0
+    tokens_per_s: float = 0.0  # over the whole run, compile excluded
+
+
+def check_run(run: RunConfig, n_devices: int) -> None:
+    """Config errors that only show against the devices or across sections."""
+    model, train = run.model, run.train
+    if train.seq_len > model.max_seq_len:
+        raise ConfigError(f"train.seq_len={train.seq_len} exceeds the model's context "
+                          f"(model.max_seq_len={model.max_seq_len})")
+    micro = train.batch_size // train.micro_batches
+    if micro % n_devices:
+        raise ConfigError(f"train.batch_size={train.batch_size} / train.micro_batches="
+                          f"{train.micro_batches} = {micro} sequences per micro-batch do not "
+                          f"split across {n_devices} devices")
+
+
+def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
+          log: Callable[[str], None] = print, progress: bool = True) -> Outcome:
+    """Trains (or resumes) the run in `workdir` up to `train.steps` (or `stop_at`)."""
+    model, train_cfg = run.model, run.train
+    devices = jax.devices()
+    check_run(run, len(devices))
+    run_dir.claim(workdir, run)
+
+    corpus = data.find_corpus(run.data.corpus, run.data.val_fraction)
+    tokenizer = data.prepare_tokenizer(run.data, corpus, model.vocab_size, workdir, log)
+    tokens = data.tokenize_corpus(corpus, tokenizer, data.cache_root(), log)
+    log(f"corpus {corpus.root}: {len(corpus.train)} training documents "
+        f"({len(tokens.train):,} tokens), {len(corpus.val)} validation ({len(tokens.val):,})")
+    iterator = data.train_batches(tokens.train, train_cfg.seq_len, train_cfg.batch_size,
+                                  train_cfg.seed)
+    val = data.val_batches(tokens.val, train_cfg.seq_len, train_cfg.batch_size,
+                           train_cfg.eval_batches)
+
+    mesh = jax.make_mesh((len(devices),), ("data",), devices=devices,
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    programs = _programs(run, tokens.bos_id, mesh)
+    replicated, batch_sharding = programs.replicated, programs.batch_sharding
+    abstract, compile_s = programs.abstract, programs.compile_s
+
+    checkpoints = run_dir.Checkpoints(workdir, train_cfg)
+    start = checkpoints.latest_step() or 0
+    if start:
+        params, opt_state, _ = checkpoints.restore(
+            start, run_dir.abstract_like(abstract.params, replicated),
+            run_dir.abstract_like(abstract.opt_state, replicated), iterator)
+        state = TrainState(step=jnp.asarray(start, jnp.int32), params=params,
+                           opt_state=opt_state)
+        log(f"resumed from {workdir / run_dir.CHECKPOINTS / str(start)}")
+    else:
+        state = programs.init(jax.random.key(train_cfg.seed))
+    end = min(train_cfg.steps, stop_at or train_cfg.steps)
+    if start >= end:
+        checkpoints.close()
+        log(f"nothing to do: the latest checkpoint is at step {start}, the run ends at {end}")
+        return Outcome(step=start, compile_s=compile_s)
+
+    tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
+    flops_per_step = costs.train_flops_per_token(model, train_cfg.seq_len) * tokens_per_step
+    peak = (train_cfg.peak_flops or hardware.peak_flops_per_device(model.compute_dtype)) \
+        * len(devices)
+    schedule = learning_rate_schedule(train_cfg)
+    metrics = MetricsLog(workdir / run_dir.METRICS, workdir / run_dir.TENSORBOARD, start)
+    outcome = Outcome(step=start, compile_s=compile_s,
+                      val_unigram_entropy=data.unigram_entropy(tokens.val, tokens.bos_id))
+    log(f"step compiled in {compile_s:.1f} s; training steps {start + 1}..{end} of "
+        f"{train_cfg.steps} on {len(devices)} {devices[0].platform} device(s)")
+
+    def save(step: int, state: TrainState) -> None:
+        if not bool(_all_finite(state.params)):
+            raise TrainingError(f"parameters are not finite at step {step}; not saving over "
+                                "the last good checkpoint")
+        checkpoints.save(step, state.params, state.opt_state, {"step": step}, iterator)
+
+    bar = tqdm(total=train_cfg.steps, initial=start, disable=not progress or
+               jax.process_index() != 0, dynamic_ncols=True, unit="step")
+    say = bar.write if not bar.disable else log
+    run_start = window_start = time.perf_counter()
+    window_steps = 0
+    try:
+        with _stop_signals() as received:
+            for step in range(start + 1, end + 1):
+                batch = jax.device_put(next(iterator), batch_sharding)
+                state, step_metrics = programs.step(state, batch)
+                values = jax.device_get(step_metrics)
+                window_steps += 1
+                record = {"loss": values["loss"]}
+                if values["nonfinite_in_row"] >= train_cfg.max_nonfinite:
+                    raise TrainingError(
+                        f"step {step}: the loss or gradients were non-finite for "
+                        f"{values['nonfinite_in_row']} steps in a row (train.max_nonfinite="
+                        f"{train_cfg.max_nonfinite}); stopped without saving. Lower "
+                        f"train.learning_rate or check the data; the last checkpoint "
+                        f"({checkpoints.latest_step()}) is intact")
+                if step % train_cfg.log_every == 0 or step == end:
+                    elapsed = time.perf_counter() - window_start
+                    record.update(
+                        lr=schedule(step - 1 - int(values["nonfinite_total"])),
+                        grad_norm=values["grad_norm"],
+                        tokens_per_s=window_steps * tokens_per_step / elapsed,
+                        mfu=window_steps * flops_per_step / elapsed / peak,
+                        nonfinite_total=values["nonfinite_total"])
+                    bar.set_postfix(loss=f"{values['loss']:.3f}",
+                                    tok_s=f"{record['tokens_per_s']:.0f}",
+                                    mfu=f"{record['mfu']:.0%}", refresh=False)
+                    window_start, window_steps = time.perf_counter(), 0
+                if step % train_cfg.eval_every == 0 or step == train_cfg.steps:
+                    outcome.val_loss = _validation_loss(programs.evaluate, state.params, val,
+                                                        batch_sharding)
+                    record.update(val_loss=outcome.val_loss,
+                                  val_ppl=math.exp(min(outcome.val_loss, 700)))
+                    say(f"step {step}: val_loss {outcome.val_loss:.4f} "
+                              f"val_ppl {record['val_ppl']:.2f}")
+                metrics.write(step, record)
+                bar.update(1)
+                outcome.step = step
+                stopping = received or (["stop_at"] if step == end < train_cfg.steps else [])
+                if stopping or step % train_cfg.checkpoint_every == 0 or step == end:
+                    save(step, state)
+                if stopping:
+                    outcome.stopped_by = stopping[0]
+                    log(f"stopped by {stopping[0]} after step {step}; checkpoint saved, "
+                        "rerun the same command to resume")
+                    break
+        outcome.tokens_per_s = (outcome.step - start) * tokens_per_step / (
+            time.perf_counter() - run_start)
+    finally:
+        bar.close()
+        checkpoints.close()
+        metrics.close()
+    return outcome
+
+
+@dataclasses.dataclass(frozen=True)
+class _Programs:
+    init: Callable  # seed key -> TrainState, replicated
+    abstract: TrainState  # shapes, dtypes and shardings of the state
+    step: Callable  # (state, batch) -> (state, metrics), compiled ahead of time, state donated
+    evaluate: Callable  # (params, batch) -> (cross-entropy sum, token count)
+    compile_s: float
+    replicated: NamedSharding
+    batch_sharding: NamedSharding
+
+
+@functools.lru_cache(maxsize=4)
+def _programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh) -> _Programs:
+    """The run's jitted functions, the train step compiled now (cached per process, so a
+    resumed run in the same process does not compile again)."""
+    replicated, batch_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    optimizer = make_optimizer(run.model, run.train)
+    init = jax.jit(functools.partial(init_state, run.model, optimizer), out_shardings=replicated)
+    abstract = jax.eval_shape(init, jax.random.key(0))
+    step = jax.jit(functools.partial(train_step, run.model, run.train, optimizer, bos_id),
+                   donate_argnums=0)
+    batch = jax.ShapeDtypeStruct((run.train.batch_size, run.train.seq_len + 1), jnp.int32,
+                                 sharding=batch_sharding)
+    start = time.perf_counter()
+    compiled = step.lower(abstract, batch).compile()
+    compile_s = time.perf_counter() - start
+    evaluate = jax.jit(functools.partial(eval_sums, run.model, bos_id))
+    return _Programs(init=init, abstract=abstract, step=compiled, evaluate=evaluate,
+                     compile_s=compile_s, replicated=replicated, batch_sharding=batch_sharding)
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _validation_loss(evaluate, params, batches: list[np.ndarray],
+                     sharding: NamedSharding) -> float:
+    total = count = 0.0
+    for batch in batches:
+        ce_sum, n = jax.device_get(evaluate(params, jax.device_put(batch, sharding)))
+        total, count = total + float(ce_sum), count + float(n)
+    return total / max(count, 1.0)
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[list[str]]:
+    """Yields a list that receives the name of each SIGTERM / SIGINT until the block exits."""
+    received: list[str] = []
+    handled = (signal.SIGTERM, signal.SIGINT)
+    previous = {s: signal.signal(s, lambda signum, _: received.append(signal.Signals(signum).name))
+                for s in handled}
+    try:
+        yield received
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

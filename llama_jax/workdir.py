@@ -1,0 +1,127 @@
+"""A training run's directory, and its checkpoints.
+
+    WORKDIR/config.yaml        the resolved run config (model, train, data)
+    WORKDIR/tokenizer.model    the run's tokenizer (trained or copied there)
+    WORKDIR/checkpoints/STEP/  orbax CheckpointManager steps: params/, opt_state/, progress/,
+                               data/ (grain iterator state, one JSON per process)
+    WORKDIR/metrics.jsonl      one JSON object per step
+    WORKDIR/tensorboard/       event files
+
+A workdir belongs to one run: rerunning with the same config resumes from the latest
+checkpoint, and a different config (other than the bookkeeping fields of
+`TrainConfig.RESUMABLE_CHANGES`) is refused before anything is written. Orbax writes each step
+into a temporary directory and renames it when complete, so a crash while saving leaves the
+previous checkpoints as they were; `latest_step` only sees complete ones.
+
+`load_checkpoint(WORKDIR)` reads the latest step's parameters, so `sample.py --checkpoint
+WORKDIR` samples from a run directly.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+import yaml
+
+from llama_jax.config import ConfigError, RunConfig, TrainConfig
+
+CONFIG = "config.yaml"
+CHECKPOINTS = "checkpoints"
+METRICS = "metrics.jsonl"
+TENSORBOARD = "tensorboard"
+
+
+def is_workdir(path: Path) -> bool:
+    return (path / CONFIG).is_file() and (path / CHECKPOINTS).is_dir()
+
+
+def claim(workdir: Path, run: RunConfig) -> None:
+    """Makes `workdir` this run's, or checks that its checkpoints belong to this run; writes
+    config.yaml. (A config.yaml without checkpoints is from a run that never got going.)"""
+    stored_path = workdir / CONFIG
+    checkpoints = workdir / CHECKPOINTS
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        if not stored_path.is_file():
+            raise ConfigError(f"{workdir} has checkpoints but no {CONFIG}: not a llama_jax run "
+                              "directory; use another --workdir")
+        try:
+            stored = run_config(workdir)
+        except (ConfigError, yaml.YAMLError) as e:
+            raise ConfigError(f"{workdir} holds an unreadable run config: {e}") from None
+        differences = config_differences(stored, run)
+        if differences:
+            raise ConfigError(
+                f"{workdir} holds checkpoints of a run with a different config "
+                f"({'; '.join(differences)}); they would not continue this run. Resume with "
+                "the same config or use another --workdir")
+    workdir.mkdir(parents=True, exist_ok=True)
+    temp = workdir / f".{CONFIG}.tmp"
+    temp.write_text(yaml.safe_dump(run.to_dict(), sort_keys=False))
+    os.replace(temp, stored_path)
+
+
+def config_differences(stored: RunConfig, new: RunConfig) -> list[str]:
+    """`section.field: stored -> new` for every field that changes the run's trajectory."""
+    out = []
+    old_tree, new_tree = stored.to_dict(), new.to_dict()
+    for section, fields in new_tree.items():
+        for name, value in fields.items():
+            before = old_tree[section].get(name)
+            if before != value and not (section == "train"
+                                        and name in TrainConfig.RESUMABLE_CHANGES):
+                out.append(f"{section}.{name}: {before!r} -> {value!r}")
+    return out
+
+
+class Checkpoints:
+    """Asynchronous orbax checkpoints of (params, optimizer state, progress, data iterator)."""
+
+    def __init__(self, workdir: Path, train: TrainConfig, create: bool = True):
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=train.keep_checkpoints, create=create, enable_async_checkpointing=True)
+        self.manager = ocp.CheckpointManager((workdir / CHECKPOINTS).absolute(), options=options)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, params: Any, opt_state: Any, progress: dict[str, Any],
+             iterator: grain.DatasetIterator) -> None:
+        """Starts writing step `step`; returns once the arrays are copied off the device."""
+        self.manager.save(step, force=True, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
+            progress=ocp.args.JsonSave(progress), data=grain.checkpoint.CheckpointSave(iterator)))
+
+    def restore(self, step: int, abstract_params: Any, abstract_opt_state: Any,
+                iterator: grain.DatasetIterator) -> tuple[Any, Any, dict[str, Any]]:
+        """(params, opt_state, progress) of `step`; `iterator` is moved to its saved position."""
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_params),
+            opt_state=ocp.args.StandardRestore(abstract_opt_state),
+            progress=ocp.args.JsonRestore(), data=grain.checkpoint.CheckpointRestore(iterator)))
+        return restored.params, restored.opt_state, restored.progress
+
+    def restore_params(self, step: int, abstract_params: Any) -> Any:
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_params)))
+        return restored.params
+
+    def close(self) -> None:
+        """Waits for the write in flight, then releases the manager."""
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def abstract_like(tree: Any, sharding: jax.sharding.Sharding) -> Any:
+    """ShapeDtypeStructs of `tree` (arrays or abstract arrays) placed with `sharding`."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+
+def run_config(workdir: Path) -> RunConfig:
+    path = workdir / CONFIG
+    return RunConfig.from_tree(yaml.safe_load(path.read_text()) or {}, str(path))
+

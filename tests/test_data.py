@@ -1,0 +1,149 @@
+"""The data pipeline: corpus split, tokenizer training, token cache, packing, iterator state."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llama_jax import data
+from llama_jax.config import DataConfig, ModelConfig
+from llama_jax.model import forward
+from llama_jax.params import init_params
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus_dir, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("run")
+    corpus = data.find_corpus(str(corpus_dir), 0.1)
+    tokenizer = data.prepare_tokenizer(DataConfig(corpus=str(corpus_dir)), corpus, VOCAB,
+                                       workdir, log=lambda _: None)
+    tokens = data.tokenize_corpus(corpus, tokenizer, data.cache_root(), log=lambda _: None)
+    return corpus, tokenizer, tokens
+
+
+def test_split_holds_out_whole_documents_stably(corpus_dir, tmp_path):
+    corpus = data.find_corpus(str(corpus_dir), 0.1)
+    files = {p for p in corpus_dir.rglob("*") if p.is_file() and p.name != ".hidden.txt"}
+    assert set(corpus.train) | set(corpus.val) == files
+    assert not set(corpus.train) & set(corpus.val)
+    assert 1 <= len(corpus.val) < len(files) // 4
+    moved = shutil.copytree(corpus_dir, tmp_path / "elsewhere")  # the split is by relative name
+    again = data.find_corpus(str(moved), 0.1)
+    assert [p.relative_to(moved) for p in again.val] == [p.relative_to(corpus_dir)
+                                                          for p in corpus.val]
+    by_glob = data.find_corpus(str(corpus_dir / "**" / "*.txt"), 0.1)
+    assert set(by_glob.train) | set(by_glob.val) == files
+
+
+def test_bad_corpora_are_named(tmp_path, monkeypatch):
+    with pytest.raises(data.DataError, match="missing': no such directory$"):
+        data.find_corpus(str(tmp_path / "missing"), 0.1)
+    monkeypatch.setattr(data, "DEFAULT_CORPUS", str(tmp_path / "no-docs"))  # as on a fresh host
+    with pytest.raises(data.DataError, match="apt-get install python3.11-doc"):
+        data.find_corpus(str(tmp_path / "no-docs"), 0.1)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "a.txt").write_text("only one document")
+    with pytest.raises(data.DataError, match="found 1 file"):
+        data.find_corpus(str(tmp_path / "one"), 0.1)
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe not utf-8 \x80")
+    with pytest.raises(data.DataError, match="bad.txt: cannot read as UTF-8"):
+        data.read_document(bad)
+
+
+def test_trained_tokenizer_round_trips_text_verbatim(prepared):
+    _, tokenizer, _ = prepared
+    assert tokenizer.vocab_size == VOCAB and tokenizer.bos_id == 1 and tokenizer.eos_ids == (2,)
+    text = "def f(x):\n    return {'naïve': x ** 2}  # 12345\n\n\ttabs   and  spaces — ok\n"
+    ids = tokenizer.encode(text, bos=False)
+    assert tokenizer.decode(ids) == text
+    assert len(ids) < len(text.encode())  # it learned merges, not just bytes
+
+
+def test_token_cache_is_bos_doc_eos_and_is_reused(prepared, monkeypatch):
+    corpus, tokenizer, tokens = prepared
+    expected = np.concatenate([tokenizer.encode(data.read_document(p), bos=True, eos=True)
+                               for p in corpus.val])
+    np.testing.assert_array_equal(tokens.val, expected)
+    assert isinstance(tokens.train, np.memmap) and tokens.train.dtype == np.uint16
+    monkeypatch.setattr(data, "_write_tokens", lambda *a: pytest.fail("re-tokenized"))
+    again = data.tokenize_corpus(corpus, tokenizer, data.cache_root(), log=lambda _: None)
+    assert again.cache_dir == tokens.cache_dir
+
+
+def test_changing_a_document_invalidates_the_cache(prepared, tmp_path):
+    corpus, tokenizer, tokens = prepared
+    copy = shutil.copytree(corpus.root, tmp_path / "docs")
+    changed = data.find_corpus(str(copy), 0.1)
+    same = data.tokenize_corpus(changed, tokenizer, data.cache_root(), log=lambda _: None)
+    assert same.cache_dir == tokens.cache_dir  # content, not location, is the key
+    changed.train[0].write_text(changed.train[0].read_text() + "\nmore text\n")
+    other = data.tokenize_corpus(changed, tokenizer, data.cache_root(), log=lambda _: None)
+    assert other.cache_dir != tokens.cache_dir
+    assert len(other.train) > len(tokens.train)
+
+
+def test_features_match_a_reference_loop():
+    rng = np.random.default_rng(0)
+    bos = 1
+    window = rng.integers(3, 100, (4, 41))
+    window[rng.random(window.shape) < 0.1] = bos
+    window[2, 0] = bos
+    f = data.features(jnp.asarray(window, jnp.int32), bos)
+    for b in range(4):
+        segment, position = 0, 0
+        for t in range(40):
+            if window[b, t] == bos:
+                segment, position = segment + 1, 0
+            assert f.segment_ids_BT[b, t] == segment and f.positions_BT[b, t] == position
+            assert f.weights_BT[b, t] == (window[b, t + 1] != bos)
+            position += 1
+    np.testing.assert_array_equal(f.targets_BT, window[:, 1:])
+
+
+def test_packed_documents_compute_what_they_compute_alone():
+    config = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                         multiple_of=16, max_seq_len=64)
+    params = init_params(config, jax.random.key(0))
+    rng = np.random.default_rng(1)
+    doc_a, doc_b = rng.integers(3, 64, 9), rng.integers(3, 64, 13)
+    tail = rng.integers(3, 64, 5)  # the end of a document from the previous window
+    window = np.concatenate([tail, [1], doc_a, [2], [1], doc_b, [2]])[None]
+    f = data.features(jnp.asarray(window, jnp.int32), bos_id=1)
+    packed = forward(config, params, f.inputs_BT, positions_BT=f.positions_BT,
+                     segment_ids_BT=f.segment_ids_BT)[0]
+    alone_b = forward(config, params, jnp.asarray([[1, *doc_b, 2]]))[0]
+    start_b = len(tail) + 1 + len(doc_a) + 1  # doc_b's BOS; the window's last EOS is a target
+    np.testing.assert_allclose(packed[start_b:], alone_b[:len(doc_b) + 1], rtol=1e-5, atol=1e-5)
+    alone_tail = forward(config, params, jnp.asarray([tail]))[0]
+    np.testing.assert_allclose(packed[:len(tail)], alone_tail, rtol=1e-5, atol=1e-5)
+
+
+def test_iterator_is_deterministic_and_resumes_from_its_state():
+    tokens = np.arange(1, 8 * 10 + 2, dtype=np.uint16)  # 10 windows of 8 (+1 shared token)
+    first = data.train_batches(tokens, 8, 2, seed=3)
+    head = [next(first) for _ in range(4)]
+    state = first.get_state()
+    rest = [next(first) for _ in range(9)]  # runs into the second and third epoch
+    resumed = data.train_batches(tokens, 8, 2, seed=3)
+    resumed.set_state(state)
+    for a, b in zip(rest, (next(resumed) for _ in range(9))):
+        np.testing.assert_array_equal(a, b)
+    again = data.train_batches(tokens, 8, 2, seed=3)
+    np.testing.assert_array_equal(next(again), head[0])
+    epoch1 = np.concatenate(head + rest[:1])[:, 0]  # window starts, 5 batches = one epoch
+    epoch2 = np.concatenate(rest[1:6])[:, 0]
+    assert sorted(epoch1) == sorted(epoch2) == list(range(1, 81, 8))
+    assert list(epoch1) != list(epoch2)  # reshuffled each epoch
+    other_seed = data.train_batches(tokens, 8, 2, seed=4)
+    assert not all(np.array_equal(next(other_seed), h) for h in head)
+
+
+def test_unigram_entropy_ignores_bos():
+    tokens = np.array([1, 5, 5, 7, 2, 1, 5, 7, 7, 2], np.uint16)  # 1 = BOS
+    p = np.array([3, 3, 2]) / 8  # tokens 5, 7, 2
+    assert data.unigram_entropy(tokens, bos_id=1) == pytest.approx(-(p * np.log(p)).sum())

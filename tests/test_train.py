@@ -1,0 +1,299 @@
+"""Training: the step (loss, accumulation, decay mask, schedules, non-finite skipping) and the
+loop (exact resume, SIGTERM, crash while saving, metrics, bad input)."""
+
+import dataclasses
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import yaml
+
+from llama_jax import metrics, trainer, workdir as run_dir
+from llama_jax.checkpoint import load_checkpoint
+from llama_jax.config import ConfigError, DataConfig, ModelConfig, RunConfig, TrainConfig
+from llama_jax.data import DataError
+from llama_jax.optim import learning_rate_schedule, make_optimizer
+from llama_jax.training import init_state, train_step
+from reference import relative_error
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32,
+                    max_seq_len=64)
+TRAIN = TrainConfig(seq_len=32, batch_size=8, steps=6, learning_rate=3e-3, warmup_steps=2,
+                    log_every=2, eval_every=3, eval_batches=2, checkpoint_every=3,
+                    keep_checkpoints=5)
+quiet = functools.partial(trainer.train, log=lambda _: None, progress=False)
+
+
+@pytest.fixture(scope="module")
+def run(corpus_dir) -> RunConfig:
+    return RunConfig(model=MODEL, train=TRAIN, data=DataConfig(corpus=str(corpus_dir)))
+
+
+@pytest.fixture(scope="module")
+def straight(run, tmp_path_factory) -> Path:
+    """The reference: steps 1..6 without interruption."""
+    workdir = tmp_path_factory.mktemp("straight")
+    outcome = quiet(run, workdir)
+    assert outcome.step == 6 and outcome.stopped_by is None
+    return workdir
+
+
+def _final_params(workdir: Path):
+    return load_checkpoint(workdir)[1]
+
+
+def _assert_same_run(workdir: Path, reference: Path) -> None:
+    """Bit-for-bit: final parameters and every logged loss."""
+    for a, b in zip(jax.tree.leaves(_final_params(workdir)),
+                    jax.tree.leaves(_final_params(reference))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    losses = [(r["step"], r["loss"]) for r in metrics.read(workdir / run_dir.METRICS)]
+    assert losses == [(r["step"], r["loss"]) for r in metrics.read(reference / run_dir.METRICS)]
+    assert [step for step, _ in losses] == list(range(1, 7))
+
+
+def _batch(seed: int, batch: int = 8, length: int = 33) -> jnp.ndarray:
+    rng = np.random.default_rng(seed)
+    window = rng.integers(3, MODEL.vocab_size, (batch, length))
+    window[:, 0] = 1
+    window[rng.random(window.shape) < 0.05] = 1  # a few packed document starts
+    return jnp.asarray(window, jnp.int32)
+
+
+def _step_fn(train: TrainConfig):
+    optimizer = make_optimizer(MODEL, train)
+    state = init_state(MODEL, optimizer, jax.random.key(0))
+    return state, jax.jit(functools.partial(train_step, MODEL, train, optimizer, 1))
+
+
+def test_loss_falls_when_overfitting_one_batch():
+    state, step = _step_fn(dataclasses.replace(TRAIN, steps=60, warmup_steps=5))
+    batch = _batch(0)
+    losses = []
+    for _ in range(60):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    assert losses[0] == pytest.approx(np.log(MODEL.vocab_size), abs=0.3)  # uniform at init
+    assert losses[-1] < 0.3 * losses[0]
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    batch = _batch(1)
+    results = []
+    for micro in (1, 4):
+        state, step = _step_fn(dataclasses.replace(TRAIN, micro_batches=micro))
+        results.append(step(state, batch))
+    (one, m1), (four, m4) = results
+    assert float(m4["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-6)
+    assert relative_error(four.params.layers.wq, one.params.layers.wq) < 1e-5
+    for a, b in zip(jax.tree.leaves(four.params), jax.tree.leaves(one.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_weight_decay_spares_the_norm_gains():
+    optimizer = make_optimizer(MODEL, dataclasses.replace(TRAIN, warmup_steps=0))
+    params = init_state(MODEL, optimizer, jax.random.key(0)).params
+    params = params.replace(final_norm=params.final_norm * 1.5)
+    zero = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = optimizer.update(zero, optimizer.init(params), params)
+    new = optax.apply_updates(params, updates)
+    np.testing.assert_array_equal(new.final_norm, params.final_norm)
+    np.testing.assert_array_equal(new.layers.attn_norm, params.layers.attn_norm)
+    shrink = 1 - TRAIN.learning_rate * TRAIN.weight_decay
+    np.testing.assert_allclose(new.layers.wq, params.layers.wq * shrink, rtol=1e-6)
+    np.testing.assert_allclose(new.embed, params.embed * shrink, rtol=1e-6)
+
+
+def test_schedules():
+    base = dict(steps=100, learning_rate=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    cosine = learning_rate_schedule(TrainConfig(**base, schedule="cosine"))
+    assert float(cosine(0)) == 0 and float(cosine(5)) == pytest.approx(0.5)
+    assert float(cosine(10)) == pytest.approx(1.0)
+    assert float(cosine(55)) == pytest.approx(0.1 + 0.9 * 0.5, abs=1e-6)  # half-way down
+    assert float(cosine(100)) == pytest.approx(0.1)
+    wsd = learning_rate_schedule(TrainConfig(**base, schedule="wsd", decay_fraction=0.2))
+    assert [float(wsd(s)) for s in (10, 50, 80)] == pytest.approx([1.0, 1.0, 1.0])
+    assert float(wsd(90)) == pytest.approx(0.55) and float(wsd(100)) == pytest.approx(0.1)
+    constant = learning_rate_schedule(TrainConfig(**base, schedule="constant"))
+    assert float(constant(5)) == pytest.approx(0.5) and float(constant(99)) == 1.0
+
+
+def test_non_finite_step_is_skipped_and_counted():
+    state, step = _step_fn(TRAIN)
+    state, _ = step(state, _batch(2))
+    before = jax.tree.map(np.asarray, state)
+    poisoned = state.replace(params=state.params.replace(
+        final_norm=state.params.final_norm.at[0].set(jnp.nan)))
+    after, m = step(poisoned, _batch(3))
+    assert not np.isfinite(float(m["loss"])) and int(m["nonfinite_in_row"]) == 1
+    assert int(after.step) == int(before.step) + 1
+    for a, b in zip(jax.tree.leaves(after.params.layers), jax.tree.leaves(before.params.layers)):
+        np.testing.assert_array_equal(a, b)  # untouched: no update, no moment change
+    for a, b in zip(jax.tree.leaves(after.opt_state.inner_state),
+                    jax.tree.leaves(before.opt_state.inner_state)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_training_stops_after_too_many_non_finite_steps(run, tmp_path):
+    exploding = dataclasses.replace(run, model=dataclasses.replace(MODEL, init_std=1e30),
+                                    train=dataclasses.replace(TRAIN, max_nonfinite=2))
+    with pytest.raises(trainer.TrainingError, match="non-finite for 2 steps in a row"):
+        quiet(exploding, tmp_path)
+    assert not any((tmp_path / run_dir.CHECKPOINTS).iterdir())  # nothing non-finite saved
+
+
+def test_stop_and_resume_equals_training_straight_through(run, straight, tmp_path):
+    first = quiet(run, tmp_path, stop_at=4)  # checkpoints at 3 (periodic) and 4 (stop)
+    assert first.step == 4 and first.stopped_by == "stop_at"
+    second = quiet(run, tmp_path)
+    assert second.step == 6 and second.stopped_by is None
+    _assert_same_run(tmp_path, straight)
+
+
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes_exactly(run, straight, tmp_path):
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run.to_dict()))
+    command = [sys.executable, str(REPO / "train.py"), "--config", str(tmp_path / "run.yaml"),
+               "--workdir", str(tmp_path / "w"), "--no-progress"]
+    process = subprocess.Popen(command, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "w" / run_dir.METRICS
+    deadline = time.time() + 120
+    while not (log.is_file() and log.read_text().count("\n") >= 1) and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr
+    assert "stopped by SIGTERM" in stderr
+    stopped_at = run_dir.Checkpoints(tmp_path / "w", TRAIN).latest_step()
+    logged = [r["step"] for r in metrics.read(log)]
+    assert stopped_at == logged[-1] and stopped_at < 6
+    quiet(run, tmp_path / "w")
+    _assert_same_run(tmp_path / "w", straight)
+
+
+CRASH_WHILE_SAVING = """
+import os, sys
+sys.path.insert(0, {repo!r})
+import yaml
+from llama_jax import trainer, workdir
+from llama_jax.config import RunConfig
+
+save = workdir.Checkpoints.save
+def save_then_die(self, step, *args):
+    save(self, step, *args)  # asynchronous: the write is in flight
+    if step == 6:
+        os._exit(17)
+workdir.Checkpoints.save = save_then_die
+run = RunConfig.from_tree(yaml.safe_load(open({config!r})), "run.yaml")
+trainer.train(run, __import__("pathlib").Path({workdir!r}), progress=False)
+"""
+
+
+def test_a_crash_while_saving_keeps_the_previous_checkpoint(run, straight, tmp_path):
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run.to_dict()))
+    script = CRASH_WHILE_SAVING.format(repo=str(REPO), config=str(tmp_path / "run.yaml"),
+                                       workdir=str(tmp_path / "w"))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 17, result.stderr
+    checkpoints = run_dir.Checkpoints(tmp_path / "w", TRAIN)
+    assert checkpoints.latest_step() in (3, 6)  # 6 only if the write won the race
+    checkpoints.close()
+    if (tmp_path / "w" / run_dir.CHECKPOINTS / "6").exists():
+        pytest.skip("the step-6 write finished before the process died; nothing to check")
+    outcome = quiet(run, tmp_path / "w")  # resumes from step 3
+    assert outcome.step == 6
+    _assert_same_run(tmp_path / "w", straight)
+
+
+def test_metrics_and_tensorboard_files(straight):
+    records = metrics.read(straight / run_dir.METRICS)
+    assert all(np.isfinite(r["loss"]) for r in records)
+    with_rates = [r["step"] for r in records if "tokens_per_s" in r]
+    assert with_rates == [2, 4, 6]
+    assert all(0 < r["mfu"] < 1 and r["lr"] > 0 for r in records if "mfu" in r)
+    evaluated = {r["step"]: r for r in records if "val_loss" in r}
+    assert sorted(evaluated) == [3, 6]
+    assert evaluated[6]["val_ppl"] == pytest.approx(np.exp(evaluated[6]["val_loss"]))
+    assert evaluated[6]["val_loss"] < np.log(MODEL.vocab_size)
+    assert list((straight / run_dir.TENSORBOARD).glob("events.out.tfevents.*"))
+    assert run_dir.run_config(straight) == RunConfig.from_tree(
+        yaml.safe_load((straight / run_dir.CONFIG).read_text()), "x")
+    assert (straight / "tokenizer.model").is_file()
+
+
+def test_rerunning_a_finished_run_does_nothing(run, straight):
+    before = sorted(p.name for p in (straight / run_dir.CHECKPOINTS).iterdir())
+    assert quiet(run, straight).step == 6
+    assert sorted(p.name for p in (straight / run_dir.CHECKPOINTS).iterdir()) == before
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(train=dict(seq_len=128)), ConfigError, r"train.seq_len=128 exceeds .*max_seq_len=64"),
+    (dict(train=dict(batch_size=4)), ConfigError, r"do not split across 8 devices"),
+    (dict(train=dict(micro_batches=2, batch_size=8)), ConfigError, "4 sequences per micro"),
+    (dict(data=dict(corpus="/nonexistent/corpus")), DataError, "no such directory"),
+    (dict(model=dict(vocab_size=256)), DataError, "training the tokenizer .* failed: .*"
+                                                  "Vocabulary size is smaller"),
+])
+def test_bad_input_fails_before_compiling(run, tmp_path, monkeypatch, change, error, match):
+    monkeypatch.setattr(trainer, "_programs", lambda *a: pytest.fail("compiled"))
+    sections = {name: dataclasses.replace(getattr(run, name), **fields)
+                for name, fields in change.items()}
+    with pytest.raises(error, match=match):
+        quiet(dataclasses.replace(run, **sections), tmp_path)
+
+
+def test_a_given_tokenizer_must_fit_the_model(run, straight, tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer, "_programs", lambda *a: pytest.fail("compiled"))
+    small = dataclasses.replace(
+        run, model=dataclasses.replace(MODEL, vocab_size=300),
+        data=dataclasses.replace(run.data, tokenizer=str(straight / "tokenizer.model")))
+    with pytest.raises(DataError, match="has 512 tokens, more than model.vocab_size=300"):
+        quiet(small, tmp_path)
+
+
+def test_a_workdir_of_another_run_is_refused_and_kept(run, straight, monkeypatch):
+    monkeypatch.setattr(trainer, "_programs", lambda *a: pytest.fail("compiled"))
+    files = {p: p.stat().st_mtime_ns for p in straight.rglob("*") if p.is_file()}
+    other = dataclasses.replace(run, train=dataclasses.replace(TRAIN, learning_rate=1e-3))
+    with pytest.raises(ConfigError, match=r"different config \(train.learning_rate: 0.003 -> "
+                                          r"0.001\)"):
+        quiet(other, straight)
+    assert {p: p.stat().st_mtime_ns for p in straight.rglob("*") if p.is_file()} == files
+
+
+def test_empty_and_unreadable_corpora(run, straight, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (empty / name).write_text("  \n")
+    with pytest.raises(DataError, match="empty: the training documents are empty"):
+        quiet(dataclasses.replace(run, data=DataConfig(corpus=str(empty))), tmp_path / "w1")
+    broken = tmp_path / "broken"
+    shutil.copytree(run.data.corpus, broken)
+    (broken / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 50)
+    given = DataConfig(corpus=str(broken), tokenizer=str(straight / "tokenizer.model"))
+    with pytest.raises(DataError, match=r"latin1.txt: cannot read as UTF-8"):
+        quiet(dataclasses.replace(run, data=given), tmp_path / "w2")
+
+
+def test_cli_reports_bad_input_in_one_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--config", "tiny", "--workdir",
+         str(tmp_path / "w"), "--set", "train.learnig_rate=1"],
+        capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: {REPO / 'configs' / 'tiny.yaml'}: train: unknown key 'learnig_rate' "
+        "(did you mean 'learning_rate'?); known keys: " + ", ".join(
+            f.name for f in dataclasses.fields(TrainConfig))]

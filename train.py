@@ -1,0 +1,59 @@
+"""Pretrain a LLaMA on a text corpus (by default the Python documentation from Debian's
+python3.11-doc package).
+
+    python train.py --config configs/demo.yaml [--set train.learning_rate=1e-3 ...]
+                    [--workdir runs/demo] [--steps N] [--corpus DIR_OR_GLOB]
+
+The workdir receives checkpoints, the resolved config, the tokenizer, metrics.jsonl and
+TensorBoard event files. Rerunning with the same workdir resumes from its latest checkpoint;
+SIGTERM or Ctrl-C saves a checkpoint and stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from llama_jax.cli import user_errors_exit
+from llama_jax.config import load_run_config
+from llama_jax.trainer import train
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="a config file or preset name")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config value (repeatable), e.g. train.steps=100")
+    parser.add_argument("--workdir", help="run directory (default: runs/<config name>)")
+    parser.add_argument("--steps", type=int, help="same as --set train.steps=N")
+    parser.add_argument("--corpus", help="same as --set data.corpus=PATH")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser.parse_args(argv)
+
+
+@user_errors_exit
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    overrides = list(args.set)
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    if args.corpus is not None:
+        overrides.append(f"data.corpus={args.corpus!r}")
+    run = load_run_config(args.config, overrides)
+    workdir = Path(args.workdir or Path("runs") / Path(args.config).stem)
+    log = lambda message: print(message, file=sys.stderr)  # noqa: E731
+    outcome = train(run, workdir, log=log, progress=not args.no_progress)
+    if outcome.val_loss is not None:
+        log(f"validation loss {outcome.val_loss:.4f} nats/token (perplexity "
+            f"{math.exp(outcome.val_loss):.2f}); unigram entropy of the validation set "
+            f"{outcome.val_unigram_entropy:.4f}")
+    if outcome.stopped_by is None:
+        log(f"done: step {outcome.step}, {outcome.tokens_per_s:,.0f} tokens/s. Sample with: "
+            f"python sample.py --checkpoint {workdir} --prompt 'The'")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
