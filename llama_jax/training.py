@@ -59,20 +59,23 @@ def train_step(config: ModelConfig, train: TrainConfig, optimizer: optax.Gradien
                bos_id: int, state: TrainState, window_BT1: jax.Array) -> tuple[TrainState, dict]:
     """One optimizer step on a batch of packed windows `[B, T + 1]`; returns the new state and
     this step's metrics (loss = mean cross-entropy before the update)."""
-    B = window_BT1.shape[0]
-    parts_MBT1 = window_BT1.reshape(train.micro_batches, B // train.micro_batches, -1)
     grad_of_sums = jax.grad(functools.partial(loss_sums, config), has_aux=True)
+    if train.micro_batches == 1:
+        grad_sums, (ce_sum, count) = grad_of_sums(state.params, window_BT1, bos_id, train.z_loss)
+    else:
+        B = window_BT1.shape[0]
+        parts_MBT1 = window_BT1.reshape(train.micro_batches, B // train.micro_batches, -1)
 
-    def accumulate(carry, part_BT1):
-        grads, ce_sum, count = carry
-        part_grads, (part_ce, part_count) = grad_of_sums(state.params, part_BT1, bos_id,
-                                                         train.z_loss)
-        return (jax.tree.map(jnp.add, grads, part_grads), ce_sum + part_ce,
-                count + part_count), None
+        def accumulate(carry, part_BT1):
+            grads, ce_sum, count = carry
+            part_grads, (part_ce, part_count) = grad_of_sums(state.params, part_BT1, bos_id,
+                                                             train.z_loss)
+            return (jax.tree.map(jnp.add, grads, part_grads), ce_sum + part_ce,
+                    count + part_count), None
 
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-    (grad_sums, ce_sum, count), _ = jax.lax.scan(
-        accumulate, (zeros, jnp.zeros(()), jnp.zeros(())), parts_MBT1)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        (grad_sums, ce_sum, count), _ = jax.lax.scan(
+            accumulate, (zeros, jnp.zeros(()), jnp.zeros(())), parts_MBT1)
     count = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grad_sums, state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
