@@ -2,10 +2,13 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# Tests and benchmarks simulate an 8-device mesh on the CPU.
-export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+# The demo corpus: the Python documentation sources from Debian's python3.11-doc package.
+CORPUS := /usr/share/doc/python3.11/html/_sources
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+DEMO_PROMPTS := --prompt "The json module" --prompt "To open a file, use" \
+	--prompt "A list comprehension"
 
-.PHONY: test demo bench install clean
+.PHONY: test demo corpus bench install clean
 
 install: $(VENV)/.installed
 
@@ -15,18 +18,36 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+# Tests simulate an 8-device mesh on the CPU.
 test: install
-	$(PY) -m pytest -q
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q
 
-# The main job until training lands (issue 5): plan published models without allocating them.
-demo: install
-	$(PY) -m llama_jax.info llama3-8b --seq 8192
-	$(PY) -m llama_jax.info llama3.1-405b --batch 8 --seq 32768
+# The main job: train the demo model on the Python docs (~10 min on 2 cores), then sample.
+# Rerunning resumes (or, when finished, goes straight to sampling); `rm -rf runs/demo` restarts.
+demo: install corpus
+	$(PY) train.py --config configs/demo.yaml --workdir runs/demo
+	$(PY) sample.py --checkpoint runs/demo --max-new-tokens 80 --temperature 0.7 $(DEMO_PROMPTS)
+
+corpus:
+	@if [ ! -d $(CORPUS) ]; then \
+	  if command -v apt-get >/dev/null; then \
+	    echo "installing Debian's python3.11-doc (the demo corpus, PSF licence)"; \
+	    $(SUDO) apt-get update -qq && \
+	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3.11-doc \
+	      >/dev/null; \
+	  else \
+	    echo "error: the demo corpus $(CORPUS) is missing and apt-get is not available;" \
+	      "train on your own text files with: $(PY) train.py --config configs/demo.yaml" \
+	      "--corpus DIR" >&2; \
+	    exit 1; \
+	  fi; \
+	fi
 
 bench: install
 	$(PY) bench/compile_time.py --unrolled
 	$(PY) bench/load_memory.py
 	$(PY) bench/decode.py
+	$(PY) bench/train.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
