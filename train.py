@@ -4,6 +4,10 @@ python3.11-doc package).
     python train.py --config configs/demo.yaml [--set train.learning_rate=1e-3 ...]
                     [--workdir runs/demo] [--steps N] [--corpus DIR_OR_GLOB]
 
+Several processes (one per host) form one run with `--coordinator HOST:PORT --num-processes N
+--process-id I` (auto-detected on TPU pods and under SLURM); each reads only its share of every
+batch, process 0 logs, all write the checkpoints.
+
 The workdir receives checkpoints, the resolved config, the tokenizer, metrics.jsonl and
 TensorBoard event files. Rerunning with the same workdir resumes from its latest checkpoint;
 SIGTERM or Ctrl-C saves a checkpoint and stops.
@@ -16,6 +20,9 @@ import math
 import sys
 from pathlib import Path
 
+import jax
+
+from llama_jax import distributed
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import load_run_config
 from llama_jax.trainer import train
@@ -30,12 +37,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="same as --set train.steps=N")
     parser.add_argument("--corpus", help="same as --set data.corpus=PATH")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--coordinator", help="multi-process runs: the coordinator's HOST:PORT "
+                        "(auto-detected on TPU pods and under SLURM)")
+    parser.add_argument("--num-processes", type=int, help="multi-process runs: process count")
+    parser.add_argument("--process-id", type=int, help="multi-process runs: this process's id")
     return parser.parse_args(argv)
 
 
 @user_errors_exit
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     overrides = list(args.set)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
@@ -43,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"data.corpus={args.corpus!r}")
     run = load_run_config(args.config, overrides)
     workdir = Path(args.workdir or Path("runs") / Path(args.config).stem)
-    log = lambda message: print(message, file=sys.stderr)  # noqa: E731
+    def log(message: str) -> None:
+        if jax.process_index() == 0:
+            print(message, file=sys.stderr)
+
     outcome = train(run, workdir, log=log, progress=not args.no_progress)
     if outcome.val_loss is not None:
         log(f"validation loss {outcome.val_loss:.4f} nats/token (perplexity "

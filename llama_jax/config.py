@@ -248,6 +248,69 @@ class DataConfig:
                  "must be a positive integer")
 
 
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axis -> mesh axes. Weights: FSDP shards the model width of every matrix, tensor
+# parallelism the heads, the FFN width and the vocabulary (Megatron's split). Activations:
+# the batch over data x fsdp, heads / FFN / vocab over tensor. The KV cache: rows over
+# data x fsdp, KV heads over tensor. A config's `mesh:` section overrides entries.
+RULE_TABLES = {
+    "weight_rules": ({"embed": "fsdp", "q_heads": "tensor", "kv_heads": "tensor",
+                      "mlp": "tensor", "vocab": "tensor"},
+                     ("layers", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "vocab",
+                      "norm")),
+    "activation_rules": ({"batch": ["data", "fsdp"], "heads": "tensor", "kv_heads": "tensor",
+                          "mlp": "tensor", "vocab": "tensor"},
+                         ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
+                          "vocab")),
+    "cache_rules": ({"batch": ["data", "fsdp"], "kv_heads": "tensor"},
+                    ("batch", "kv_heads", "seq", "head_dim")),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh sizes (their product is the device count; one may be -1: the rest) and the
+    logical-axis rules (the `mesh:` section). Rules given here are merged over RULE_TABLES and
+    stored as sorted `(logical axis, (mesh axes...))` tuples, so the config stays hashable."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    weight_rules: Any = None  # {logical axis: mesh axis | [mesh axes] | null}
+    activation_rules: Any = None
+    cache_rules: Any = None
+
+    def __post_init__(self):
+        sizes = [self.data, self.fsdp, self.tensor]
+        for name, size in zip(MESH_AXES, sizes):
+            _require(isinstance(size, int) and not isinstance(size, bool)
+                     and (size > 0 or size == -1), name, size, "must be a positive integer or -1")
+        _require(sizes.count(-1) <= 1, "data", sizes, "at most one mesh axis may be -1")
+        for name, (defaults, known) in RULE_TABLES.items():
+            given = getattr(self, name) or {}
+            if isinstance(given, tuple):  # already normalised (dataclasses.replace)
+                given = dict(given)
+            _require(isinstance(given, Mapping), name, given,
+                     "must map logical axis names to mesh axes")
+            rules = []
+            for axis, target in {**defaults, **given}.items():
+                _require(axis in known, name, axis,
+                         f"is not a logical axis name; known: {', '.join(known)}")
+                targets = [target] if isinstance(target, str) or target is None else target
+                _require(isinstance(targets, (list, tuple)) and all(
+                    t is None or t in MESH_AXES for t in targets), f"{name}.{axis}", target,
+                    f"must be a mesh axis ({', '.join(MESH_AXES)}), a list of them, or null")
+                rules.append((axis, tuple(t for t in targets if t is not None)))
+            object.__setattr__(self, name, tuple(sorted(rules)))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        for name in RULE_TABLES:
+            out[name] = {axis: list(targets) for axis, targets in getattr(self, name)}
+        return out
+
+
 def build_section(cls: type, fields: Mapping[str, Any], where: str):
     """`cls(**fields)` with unknown or missing keys and bad values reported as `where.field`."""
     try:
@@ -302,7 +365,7 @@ def _check_keys(fields: Mapping[str, Any], cls: type, where: str) -> None:
 
 # ----------------------------------------------------------------------------------- YAML files
 
-SECTIONS = ("model", "train", "data")
+SECTIONS = ("model", "train", "data", "mesh")
 
 
 def resolve_config_path(name_or_path: str | Path, relative_to: Path | None = None) -> Path:
@@ -360,10 +423,11 @@ class RunConfig:
     model: ModelConfig
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
+    mesh: MeshConfig = MeshConfig()
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model.to_dict(), "train": dataclasses.asdict(self.train),
-                "data": dataclasses.asdict(self.data)}
+                "data": dataclasses.asdict(self.data), "mesh": self.mesh.to_dict()}
 
     @classmethod
     def from_tree(cls, tree: Mapping[str, Any], where: str) -> "RunConfig":
@@ -373,7 +437,8 @@ class RunConfig:
         sections = {}
         for name, build in (("model", ModelConfig.from_dict),
                             ("train", functools.partial(build_section, TrainConfig)),
-                            ("data", functools.partial(build_section, DataConfig))):
+                            ("data", functools.partial(build_section, DataConfig)),
+                            ("mesh", functools.partial(build_section, MeshConfig))):
             fields = tree.get(name) or {}
             if not isinstance(fields, Mapping):
                 raise ConfigError(f"{where}: `{name}:` must be a mapping, got {fields!r}")

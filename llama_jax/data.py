@@ -112,7 +112,7 @@ def prepare_tokenizer(data: DataConfig, corpus: Corpus, vocab_size: int, workdir
                                   data.max_tokenizer_chars))
         if not any(text.strip() for text in texts):
             raise DataError(f"corpus {corpus.root}: the training documents are empty")
-        temp = kept.with_name(f".{kept.name}.tmp")
+        temp = kept.with_name(f".{kept.name}.tmp-{os.getpid()}")
         try:
             train_sentencepiece(texts, vocab_size, temp)
         except RuntimeError as e:  # e.g. a vocabulary larger than the text allows
@@ -135,7 +135,7 @@ def _limit_chars(texts: Iterator[str], limit: int) -> Iterator[str]:
 
 
 def _atomic_copy(source: Path, dest: Path) -> None:
-    temp = dest.with_name(f".{dest.name}.tmp")
+    temp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     shutil.copyfile(source, temp)
     os.replace(temp, dest)
 
@@ -241,27 +241,34 @@ def count_windows(tokens: np.ndarray, seq_len: int) -> int:
     return len(Windows(tokens, seq_len))
 
 
-def train_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
-                  seed: int) -> grain.DatasetIterator:
-    """Endless shuffled batches `[batch_size, seq_len + 1]` (int32); the iterator's
-    `get_state()` / `set_state()` is its checkpoint."""
+def train_batches(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
+                  process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
+    """Endless shuffled batches (int32); the iterator's `get_state()` / `set_state()` is its
+    checkpoint. Each of `process_count` processes reads only its own `batch_size /
+    process_count` rows `[rows, seq_len + 1]` of every global batch (every process_count-th
+    window of the shuffled order)."""
     windows = Windows(tokens, seq_len)
     if len(windows) < batch_size:
         raise DataError(f"the training split has {len(tokens)} tokens: fewer than one batch of "
                         f"{batch_size} sequences of {seq_len} tokens")
-    dataset = grain.MapDataset.source(windows).shuffle(seed=seed).repeat().batch(batch_size)
-    return iter(dataset.to_iter_dataset())
+    dataset = grain.MapDataset.source(windows).shuffle(seed=seed).repeat()
+    if process_count > 1:
+        dataset = dataset[process_index::process_count]
+    return iter(dataset.batch(batch_size // process_count).to_iter_dataset())
 
 
-def val_batches(tokens: np.ndarray, seq_len: int, batch_size: int, limit: int) -> list[np.ndarray]:
-    """The first `limit` validation batches in corpus order (the same ones at every eval)."""
+def val_batches(tokens: np.ndarray, seq_len: int, batch_size: int, limit: int,
+                process_index: int = 0, process_count: int = 1) -> list[np.ndarray]:
+    """The first `limit` validation batches in corpus order (the same ones at every eval);
+    this process's rows of each."""
     windows = Windows(tokens, seq_len)
     n = min(limit, len(windows) // batch_size)
     if n == 0:
         raise DataError(f"the validation split has {len(tokens)} tokens: fewer than one batch "
                         f"of {batch_size} sequences of {seq_len} tokens; raise "
                         "data.val_fraction or lower train.batch_size")
-    return [np.stack([windows[b * batch_size + i] for i in range(batch_size)])
+    return [np.stack([windows[b * batch_size + i]
+                      for i in range(process_index, batch_size, process_count)])
             for b in range(n)]
 
 

@@ -144,11 +144,12 @@ def _decoder_params(params: Params) -> Params:
 
 
 def _compiled(fn, stats: GenerationStats, *args, **static):
-    """AOT-compiles `fn` once per (static args, argument shapes) so compile time can be reported
-    apart from run time; returns the executable (called with the non-static args)."""
+    """AOT-compiles `fn` once per (static args, argument shapes and shardings) so compile time
+    can be reported apart from run time; returns the executable (called with the non-static
+    args). Sharded parameters (heads over a tensor axis, say) compile their own executable."""
     leaves, treedef = jax.tree.flatten(args)
-    signature = tuple((np.shape(x), jnp.result_type(x)) if isinstance(x, (jax.Array, np.ndarray,
-                                                                          np.generic)) else x
+    signature = tuple((np.shape(x), jnp.result_type(x), getattr(x, "sharding", None))
+                      if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x
                       for x in leaves)  # the config is a (hashable) leaf of its own
     key = (fn, tuple(sorted(static.items())), treedef, signature)
     if key not in _EXECUTABLES:

@@ -22,6 +22,7 @@ from llama_jax.config import ModelConfig
 from llama_jax.ops import dense, einsum_f32, rms_norm, swiglu
 from llama_jax.params import LayerParams, Params
 from llama_jax.rope import apply_rope, rope_cos_sin
+from llama_jax.sharding import constrain
 
 REMAT_POLICY_FNS = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
@@ -51,8 +52,10 @@ def embed(config: ModelConfig, params: Params, tokens_BT: jax.Array) -> jax.Arra
 def lm_head(config: ModelConfig, params: Params, h_BTD: jax.Array) -> jax.Array:
     """fp32 logits: the loss and sampling want them in full precision."""
     if config.tie_embeddings:
-        return einsum_f32("BTD,VD->BTV", h_BTD, params.embed.astype(h_BTD.dtype))
-    return einsum_f32("BTD,DV->BTV", h_BTD, params.lm_head.astype(h_BTD.dtype))
+        logits_BTV = einsum_f32("BTD,VD->BTV", h_BTD, params.embed.astype(h_BTD.dtype))
+    else:
+        logits_BTV = einsum_f32("BTD,DV->BTV", h_BTD, params.lm_head.astype(h_BTD.dtype))
+    return constrain(logits_BTV, ("batch", "seq", "vocab"))
 
 
 def hidden_states(config: ModelConfig, params: Params, x_BTD: jax.Array, *,
@@ -80,8 +83,10 @@ def hidden_states(config: ModelConfig, params: Params, x_BTD: jax.Array, *,
 def block(config: ModelConfig, layer: LayerParams, x_BTD: jax.Array, *, cos_BTh: jax.Array,
           sin_BTh: jax.Array, mask_BTS: jax.Array) -> jax.Array:
     """One pre-norm decoder block; `layer` holds a single layer's (unstacked) weights."""
+    x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
     q_BTNH, k_BTKH, v_BTKH = project_qkv(config, layer, x_BTD, cos_BTh, sin_BTh)
-    return finish_block(config, layer, x_BTD, attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS))
+    out_BTD = finish_block(config, layer, x_BTD, attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS))
+    return constrain(out_BTD, ("batch", "seq", "embed"))
 
 
 def project_qkv(config: ModelConfig, layer: LayerParams, x_BTD: jax.Array, cos_BTh: jax.Array,
@@ -91,7 +96,9 @@ def project_qkv(config: ModelConfig, layer: LayerParams, x_BTD: jax.Array, cos_B
     q_BTNH = apply_rope(dense("BTD,DNH->BTNH", h_BTD, layer.wq), cos_BTh, sin_BTh)
     k_BTKH = apply_rope(dense("BTD,DKH->BTKH", h_BTD, layer.wk), cos_BTh, sin_BTh)
     v_BTKH = dense("BTD,DKH->BTKH", h_BTD, layer.wv)
-    return q_BTNH, k_BTKH, v_BTKH
+    return (constrain(q_BTNH, ("batch", "seq", "heads", "head_dim")),
+            constrain(k_BTKH, ("batch", "seq", "kv_heads", "head_dim")),
+            constrain(v_BTKH, ("batch", "seq", "kv_heads", "head_dim")))
 
 
 def finish_block(config: ModelConfig, layer: LayerParams, x_BTD: jax.Array,

@@ -5,8 +5,10 @@ the config against the devices, claim the workdir (refusing one that holds anoth
 checkpoints), find and tokenize the corpus, then compile the step ahead of time (its compile
 time is reported on its own), restore the latest checkpoint if there is one, and train.
 
-The batch is split across all devices along a `data` mesh axis and the state is replicated
-(data parallelism); sharding the state itself is the sharding module's business.
+Everything runs on the mesh of the config's `mesh:` section (`sharding.py`): the state is
+created already sharded by the weight rules (optimizer moments like their parameters), the step
+is compiled with explicit in/out shardings and the state donated, and each batch is laid out
+over the batch rule's mesh axes (data x fsdp by default).
 
 Stopping: at `train.steps`, at `stop_at`, or on SIGTERM / SIGINT, the loop finishes the step in
 flight, writes a checkpoint and returns. Non-finite steps are skipped by the optimizer; after
@@ -28,10 +30,10 @@ from typing import Callable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 from tqdm import tqdm
 
-from llama_jax import costs, data, hardware, workdir as run_dir
+from llama_jax import costs, data, hardware, sharding, workdir as run_dir
 from llama_jax.config import ConfigError, RunConfig
 from llama_jax.metrics import MetricsLog
 from llama_jax.optim import learning_rate_schedule, make_optimizer
@@ -52,17 +54,19 @@ class Outcome:
     tokens_per_s: float = 0.0  # over the whole run, compile excluded
 
 
-def check_run(run: RunConfig, n_devices: int) -> None:
-    """Config errors that only show against the devices or across sections."""
+def check_run(run: RunConfig, mesh: jax.sharding.Mesh) -> None:
+    """Config errors that only show against the mesh or across sections."""
     model, train = run.model, run.train
     if train.seq_len > model.max_seq_len:
         raise ConfigError(f"train.seq_len={train.seq_len} exceeds the model's context "
                           f"(model.max_seq_len={model.max_seq_len})")
     micro = train.batch_size // train.micro_batches
-    if micro % n_devices:
+    batch_ways = math.prod(mesh.shape[a] for a in dict(run.mesh.activation_rules)["batch"])
+    if micro % batch_ways:
         raise ConfigError(f"train.batch_size={train.batch_size} / train.micro_batches="
                           f"{train.micro_batches} = {micro} sequences per micro-batch do not "
-                          f"split across {n_devices} devices")
+                          f"split across the {batch_ways} batch shards of mesh "
+                          f"{dict(mesh.shape)}")
 
 
 def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
@@ -70,7 +74,8 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
     """Trains (or resumes) the run in `workdir` up to `train.steps` (or `stop_at`)."""
     model, train_cfg = run.model, run.train
     devices = jax.devices()
-    check_run(run, len(devices))
+    mesh = sharding.make_mesh(run.mesh, devices)
+    check_run(run, mesh)
     run_dir.claim(workdir, run)
 
     corpus = data.find_corpus(run.data.corpus, run.data.val_fraction)
@@ -78,23 +83,21 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
     tokens = data.tokenize_corpus(corpus, tokenizer, data.cache_root(), log)
     log(f"corpus {corpus.root}: {len(corpus.train)} training documents "
         f"({len(tokens.train):,} tokens), {len(corpus.val)} validation ({len(tokens.val):,})")
+    processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
     iterator = data.train_batches(tokens.train, train_cfg.seq_len, train_cfg.batch_size,
-                                  train_cfg.seed)
+                                  train_cfg.seed, **processes)
     val = data.val_batches(tokens.val, train_cfg.seq_len, train_cfg.batch_size,
-                           train_cfg.eval_batches)
+                           train_cfg.eval_batches, **processes)
 
-    mesh = jax.make_mesh((len(devices),), ("data",), devices=devices,
-                         axis_types=(jax.sharding.AxisType.Auto,))
     programs = _programs(run, tokens.bos_id, mesh)
-    replicated, batch_sharding = programs.replicated, programs.batch_sharding
-    abstract, compile_s = programs.abstract, programs.compile_s
+    batch_sharding, abstract, compile_s = (programs.batch_sharding, programs.abstract,
+                                           programs.compile_s)
 
     checkpoints = run_dir.Checkpoints(workdir, train_cfg)
     start = checkpoints.latest_step() or 0
     if start:
-        params, opt_state, _ = checkpoints.restore(
-            start, run_dir.abstract_like(abstract.params, replicated),
-            run_dir.abstract_like(abstract.opt_state, replicated), iterator)
+        params, opt_state, _ = checkpoints.restore(start, abstract.params, abstract.opt_state,
+                                                   iterator)
         state = TrainState(step=jnp.asarray(start, jnp.int32), params=params,
                            opt_state=opt_state)
         log(f"resumed from {workdir / run_dir.CHECKPOINTS / str(start)}")
@@ -115,7 +118,8 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
     outcome = Outcome(step=start, compile_s=compile_s,
                       val_unigram_entropy=data.unigram_entropy(tokens.val, tokens.bos_id))
     log(f"step compiled in {compile_s:.1f} s; training steps {start + 1}..{end} of "
-        f"{train_cfg.steps} on {len(devices)} {devices[0].platform} device(s)")
+        f"{train_cfg.steps} on {len(devices)} {devices[0].platform} device(s), mesh "
+        f"{dict(mesh.shape)}")
 
     def save(step: int, state: TrainState) -> None:
         if not bool(_all_finite(state.params)):
@@ -131,7 +135,7 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
     try:
         with _stop_signals() as received:
             for step in range(start + 1, end + 1):
-                batch = jax.device_put(next(iterator), batch_sharding)
+                batch = jax.make_array_from_process_local_data(batch_sharding, next(iterator))
                 state, step_metrics = programs.step(state, batch)
                 values = jax.device_get(step_metrics)
                 window_steps += 1
@@ -184,33 +188,44 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
 
 @dataclasses.dataclass(frozen=True)
 class _Programs:
-    init: Callable  # seed key -> TrainState, replicated
+    init: Callable  # seed key -> TrainState, created sharded
     abstract: TrainState  # shapes, dtypes and shardings of the state
     step: Callable  # (state, batch) -> (state, metrics), compiled ahead of time, state donated
-    evaluate: Callable  # (params, batch) -> (cross-entropy sum, token count)
+    evaluate: Callable  # (params, batch) -> (cross-entropy sum, token count), compiled
     compile_s: float
-    replicated: NamedSharding
     batch_sharding: NamedSharding
 
 
 @functools.lru_cache(maxsize=4)
 def _programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh) -> _Programs:
-    """The run's jitted functions, the train step compiled now (cached per process, so a
-    resumed run in the same process does not compile again)."""
-    replicated, batch_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    """The run's jitted functions with explicit in/out shardings, compiled now (cached per
+    process, so a resumed run in the same process does not compile again)."""
     optimizer = make_optimizer(run.model, run.train)
-    init = jax.jit(functools.partial(init_state, run.model, optimizer), out_shardings=replicated)
+    replicated = sharding.replicated(mesh)
+    params_sharding = sharding.param_shardings(run.model, mesh, run.mesh)
+    abstract_params = costs.abstract_params(run.model)
+    state_sharding = TrainState(
+        step=replicated, params=params_sharding,
+        opt_state=sharding.optimizer_state_shardings(optimizer, abstract_params,
+                                                     params_sharding, mesh))
+    batch_sharding = sharding.batch_sharding(mesh, run.mesh)
+    init = jax.jit(functools.partial(init_state, run.model, optimizer),
+                   out_shardings=state_sharding)
     abstract = jax.eval_shape(init, jax.random.key(0))
-    step = jax.jit(functools.partial(train_step, run.model, run.train, optimizer, bos_id),
-                   donate_argnums=0)
     batch = jax.ShapeDtypeStruct((run.train.batch_size, run.train.seq_len + 1), jnp.int32,
                                  sharding=batch_sharding)
-    start = time.perf_counter()
-    compiled = step.lower(abstract, batch).compile()
-    compile_s = time.perf_counter() - start
-    evaluate = jax.jit(functools.partial(eval_sums, run.model, bos_id))
+    step = jax.jit(functools.partial(train_step, run.model, run.train, optimizer, bos_id),
+                   in_shardings=(state_sharding, batch_sharding),
+                   out_shardings=(state_sharding, replicated), donate_argnums=0)
+    evaluate = jax.jit(functools.partial(eval_sums, run.model, bos_id),
+                       in_shardings=(params_sharding, batch_sharding), out_shardings=replicated)
+    with sharding.use_mesh(mesh, run.mesh):  # activation constraints are traced in
+        start = time.perf_counter()
+        compiled = step.lower(abstract, batch).compile()
+        compile_s = time.perf_counter() - start
+        evaluate = evaluate.lower(abstract.params, batch).compile()
     return _Programs(init=init, abstract=abstract, step=compiled, evaluate=evaluate,
-                     compile_s=compile_s, replicated=replicated, batch_sharding=batch_sharding)
+                     compile_s=compile_s, batch_sharding=batch_sharding)
 
 
 @jax.jit
@@ -222,7 +237,8 @@ def _validation_loss(evaluate, params, batches: list[np.ndarray],
                      sharding: NamedSharding) -> float:
     total = count = 0.0
     for batch in batches:
-        ce_sum, n = jax.device_get(evaluate(params, jax.device_put(batch, sharding)))
+        ce_sum, n = jax.device_get(evaluate(
+            params, jax.make_array_from_process_local_data(sharding, batch)))
         total, count = total + float(ce_sum), count + float(n)
     return total / max(count, 1.0)
 

@@ -60,16 +60,19 @@ def claim(workdir: Path, run: RunConfig) -> None:
                 f"({'; '.join(differences)}); they would not continue this run. Resume with "
                 "the same config or use another --workdir")
     workdir.mkdir(parents=True, exist_ok=True)
-    temp = workdir / f".{CONFIG}.tmp"
+    temp = workdir / f".{CONFIG}.tmp-{os.getpid()}"
     temp.write_text(yaml.safe_dump(run.to_dict(), sort_keys=False))
     os.replace(temp, stored_path)
 
 
 def config_differences(stored: RunConfig, new: RunConfig) -> list[str]:
-    """`section.field: stored -> new` for every field that changes the run's trajectory."""
+    """`section.field: stored -> new` for every field that changes the run's trajectory. The
+    mesh may change: checkpoints restore onto any mesh."""
     out = []
     old_tree, new_tree = stored.to_dict(), new.to_dict()
     for section, fields in new_tree.items():
+        if section == "mesh":
+            continue
         for name, value in fields.items():
             before = old_tree[section].get(name)
             if before != value and not (section == "train"
@@ -114,11 +117,6 @@ class Checkpoints:
         """Waits for the write in flight, then releases the manager."""
         self.manager.wait_until_finished()
         self.manager.close()
-
-
-def abstract_like(tree: Any, sharding: jax.sharding.Sharding) -> Any:
-    """ShapeDtypeStructs of `tree` (arrays or abstract arrays) placed with `sharding`."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
 
 
 def run_config(workdir: Path) -> RunConfig:

@@ -239,7 +239,7 @@ def test_rerunning_a_finished_run_does_nothing(run, straight):
 
 @pytest.mark.parametrize("change, error, match", [
     (dict(train=dict(seq_len=128)), ConfigError, r"train.seq_len=128 exceeds .*max_seq_len=64"),
-    (dict(train=dict(batch_size=4)), ConfigError, r"do not split across 8 devices"),
+    (dict(train=dict(batch_size=4)), ConfigError, r"do not split across the 8 batch shards"),
     (dict(train=dict(micro_batches=2, batch_size=8)), ConfigError, "4 sequences per micro"),
     (dict(data=dict(corpus="/nonexistent/corpus")), DataError, "no such directory"),
     (dict(model=dict(vocab_size=256)), DataError, "training the tokenizer .* failed: .*"

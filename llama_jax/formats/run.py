@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
+
 from llama_jax import workdir
 from llama_jax.config import ConfigError, ModelConfig, TrainConfig, load_model_config
 from llama_jax.costs import abstract_params
@@ -27,8 +29,12 @@ def load(path: Path, dtype: str | None) -> tuple[ModelConfig, Params]:
     if step is None:
         raise CheckpointError(f"{path}: a training run without a complete checkpoint yet")
     config = with_dtype(config, dtype or config.param_dtype)
+    # Onto this process's first device, whatever mesh the run was saved from.
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                          abstract_params(config))
     try:
-        params = checkpoints.restore_params(step, abstract_params(config))
+        params = checkpoints.restore_params(step, target)
     except (ValueError, KeyError) as e:  # orbax: stored tree or shapes differ from the config
         raise CheckpointError(f"{path}: checkpoint {step} does not match its config.yaml: "
                               f"{e}") from None

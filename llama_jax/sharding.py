@@ -1,0 +1,131 @@
+"""Where arrays live: a device mesh from the config, and logical axis names mapped to mesh axes.
+
+The model and the parameter descriptions name logical axes only (`params.param_specs`: "embed",
+"q_heads", "mlp", ...; activations: "batch", "heads", ...). This module alone knows the mesh
+(`data`, `fsdp`, `tensor`) and turns names into `PartitionSpec`s through the rules tables of
+`MeshConfig` — one for weights (and the optimizer state, which mirrors them), one for
+activations, one for the KV cache. A mesh axis is used at most once per array, and a mesh axis
+whose size does not divide a dimension (e.g. tensor=8 over MQA's single KV head) is dropped for
+that array, with a log line, rather than failing.
+
+`constrain(x, axes)` puts a sharding constraint on an activation when a mesh is active
+(`use_mesh`), and does nothing otherwise, so the model code runs unchanged on one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import math
+from typing import Iterator, Sequence
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from llama_jax.config import MESH_AXES, ConfigError, MeshConfig, ModelConfig
+from llama_jax.params import Params, param_specs
+
+log = logging.getLogger(__name__)
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, MeshConfig] | None] = contextvars.ContextVar(
+    "llama_jax_mesh", default=None)
+
+
+def mesh_shape(mesh: MeshConfig, n_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) with the -1 entry filled; the product must be `n_devices`."""
+    sizes = [mesh.data, mesh.fsdp, mesh.tensor]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if n_devices % known:
+            raise ConfigError(f"mesh {dict(zip(MESH_AXES, sizes))}: the given sizes "
+                              f"(product {known}) do not divide the {n_devices} devices")
+        sizes[sizes.index(-1)] = n_devices // known
+    if math.prod(sizes) != n_devices:
+        raise ConfigError(f"mesh {dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} devices; "
+                          f"this run has {n_devices}")
+    return tuple(sizes)
+
+
+def make_mesh(mesh: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    shape = mesh_shape(mesh, len(devices))
+    return jax.make_mesh(shape, MESH_AXES, devices=devices,
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def spec(axes: Sequence[str | None], shape: Sequence[int], rules: tuple, mesh: Mesh,
+         what: str = "array") -> P:
+    """The PartitionSpec of an array whose dimensions have these logical names."""
+    table = dict(rules)
+    used: set[str] = set()
+    out = []
+    for name, size in zip(axes, shape):
+        kept = []
+        for mesh_axis in table.get(name, ()) if name else ():
+            if mesh_axis in used or mesh.shape[mesh_axis] == 1:
+                continue
+            if size % (math.prod(mesh.shape[a] for a in kept) * mesh.shape[mesh_axis]):
+                log.info("%s: mesh axis %r (size %d) does not divide %s=%d; not sharded "
+                         "along it", what, mesh_axis, mesh.shape[mesh_axis], name, size)
+                continue
+            kept.append(mesh_axis)
+        used.update(kept)
+        out.append(tuple(kept) if len(kept) > 1 else (kept[0] if kept else None))
+    return P(*out)
+
+
+def param_shardings(config: ModelConfig, mesh: Mesh, mesh_config: MeshConfig) -> Params:
+    """A NamedSharding per parameter, from its logical axes and the weight rules."""
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, spec(s.axes, s.shape(config), mesh_config.weight_rules,
+                                           mesh, "/".join(s.axes))),
+        param_specs(config))
+
+
+def batch_sharding(mesh: Mesh, mesh_config: MeshConfig, ndim: int = 2) -> NamedSharding:
+    """Token batches `[B, ...]`: rows over the activation rule for "batch"."""
+    return NamedSharding(mesh, P(dict(mesh_config.activation_rules).get("batch") or None,
+                                 *[None] * (ndim - 1)))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh, mesh_config: MeshConfig) -> Iterator[None]:
+    """Activates `constrain` (and the mesh) for code traced inside the block."""
+    token = _ACTIVE.set((mesh, mesh_config))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """`with_sharding_constraint` by logical activation axes, when a mesh is active."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, mesh_config = active
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, spec(axes, x.shape, mesh_config.activation_rules, mesh)))
+
+
+def bytes_per_device(tree) -> int:
+    """Bytes the first device holds of the arrays in `tree` (their shards, not the whole)."""
+    device = jax.devices()[0]
+    return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree)
+               for shard in leaf.addressable_shards if shard.device == device)
+
+
+def optimizer_state_shardings(optimizer, abstract_params: Params, params_sharding: Params,
+                              mesh: Mesh):
+    """The optimizer state laid out like the parameters it mirrors (moments), scalars
+    replicated. Explicit, because `jit(optimizer.init)` on an Auto mesh may replicate it."""
+    state = jax.eval_shape(optimizer.init, abstract_params)
+    return optax.tree_utils.tree_map_params(
+        optimizer, lambda _, s: s, state, params_sharding,
+        transform_non_params=lambda _: replicated(mesh))

@@ -1,0 +1,159 @@
+"""Sharding changes where data lives, nothing else: on 8 simulated CPU devices, a training step
+on each mesh equals the single-device step; parameters and optimizer state are really split;
+sharded decoding equals unsharded; a run saved on one mesh continues on another."""
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import llama_jax
+from llama_jax import costs, sharding, trainer
+from llama_jax.checkpoint import load_checkpoint
+from llama_jax.config import ConfigError, DataConfig, MeshConfig, ModelConfig, RunConfig, TrainConfig
+from reference import relative_error
+
+MODELS = {  # K divisible by tensor=8, and MQA (K=1: the KV heads cannot be split)
+    "gqa": ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=8, n_kv_heads=8, head_dim=8,
+                       ffn_dim=128, max_seq_len=64),
+    "mqa": ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=8, n_kv_heads=1, head_dim=8,
+                       ffn_dim=128, max_seq_len=64, tie_embeddings=True),
+}
+TRAIN = TrainConfig(seq_len=32, batch_size=8, steps=6, learning_rate=3e-3, warmup_steps=1,
+                    log_every=2, eval_every=3, eval_batches=1, checkpoint_every=3)
+MESHES = {
+    "dp8": MeshConfig(data=8), "fsdp8": MeshConfig(data=1, fsdp=8),
+    "tp8": MeshConfig(data=1, tensor=8), "fsdp4-tp2": MeshConfig(data=1, fsdp=4, tensor=2),
+    "dp2-fsdp2-tp2": MeshConfig(data=2, fsdp=2, tensor=2),
+}
+BOS = 1
+
+
+def _run(model: ModelConfig, mesh: MeshConfig) -> RunConfig:
+    return RunConfig(model=model, train=TRAIN, data=DataConfig(corpus="unused"), mesh=mesh)
+
+
+def _programs(model, mesh_config, devices=None):
+    devices = jax.devices() if devices is None else devices
+    mesh = sharding.make_mesh(mesh_config, devices)
+    return trainer._programs(_run(model, mesh_config), BOS, mesh)
+
+
+def _batch(seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    window = rng.integers(3, 512, (TRAIN.batch_size, TRAIN.seq_len + 1)).astype(np.int32)
+    window[:, 0] = BOS
+    window[rng.random(window.shape) < 0.05] = BOS
+    return window
+
+
+def _place(tree, abstract):
+    return jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), tree, abstract)
+
+
+@functools.cache
+def _single_device_steps(name: str):
+    """State after init and after each of two steps, on one device (the reference)."""
+    single = _programs(MODELS[name], MeshConfig(data=1), jax.devices()[:1])
+    state = single.init(jax.random.key(0))
+    states, losses = [jax.device_get(state)], []
+    for seed in (1, 2):
+        state, metrics = single.step(state, jax.device_put(_batch(seed), single.batch_sharding))
+        states.append(jax.device_get(state))
+        losses.append(float(metrics["loss"]))
+    return states, losses
+
+
+# MQA only differs from GQA where its single KV head meets the tensor axis.
+CASES = [("gqa", m) for m in MESHES] + [("mqa", m) for m in MESHES if "tp" in m]
+
+
+@pytest.mark.parametrize("model_name, mesh_name", CASES)
+def test_a_sharded_step_equals_the_single_device_step(model_name, mesh_name):
+    states, losses = _single_device_steps(model_name)
+    sharded = _programs(MODELS[model_name], MESHES[mesh_name])
+    state = _place(states[0], sharded.abstract)
+    for i, seed in enumerate((1, 2)):
+        batch = jax.make_array_from_process_local_data(sharded.batch_sharding, _batch(seed))
+        state, metrics = sharded.step(state, batch)
+        assert float(metrics["loss"]) == pytest.approx(losses[i], rel=1e-5)
+        for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(states[i + 1].params)):
+            assert relative_error(got, want) < 1e-5
+
+
+def test_parameters_and_optimizer_state_are_really_split():
+    model = MODELS["gqa"]
+    total = sum(np.prod(a.shape) * 4 for a in jax.tree.leaves(costs.abstract_params(model)))
+    for mesh_name, ways in (("fsdp8", 8), ("tp8", 8), ("fsdp4-tp2", 8), ("dp8", 1)):
+        state = _programs(model, MESHES[mesh_name]).init(jax.random.key(0))
+        norms = (model.n_layers * 2 + 1) * model.dim * 4  # replicated by design
+        assert sharding.bytes_per_device(state.params) <= (total - norms) / ways + norms
+        mu = state.opt_state.inner_state[1][0].mu  # adamw's first moment mirrors the params
+        assert sharding.bytes_per_device(mu) == sharding.bytes_per_device(state.params)
+        assert jax.tree.leaves(mu)[1].sharding == jax.tree.leaves(state.params)[1].sharding
+
+
+def test_mqa_keeps_its_single_kv_head_whole_under_tensor_parallelism(caplog):
+    mesh = sharding.make_mesh(MESHES["tp8"])
+    with caplog.at_level("INFO", logger="llama_jax.sharding"):
+        shardings = sharding.param_shardings(MODELS["mqa"], mesh, MESHES["tp8"])
+    assert shardings.layers.wk.spec == jax.sharding.PartitionSpec(None, None, None, None)
+    assert shardings.layers.wq.spec[2] == "tensor"
+    assert "does not divide kv_heads=1" in caplog.text
+
+
+@pytest.mark.parametrize("mesh_name", ["tp8", "dp2-fsdp2-tp2"])
+def test_sharded_greedy_decode_equals_unsharded(mesh_name):
+    model = MODELS["gqa"]
+    params = llama_jax.init_params(model, jax.random.key(3))
+    prompts = [list(np.random.default_rng(i).integers(3, 512, n)) for i, n in
+               enumerate((5, 11, 3, 8))]
+    expected = llama_jax.generate(model, params, prompts, 12, stop_tokens=[])
+    mesh = sharding.make_mesh(MESHES[mesh_name])
+    placed = jax.device_put(params, sharding.param_shardings(model, mesh, MESHES[mesh_name]))
+    assert llama_jax.generate(model, placed, prompts, 12, stop_tokens=[]) == expected
+
+
+def test_a_run_saved_on_one_mesh_continues_on_another(corpus_dir, tmp_path):
+    model = MODELS["gqa"]
+    data = DataConfig(corpus=str(corpus_dir))
+    quiet = functools.partial(trainer.train, log=lambda _: None, progress=False)
+    straight = RunConfig(model=model, train=TRAIN, data=data, mesh=MESHES["dp8"])
+    quiet(straight, tmp_path / "straight")
+    quiet(dataclasses.replace(straight, mesh=MESHES["fsdp8"]), tmp_path / "moved", stop_at=3)
+    quiet(dataclasses.replace(straight, mesh=MESHES["fsdp4-tp2"]), tmp_path / "moved")
+    (_, a), (_, b) = load_checkpoint(tmp_path / "moved"), load_checkpoint(tmp_path / "straight")
+    for got, want in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert relative_error(got, want) < 1e-4
+
+
+@pytest.mark.parametrize("mesh, match", [
+    (MeshConfig(data=3), r"mesh \{'data': 3, 'fsdp': 1, 'tensor': 1\} has 3 devices; this run "
+                         r"has 8"),
+    (MeshConfig(data=-1, fsdp=3), "do not divide the 8 devices"),
+    (MeshConfig(data=1, fsdp=8), None),  # batch 8 over 8 shards: fine
+])
+def test_mesh_sizes_are_checked(mesh, match):
+    if match is None:
+        assert sharding.mesh_shape(mesh, 8) == (1, 8, 1)
+        return
+    with pytest.raises(ConfigError, match=match):
+        sharding.make_mesh(mesh)
+
+
+def test_batch_must_split_over_the_batch_shards(corpus_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer, "_programs", lambda *a: pytest.fail("compiled"))
+    run = RunConfig(model=MODELS["gqa"], train=dataclasses.replace(TRAIN, batch_size=12),
+                    data=DataConfig(corpus=str(corpus_dir)), mesh=MeshConfig(data=8))
+    with pytest.raises(ConfigError, match="12 sequences per micro-batch do not split across "
+                                          "the 8 batch shards"):
+        trainer.train(run, tmp_path, log=lambda _: None, progress=False)
+
+
+def test_unknown_axis_names_in_rules_are_refused():
+    with pytest.raises(ConfigError, match="'embd' is not a logical axis name"):
+        MeshConfig(weight_rules={"embd": "fsdp"})
+    with pytest.raises(ConfigError, match="activation_rules.batch='model' must be a mesh axis"):
+        MeshConfig(activation_rules={"batch": "model"})
