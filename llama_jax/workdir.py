@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import grain
-import jax
 import orbax.checkpoint as ocp
 import yaml
 

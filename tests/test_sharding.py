@@ -12,7 +12,8 @@ import pytest
 import llama_jax
 from llama_jax import costs, sharding, trainer
 from llama_jax.checkpoint import load_checkpoint
-from llama_jax.config import ConfigError, DataConfig, MeshConfig, ModelConfig, RunConfig, TrainConfig
+from llama_jax.config import (ConfigError, DataConfig, MeshConfig, ModelConfig, RunConfig,
+                              TrainConfig)
 from reference import relative_error
 
 MODELS = {  # K divisible by tensor=8, and MQA (K=1: the KV heads cannot be split)
