@@ -7,6 +7,7 @@ machine in the same run (DESIGN.md §5).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -25,6 +26,34 @@ PEAK_BF16_FLOPS = {
     "NVIDIA H200": 989e12,
     "NVIDIA A100": 312e12,
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_bf16_flops: float  # dense, per chip / GPU
+    memory_bytes: int  # HBM per chip / GPU
+    bandwidth: float  # HBM bytes/s
+
+
+# The planner's accelerators (vendor datasheets). "cpu" is measured on this machine instead.
+HARDWARE = {h.name: h for h in (
+    Hardware("v5e", 197e12, 16 << 30, 819e9),
+    Hardware("v5p", 459e12, 95 << 30, 2765e9),
+    Hardware("v6e", 918e12, 32 << 30, 1640e9),
+    Hardware("h100", 989e12, 80 << 30, 3350e9),
+    Hardware("h200", 989e12, 141 << 30, 4800e9),
+)}
+
+
+def hardware(name: str) -> Hardware:
+    """A planner hardware entry; "cpu" measures this machine's matmul rate (a second or two)."""
+    if name == "cpu":
+        import os
+
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return Hardware("cpu", measure_matmul_flops("float32"), memory, 0.0)
+    return HARDWARE[name]
 
 
 def peak_flops_per_device(dtype: str = "float32") -> float:

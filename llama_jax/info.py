@@ -1,9 +1,15 @@
-"""Planner: sizes, bytes and FLOPs of a model without allocating it.
+"""Planner: sizes, bytes and FLOPs of a model without allocating it, and a training plan on a
+device mesh.
 
     python -m llama_jax.info PRESET_OR_CONFIG_FILE [--batch B] [--seq S] [--dtype D]
                              [--bandwidth GBPS] [--json]
+                             [--mesh data=D,fsdp=F,tensor=T --hardware {cpu,v5e,v5p,v6e,h100,h200}
+                              --remat POLICY --mfu 0.4 --compute-dtype bfloat16]
 
-All numbers come from `llama_jax.costs`; the formulas are printed next to the figures.
+All numbers come from `llama_jax.costs` and `llama_jax.memory`; the formulas are printed next
+to the figures. With `--mesh` (or `--hardware`) it adds per-device training memory (weights,
+gradients, AdamW state, activations under the remat policy), the KV cache of B x S tokens per
+device, and the step time at the stated MFU. `--batch` is then the global batch in sequences.
 """
 
 from __future__ import annotations
@@ -12,9 +18,12 @@ import argparse
 import json
 import sys
 
-from llama_jax import costs
+import dataclasses
+
+from llama_jax import costs, hardware, memory
 from llama_jax.cli import user_errors_exit
-from llama_jax.config import DTYPES, ConfigError, ModelConfig, load_model_config
+from llama_jax.config import (DTYPES, MESH_AXES, REMAT_POLICIES, ConfigError, MeshConfig,
+                              ModelConfig, load_model_config)
 
 DEFAULT_BANDWIDTH_GBPS = 3350.0  # H100 SXM HBM3
 
@@ -50,6 +59,65 @@ def plan(config: ModelConfig, *, batch: int, seq: int, dtype: str,
         "decode_floor_s_per_step": floor_s,
         "decode_floor_tokens_per_s": batch / floor_s,
     }
+
+
+def plan_training(config: ModelConfig, mesh: MeshConfig, *, batch: int, seq: int, remat: str,
+                  compute_dtype: str, device: hardware.Hardware, mfu: float,
+                  kv_dtype: str) -> dict:
+    """Per-device memory and step time of training `config` on `mesh` of `device`s."""
+    n_devices = mesh.data * mesh.fsdp * mesh.tensor
+    config = dataclasses.replace(config, remat=remat, compute_dtype=compute_dtype,
+                                 param_dtype="float32")
+    batch_ways = mesh.data * mesh.fsdp
+    if batch % batch_ways:
+        raise ConfigError(f"--batch {batch} does not split over data x fsdp = {batch_ways}")
+    m = memory.plan_memory(config, mesh, n_devices, batch=batch, seq=seq, remat=remat,
+                           kv_batch=batch, kv_dtype=kv_dtype)
+    flops = costs.train_flops_per_token(config, seq) * batch * seq
+    step_s = flops / (n_devices * device.peak_bf16_flops * mfu)
+    return {"mesh": m.mesh, "devices": n_devices, "hardware": device.name,
+            "device_memory_bytes": device.memory_bytes,
+            "peak_flops_per_device": device.peak_bf16_flops, "remat": remat,
+            "compute_dtype": compute_dtype, "weights_bytes": m.weights,
+            "gradients_bytes": m.gradients, "optimizer_bytes": m.optimizer,
+            "activations_bytes": m.activations, "training_bytes": m.training,
+            "fits": m.training <= device.memory_bytes, "kv_cache_bytes": m.kv_cache,
+            "mfu": mfu, "step_flops": flops, "step_s": step_s,
+            "tokens_per_s": batch * seq / step_s}
+
+
+def render_training(t: dict, batch: int, seq: int) -> str:
+    mesh = ",".join(f"{k}={v}" for k, v in t["mesh"].items())
+    fits = "fits" if t["fits"] else "does NOT fit"
+    return "\n".join([
+        f"training plan        mesh {mesh} ({t['devices']} x {t['hardware']}: "
+        f"{_bytes(t['device_memory_bytes'])}, {t['peak_flops_per_device'] / 1e12:,.0f} TFLOP/s "
+        f"each); global batch {batch} x {seq} tokens, fp32 params + AdamW, "
+        f"{t['compute_dtype']} compute, remat {t['remat']}",
+        f"  per device: weights {_bytes(t['weights_bytes'])}, gradients "
+        f"{_bytes(t['gradients_bytes'])}, optimizer {_bytes(t['optimizer_bytes'])}, "
+        f"activations {_bytes(t['activations_bytes'])}",
+        f"  total {_bytes(t['training_bytes'])} per device: {fits} in "
+        f"{_bytes(t['device_memory_bytes'])}",
+        f"  step {t['step_s']:.3f} s at {t['mfu']:.0%} MFU = {t['tokens_per_s']:,.0f} tokens/s "
+        f"({t['step_flops']:.3e} FLOPs per step, {costs.TRAIN_FLOPS_FORMULA})",
+        f"  decode KV cache of B={batch} x S={seq}: {_bytes(t['kv_cache_bytes'])} per device",
+    ])
+
+
+def parse_mesh(text: str) -> MeshConfig:
+    sizes = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in MESH_AXES or not value.lstrip("-").isdigit():
+            raise ConfigError(f"--mesh {text!r}: expected data=D,fsdp=F,tensor=T "
+                              f"(axes {', '.join(MESH_AXES)})")
+        sizes[name] = int(value)
+    mesh = MeshConfig(**{"data": 1, **sizes})
+    if -1 in (mesh.data, mesh.fsdp, mesh.tensor):
+        raise ConfigError(f"--mesh {text!r}: give every size (the planner has no devices "
+                          "to fill -1 from)")
+    return mesh
 
 
 def _bytes(n: float) -> str:
@@ -95,6 +163,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH_GBPS,
                         help="memory bandwidth in GB/s for the decode floor (default: H100 SXM)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--mesh", help="plan training on this mesh, e.g. data=2,fsdp=32,tensor=1")
+    parser.add_argument("--hardware", choices=["cpu", *hardware.HARDWARE],
+                        help="device kind of the training plan (default h100; cpu: measured)")
+    parser.add_argument("--remat", choices=REMAT_POLICIES, default="dots_no_batch",
+                        help="activation checkpointing policy of the training plan")
+    parser.add_argument("--mfu", type=float, default=0.4,
+                        help="model FLOPs utilisation assumed for the step time (default 0.4)")
+    parser.add_argument("--compute-dtype", choices=DTYPES, default="bfloat16",
+                        help="matmul dtype of the training plan (parameters stay fp32)")
     return parser.parse_args(argv)
 
 
@@ -106,9 +183,19 @@ def main(argv: list[str] | None = None) -> int:
     for flag, value in (("--batch", args.batch), ("--seq", seq), ("--bandwidth", args.bandwidth)):
         if value <= 0:
             raise ConfigError(f"{flag}={value} must be > 0")
+    if not 0 < args.mfu <= 1:
+        raise ConfigError(f"--mfu={args.mfu} must be in (0, 1]")
+    mesh = parse_mesh(args.mesh) if args.mesh else None
     result = plan(config, batch=args.batch, seq=seq, dtype=args.dtype,
                   bandwidth_gbps=args.bandwidth)
-    print(json.dumps(result, indent=2) if args.json else render(args.config, result))
+    text = render(args.config, result)
+    if mesh is not None or args.hardware:
+        result["training"] = plan_training(
+            config, mesh or MeshConfig(data=1), batch=args.batch, seq=seq, remat=args.remat,
+            compute_dtype=args.compute_dtype, device=hardware.hardware(args.hardware or "h100"),
+            mfu=args.mfu, kv_dtype=args.dtype)
+        text += "\n" + render_training(result["training"], args.batch, seq)
+    print(json.dumps(result, indent=2) if args.json else text)
     return 0
 
 

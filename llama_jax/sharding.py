@@ -18,7 +18,7 @@ import contextlib
 import contextvars
 import logging
 import math
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import jax
 import optax
@@ -55,20 +55,22 @@ def make_mesh(mesh: MeshConfig, devices: Sequence[jax.Device] | None = None) -> 
                          axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
-def spec(axes: Sequence[str | None], shape: Sequence[int], rules: tuple, mesh: Mesh,
-         what: str = "array") -> P:
-    """The PartitionSpec of an array whose dimensions have these logical names."""
+def spec(axes: Sequence[str | None], shape: Sequence[int], rules: tuple,
+         mesh_shape: Mapping[str, int], what: str = "array") -> P:
+    """The PartitionSpec of an array whose dimensions have these logical names, on a mesh of
+    `mesh_shape` (`mesh.shape`, or planned sizes)."""
     table = dict(rules)
     used: set[str] = set()
     out = []
     for name, size in zip(axes, shape):
         kept = []
         for mesh_axis in table.get(name, ()) if name else ():
-            if mesh_axis in used or mesh.shape[mesh_axis] == 1:
+            ways = mesh_shape[mesh_axis]
+            if mesh_axis in used or ways == 1:
                 continue
-            if size % (math.prod(mesh.shape[a] for a in kept) * mesh.shape[mesh_axis]):
+            if size % (math.prod(mesh_shape[a] for a in kept) * ways):
                 log.info("%s: mesh axis %r (size %d) does not divide %s=%d; not sharded "
-                         "along it", what, mesh_axis, mesh.shape[mesh_axis], name, size)
+                         "along it", what, mesh_axis, ways, name, size)
                 continue
             kept.append(mesh_axis)
         used.update(kept)
@@ -80,7 +82,7 @@ def param_shardings(config: ModelConfig, mesh: Mesh, mesh_config: MeshConfig) ->
     """A NamedSharding per parameter, from its logical axes and the weight rules."""
     return jax.tree.map(
         lambda s: NamedSharding(mesh, spec(s.axes, s.shape(config), mesh_config.weight_rules,
-                                           mesh, "/".join(s.axes))),
+                                           mesh.shape, "/".join(s.axes))),
         param_specs(config))
 
 
@@ -111,7 +113,14 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
         return x
     mesh, mesh_config = active
     return jax.lax.with_sharding_constraint(
-        x, NamedSharding(mesh, spec(axes, x.shape, mesh_config.activation_rules, mesh)))
+        x, NamedSharding(mesh, spec(axes, x.shape, mesh_config.activation_rules, mesh.shape)))
+
+
+def shard_ways(partition: P, mesh_shape: Mapping[str, int]) -> int:
+    """Into how many pieces a PartitionSpec cuts an array."""
+    names = [n for entry in partition if entry for n in
+             ((entry,) if isinstance(entry, str) else entry)]
+    return math.prod(mesh_shape[n] for n in names)
 
 
 def bytes_per_device(tree) -> int:

@@ -1,0 +1,89 @@
+"""Per-device memory and step time of a training run on a mesh, without allocating anything.
+
+State (from the parameter descriptions and the weight rules, so it is exactly what `trainer`
+creates): parameters in `param_dtype`, gradients like them, AdamW's two moments in fp32.
+
+Activations saved for the backward pass, per layer and per token held by the device, in
+`compute_dtype` bytes b (fp32 where the code computes in fp32), under each remat policy:
+- none: block input, both norm outputs, q, k, v, attention output, residual, gate, up and
+  their product: b·(4D + 2·N·H + 2·K·H + 3F), plus the fp32 softmax probabilities and scores,
+  2·4·N·T (attention is computed for all T keys);
+- dots: the outputs of every matmul (q, k, v, scores in fp32, attention output, o, gate, up,
+  down): b·(2·N·H + 2·K·H + 2D + 2F) + 4·N·T;
+- dots_no_batch: the weight matmuls only (attention's batched matmuls are recomputed):
+  b·(N·H + 2·K·H + 2D + 2F);
+- full: the block input only, b·D (the block is recomputed).
+Heads and the FFN width are divided by the tensor axis when the activation rules shard them.
+Working set on top: one whole layer's activations (the layer being back-propagated, recomputed
+under remat), the fp32 logits, their softmax and its gradient, 3·4·V per token (over tensor when
+the vocabulary is sharded), and the embedded input, b·D. The figures are estimates; `python -m
+llama_jax.info` prints them, and tests/test_memory.py checks them against XLA's
+`compiled.memory_analysis()` on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from llama_jax import costs, sharding
+from llama_jax.config import MESH_AXES, MeshConfig, ModelConfig
+from llama_jax.params import param_specs
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    mesh: dict[str, int]
+    weights: int  # bytes per device
+    gradients: int
+    optimizer: int
+    activations: int
+    kv_cache: int  # for decoding B rows of S tokens (not part of training)
+
+    @property
+    def training(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+
+def _ways(rules: tuple, mesh_shape: dict[str, int], axis: str, size: int) -> int:
+    """How many ways an activation dimension named `axis` of `size` is split."""
+    return sharding.shard_ways(sharding.spec((axis,), (size,), rules, mesh_shape), mesh_shape)
+
+
+def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch: int,
+                seq: int, remat: str, micro_batches: int = 1, kv_batch: int = 1,
+                kv_seq: int | None = None, kv_dtype: str = "bfloat16") -> MemoryPlan:
+    shape = dict(zip(MESH_AXES, sharding.mesh_shape(mesh, n_devices)))
+    param_bytes = costs.dtype_bytes(config.param_dtype)
+    state_elems = sum(
+        math.prod(s.shape(config)) // sharding.shard_ways(
+            sharding.spec(s.axes, s.shape(config), mesh.weight_rules, shape), shape)
+        for s in jax.tree.leaves(param_specs(config)))
+    rules = mesh.activation_rules
+    rows = batch // micro_batches // _ways(rules, shape, "batch", batch // micro_batches)
+    tokens = rows * seq
+    b = costs.dtype_bytes(config.compute_dtype)
+    D, F, V, L, T = config.D, config.F, config.V, config.L, seq
+    NH = config.N * config.H // _ways(rules, shape, "heads", config.N)
+    KH = config.K * config.H // _ways(rules, shape, "kv_heads", config.K)
+    F_local = F // _ways(rules, shape, "mlp", F)
+    scores = 2 * 4 * (config.N // _ways(rules, shape, "heads", config.N)) * T
+    whole_layer = b * (4 * D + 2 * NH + 2 * KH + 3 * F_local) + scores
+    per_token = {
+        "none": whole_layer,
+        "dots": b * (2 * NH + 2 * KH + 2 * D + 2 * F_local) + scores // 2,
+        "dots_no_batch": b * (NH + 2 * KH + 2 * D + 2 * F_local),
+        "full": b * D,
+    }[remat]
+    # Working set of the backward pass: one layer's activations (recomputed under remat) and
+    # the logits, their softmax and its gradient.
+    outside = whole_layer + 3 * 4 * V // _ways(rules, shape, "vocab", V) + b * D
+    kv_seq = seq if kv_seq is None else kv_seq
+    cache = mesh.cache_rules
+    kv = (costs.kv_cache_bytes_per_token(config, kv_dtype) * kv_batch * kv_seq
+          // _ways(cache, shape, "batch", kv_batch) // _ways(cache, shape, "kv_heads", config.K))
+    return MemoryPlan(mesh=shape, weights=state_elems * param_bytes,
+                      gradients=state_elems * param_bytes, optimizer=2 * 4 * state_elems,
+                      activations=tokens * (L * per_token + outside), kv_cache=kv)
