@@ -15,9 +15,12 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from llama_jax.config import DTYPES, ModelConfig
+import jax
+
+from llama_jax.config import DTYPES, MeshConfig, ModelConfig
 from llama_jax.formats import CheckpointError, hf, meta, native, run
 from llama_jax.params import Params
+from llama_jax.sharding import param_shardings
 
 FORMATS = {"native": native, "hf": hf, "meta": meta, "run": run}
 
@@ -42,12 +45,19 @@ def detect_format(path: str | Path) -> str:
         f"(llama_jax); found: {found}")
 
 
-def load_checkpoint(path: str | Path, dtype: str | None = None) -> tuple[ModelConfig, Params]:
+def load_checkpoint(path: str | Path, dtype: str | None = None, *,
+                    mesh: jax.sharding.Mesh | None = None,
+                    mesh_config: MeshConfig | None = None) -> tuple[ModelConfig, Params]:
     """(config, params) from any supported checkpoint; `dtype` None keeps the stored dtype.
-    The returned config computes in the same dtype as its parameters."""
+    The returned config computes in the same dtype as its parameters. With a `mesh`, every
+    tensor goes straight into its sharding under `mesh_config`'s weight rules (default rules
+    when None): each device receives only its shard, and the host holds one tensor at a time."""
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    return FORMATS[detect_format(path)].load(Path(path), dtype)
+    def placement(config: ModelConfig) -> Params | None:
+        return None if mesh is None else param_shardings(config, mesh, mesh_config or MeshConfig())
+
+    return FORMATS[detect_format(path)].load(Path(path), dtype, placement)
 
 
 @contextlib.contextmanager

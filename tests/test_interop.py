@@ -258,3 +258,29 @@ def test_hf_loading_holds_the_weights_about_once(tmp_path):
                           "float32"], check=True, capture_output=True, text=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
     assert result["extra_bytes"] < 1.5 * result["weight_bytes"], result
+
+
+@pytest.mark.parametrize("fmt", ["hf", "meta", "native"])
+def test_loading_places_tensors_straight_into_a_mesh(fmt, models, hf_dirs, tmp_path):
+    """With a mesh, every tensor arrives in its sharding (FSDP x TP here) with the values of an
+    unsharded load."""
+    from llama_jax.config import MeshConfig
+    from llama_jax.sharding import make_mesh, param_shardings
+
+    if fmt == "meta":
+        write_meta(models["gqa"], tmp_path / "m", n_shards=2)
+        path = tmp_path / "m"
+    elif fmt == "native":
+        llama_jax.save_native(*load_checkpoint(hf_dirs["gqa"]), tmp_path / "n")
+        path = tmp_path / "n"
+    else:
+        path = hf_dirs["gqa"]
+    rules = MeshConfig(data=1, fsdp=4, tensor=2)
+    mesh = make_mesh(rules)
+    config, placed = load_checkpoint(path, mesh=mesh, mesh_config=rules)
+    _, plain = load_checkpoint(path)
+    for got, want, sharding in zip(jax.tree.leaves(placed), jax.tree.leaves(plain),
+                                   jax.tree.leaves(param_shardings(config, mesh, rules))):
+        assert got.sharding == sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert placed.layers.wq.sharding.spec[1:3] == ("fsdp", "tensor")

@@ -15,8 +15,8 @@ import numpy as np
 
 from llama_jax.config import ConfigError, ModelConfig, RopeScaling
 from llama_jax.formats import CheckpointError
-from llama_jax.formats.layout import (TENSORS, TorchTensor, assemble, torch_shape, torch_tensors,
-                                      with_dtype)
+from llama_jax.formats.layout import (TENSORS, Placement, TorchTensor, assemble, torch_shape,
+                                      torch_tensors, with_dtype)
 from llama_jax.params import Params
 
 CONFIG = "config.json"
@@ -117,7 +117,8 @@ def _weight_files(path: Path) -> dict[str, Path]:
         raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from None
 
 
-def load(path: Path, dtype: str | None) -> tuple[ModelConfig, Params]:
+def load(path: Path, dtype: str | None,
+         placement: Placement | None = None) -> tuple[ModelConfig, Params]:
     from safetensors import safe_open
 
     config = read_config(path)
@@ -149,7 +150,8 @@ def load(path: Path, dtype: str | None) -> tuple[ModelConfig, Params]:
                                   f"{expected_shape} from {path / CONFIG}")
         return w
 
-    return config, assemble(config, read, np.dtype(config.param_dtype), meta=False)
+    return config, assemble(config, read, np.dtype(config.param_dtype), meta=False,
+                            placement=placement)
 
 
 def _stored_dtype(file: Path, name: str) -> str:

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from llama_jax.config import ModelConfig
+from llama_jax.costs import abstract_params
 from llama_jax.params import LayerParams, Params, param_specs
 
 
@@ -109,10 +110,16 @@ def to_torch(config: ModelConfig, tensor: TorchTensor, a: np.ndarray, meta: bool
 Reader = Callable[[TorchTensor, "int | None"], np.ndarray]
 
 
-def assemble(config: ModelConfig, read: Reader, dtype: np.dtype, meta: bool) -> Params:
+Placement = Callable[[ModelConfig], "Params | None"]  # config -> a sharding per leaf, or None
+
+
+def assemble(config: ModelConfig, read: Reader, dtype: np.dtype, meta: bool,
+             placement: Placement | None = None) -> Params:
     """Builds Params leaf by leaf from `read(tensor, layer)` (torch layout, shape-checked by the
-    reader). Each stacked leaf is filled layer by layer in `dtype` and moved to the device before
-    the next is read, so host memory holds the model once plus one leaf."""
+    reader). Each stacked leaf is filled layer by layer in `dtype` and moved to the devices —
+    straight into its target sharding when `placement` gives one, each device receiving only
+    its shard — before the next is read, so host memory holds one leaf at a time."""
+    shardings = placement(config) if placement else None
     leaves = {}
     for tensor in TENSORS:
         shape = our_shape(config, tensor)
@@ -124,7 +131,8 @@ def assemble(config: ModelConfig, read: Reader, dtype: np.dtype, meta: bool) -> 
                 out[i] = from_torch(config, tensor, read(tensor, i), meta)
         else:
             out = from_torch(config, tensor, read(tensor, None), meta).astype(dtype)
-        leaves[tensor.leaf] = jax.device_put(out)
+        leaves[tensor.leaf] = jax.device_put(
+            out, _get(shardings, tensor.leaf) if shardings is not None else None)
         del out
     layers = {k.split(".", 1)[1]: v for k, v in leaves.items() if k.startswith("layers.")}
     return Params(embed=leaves["embed"], layers=LayerParams(**layers),
@@ -143,6 +151,17 @@ def torch_tensors(config: ModelConfig, params: Params, meta: bool = False):
                 yield name.format(i=i), to_torch(config, tensor, np.asarray(leaf[i]), meta)
         else:
             yield name, to_torch(config, tensor, np.asarray(leaf), meta)
+
+
+def placed_target(config: ModelConfig, placement: Placement | None) -> Params:
+    """Abstract parameters for an orbax restore: on `placement`'s shardings, or on this
+    process's first device (so a checkpoint saved on any mesh restores)."""
+    shardings = placement(config) if placement else None
+    if shardings is None:
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        shardings = jax.tree.map(lambda _: device, abstract_params(config))
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract_params(config), shardings)
 
 
 def with_dtype(config: ModelConfig, dtype: str) -> ModelConfig:

@@ -21,7 +21,7 @@ import numpy as np
 
 from llama_jax.config import ConfigError, ModelConfig, RopeScaling
 from llama_jax.formats import CheckpointError
-from llama_jax.formats.layout import TorchTensor, assemble, torch_shape, with_dtype
+from llama_jax.formats.layout import Placement, TorchTensor, assemble, torch_shape, with_dtype
 from llama_jax.params import Params
 
 PARAMS = "params.json"
@@ -120,7 +120,8 @@ def _numpy(t) -> np.ndarray:
     return t.float().numpy() if str(t.dtype) != "torch.float32" else t.numpy()
 
 
-def load(path: Path, dtype: str | None) -> tuple[ModelConfig, Params]:
+def load(path: Path, dtype: str | None,
+         placement: Placement | None = None) -> tuple[ModelConfig, Params]:
     shards = _open_shards(path)
     config = read_config(path, shards)
     stored = _TORCH_DTYPES.get(str(shards[0]["tok_embeddings.weight"].dtype), "float32") \
@@ -139,4 +140,5 @@ def load(path: Path, dtype: str | None) -> tuple[ModelConfig, Params]:
                        path)
 
     del shards
-    return config, assemble(config, read, np.dtype(config.param_dtype), meta=True)
+    return config, assemble(config, read, np.dtype(config.param_dtype), meta=True,
+                            placement=placement)

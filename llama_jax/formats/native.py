@@ -13,7 +13,7 @@ import yaml
 from llama_jax.config import ConfigError, ModelConfig, load_model_config
 from llama_jax.costs import abstract_params
 from llama_jax.formats import CheckpointError
-from llama_jax.formats.layout import with_dtype
+from llama_jax.formats.layout import Placement, placed_target, with_dtype
 from llama_jax.params import Params
 
 CONFIG = "config.yaml"
@@ -32,7 +32,8 @@ def save(config: ModelConfig, params: Params, path: Path) -> None:
     checkpointer.wait_until_finished()
 
 
-def load(path: Path, dtype: str | None) -> tuple[ModelConfig, Params]:
+def load(path: Path, dtype: str | None,
+         placement: Placement | None = None) -> tuple[ModelConfig, Params]:
     try:
         config = load_model_config(path / CONFIG)
     except ConfigError as e:
@@ -50,7 +51,7 @@ def load(path: Path, dtype: str | None) -> tuple[ModelConfig, Params]:
     if jax.tree.structure(expected) != jax.tree.structure(found) or expected != found:
         raise CheckpointError(f"{params_dir}: stored shapes {found} do not match "
                               f"{path / CONFIG} {expected}")
-    return config, checkpointer.restore(params_dir, target)
+    return config, checkpointer.restore(params_dir, placed_target(config, placement))
 
 
 def _as_params_tree(stored: dict) -> dict:

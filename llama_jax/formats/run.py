@@ -5,13 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
-
 from llama_jax import workdir
 from llama_jax.config import ConfigError, ModelConfig, TrainConfig, load_model_config
-from llama_jax.costs import abstract_params
 from llama_jax.formats import CheckpointError
-from llama_jax.formats.layout import with_dtype
+from llama_jax.formats.layout import Placement, placed_target, with_dtype
 from llama_jax.params import Params
 
 
@@ -19,7 +16,8 @@ def is_run(path: Path) -> bool:
     return workdir.is_workdir(path)
 
 
-def load(path: Path, dtype: str | None) -> tuple[ModelConfig, Params]:
+def load(path: Path, dtype: str | None,
+         placement: Placement | None = None) -> tuple[ModelConfig, Params]:
     try:
         config = load_model_config(path / workdir.CONFIG)
     except ConfigError as e:
@@ -29,12 +27,8 @@ def load(path: Path, dtype: str | None) -> tuple[ModelConfig, Params]:
     if step is None:
         raise CheckpointError(f"{path}: a training run without a complete checkpoint yet")
     config = with_dtype(config, dtype or config.param_dtype)
-    # Onto this process's first device, whatever mesh the run was saved from.
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-                          abstract_params(config))
-    try:
-        params = checkpoints.restore_params(step, target)
+    try:  # onto the placement, whatever mesh the run was saved from
+        params = checkpoints.restore_params(step, placed_target(config, placement))
     except (ValueError, KeyError) as e:  # orbax: stored tree or shapes differ from the config
         raise CheckpointError(f"{path}: checkpoint {step} does not match its config.yaml: "
                               f"{e}") from None
