@@ -18,6 +18,7 @@ temperature and filters) for the chosen tokens.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -30,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from llama_jax.config import ModelConfig
+from llama_jax import sharding
+from llama_jax.config import MeshConfig, ModelConfig
 from llama_jax.kv_cache import KVCache, forward_cached, init_cache, unstack_layers
 from llama_jax.model import lm_head
 from llama_jax.params import Params
@@ -153,8 +155,12 @@ def _compiled(fn, stats: GenerationStats, *args, **static):
                       for x in leaves)  # the config is a (hashable) leaf of its own
     key = (fn, tuple(sorted(static.items())), treedef, signature)
     if key not in _EXECUTABLES:
+        mesh = sharding.mesh_of(args)
+        placed = (sharding.use_mesh(mesh, MeshConfig()) if mesh is not None
+                  else contextlib.nullcontext())
         start = time.perf_counter()
-        _EXECUTABLES[key] = fn.lower(*args, **static).compile()
+        with placed:  # sharded parameters: the cache and activations follow the default rules
+            _EXECUTABLES[key] = fn.lower(*args, **static).compile()
         stats.compile_s += time.perf_counter() - start
     return _EXECUTABLES[key]
 

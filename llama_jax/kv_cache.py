@@ -30,6 +30,7 @@ from llama_jax.model import embed, finish_block, project_qkv
 from llama_jax.ops import rms_norm
 from llama_jax.params import Params
 from llama_jax.rope import rope_cos_sin
+from llama_jax.sharding import constrain
 
 
 @struct.dataclass
@@ -48,12 +49,16 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: str = "bflo
     a tuple of L arrays `[B, K·S, H]` — same bytes. A per-layer 16-bit cache holds its values'
     bits as uint16 (see `_write_merged`)."""
     K, H = config.n_kv_heads, config.head_dim
+    # On a mesh (`sharding.use_mesh`) rows and KV heads follow the cache rules; the per-layer
+    # layout merges heads with slots, so only its rows can be split.
     if per_layer:
         stored = _bits_type(jnp.dtype(dtype))
-        k = tuple(jnp.zeros((batch, K * max_len, H), stored) for _ in range(config.n_layers))
-        v = tuple(jnp.zeros((batch, K * max_len, H), stored) for _ in range(config.n_layers))
+        k, v = (tuple(constrain(jnp.zeros((batch, K * max_len, H), stored),
+                                ("batch", None, "head_dim"), "cache_rules")
+                      for _ in range(config.n_layers)) for _ in range(2))
     else:
-        k = v = jnp.zeros((config.n_layers, batch, K, max_len, H), dtype)
+        k = v = constrain(jnp.zeros((config.n_layers, batch, K, max_len, H), dtype),
+                          (None, "batch", "kv_heads", "seq", "head_dim"), "cache_rules")
     start = jnp.zeros((batch,), jnp.int32) if start_B is None else start_B.astype(jnp.int32)
     return KVCache(k=k, v=v, start=start, end=jnp.zeros((), jnp.int32), max_len=max_len,
                    dtype=jnp.dtype(dtype).name)

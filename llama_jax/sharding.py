@@ -106,14 +106,25 @@ def use_mesh(mesh: Mesh, mesh_config: MeshConfig) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
-def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-    """`with_sharding_constraint` by logical activation axes, when a mesh is active."""
+def constrain(x: jax.Array, axes: Sequence[str | None],
+              table: str = "activation_rules") -> jax.Array:
+    """`with_sharding_constraint` by logical axes (of activations, or `table="cache_rules"`),
+    when a mesh is active."""
     active = _ACTIVE.get()
     if active is None:
         return x
     mesh, mesh_config = active
     return jax.lax.with_sharding_constraint(
-        x, NamedSharding(mesh, spec(axes, x.shape, mesh_config.activation_rules, mesh.shape)))
+        x, NamedSharding(mesh, spec(axes, x.shape, getattr(mesh_config, table), mesh.shape)))
+
+
+def mesh_of(tree) -> Mesh | None:
+    """The mesh the arrays of `tree` are laid out on, if they are spread over one."""
+    for leaf in jax.tree.leaves(tree):
+        placed = getattr(leaf, "sharding", None)
+        if isinstance(placed, NamedSharding) and placed.mesh.size > 1:
+            return placed.mesh
+    return None
 
 
 def shard_ways(partition: P, mesh_shape: Mapping[str, int]) -> int:

@@ -117,6 +117,20 @@ def test_sharded_greedy_decode_equals_unsharded(mesh_name):
     assert llama_jax.generate(model, placed, prompts, 12, stop_tokens=[]) == expected
 
 
+def test_the_kv_cache_follows_the_cache_rules():
+    """Rows over data x fsdp and KV heads over tensor (the stacked layout of accelerators)."""
+    from llama_jax.kv_cache import init_cache
+
+    mesh_config = MESHES["dp2-fsdp2-tp2"]
+    mesh = sharding.make_mesh(mesh_config)
+    with sharding.use_mesh(mesh, mesh_config):
+        cache = jax.jit(lambda: init_cache(MODELS["gqa"], 4, 16, "bfloat16"))()
+        per_layer = jax.jit(lambda: init_cache(MODELS["gqa"], 4, 16, per_layer=True))()
+    assert cache.k.sharding.spec == jax.sharding.PartitionSpec(None, ("data", "fsdp"), "tensor")
+    assert per_layer.k[0].sharding.spec[0] == ("data", "fsdp")
+    assert sharding.bytes_per_device(cache.k) == cache.k.nbytes // 8
+
+
 def test_a_run_saved_on_one_mesh_continues_on_another(corpus_dir, tmp_path):
     model = MODELS["gqa"]
     data = DataConfig(corpus=str(corpus_dir))
