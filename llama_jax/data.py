@@ -237,10 +237,6 @@ class Windows:
         return np.asarray(self.tokens[start:start + self.seq_len + 1], np.int32)
 
 
-def count_windows(tokens: np.ndarray, seq_len: int) -> int:
-    return len(Windows(tokens, seq_len))
-
-
 def train_batches(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
                   process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
     """Endless shuffled batches (int32); the iterator's `get_state()` / `set_state()` is its

@@ -13,36 +13,24 @@ import time
 import jax
 import jax.numpy as jnp
 
-# Dense bf16 matmul peak per chip / GPU, FLOP/s (vendor datasheets; no sparsity).
-PEAK_BF16_FLOPS = {
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,  # v5e
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v5": 459e12,
-    "TPU v6 lite": 918e12,  # v6e (Trillium)
-    "TPU v6e": 918e12,
-    "NVIDIA H100": 989e12,
-    "NVIDIA H200": 989e12,
-    "NVIDIA A100": 312e12,
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     name: str
-    peak_bf16_flops: float  # dense, per chip / GPU
+    peak_bf16_flops: float  # dense (no sparsity), per chip / GPU
     memory_bytes: int  # HBM per chip / GPU
     bandwidth: float  # HBM bytes/s
+    device_kinds: tuple[str, ...] = ()  # prefixes of `jax.Device.device_kind` it goes by
 
 
-# The planner's accelerators (vendor datasheets). "cpu" is measured on this machine instead.
+# Vendor datasheets. "cpu" has no entry: it is measured on the machine instead.
 HARDWARE = {h.name: h for h in (
-    Hardware("v5e", 197e12, 16 << 30, 819e9),
-    Hardware("v5p", 459e12, 95 << 30, 2765e9),
-    Hardware("v6e", 918e12, 32 << 30, 1640e9),
-    Hardware("h100", 989e12, 80 << 30, 3350e9),
-    Hardware("h200", 989e12, 141 << 30, 4800e9),
+    Hardware("v4", 275e12, 32 << 30, 1200e9, ("TPU v4",)),
+    Hardware("v5e", 197e12, 16 << 30, 819e9, ("TPU v5 lite", "TPU v5e")),
+    Hardware("v5p", 459e12, 95 << 30, 2765e9, ("TPU v5p", "TPU v5")),
+    Hardware("v6e", 918e12, 32 << 30, 1640e9, ("TPU v6 lite", "TPU v6e")),
+    Hardware("a100", 312e12, 80 << 30, 2039e9, ("NVIDIA A100",)),
+    Hardware("h100", 989e12, 80 << 30, 3350e9, ("NVIDIA H100",)),
+    Hardware("h200", 989e12, 141 << 30, 4800e9, ("NVIDIA H200",)),
 )}
 
 
@@ -57,11 +45,12 @@ def hardware(name: str) -> Hardware:
 
 
 def peak_flops_per_device(dtype: str = "float32") -> float:
-    """The peak matmul rate of one of this process's devices."""
-    device = jax.devices()[0]
-    for prefix, flops in PEAK_BF16_FLOPS.items():
-        if device.device_kind.startswith(prefix):
-            return flops
+    """The peak matmul rate of one of this process's devices: the table's bf16 figure for a
+    known accelerator, otherwise measured."""
+    kind = jax.devices()[0].device_kind
+    for entry in HARDWARE.values():
+        if kind.startswith(entry.device_kinds):
+            return entry.peak_bf16_flops
     return measure_matmul_flops(dtype)
 
 
