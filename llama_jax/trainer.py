@@ -131,7 +131,7 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
                jax.process_index() != 0, dynamic_ncols=True, unit="step")
     say = bar.write if not bar.disable else log
     run_start = window_start = time.perf_counter()
-    window_steps = 0
+    window_steps, window_paused = 0, 0.0  # evaluation and saving do not count as training time
     try:
         with _stop_signals() as received:
             for step in range(start + 1, end + 1):
@@ -148,7 +148,7 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
                         f"train.learning_rate or check the data; the last checkpoint "
                         f"({checkpoints.latest_step()}) is intact")
                 if step % train_cfg.log_every == 0 or step == end:
-                    elapsed = time.perf_counter() - window_start
+                    elapsed = time.perf_counter() - window_start - window_paused
                     record.update(
                         lr=schedule(step - 1 - int(values["nonfinite_total"])),
                         grad_norm=values["grad_norm"],
@@ -158,20 +158,22 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
                     bar.set_postfix(loss=f"{values['loss']:.3f}",
                                     tok_s=f"{record['tokens_per_s']:.0f}",
                                     mfu=f"{record['mfu']:.0%}", refresh=False)
-                    window_start, window_steps = time.perf_counter(), 0
+                    window_start, window_steps, window_paused = time.perf_counter(), 0, 0.0
+                paused_from = time.perf_counter()
                 if step % train_cfg.eval_every == 0 or step == train_cfg.steps:
                     outcome.val_loss = _validation_loss(programs.evaluate, state.params, val,
                                                         batch_sharding)
                     record.update(val_loss=outcome.val_loss,
                                   val_ppl=math.exp(min(outcome.val_loss, 700)))
                     say(f"step {step}: val_loss {outcome.val_loss:.4f} "
-                              f"val_ppl {record['val_ppl']:.2f}")
+                        f"val_ppl {record['val_ppl']:.2f}")
                 metrics.write(step, record)
                 bar.update(1)
                 outcome.step = step
                 stopping = received or (["stop_at"] if step == end < train_cfg.steps else [])
                 if stopping or step % train_cfg.checkpoint_every == 0 or step == end:
                     save(step, state)
+                window_paused += time.perf_counter() - paused_from
                 if stopping:
                     outcome.stopped_by = stopping[0]
                     log(f"stopped by {stopping[0]} after step {step}; checkpoint saved, "
