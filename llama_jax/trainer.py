@@ -89,12 +89,17 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
     val = data.val_batches(tokens.val, train_cfg.seq_len, train_cfg.batch_size,
                            train_cfg.eval_batches, **processes)
 
+    checkpoints = run_dir.Checkpoints(workdir, train_cfg)
+    start = checkpoints.latest_step() or 0
+    end = min(train_cfg.steps, stop_at or train_cfg.steps)
+    if start >= end:
+        checkpoints.close()
+        log(f"nothing to do: the latest checkpoint is at step {start}, the run ends at {end}")
+        return Outcome(step=start)
+
     programs = _programs(run, tokens.bos_id, mesh)
     batch_sharding, abstract, compile_s = (programs.batch_sharding, programs.abstract,
                                            programs.compile_s)
-
-    checkpoints = run_dir.Checkpoints(workdir, train_cfg)
-    start = checkpoints.latest_step() or 0
     if start:
         params, opt_state, _ = checkpoints.restore(start, abstract.params, abstract.opt_state,
                                                    iterator)
@@ -103,11 +108,6 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
         log(f"resumed from {workdir / run_dir.CHECKPOINTS / str(start)}")
     else:
         state = programs.init(jax.random.key(train_cfg.seed))
-    end = min(train_cfg.steps, stop_at or train_cfg.steps)
-    if start >= end:
-        checkpoints.close()
-        log(f"nothing to do: the latest checkpoint is at step {start}, the run ends at {end}")
-        return Outcome(step=start, compile_s=compile_s)
 
     tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
     flops_per_step = costs.train_flops_per_token(model, train_cfg.seq_len) * tokens_per_step
