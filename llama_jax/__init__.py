@@ -1,21 +1,27 @@
 """llama_jax: the LLaMA family (1, 2, 3, 3.1, 3.2) as small pure JAX functions.
 
 Public API:
-    ModelConfig, RopeScaling, ConfigError, load_model_config  -- configuration
+    ModelConfig, RopeScaling, ConfigError, load_model_config  -- model configuration
+    RunConfig, TrainConfig, DataConfig, MeshConfig, load_run_config -- training runs
     Params, LayerParams, init_params, param_specs            -- parameter pytrees
     forward, hidden_states                                   -- the model
     load_checkpoint, export_hf, save_native, CheckpointError -- HF / Meta / native checkpoints
     load_tokenizer                                           -- SentencePiece and LLaMA-3 tokenizers
     generate, stream, GenerateError                          -- jit-compiled sampling with a KV cache
+    train, TrainingError                                      -- the training loop (train.py)
+    make_mesh                                                 -- a device mesh from a MeshConfig
 """
 
 from llama_jax.checkpoint import export_hf, load_checkpoint, save_native
-from llama_jax.config import ConfigError, ModelConfig, RopeScaling, load_model_config
+from llama_jax.config import (ConfigError, DataConfig, MeshConfig, ModelConfig, RopeScaling,
+                              RunConfig, TrainConfig, load_model_config, load_run_config)
 from llama_jax.model import forward, hidden_states
 from llama_jax.decoder import GenerateError, generate, stream
 from llama_jax.formats import CheckpointError
 from llama_jax.params import LayerParams, Params, init_params, param_specs
+from llama_jax.sharding import make_mesh
 from llama_jax.tokenizer import load_tokenizer
+from llama_jax.trainer import TrainingError, train
 
 __all__ = [
     "ConfigError", "ModelConfig", "RopeScaling", "load_model_config",
@@ -23,4 +29,6 @@ __all__ = [
     "forward", "hidden_states",
     "load_checkpoint", "export_hf", "save_native", "CheckpointError", "load_tokenizer",
     "generate", "stream", "GenerateError",
+    "RunConfig", "TrainConfig", "DataConfig", "MeshConfig", "load_run_config", "train",
+    "TrainingError", "make_mesh",
 ]
