@@ -9,15 +9,12 @@ training run's workdir (`config.yaml` + `checkpoints/`: its latest checkpoint).
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
 from pathlib import Path
-from typing import Iterator
 
 import jax
 
 from llama_jax.config import DTYPES, MeshConfig, ModelConfig
+from llama_jax.files import atomic_directory
 from llama_jax.formats import CheckpointError, hf, meta, native, run
 from llama_jax.params import Params
 from llama_jax.sharding import param_shardings
@@ -54,28 +51,11 @@ def load_checkpoint(path: str | Path, dtype: str | None = None, *,
     when None): each device receives only its shard, and the host holds one tensor at a time."""
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+
     def placement(config: ModelConfig) -> Params | None:
         return None if mesh is None else param_shardings(config, mesh, mesh_config or MeshConfig())
 
     return FORMATS[detect_format(path)].load(Path(path), dtype, placement)
-
-
-@contextlib.contextmanager
-def atomic_directory(dst: str | Path) -> Iterator[Path]:
-    """Yields an empty hidden directory beside `dst` that becomes `dst` only if the block
-    succeeds; an existing `dst` is never touched, and a failure leaves nothing behind."""
-    dst = Path(dst)
-    if dst.exists():
-        raise CheckpointError(f"{dst}: already exists; refusing to overwrite it")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-        os.replace(tmp, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def export_hf(config: ModelConfig, params: Params, path: str | Path) -> None:

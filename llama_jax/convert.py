@@ -26,7 +26,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from llama_jax.checkpoint import atomic_directory, detect_format, load_checkpoint
+from llama_jax.checkpoint import detect_format, load_checkpoint
+from llama_jax.files import atomic_directory
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import DTYPES, ModelConfig
 from llama_jax.formats import CheckpointError, hf, meta, native

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llama_jax.config import DEFAULT_CORPUS, DataConfig
+from llama_jax.files import sibling_temp, write_atomically
 from llama_jax.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, train_sentencepiece
 
 CACHE_VERSION = 1  # bump when the cached layout changes
@@ -104,7 +105,7 @@ def prepare_tokenizer(data: DataConfig, corpus: Corpus, vocab_size: int, workdir
         if not source.is_file():
             raise DataError(f"data.tokenizer {data.tokenizer!r}: no such file")
         if not kept.is_file() or kept.read_bytes() != source.read_bytes():
-            _atomic_copy(source, kept)
+            write_atomically(kept, source.read_bytes())
     elif not kept.is_file():
         log(f"training a {vocab_size}-token SentencePiece BPE tokenizer on "
             f"{len(corpus.train)} documents")
@@ -112,12 +113,11 @@ def prepare_tokenizer(data: DataConfig, corpus: Corpus, vocab_size: int, workdir
                                   data.max_tokenizer_chars))
         if not any(text.strip() for text in texts):
             raise DataError(f"corpus {corpus.root}: the training documents are empty")
-        temp = kept.with_name(f".{kept.name}.tmp-{os.getpid()}")
         try:
-            train_sentencepiece(texts, vocab_size, temp)
+            model = train_sentencepiece(texts, vocab_size)
         except RuntimeError as e:  # e.g. a vocabulary larger than the text allows
             raise DataError(f"training the tokenizer on {corpus.root} failed: {e}") from None
-        os.replace(temp, kept)
+        write_atomically(kept, model)
     tokenizer = load_tokenizer(kept)
     if tokenizer.vocab_size > vocab_size:
         raise DataError(f"tokenizer {kept} has {tokenizer.vocab_size} tokens, more than "
@@ -132,12 +132,6 @@ def _limit_chars(texts: Iterator[str], limit: int) -> Iterator[str]:
             return
         total += len(text)
         yield text
-
-
-def _atomic_copy(source: Path, dest: Path) -> None:
-    temp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    shutil.copyfile(source, temp)
-    os.replace(temp, dest)
 
 
 # ------------------------------------------------------------------------------- token cache
@@ -163,7 +157,7 @@ def tokenize_corpus(corpus: Corpus, tokenizer: Tokenizer, cache_root: Path,
     cache = cache_root / key
     if not (cache / "meta.json").is_file():
         log(f"tokenizing {len(corpus.train) + len(corpus.val)} documents into {cache}")
-        temp = cache_root / f".{key}.tmp-{os.getpid()}"
+        temp = sibling_temp(cache)
         shutil.rmtree(temp, ignore_errors=True)
         temp.mkdir(parents=True)
         dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import jax
+
+from llama_jax.files import write_atomically
 
 
 class MetricsLog:
@@ -50,9 +51,7 @@ def truncate_after(jsonl: Path, step: int) -> None:
         return
     kept = [line for line in jsonl.read_text().splitlines(keepends=True)
             if line.strip() and json.loads(line)["step"] <= step]
-    temp = jsonl.with_name(f".{jsonl.name}.tmp")
-    temp.write_text("".join(kept))
-    os.replace(temp, jsonl)
+    write_atomically(jsonl, "".join(kept))
 
 
 def read(jsonl: Path) -> list[dict[str, Any]]:

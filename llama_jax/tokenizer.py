@@ -124,10 +124,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return SentencePieceTokenizer(path)
 
 
-def train_sentencepiece(texts: Iterable[str], vocab_size: int, path: Path) -> None:
+def train_sentencepiece(texts: Iterable[str], vocab_size: int) -> bytes:
     """Trains a LLaMA-1/2-style SentencePiece BPE model (byte fallback, digits split, text kept
     verbatim: no whitespace folding, no Unicode normalisation, so code survives a round trip)
-    and writes it to `path`. Ids: 0 <unk>, 1 <s> (BOS), 2 </s> (EOS), as in LLaMA.
+    and returns the model file's bytes. Ids: 0 <unk>, 1 <s> (BOS), 2 </s> (EOS), as in LLaMA.
 
     SentencePiece learns from lines; a newline is never part of a piece and encodes through
     byte fallback, exactly as in Meta's tokenizer.
@@ -142,7 +142,7 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, path: Path) -> No
         normalization_rule_name="identity", remove_extra_whitespaces=False,
         allow_whitespace_only_pieces=True, max_sentence_length=1 << 16, unk_id=0, bos_id=1,
         eos_id=2, pad_id=-1, num_threads=os.cpu_count() or 1, minloglevel=2)
-    path.write_bytes(model.getvalue())
+    return model.getvalue()
 
 
 class TextStream:

@@ -19,7 +19,6 @@ WORKDIR` samples from a run directly.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ import orbax.checkpoint as ocp
 import yaml
 
 from llama_jax.config import ConfigError, RunConfig, TrainConfig
+from llama_jax.files import write_atomically
 
 CONFIG = "config.yaml"
 CHECKPOINTS = "checkpoints"
@@ -59,9 +59,7 @@ def claim(workdir: Path, run: RunConfig) -> None:
                 f"({'; '.join(differences)}); they would not continue this run. Resume with "
                 "the same config or use another --workdir")
     workdir.mkdir(parents=True, exist_ok=True)
-    temp = workdir / f".{CONFIG}.tmp-{os.getpid()}"
-    temp.write_text(yaml.safe_dump(run.to_dict(), sort_keys=False))
-    os.replace(temp, stored_path)
+    write_atomically(stored_path, yaml.safe_dump(run.to_dict(), sort_keys=False))
 
 
 def config_differences(stored: RunConfig, new: RunConfig) -> list[str]:
