@@ -101,8 +101,8 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
     batch_sharding, abstract, compile_s = (programs.batch_sharding, programs.abstract,
                                            programs.compile_s)
     if start:
-        params, opt_state, _ = checkpoints.restore(start, abstract.params, abstract.opt_state,
-                                                   iterator)
+        params, opt_state = checkpoints.restore(start, abstract.params, abstract.opt_state,
+                                                iterator)
         state = TrainState(step=jnp.asarray(start, jnp.int32), params=params,
                            opt_state=opt_state)
         log(f"resumed from {workdir / run_dir.CHECKPOINTS / str(start)}")
@@ -125,7 +125,7 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
         if not bool(_all_finite(state.params)):
             raise TrainingError(f"parameters are not finite at step {step}; not saving over "
                                 "the last good checkpoint")
-        checkpoints.save(step, state.params, state.opt_state, {"step": step}, iterator)
+        checkpoints.save(step, state.params, state.opt_state, iterator)
 
     bar = tqdm(total=train_cfg.steps, initial=start, disable=not progress or
                jax.process_index() != 0, dynamic_ncols=True, unit="step")

@@ -1,8 +1,8 @@
 """A training run's directory, and its checkpoints.
 
-    WORKDIR/config.yaml        the resolved run config (model, train, data)
+    WORKDIR/config.yaml        the resolved run config (model, train, data, mesh)
     WORKDIR/tokenizer.model    the run's tokenizer (trained or copied there)
-    WORKDIR/checkpoints/STEP/  orbax CheckpointManager steps: params/, opt_state/, progress/,
+    WORKDIR/checkpoints/STEP/  orbax CheckpointManager steps: params/, opt_state/,
                                data/ (grain iterator state, one JSON per process)
     WORKDIR/metrics.jsonl      one JSON object per step
     WORKDIR/tensorboard/       event files
@@ -79,7 +79,8 @@ def config_differences(stored: RunConfig, new: RunConfig) -> list[str]:
 
 
 class Checkpoints:
-    """Asynchronous orbax checkpoints of (params, optimizer state, progress, data iterator)."""
+    """Asynchronous orbax checkpoints of (params, optimizer state, data iterator). The step is
+    the checkpoint's own number; the non-finite counters live in the optimizer state."""
 
     def __init__(self, workdir: Path, train: TrainConfig, create: bool = True):
         options = ocp.CheckpointManagerOptions(
@@ -89,21 +90,21 @@ class Checkpoints:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, params: Any, opt_state: Any, progress: dict[str, Any],
+    def save(self, step: int, params: Any, opt_state: Any,
              iterator: grain.DatasetIterator) -> None:
         """Starts writing step `step`; returns once the arrays are copied off the device."""
         self.manager.save(step, force=True, args=ocp.args.Composite(
             params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
-            progress=ocp.args.JsonSave(progress), data=grain.checkpoint.CheckpointSave(iterator)))
+            data=grain.checkpoint.CheckpointSave(iterator)))
 
     def restore(self, step: int, abstract_params: Any, abstract_opt_state: Any,
-                iterator: grain.DatasetIterator) -> tuple[Any, Any, dict[str, Any]]:
-        """(params, opt_state, progress) of `step`; `iterator` is moved to its saved position."""
+                iterator: grain.DatasetIterator) -> tuple[Any, Any]:
+        """(params, opt_state) of `step`; `iterator` is moved to its saved position."""
         restored = self.manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(abstract_params),
             opt_state=ocp.args.StandardRestore(abstract_opt_state),
-            progress=ocp.args.JsonRestore(), data=grain.checkpoint.CheckpointRestore(iterator)))
-        return restored.params, restored.opt_state, restored.progress
+            data=grain.checkpoint.CheckpointRestore(iterator)))
+        return restored.params, restored.opt_state
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         restored = self.manager.restore(step, args=ocp.args.Composite(
