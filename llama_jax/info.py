@@ -20,7 +20,7 @@ import sys
 
 import dataclasses
 
-from llama_jax import costs, hardware, memory
+from llama_jax import costs, hardware, memory, sharding
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import (DTYPES, MESH_AXES, REMAT_POLICIES, ConfigError, MeshConfig,
                               ModelConfig, load_model_config)
@@ -68,7 +68,8 @@ def plan_training(config: ModelConfig, mesh: MeshConfig, *, batch: int, seq: int
     n_devices = mesh.data * mesh.fsdp * mesh.tensor
     config = dataclasses.replace(config, remat=remat, compute_dtype=compute_dtype,
                                  param_dtype="float32")
-    batch_ways = mesh.data * mesh.fsdp
+    batch_ways = sharding.batch_shards(mesh, dict(zip(MESH_AXES, (mesh.data, mesh.fsdp,
+                                                                  mesh.tensor))))
     if batch % batch_ways:
         raise ConfigError(f"--batch {batch} does not split over data x fsdp = {batch_ways}")
     m = memory.plan_memory(config, mesh, n_devices, batch=batch, seq=seq, remat=remat,

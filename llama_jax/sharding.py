@@ -86,6 +86,11 @@ def param_shardings(config: ModelConfig, mesh: Mesh, mesh_config: MeshConfig) ->
         param_specs(config))
 
 
+def batch_shards(mesh_config: MeshConfig, mesh_shape: Mapping[str, int]) -> int:
+    """Into how many parts the batch rule splits a batch (data x fsdp by default)."""
+    return math.prod(mesh_shape[a] for a in dict(mesh_config.activation_rules).get("batch", ()))
+
+
 def batch_sharding(mesh: Mesh, mesh_config: MeshConfig, ndim: int = 2) -> NamedSharding:
     """Token batches `[B, ...]`: rows over the activation rule for "batch"."""
     return NamedSharding(mesh, P(dict(mesh_config.activation_rules).get("batch") or None,

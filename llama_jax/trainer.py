@@ -61,7 +61,7 @@ def check_run(run: RunConfig, mesh: jax.sharding.Mesh) -> None:
         raise ConfigError(f"train.seq_len={train.seq_len} exceeds the model's context "
                           f"(model.max_seq_len={model.max_seq_len})")
     micro = train.batch_size // train.micro_batches
-    batch_ways = math.prod(mesh.shape[a] for a in dict(run.mesh.activation_rules)["batch"])
+    batch_ways = sharding.batch_shards(run.mesh, mesh.shape)
     if micro % batch_ways:
         raise ConfigError(f"train.batch_size={train.batch_size} / train.micro_batches="
                           f"{train.micro_batches} = {micro} sequences per micro-batch do not "
