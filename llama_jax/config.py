@@ -461,7 +461,11 @@ def load_run_config(name_or_path: str | Path, overrides: Sequence[str] = ()) -> 
                               f"{', '.join(SECTIONS)} (e.g. train.learning_rate=1e-3)")
         node = tree
         for name in parents:
-            node = node.setdefault(name, {})
+            if node.get(name) is None:  # absent, or an empty `name:` in the YAML
+                node[name] = {}
+            node = node[name]
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {name} is {node!r} in {path}, not a mapping")
         node[leaf] = yaml.safe_load(value)
     return RunConfig.from_tree(tree, str(path))
 

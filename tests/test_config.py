@@ -110,3 +110,13 @@ def test_file_errors_name_the_file_and_field(tmp_path):
         load_model_config(bad)
     with pytest.raises(ConfigError, match="neither a file nor a preset"):
         load_model_config("llama9-1t")
+
+
+def test_set_overrides_reach_empty_sections_and_refuse_scalars(tmp_path):
+    from llama_jax.config import load_run_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("base: tiny\ndata:\n")  # an empty section is None in YAML
+    assert load_run_config(path, ["data.corpus=/texts"]).data.corpus == "/texts"
+    with pytest.raises(ConfigError, match="rope_theta is 10000.0 .* not a mapping"):
+        load_run_config("tiny", ["model.rope_theta.x=1"])
