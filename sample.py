@@ -69,18 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     streaming = len(prompts) == 1
     text = TextStream(tokenizer, token_prompts[0])
     generated: list[list[int]] = [[] for _ in prompts]
-    if streaming:
-        print(prompts[0], end="", flush=True)
-    for new_tokens, _ in stream(config, params, token_prompts, args.max_new_tokens,
-                                temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                                cache_dtype=args.cache_dtype,
-                                chunk_steps=args.chunk_steps if streaming else None,
-                                stats=stats):
+    chunks = stream(config, params, token_prompts, args.max_new_tokens,
+                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                    min_p=args.min_p, seed=args.seed, cache_dtype=args.cache_dtype,
+                    chunk_steps=args.chunk_steps if streaming else None, stats=stats)
+    for i, (new_tokens, _) in enumerate(chunks):
         for row, tokens in zip(generated, new_tokens):
             row += tokens
-        if streaming:
-            print(text.push(new_tokens[0]), end="", flush=True)
+        if streaming:  # the prompt only once the request is accepted and the first token is in
+            print((prompts[0] if i == 0 else "") + text.push(new_tokens[0]), end="", flush=True)
     if streaming:
         print(text.flush())
     else:
