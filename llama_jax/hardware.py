@@ -8,6 +8,7 @@ machine in the same run (DESIGN.md §5).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import jax
@@ -37,8 +38,6 @@ HARDWARE = {h.name: h for h in (
 def hardware(name: str) -> Hardware:
     """A planner hardware entry; "cpu" measures this machine's matmul rate (a second or two)."""
     if name == "cpu":
-        import os
-
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return Hardware("cpu", measure_matmul_flops("float32"), memory, 0.0)
     return HARDWARE[name]
