@@ -18,7 +18,7 @@ from pathlib import Path
 from llama_jax import load_checkpoint, load_tokenizer
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import DTYPES
-from llama_jax.decoder import GenerateError, GenerationStats, stream
+from llama_jax.decoder import DECODE_IMPLS, GenerateError, GenerationStats, stream
 from llama_jax.tokenizer import TextStream
 
 
@@ -36,7 +36,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="parameter and compute dtype (default: as stored)")
-    parser.add_argument("--cache-dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--cache-dtype", choices=DTYPES, default=None,
+                        help="KV cache dtype (default: the compute dtype)")
+    parser.add_argument("--decode-impl", choices=DECODE_IMPLS, default="auto",
+                        help="layers as a scan over stacked weights, or an unrolled loop over "
+                             "per-layer weights (auto: unrolled on CPU, scan elsewhere)")
     parser.add_argument("--chunk-steps", type=int, default=8,
                         help="decode steps between prints when streaming")
     return parser.parse_args(argv)
@@ -72,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     chunks = stream(config, params, token_prompts, args.max_new_tokens,
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                     min_p=args.min_p, seed=args.seed, cache_dtype=args.cache_dtype,
+                    decode_impl=args.decode_impl,
                     chunk_steps=args.chunk_steps if streaming else None, stats=stats)
     for i, (new_tokens, _) in enumerate(chunks):
         for row, tokens in zip(generated, new_tokens):

@@ -30,7 +30,7 @@ def measure(n_layers: int, scan: bool) -> dict[str, float]:
     import optax
 
     import llama_jax
-    from llama_jax.costs import abstract_params
+    from llama_jax.params import abstract_params
 
     config = llama_jax.ModelConfig(n_layers=n_layers, scan_layers=scan, **WIDTH)
     params = abstract_params(config)

@@ -3,8 +3,8 @@
 Public API:
     ModelConfig, RopeScaling, ConfigError, load_model_config  -- model configuration
     RunConfig, TrainConfig, DataConfig, MeshConfig, load_run_config -- training runs
-    Params, LayerParams, init_params, param_specs            -- parameter pytrees
-    forward, hidden_states                                   -- the model
+    Params, init_params, param_specs, abstract_params        -- the parameter tree
+    forward, hidden_states, apply                            -- the model
     load_checkpoint, export_hf, save_native, CheckpointError -- HF / Meta / native checkpoints
     load_tokenizer                                           -- SentencePiece and LLaMA-3 tokenizers
     generate, stream, GenerateError                          -- jit-compiled sampling with a KV cache
@@ -15,18 +15,18 @@ Public API:
 from llama_jax.checkpoint import export_hf, load_checkpoint, save_native
 from llama_jax.config import (ConfigError, DataConfig, MeshConfig, ModelConfig, RopeScaling,
                               RunConfig, TrainConfig, load_model_config, load_run_config)
-from llama_jax.model import forward, hidden_states
+from llama_jax.model import apply, forward, hidden_states
 from llama_jax.decoder import GenerateError, generate, stream
 from llama_jax.formats import CheckpointError
-from llama_jax.params import LayerParams, Params, init_params, param_specs
+from llama_jax.params import Params, abstract_params, init_params, param_specs
 from llama_jax.sharding import make_mesh
 from llama_jax.tokenizer import load_tokenizer
 from llama_jax.trainer import TrainingError, train
 
 __all__ = [
     "ConfigError", "ModelConfig", "RopeScaling", "load_model_config",
-    "Params", "LayerParams", "init_params", "param_specs",
-    "forward", "hidden_states",
+    "Params", "init_params", "param_specs", "abstract_params",
+    "forward", "hidden_states", "apply",
     "load_checkpoint", "export_hf", "save_native", "CheckpointError", "load_tokenizer",
     "generate", "stream", "GenerateError",
     "RunConfig", "TrainConfig", "DataConfig", "MeshConfig", "load_run_config", "train",

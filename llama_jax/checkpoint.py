@@ -13,10 +13,10 @@ from pathlib import Path
 
 import jax
 
-from llama_jax.config import DTYPES, MeshConfig, ModelConfig
+from llama_jax.config import ConfigError, MeshConfig, ModelConfig, dtype_name
 from llama_jax.files import atomic_directory
 from llama_jax.formats import CheckpointError, hf, meta, native, run
-from llama_jax.params import Params
+from llama_jax.params import Params, param_specs
 from llama_jax.sharding import param_shardings
 
 FORMATS = {"native": native, "hf": hf, "meta": meta, "run": run}
@@ -42,30 +42,37 @@ def detect_format(path: str | Path) -> str:
         f"(llama_jax); found: {found}")
 
 
-def load_checkpoint(path: str | Path, dtype: str | None = None, *,
+def load_checkpoint(path: str | Path, dtype=None, *,
                     mesh: jax.sharding.Mesh | None = None,
                     mesh_config: MeshConfig | None = None) -> tuple[ModelConfig, Params]:
-    """(config, params) from any supported checkpoint; `dtype` None keeps the stored dtype.
-    The returned config computes in the same dtype as its parameters. With a `mesh`, every
-    tensor goes straight into its sharding under `mesh_config`'s weight rules (default rules
-    when None): each device receives only its shard, and the host holds one tensor at a time."""
-    if dtype is not None and dtype not in DTYPES:
-        raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    """(config, params) from any supported checkpoint; `dtype` (any dtype-like: "bfloat16",
+    jnp.float32, ...) None keeps the stored dtype. The returned config computes in the same
+    dtype as its parameters. With a `mesh`, every tensor goes straight into its sharding under
+    `mesh_config`'s weight rules (default rules when None): each device receives only its
+    shard, and the host holds one tensor at a time."""
+    if dtype is not None:
+        try:
+            dtype = dtype_name(dtype)
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
 
     def placement(config: ModelConfig) -> Params | None:
-        return None if mesh is None else param_shardings(config, mesh, mesh_config or MeshConfig())
+        return None if mesh is None else param_shardings(param_specs(config), mesh,
+                                                         mesh_config or MeshConfig())
 
     return FORMATS[detect_format(path)].load(Path(path), dtype, placement)
 
 
 def export_hf(config: ModelConfig, params: Params, path: str | Path) -> None:
     """Writes a Hugging Face Llama directory (config.json + safetensors) that
-    `transformers.AutoModelForCausalLM.from_pretrained` loads; `path` must not exist."""
+    `transformers.AutoModelForCausalLM.from_pretrained` loads; `path` must not exist or be an
+    empty directory."""
     with atomic_directory(path) as tmp:
         hf.save(config, params, tmp)
 
 
 def save_native(config: ModelConfig, params: Params, path: str | Path) -> None:
-    """Writes a llama_jax checkpoint (config.yaml + orbax params/); `path` must not exist."""
+    """Writes a llama_jax checkpoint (config.yaml + orbax params/); `path` must not exist or be
+    an empty directory."""
     with atomic_directory(path) as tmp:
         native.save(config, params, tmp)

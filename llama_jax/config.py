@@ -19,12 +19,22 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import jax.numpy as jnp
 import yaml
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 ROPE_TYPES = ("default", "llama3")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 DTYPES = ("float32", "bfloat16", "float16")
+NORMS = ("rmsnorm", "layernorm")
+NORM_POSITIONS = ("pre", "post")
+POSITIONS = ("rope", "sinusoidal", "learned", "none")
+MLPS = ("swiglu", "geglu", "gelu", "gelu_tanh", "relu")
+GATED_MLPS = ("swiglu", "geglu")
+# Field roles: "architecture" fields change the function the model computes; "execution" fields
+# only change how it runs (a run may resume, a checkpoint may load, under other values);
+# "generation" fields are defaults for sampling.
+EXECUTION, GENERATION = {"role": "execution"}, {"role": "generation"}
 
 
 class ConfigError(ValueError):
@@ -55,7 +65,12 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Sizes and numerics of one LLaMA model. `ffn_dim` and `head_dim` default to Meta's rules."""
+    """One decoder-only Transformer: LLaMA by default, the classic choices by config value.
+
+    `ffn_dim` defaults to Meta's SwiGLU rule for gated MLPs and to 4·D for the others (see
+    `default_ffn_dim`); `head_dim` to dim // n_heads. RoPE fields (`rope_theta`, `rope_type`,
+    `rope_scaling`) apply only to `positions: rope` and default to 10000 / "default" there.
+    """
 
     vocab_size: int
     dim: int
@@ -63,21 +78,28 @@ class ModelConfig:
     n_heads: int
     n_kv_heads: int | None = None  # None: equal to n_heads (MHA)
     head_dim: int | None = None  # None: dim // n_heads
-    ffn_dim: int | None = None  # None: Meta's rule from dim, multiple_of, ffn_dim_multiplier
+    ffn_dim: int | None = None  # None: `default_ffn_dim` for the MLP kind
     multiple_of: int = 256
     ffn_dim_multiplier: float | None = None
+    norm: str = "rmsnorm"  # rmsnorm (LLaMA) | layernorm (mean, gain and bias)
+    norm_position: str = "pre"  # pre: x + f(norm(x)), final norm; post: norm(x + f(x)), none
     norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_type: str = "default"
+    positions: str = "rope"  # rope | sinusoidal | learned (added to the embedding) | none
+    rope_theta: float | None = None  # None: 10000 with rope
+    rope_type: str | None = None  # None: "default" with rope
     rope_scaling: RopeScaling | None = None
+    mlp: str = "swiglu"  # swiglu | geglu (gated, 3 matrices) | gelu | gelu_tanh | relu (2)
+    bias: bool = False  # biases on the attention and MLP projections (GPT-2)
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     init_std: float = 0.02
-    param_dtype: str = "float32"
-    compute_dtype: str = "float32"
-    remat: str = "none"
-    scan_layers: bool = True  # False unrolls the layer loop (compile time grows with L)
-    eos_ids: tuple[int, ...] = ()  # ids that end generation by default (from the tokenizer)
+    param_dtype: str = dataclasses.field(default="float32", metadata=EXECUTION)
+    compute_dtype: str = dataclasses.field(default="float32", metadata=EXECUTION)
+    remat: str = dataclasses.field(default="none", metadata=EXECUTION)
+    # False unrolls the layer loop in training (compile time grows with L).
+    scan_layers: bool = dataclasses.field(default=True, metadata=EXECUTION)
+    # ids that end generation by default (from the tokenizer)
+    eos_ids: tuple[int, ...] = dataclasses.field(default=(), metadata=GENERATION)
 
     def __post_init__(self):
         for name in ("norm_eps", "rope_theta", "init_std", "ffn_dim_multiplier"):
@@ -85,6 +107,10 @@ class ModelConfig:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "multiple_of", "max_seq_len"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0, name, value, "must be a positive integer")
+        for name, kinds in (("norm", NORMS), ("norm_position", NORM_POSITIONS),
+                            ("positions", POSITIONS), ("mlp", MLPS)):
+            _require(getattr(self, name) in kinds, name, getattr(self, name),
+                     f"is not one of {kinds}")
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         _require(isinstance(self.n_kv_heads, int) and self.n_kv_heads > 0, "n_kv_heads",
@@ -98,22 +124,18 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         _require(isinstance(self.head_dim, int) and self.head_dim > 0, "head_dim", self.head_dim,
                  "must be a positive integer")
-        _require(self.head_dim % 2 == 0, "head_dim", self.head_dim,
-                 "must be even: RoPE rotates pairs of features")
+        self._check_positions()
         if self.ffn_dim_multiplier is not None:
             _require(self.ffn_dim_multiplier > 0, "ffn_dim_multiplier", self.ffn_dim_multiplier,
                      "must be > 0")
         if self.ffn_dim is None:
-            object.__setattr__(self, "ffn_dim", meta_ffn_dim(self.dim, self.multiple_of,
-                                                             self.ffn_dim_multiplier))
+            object.__setattr__(self, "ffn_dim", default_ffn_dim(
+                self.mlp, self.dim, self.multiple_of, self.ffn_dim_multiplier))
         _require(isinstance(self.ffn_dim, int) and self.ffn_dim > 0, "ffn_dim", self.ffn_dim,
                  "must be a positive integer")
         _require(self.norm_eps > 0, "norm_eps", self.norm_eps, "must be > 0")
-        _require(self.rope_theta > 0, "rope_theta", self.rope_theta, "must be > 0")
         _require(self.init_std > 0, "init_std", self.init_std, "must be > 0")
-        _require(self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling),
-                 "rope_scaling", self.rope_scaling, "must be a mapping of llama3 scaling fields")
-        for name in ("tie_embeddings", "scan_layers"):
+        for name in ("tie_embeddings", "scan_layers", "bias"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name),
                      "must be true or false")
         _require(isinstance(self.eos_ids, (list, tuple)), "eos_ids", self.eos_ids,
@@ -122,16 +144,62 @@ class ModelConfig:
         for token in self.eos_ids:
             _require(isinstance(token, int) and 0 <= token < self.vocab_size, "eos_ids",
                      self.eos_ids, f"must be token ids in [0, vocab_size={self.vocab_size})")
+        for name in ("param_dtype", "compute_dtype"):
+            object.__setattr__(self, name, dtype_name(getattr(self, name), name))
+        _require(self.remat in REMAT_POLICIES, "remat", self.remat,
+                 f"is not one of {REMAT_POLICIES}")
+
+    def _check_positions(self) -> None:
+        """RoPE fields are defaulted with `positions: rope` and refused with any other kind
+        (their defaults, which `dataclasses.replace` carries over from a RoPE config, are
+        cleared instead)."""
+        if self.positions != "rope":
+            for name, default in (("rope_theta", 10000.0), ("rope_type", "default"),
+                                  ("rope_scaling", None)):
+                value = getattr(self, name)
+                _require(value in (None, default), name, value,
+                         f"applies only to positions 'rope', not {self.positions!r}; remove it "
+                         "(or set it to null)")
+                object.__setattr__(self, name, None)
+            return
+        if self.rope_theta is None:
+            object.__setattr__(self, "rope_theta", 10000.0)
+        if self.rope_type is None:
+            object.__setattr__(self, "rope_type", "default")
+        _require(self.head_dim % 2 == 0, "head_dim", self.head_dim,
+                 "must be even: RoPE rotates pairs of features")
+        _require(self.rope_theta > 0, "rope_theta", self.rope_theta, "must be > 0")
+        _require(self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling),
+                 "rope_scaling", self.rope_scaling, "must be a mapping of llama3 scaling fields")
         _require(self.rope_type in ROPE_TYPES, "rope_type", self.rope_type,
                  f"is not one of {ROPE_TYPES}")
         _require((self.rope_type == "llama3") == (self.rope_scaling is not None), "rope_scaling",
                  self.rope_scaling, f"must be given exactly when rope_type is 'llama3' "
                  f"(rope_type is {self.rope_type!r})")
-        _require(self.param_dtype in DTYPES, "param_dtype", self.param_dtype, f"is not one of {DTYPES}")
-        _require(self.compute_dtype in DTYPES, "compute_dtype", self.compute_dtype,
-                 f"is not one of {DTYPES}")
-        _require(self.remat in REMAT_POLICIES, "remat", self.remat,
-                 f"is not one of {REMAT_POLICIES}")
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.mlp in GATED_MLPS
+
+    @property
+    def dims(self) -> dict[str, int]:
+        """Sizes by dimension letter, for `TensorSpec` shapes."""
+        return {"V": self.V, "D": self.D, "N": self.N, "K": self.K, "H": self.H, "F": self.F,
+                "P": self.max_seq_len}
+
+    def architecture(self) -> dict[str, Any]:
+        """The fields that determine the function the model computes (no execution settings,
+        no generation defaults): two configs with equal architectures run the same weights."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if "role" not in f.metadata}
+
+    def with_execution(self, **settings) -> "ModelConfig":
+        """The same architecture with other execution settings (dtypes, remat, scan)."""
+        roles = {f.name: f.metadata.get("role") for f in dataclasses.fields(self)}
+        for name in settings:
+            _require(roles.get(name) == "execution", name, settings[name],
+                     "is not an execution setting")
+        return dataclasses.replace(self, **settings)
 
     # The dimension key of DESIGN.md, so code can say `config.K` where the math says K.
     V = property(lambda self: self.vocab_size)
@@ -326,10 +394,31 @@ def build_section(cls: type, fields: Mapping[str, Any], where: str):
 
 def meta_ffn_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
     """Meta's SwiGLU width: int(2·4D/3), times the multiplier, rounded up to `multiple_of`."""
-    hidden = int(2 * 4 * dim / 3)
+    return default_ffn_dim("swiglu", dim, multiple_of, ffn_dim_multiplier)
+
+
+def default_ffn_dim(mlp: str, dim: int, multiple_of: int,
+                    ffn_dim_multiplier: float | None) -> int:
+    """The MLP width when `ffn_dim` is not given: the original Transformer's 4·D for the
+    two-matrix MLPs, and 2/3 of it, int(2·4D/3), for the gated ones (Shazeer 2020), whose
+    third matrix would otherwise add half the parameters — so every kind has ~8·D² weights per
+    layer. Then times `ffn_dim_multiplier` and rounded up to `multiple_of` (Meta's rule)."""
+    hidden = int(2 * 4 * dim / 3) if mlp in GATED_MLPS else 4 * dim
     if ffn_dim_multiplier is not None:
         hidden = int(ffn_dim_multiplier * hidden)
     return multiple_of * math.ceil(hidden / multiple_of)
+
+
+def dtype_name(dtype: Any, field: str = "dtype") -> str:
+    """The name of any dtype-like (`jnp.bfloat16`, `np.float32`, `"float16"`, `jnp.dtype(...)`)
+    among the floating dtypes parameters, activations and caches may use."""
+    try:
+        name = jnp.dtype(dtype).name
+    except (TypeError, ValueError):
+        name = None
+    if name not in DTYPES:
+        raise ConfigError(f"{field}={dtype!r} is not one of {', '.join(DTYPES)}")
+    return name
 
 
 def _as_float(field: str, value: Any) -> float | None:

@@ -27,11 +27,11 @@ import jax
 import numpy as np
 
 from llama_jax.checkpoint import detect_format, load_checkpoint
-from llama_jax.files import atomic_directory
+from llama_jax.files import atomic_directory, check_new_directory
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import DTYPES, ModelConfig
 from llama_jax.formats import CheckpointError, hf, meta, native
-from llama_jax.formats.layout import TENSORS, torch_shape
+from llama_jax.formats.layout import names, slots, torch_shape
 from llama_jax.model import forward
 from llama_jax.params import Params
 
@@ -63,14 +63,6 @@ def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
-def architecture(config: ModelConfig) -> dict:
-    """The fields that determine the function a checkpoint computes."""
-    keep = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
-            "norm_eps", "rope_theta", "rope_type", "rope_scaling", "max_seq_len",
-            "tie_embeddings")
-    return {k: getattr(config, k) for k in keep}
-
-
 def transformers_logits(src: Path, fmt: str, config: ModelConfig,
                         tokens: np.ndarray) -> np.ndarray | None:
     """transformers' float32 logits for the source checkpoint (None if it is not installed)."""
@@ -93,19 +85,16 @@ def _hf_state_from_meta(src: Path, config: ModelConfig) -> dict:
     conversion script did it (torch view/transpose), as an independent check of ours."""
     import torch
 
-    shards = meta._open_shards(src)
+    shards = meta.open_shards(src)
     state = {}
-    for tensor in TENSORS:
-        if tensor.leaf == "lm_head" and config.tie_embeddings:
-            continue
-        for i in range(config.n_layers) if tensor.per_layer else [None]:
-            w = torch.from_numpy(meta._gather(shards, tensor.meta.format(i=i),
-                                              torch_shape(config, tensor), src)).float()
-            if tensor.rope_heads:
-                heads = getattr(config, tensor.rope_heads)
+    for slot in slots(config):
+        for meta_name, hf_name in zip(names(slot, meta=True), names(slot)):
+            w = torch.from_numpy(meta.gather(shards, meta_name, torch_shape(slot), src)).float()
+            if slot.tensor.rope_heads:
+                heads = getattr(config, slot.tensor.rope_heads)
                 rows, cols = w.shape
                 w = w.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-            state[tensor.hf.format(i=i)] = w
+            state[hf_name] = w
     if config.tie_embeddings:  # one shared parameter in transformers
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
@@ -117,8 +106,7 @@ def convert(src: str | Path, dst: str | Path, to: str = "native", dtype: str | N
     src, dst = Path(src), Path(dst)
     if to not in WRITERS:
         raise CheckpointError(f"--to {to!r}: expected one of {', '.join(WRITERS)}")
-    if dst.exists():  # checked again by atomic_directory; here to fail before loading anything
-        raise CheckpointError(f"{dst}: already exists; refusing to overwrite it")
+    check_new_directory(dst)  # again in atomic_directory; here to fail before loading anything
     fmt = detect_format(src)
     config, params = load_checkpoint(src, dtype)
     tokens = gate_tokens(config)
@@ -140,9 +128,9 @@ def convert(src: str | Path, dst: str | Path, to: str = "native", dtype: str | N
                 shutil.copy2(src / name, tmp / name)
         del params
         written_config, written = load_checkpoint(tmp, config.param_dtype)
-        if architecture(written_config) != architecture(config):
+        if written_config.architecture() != config.architecture():
             raise ParityError(f"{dst}: the written config reads back as "
-                              f"{architecture(written_config)}, not {architecture(config)}")
+                              f"{written_config.architecture()}, not {config.architecture()}")
         report["round_trip"] = err = relative_error(
             float32_logits(written_config, written, tokens), source_logits)
         if not err <= ROUND_TRIP_TOLERANCE:

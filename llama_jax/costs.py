@@ -1,25 +1,25 @@
 """Model accounting without allocating a model: parameters, bytes, FLOPs, decode floors.
 
-Shapes come from `jax.eval_shape(init_params)`, so the counts are those of the real
-initialiser, not of a parallel formula that could drift from it.
+Every count comes from the parameter descriptions (`params.param_specs`), the same ones `init_params`
+builds arrays from, so a new component is counted without touching this module.
 
-FLOPs (DESIGN.md §5): training FLOPs per token = 6·P_mm + 6·L·T·N·H, where P_mm counts every
-weight used in a matmul (all but the input-embedding table and the norm gains; the LM head counts
-even when tied) and 6·L·T·N·H is causal attention (half of PaLM's non-causal 12·L·T·D; N·H = D for
-every LLaMA preset).
+FLOPs: training FLOPs per token = 6·P_mm + 6·L·T·N·H, where P_mm counts every weight used in a
+matmul — the blocks' projection matrices (their decayed tensors; gains and biases are not
+matrices) and the LM head, which counts even when tied — but not the gathered input-embedding
+or position tables; 6·L·T·N·H is causal attention (half of PaLM's non-causal 12·L·T·D; N·H = D
+for every LLaMA preset).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
-import jax
 import jax.numpy as jnp
 
 from llama_jax.config import ModelConfig
-from llama_jax.params import Params, init_params
+from llama_jax.nn.spec import count, spec_leaves
+from llama_jax.params import param_specs
 
 TRAIN_FLOPS_FORMULA = "6*P_mm + 6*L*T*N*H (P_mm: matmul weights incl. LM head; causal attention)"
 DECODE_BYTES_FORMULA = ("weights read per step (all but the input-embedding table, which is "
@@ -31,37 +31,23 @@ class ParamCounts:
     total: int
     embedding: int  # the input token-embedding table, V·D
     lm_head: int  # the untied LM head, D·V; 0 when tied to the embedding
-    norms: int  # RMSNorm gains
-    head_matmul: int  # V·D: the LM head's matmul, tied or not
+    matmul: int  # P_mm: block matrices + the LM head's V·D (a tied head reuses the embedding)
 
     @property
     def non_embedding(self) -> int:
         """Everything but the embedding table and an untied LM head."""
         return self.total - self.embedding - self.lm_head
 
-    @property
-    def matmul(self) -> int:
-        """P_mm: weights that enter a matmul (a tied LM head reuses the embedding as one)."""
-        return self.total - self.embedding - self.lm_head - self.norms + self.head_matmul
 
-
-def abstract_params(config: ModelConfig) -> Params:
-    """`jax.ShapeDtypeStruct`s of the parameters, traced from `init_params`."""
-    return jax.eval_shape(functools.partial(init_params, config), jax.random.key(0))
-
-
-@functools.lru_cache(maxsize=64)  # the planner asks several times per config; tracing is not free
+@functools.lru_cache(maxsize=64)  # the planner asks several times per config
 def param_counts(config: ModelConfig) -> ParamCounts:
-    abstract = abstract_params(config)
-    size = lambda x: math.prod(x.shape)  # noqa: E731
-    norms = size(abstract.final_norm) + size(abstract.layers.attn_norm) + size(
-        abstract.layers.ffn_norm)
+    specs = param_specs(config)
+    block_matrices = sum(s.size for s in spec_leaves(specs["groups"]) if s.decay)
     return ParamCounts(
-        total=sum(size(x) for x in jax.tree.leaves(abstract)),
-        embedding=size(abstract.embed),
-        lm_head=0 if abstract.lm_head is None else size(abstract.lm_head),
-        norms=norms,
-        head_matmul=config.vocab_size * config.dim,
+        total=count(specs),
+        embedding=count(specs["embed"]),
+        lm_head=count(specs.get("lm_head", {})),
+        matmul=block_matrices + config.vocab_size * config.dim,
     )
 
 

@@ -32,14 +32,19 @@ import numpy as np
 from flax import struct
 
 from llama_jax import sharding
-from llama_jax.config import MeshConfig, ModelConfig
-from llama_jax.kv_cache import KVCache, forward_cached, init_cache, unstack_layers
-from llama_jax.model import lm_head
+from llama_jax.config import ConfigError, MeshConfig, ModelConfig, dtype_name
+from llama_jax.kv_cache import KVCache, init_cache
+from llama_jax.model import apply, lm_head, unstack_layers
 from llama_jax.params import Params
 from llama_jax.sampling import SamplingParams, Strategy, sample
 
 NO_TOKEN = -1  # an empty slot in the output buffer and the padding of the stop-id table
 MIN_BUCKET = 16
+# How the decoder runs the layers: one lax.scan per group over stacked weights with the
+# stacked cache in the carry (accelerators), or an unrolled loop over per-layer weights and
+# caches (CPU, where XLA copies each layer's weights out of the stacked arrays at every scan
+# step). "auto" picks unrolled on CPU, scan elsewhere. Both compute the same function.
+DECODE_IMPLS = ("auto", "scan", "unrolled")
 
 
 class GenerateError(ValueError):
@@ -97,8 +102,8 @@ def _prefill(config: ModelConfig, params: Params, prompts_BT: jax.Array, start_B
              cache_dtype: str, strategy: Strategy) -> DecodeState:
     B = prompts_BT.shape[0]
     cache = init_cache(config, B, cache_len, cache_dtype, start_B,
-                       per_layer=isinstance(params.layers, tuple))
-    h_BTD, cache = forward_cached(config, params, prompts_BT, cache)
+                       layout="per_layer" if _unstacked(params) else "stacked")
+    h_BTD, cache, _ = apply(config, params, prompts_BT, cache=cache)
     state = DecodeState(
         cache=cache, tokens_BN=jnp.full((B, n_out), NO_TOKEN, jnp.int32),
         logprobs_BN=jnp.zeros((B, n_out), jnp.float32), last_B=prompts_BT[:, -1],
@@ -118,7 +123,7 @@ def _decode(config: ModelConfig, params: Params, state: DecodeState, n_steps: ja
 
     def step(carry):
         i, st = carry
-        h_B1D, cache = forward_cached(config, params, st.last_B[:, None], st.cache)
+        h_B1D, cache, _ = apply(config, params, st.last_B[:, None], cache=st.cache)
         logits_BV = lm_head(config, params, h_B1D)[:, 0]
         return i + 1, _emit(st.replace(cache=cache), logits_BV, strategy)
 
@@ -127,39 +132,55 @@ def _decode(config: ModelConfig, params: Params, state: DecodeState, n_steps: ja
 
 
 _EXECUTABLES: dict = {}
-_UNSTACKED: dict = {}  # id(params) -> (weakref to params, unstacked copy); one entry
+_UNSTACKED: dict = {}  # ids of the arrays -> (weakrefs to them, unstacked copy); one entry
 
 
-def _decoder_params(params: Params) -> Params:
-    """On CPU, the decoder runs over unstacked layers (see `kv_cache.unstack_layers`); the copy
-    is made once per parameter tree and reused while that tree is alive."""
-    if jax.default_backend() != "cpu" or isinstance(params.layers, tuple):
+def _unstacked(params: Params) -> bool:
+    return isinstance(params["groups"][0], tuple)
+
+
+def resolve_decode_impl(decode_impl: str) -> str:
+    """"scan" or "unrolled" for `decode_impl` ("auto": unrolled on CPU, scan elsewhere)."""
+    if decode_impl not in DECODE_IMPLS:
+        raise GenerateError(f"decode_impl={decode_impl!r} is not one of {', '.join(DECODE_IMPLS)}")
+    if decode_impl == "auto":
+        return "unrolled" if jax.default_backend() == "cpu" else "scan"
+    return decode_impl
+
+
+def _decoder_params(params: Params, decode_impl: str) -> Params:
+    """The unrolled decoder runs over unstacked layers (see `model.unstack_layers`); the copy
+    is made once per set of parameter arrays and reused while those arrays are alive."""
+    if decode_impl == "scan" or _unstacked(params):
         return params
-    key = id(params)
-    ref, unstacked = _UNSTACKED.get(key, (None, None))
-    if ref is None or ref() is not params:
+    leaves = jax.tree.leaves(params)
+    key = tuple(id(leaf) for leaf in leaves)
+    refs, unstacked = _UNSTACKED.get(key, ((), None))
+    if len(refs) != len(leaves) or any(r() is not leaf for r, leaf in zip(refs, leaves)):
         unstacked = unstack_layers(params)
         _UNSTACKED.clear()
-        # The copy goes when the original does: no second model lingers after generation.
-        _UNSTACKED[key] = (weakref.ref(params, lambda _: _UNSTACKED.pop(key, None)), unstacked)
+        # The copy goes when an original array does: no second model lingers after generation.
+        drop = lambda _: _UNSTACKED.pop(key, None)  # noqa: E731
+        _UNSTACKED[key] = (tuple(weakref.ref(leaf, drop) for leaf in leaves), unstacked)
     return unstacked
 
 
-def _compiled(fn, stats: GenerationStats, *args, **static):
-    """AOT-compiles `fn` once per (static args, argument shapes and shardings) so compile time
-    can be reported apart from run time; returns the executable (called with the non-static
-    args). Sharded parameters (heads over a tensor axis, say) compile their own executable."""
+def _compiled(fn, stats: GenerationStats, mesh_config: MeshConfig | None, *args, **static):
+    """AOT-compiles `fn` once per (static args, argument shapes and shardings, mesh rules) so
+    compile time can be reported apart from run time; returns the executable (called with the
+    non-static args). Parameters on a mesh compile under `mesh_config`'s rules (the default
+    rules when None): the cache and activations are laid out by them."""
     leaves, treedef = jax.tree.flatten(args)
     signature = tuple((np.shape(x), jnp.result_type(x), getattr(x, "sharding", None))
                       if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x
                       for x in leaves)  # the config is a (hashable) leaf of its own
-    key = (fn, tuple(sorted(static.items())), treedef, signature)
+    key = (fn, tuple(sorted(static.items())), treedef, signature, mesh_config)
     if key not in _EXECUTABLES:
         mesh = sharding.mesh_of(args)
-        placed = (sharding.use_mesh(mesh, MeshConfig()) if mesh is not None
+        placed = (sharding.use_mesh(mesh, mesh_config or MeshConfig()) if mesh is not None
                   else contextlib.nullcontext())
         start = time.perf_counter()
-        with placed:  # sharded parameters: the cache and activations follow the default rules
+        with placed:
             _EXECUTABLES[key] = fn.lower(*args, **static).compile()
         stats.compile_s += time.perf_counter() - start
     return _EXECUTABLES[key]
@@ -203,13 +224,22 @@ def _validate(config: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tok
 def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
            max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
-           stop_tokens: Sequence[int] | None = None, cache_dtype: str = "bfloat16",
+           stop_tokens: Sequence[int] | None = None, cache_dtype=None,
+           decode_impl: str = "auto", mesh_config: MeshConfig | None = None,
            chunk_steps: int | None = 16, stats: GenerationStats | None = None,
            ) -> Iterator[tuple[list[list[int]], list[list[float]]]]:
     """Yields, after the first token and then after every `chunk_steps` decode steps, each
     row's newly generated tokens and their log-probabilities (stop tokens excluded).
-    `chunk_steps=None` runs the whole decode in one call. `stats` is filled in if given."""
+    `chunk_steps=None` runs the whole decode in one call. `stats` is filled in if given.
+    `cache_dtype` (any dtype-like) defaults to the model's compute dtype; `decode_impl` is
+    one of DECODE_IMPLS; parameters on a mesh decode under `mesh_config`'s rules."""
     _validate(config, prompts, max_new_tokens, temperature, top_k, top_p, min_p, stop_tokens)
+    impl = resolve_decode_impl(decode_impl)
+    try:
+        cache_dtype = dtype_name(config.compute_dtype if cache_dtype is None else cache_dtype,
+                                 "cache_dtype")
+    except ConfigError as e:
+        raise GenerateError(str(e)) from None
     stats = stats if stats is not None else GenerationStats()
     longest = max(len(p) for p in prompts)
     max_new = min(max_new_tokens, config.max_seq_len - longest)
@@ -230,10 +260,10 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     stop_BS = np.tile(np.asarray(stops, np.int32), (B, 1))
     sampling = SamplingParams.broadcast(B, temperature, top_k, top_p, min_p)
     strategy = Strategy.of(temperature, top_k, top_p)
-    params = _decoder_params(params)
+    params = _decoder_params(params, impl)
     args = (config, params, prompts_BT, start_B, active_B, stop_BS, sampling,
             np.int32(max_new), jax.random.key(seed))
-    prefill = _compiled(_prefill, stats, *args, cache_len=T + N, n_out=N,
+    prefill = _compiled(_prefill, stats, mesh_config, *args, cache_len=T + N, n_out=N,
                         cache_dtype=cache_dtype, strategy=strategy)
     start = time.perf_counter()
     state = prefill(*args[1:])
@@ -253,7 +283,7 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
         if bool(np.all(np.asarray(state.done_B))):
             return
         n_steps = np.int32(chunk_steps or N)
-        decode = _compiled(_decode, stats, config, params, state, n_steps, strategy=strategy)
+        decode = _compiled(_decode, stats, mesh_config, config, params, state, n_steps, strategy=strategy)
         start = time.perf_counter()
         state = decode(params, state, n_steps)
 
@@ -272,19 +302,25 @@ def _new_tokens(tokens_BN: np.ndarray, logprobs_BN: np.ndarray, begin: int, end:
 def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
              max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
-             stop_tokens: Sequence[int] | None = None, cache_dtype: str = "bfloat16",
+             stop_tokens: Sequence[int] | None = None, cache_dtype=None,
+             decode_impl: str = "auto", mesh_config: MeshConfig | None = None,
              return_logprobs: bool = False, stats: GenerationStats | None = None):
     """New tokens for each prompt (a list of token-id lists), stop token excluded.
 
     `stop_tokens=None` stops on the model's EOS ids (`config.eos_ids`); `[]` generates exactly
-    `max_new_tokens`. With `return_logprobs`, returns `(tokens, logprobs)`.
+    `max_new_tokens`. `cache_dtype` defaults to the model's compute dtype (an fp32 model
+    decodes with an fp32 cache). `decode_impl`: "auto" (unrolled on CPU, scan elsewhere),
+    "scan" or "unrolled" — the same function either way. Parameters on a mesh decode under
+    `mesh_config`'s sharding rules (default rules when None). With `return_logprobs`, returns
+    `(tokens, logprobs)`.
     """
     tokens = [[] for _ in prompts]
     logprobs = [[] for _ in prompts]
     for new_tokens, new_logprobs in stream(
             config, params, prompts, max_new_tokens, temperature=temperature, top_k=top_k,
             top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
-            cache_dtype=cache_dtype, chunk_steps=None, stats=stats):
+            cache_dtype=cache_dtype, decode_impl=decode_impl, mesh_config=mesh_config, chunk_steps=None,
+            stats=stats):
         for row, (t, lp) in enumerate(zip(new_tokens, new_logprobs)):
             tokens[row] += t
             logprobs[row] += lp

@@ -28,13 +28,22 @@ def write_atomically(path: Path, data: bytes | str) -> None:
     os.replace(temp, path)
 
 
+def check_new_directory(dst: Path) -> None:
+    """`dst` may be written: it does not exist, or is an empty directory."""
+    if dst.is_dir() and not any(dst.iterdir()):
+        return
+    if dst.exists():
+        raise CheckpointError(f"{dst}: already exists and is not an empty directory; refusing "
+                              "to overwrite it")
+
+
 @contextlib.contextmanager
 def atomic_directory(dst: str | Path) -> Iterator[Path]:
     """Yields an empty hidden directory beside `dst` that becomes `dst` only if the block
-    succeeds; an existing `dst` is never touched, and a failure leaves nothing behind."""
+    succeeds (replacing `dst` if it is an empty directory); a non-empty `dst` is refused and
+    never touched, and a failure leaves nothing behind."""
     dst = Path(dst)
-    if dst.exists():
-        raise CheckpointError(f"{dst}: already exists; refusing to overwrite it")
+    check_new_directory(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = sibling_temp(dst)
     shutil.rmtree(tmp, ignore_errors=True)

@@ -7,9 +7,9 @@ Activations saved for the backward pass, per layer and per token held by the dev
 `compute_dtype` bytes b (fp32 where the code computes in fp32), under each remat policy:
 - none: block input, both norm outputs, q, k, v, attention output, residual, gate, up and
   their product: b·(4D + 2·N·H + 2·K·H + 3F), plus the fp32 softmax probabilities and scores,
-  2·4·N·T (attention is computed for all T keys);
+  2·4·N·T (attention is computed for all T keys); a plain MLP keeps 2F (up, activation);
 - dots: the outputs of every matmul (q, k, v, scores in fp32, attention output, o, gate, up,
-  down): b·(2·N·H + 2·K·H + 2D + 2F) + 4·N·T;
+  down): b·(2·N·H + 2·K·H + 2D + 2F) + 4·N·T (1F for a plain MLP);
 - dots_no_batch: the weight matmuls only (attention's batched matmuls are recomputed):
   b·(N·H + 2·K·H + 2D + 2F);
 - full: the block input only, b·D (the block is recomputed).
@@ -24,12 +24,10 @@ llama_jax.info` prints them, and tests/test_memory.py checks them against XLA's
 from __future__ import annotations
 
 import dataclasses
-import math
-
-import jax
 
 from llama_jax import costs, sharding
 from llama_jax.config import MESH_AXES, MeshConfig, ModelConfig
+from llama_jax.nn.spec import spec_leaves
 from llama_jax.params import param_specs
 
 
@@ -58,9 +56,9 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
     shape = dict(zip(MESH_AXES, sharding.mesh_shape(mesh, n_devices)))
     param_bytes = costs.dtype_bytes(config.param_dtype)
     state_elems = sum(
-        math.prod(s.shape(config)) // sharding.shard_ways(
-            sharding.spec(s.axes, s.shape(config), mesh.weight_rules, shape), shape)
-        for s in jax.tree.leaves(param_specs(config)))
+        s.size // sharding.shard_ways(sharding.spec(s.axes, s.shape, mesh.weight_rules, shape),
+                                      shape)
+        for s in spec_leaves(param_specs(config)))
     rules = mesh.activation_rules
     rows = batch // micro_batches // _ways(rules, shape, "batch", batch // micro_batches)
     tokens = rows * seq
@@ -69,12 +67,15 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
     NH = config.N * config.H // _ways(rules, shape, "heads", config.N)
     KH = config.K * config.H // _ways(rules, shape, "kv_heads", config.K)
     F_local = F // _ways(rules, shape, "mlp", F)
+    # A gated MLP keeps gate, up and their product (two matmul outputs); a plain one up and
+    # its activation (one).
+    f_saved, f_dots = (3, 2) if config.gated_mlp else (2, 1)
     scores = 2 * 4 * (config.N // _ways(rules, shape, "heads", config.N)) * T
-    whole_layer = b * (4 * D + 2 * NH + 2 * KH + 3 * F_local) + scores
+    whole_layer = b * (4 * D + 2 * NH + 2 * KH + f_saved * F_local) + scores
     per_token = {
         "none": whole_layer,
-        "dots": b * (2 * NH + 2 * KH + 2 * D + 2 * F_local) + scores // 2,
-        "dots_no_batch": b * (NH + 2 * KH + 2 * D + 2 * F_local),
+        "dots": b * (2 * NH + 2 * KH + 2 * D + f_dots * F_local) + scores // 2,
+        "dots_no_batch": b * (NH + 2 * KH + 2 * D + f_dots * F_local),
         "full": b * D,
     }[remat]
     # Working set of the backward pass: one layer's activations (recomputed under remat) and

@@ -1,27 +1,42 @@
-"""The LLaMA decoder as pure functions over a `Params` pytree.
+"""The decoder-only Transformer as pure functions over a parameter tree (params.py).
 
-Architecture (Touvron et al. 2023a/b, Grattafiori et al. 2024; Meta's reference `model.py`):
+LLaMA by default (Touvron et al. 2023a/b, Grattafiori et al. 2024; Meta's reference `model.py`):
 token embedding → L pre-norm blocks `h = x + Attn(RMSNorm(x)); out = h + SwiGLU(RMSNorm(h))`
-→ final RMSNorm → LM head (untied, or tied to the embedding as in LLaMA 3.2 1B/3B). RoPE is
-applied to q and k after the projections. No biases anywhere.
+→ final RMSNorm → LM head (untied, or tied to the embedding as in LLaMA 3.2 1B/3B), RoPE on q
+and k. The config swaps components (nn/): LayerNorm, post-norm blocks `x = Norm(x + f(x))` with
+no final norm (Vaswani et al. 2017), absolute positions added to the embedding, plain or gated
+MLPs, biases.
 
-The L blocks run under one `lax.scan` over the stacked layer weights, so compile time does not
-grow with depth (`scan_layers=False` unrolls them, for comparison or for backends that schedule
-unrolled code better); `config.remat` wraps the block in `jax.checkpoint` with a named policy.
+`block` is the one block function: it serves the training forward, prefill and decode (the KV
+cache is an optional input and output) and returns auxiliary outputs (a dict of scalars to add
+to the loss; empty for the components so far). Layers run group by group (`layer_groups`):
+
+- stacked weights `[L, ...]` run under one `lax.scan` per group, so compile time does not grow
+  with depth; a stacked cache rides in the carry and is updated in place (passing it as scanned
+  inputs/outputs would make XLA copy it). `scan_layers=False` unrolls the training loop.
+- unstacked weights (a tuple of per-layer trees, `unstack_layers`) run an unrolled loop with a
+  per-layer cache: the CPU decoder's choice (`decode_impl="unrolled"`), because XLA:CPU copies
+  each layer's weights out of the stacked arrays at every scan step.
+
+`config.remat` wraps the block in `jax.checkpoint` with a named policy in training.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from llama_jax.attention import attention, attention_mask
 from llama_jax.config import ModelConfig
-from llama_jax.ops import dense, einsum_f32, rms_norm, swiglu
-from llama_jax.params import LayerParams, Params
-from llama_jax.rope import apply_rope, rope_cos_sin
+from llama_jax.kv_cache import KVCache
+from llama_jax.nn.attention import Context, apply_attention, attention_mask
+from llama_jax.nn.mlp import apply_mlp
+from llama_jax.nn.norms import apply_norm
+from llama_jax.nn.ops import einsum_f32
+from llama_jax.nn.positions import add_positions, rotation
+from llama_jax.params import Params, layer_groups
 from llama_jax.sharding import constrain
 
 REMAT_POLICY_FNS = {
@@ -29,6 +44,12 @@ REMAT_POLICY_FNS = {
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
+
+
+class Output(NamedTuple):
+    hidden_BTD: jax.Array  # final hidden states (after the final norm of pre-norm models)
+    cache: KVCache | None  # the cache with the new tokens' K/V written, when one was given
+    aux: dict  # auxiliary outputs summed over layers (losses to add to the objective)
 
 
 def forward(config: ModelConfig, params: Params, tokens_BT: jax.Array, *,
@@ -39,71 +60,129 @@ def forward(config: ModelConfig, params: Params, tokens_BT: jax.Array, *,
     positions default to 0..T-1 per row; with `segment_ids_BT` (packed documents) tokens attend
     only within their own segment, and positions should restart at each document.
     """
-    x_BTD = embed(config, params, tokens_BT)
-    h_BTD = hidden_states(config, params, x_BTD, positions_BT=positions_BT,
-                          segment_ids_BT=segment_ids_BT)
-    return lm_head(config, params, h_BTD)
+    out = apply(config, params, tokens_BT, positions_BT=positions_BT,
+                segment_ids_BT=segment_ids_BT)
+    return lm_head(config, params, out.hidden_BTD)
 
 
-def embed(config: ModelConfig, params: Params, tokens_BT: jax.Array) -> jax.Array:
-    return jnp.take(params.embed, tokens_BT, axis=0).astype(config.compute_dtype)
+def hidden_states(config: ModelConfig, params: Params, tokens_BT: jax.Array, *,
+                  positions_BT: jax.Array | None = None,
+                  segment_ids_BT: jax.Array | None = None) -> jax.Array:
+    """Final hidden states `[B, T, D]` (what the LM head and task heads consume)."""
+    return apply(config, params, tokens_BT, positions_BT=positions_BT,
+                 segment_ids_BT=segment_ids_BT).hidden_BTD
+
+
+def apply(config: ModelConfig, params: Params, tokens_BT: jax.Array, *,
+          positions_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None,
+          cache: KVCache | None = None) -> Output:
+    """The model up to the final hidden states. With a `cache`, the T tokens are the next ones
+    of each row: their K/V are written at slots `cache.end ..` and they attend to the cache;
+    positions and the mask then come from the cache (see kv_cache.py)."""
+    B, T = tokens_BT.shape
+    if cache is None:
+        index_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        if positions_BT is None:
+            positions_BT = index_BT
+        context = Context(attention_mask(index_BT, index_BT, segment_ids_BT, segment_ids_BT))
+    else:
+        positions_BT, mask_BTS = cache.positions_and_mask(T)
+        context = Context(mask_BTS, end=cache.end)
+    context = context.replace(rotation=rotation(config, positions_BT))
+    x_BTD = embed(config, params, tokens_BT, positions_BT)
+    x_BTD, groups, aux = run_layers(config, params["groups"], x_BTD, context,
+                                    None if cache is None else cache.groups)
+    if config.norm_position == "pre":
+        x_BTD = apply_norm(config, params["final_norm"], x_BTD)
+    return Output(x_BTD, None if cache is None else cache.advance(groups, T), aux)
+
+
+def embed(config: ModelConfig, params: Params, tokens_BT: jax.Array,
+          positions_BT: jax.Array) -> jax.Array:
+    x_BTD = jnp.take(params["embed"]["table"], tokens_BT, axis=0).astype(config.compute_dtype)
+    return add_positions(config, params.get("positions", {}), x_BTD, positions_BT)
 
 
 def lm_head(config: ModelConfig, params: Params, h_BTD: jax.Array) -> jax.Array:
     """fp32 logits: the loss and sampling want them in full precision."""
     if config.tie_embeddings:
-        logits_BTV = einsum_f32("BTD,VD->BTV", h_BTD, params.embed.astype(h_BTD.dtype))
+        table_VD = params["embed"]["table"].astype(h_BTD.dtype)
+        logits_BTV = einsum_f32("BTD,VD->BTV", h_BTD, table_VD)
     else:
-        logits_BTV = einsum_f32("BTD,DV->BTV", h_BTD, params.lm_head.astype(h_BTD.dtype))
+        logits_BTV = einsum_f32("BTD,DV->BTV", h_BTD, params["lm_head"]["w"].astype(h_BTD.dtype))
     return constrain(logits_BTV, ("batch", "seq", "vocab"))
 
 
-def hidden_states(config: ModelConfig, params: Params, x_BTD: jax.Array, *,
-                  positions_BT: jax.Array | None = None,
-                  segment_ids_BT: jax.Array | None = None) -> jax.Array:
-    """Embeddings `[B, T, D]` → final-normed hidden states `[B, T, D]` (what heads consume)."""
-    B, T, _ = x_BTD.shape
-    index_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    if positions_BT is None:
-        positions_BT = index_BT
-    cos_BTh, sin_BTh = rope_cos_sin(config, positions_BT)
-    mask_BTS = attention_mask(index_BT, index_BT, segment_ids_BT, segment_ids_BT)
+def block(config: ModelConfig, p: Params, x_BTD: jax.Array, context: Context, kv=None):
+    """One block on one layer's (unstacked) weights: `(x_BTD, kv, aux)`.
 
-    step = functools.partial(block, config, cos_BTh=cos_BTh, sin_BTh=sin_BTh, mask_BTS=mask_BTS)
-    if config.remat != "none":
-        step = jax.checkpoint(step, policy=REMAT_POLICY_FNS[config.remat], prevent_cse=False)
-    if config.scan_layers:
-        x_BTD, _ = jax.lax.scan(lambda x, layer: (step(layer, x), None), x_BTD, params.layers)
-    else:
-        for i in range(config.n_layers):
-            x_BTD = step(jax.tree.map(lambda w: w[i], params.layers), x_BTD)
-    return rms_norm(x_BTD, params.final_norm, config.norm_eps)
-
-
-def block(config: ModelConfig, layer: LayerParams, x_BTD: jax.Array, *, cos_BTh: jax.Array,
-          sin_BTh: jax.Array, mask_BTS: jax.Array) -> jax.Array:
-    """One pre-norm decoder block; `layer` holds a single layer's (unstacked) weights."""
+    pre-norm:  h = x + Attn(Norm(x));  out = h + MLP(Norm(h))
+    post-norm: h = Norm(x + Attn(x));  out = Norm(h + MLP(h))
+    """
     x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
-    q_BTNH, k_BTKH, v_BTKH = project_qkv(config, layer, x_BTD, cos_BTh, sin_BTh)
-    out_BTD = finish_block(config, layer, x_BTD, attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS))
-    return constrain(out_BTD, ("batch", "seq", "embed"))
+    pre = config.norm_position == "pre"
+    attn_in = apply_norm(config, p["attn_norm"], x_BTD) if pre else x_BTD
+    attn_BTD, kv = apply_attention(config, p["attn"], attn_in, context, kv)
+    h_BTD = x_BTD + attn_BTD
+    if not pre:
+        h_BTD = apply_norm(config, p["attn_norm"], h_BTD)
+    mlp_in = apply_norm(config, p["mlp_norm"], h_BTD) if pre else h_BTD
+    out_BTD = h_BTD + apply_mlp(config, p["mlp"], mlp_in)
+    if not pre:
+        out_BTD = apply_norm(config, p["mlp_norm"], out_BTD)
+    return constrain(out_BTD, ("batch", "seq", "embed")), kv, {}
 
 
-def project_qkv(config: ModelConfig, layer: LayerParams, x_BTD: jax.Array, cos_BTh: jax.Array,
-                sin_BTh: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """RMSNorm, then the q/k/v projections with RoPE on q and k (never v)."""
-    h_BTD = rms_norm(x_BTD, layer.attn_norm, config.norm_eps)
-    q_BTNH = apply_rope(dense("BTD,DNH->BTNH", h_BTD, layer.wq), cos_BTh, sin_BTh)
-    k_BTKH = apply_rope(dense("BTD,DKH->BTKH", h_BTD, layer.wk), cos_BTh, sin_BTh)
-    v_BTKH = dense("BTD,DKH->BTKH", h_BTD, layer.wv)
-    return (constrain(q_BTNH, ("batch", "seq", "heads", "head_dim")),
-            constrain(k_BTKH, ("batch", "seq", "kv_heads", "head_dim")),
-            constrain(v_BTKH, ("batch", "seq", "kv_heads", "head_dim")))
+def run_layers(config: ModelConfig, groups: tuple, x_BTD: jax.Array, context: Context,
+               caches: tuple | None = None):
+    """Every layer group in order: `(x_BTD, caches, aux)` with aux summed over layers."""
+    new_caches, aux = [], {}
+    for group, p_group, kv in zip(layer_groups(config), groups,
+                                  caches if caches is not None else [None] * len(groups)):
+        step = functools.partial(block, config)
+        if config.remat != "none" and kv is None:
+            step = jax.checkpoint(step, policy=REMAT_POLICY_FNS[config.remat], prevent_cse=False)
+        x_BTD, kv, group_aux = _run_group(step, p_group, group.n_layers, x_BTD, context, kv,
+                                          config.scan_layers)
+        new_caches.append(kv)
+        aux = jax.tree.map(jnp.add, aux, group_aux) if aux else group_aux
+    return x_BTD, tuple(new_caches), aux
 
 
-def finish_block(config: ModelConfig, layer: LayerParams, x_BTD: jax.Array,
-                 attn_BTNH: jax.Array) -> jax.Array:
-    """Output projection and residual, then the SwiGLU half of the block."""
-    h_BTD = x_BTD + dense("BTNH,NHD->BTD", attn_BTNH, layer.wo)
-    ffn_in = rms_norm(h_BTD, layer.ffn_norm, config.norm_eps)
-    return h_BTD + swiglu(ffn_in, layer.w_gate, layer.w_up, layer.w_down)
+def _run_group(step, p_group, n_layers: int, x_BTD, context: Context, kv, scan: bool):
+    if isinstance(p_group, tuple):  # unstacked: an unrolled loop with per-layer caches
+        kvs = list(kv) if kv is not None else [None] * n_layers
+        auxes = []
+        for i, p_layer in enumerate(p_group):
+            x_BTD, kvs[i], layer_aux = step(p_layer, x_BTD, context, kvs[i])
+            auxes.append(layer_aux)
+        return x_BTD, None if kv is None else tuple(kvs), _sum(auxes)
+    if kv is None and not scan:  # training, unrolled over the stacked weights
+        auxes = []
+        for i in range(n_layers):
+            x_BTD, _, layer_aux = step(jax.tree.map(lambda w: w[i], p_group), x_BTD, context)
+            auxes.append(layer_aux)
+        return x_BTD, None, _sum(auxes)
+
+    def layer_step(carry, xs):
+        x_BTD, kv = carry
+        p_layer, i = xs
+        x_BTD, kv, layer_aux = step(p_layer, x_BTD, context.replace(layer=i), kv)
+        return (x_BTD, kv), layer_aux
+
+    layer_ids = jnp.arange(n_layers, dtype=jnp.int32)
+    (x_BTD, kv), aux_L = jax.lax.scan(layer_step, (x_BTD, kv), (p_group, layer_ids))
+    return x_BTD, kv, jax.tree.map(lambda a: jnp.sum(a, axis=0), aux_L)
+
+
+def _sum(auxes: list[dict]) -> dict:
+    return jax.tree.map(lambda *a: sum(a), *auxes) if auxes and auxes[0] else {}
+
+
+def unstack_layers(params: Params) -> Params:
+    """The same parameters with each group as a tuple of per-layer trees (a copy): the weights
+    the unrolled decoder reads, each exactly once per step."""
+    def unstack(group):
+        n_layers = jax.tree.leaves(group)[0].shape[0]
+        return tuple(jax.tree.map(lambda w: w[i], group) for i in range(n_layers))
+    return {**params, "groups": tuple(unstack(g) for g in params["groups"])}

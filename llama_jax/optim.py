@@ -16,10 +16,10 @@ let a non-finite update through.
 
 from __future__ import annotations
 
-import jax
 import optax
 
 from llama_jax.config import ModelConfig, TrainConfig
+from llama_jax.nn.spec import map_specs
 from llama_jax.params import Params, param_specs
 
 # apply_if_finite applies updates anyway after this many non-finite steps in a row; the loop
@@ -45,8 +45,9 @@ def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
 
 
 def weight_decay_mask(config: ModelConfig) -> Params:
-    """True for tensors that decay: everything but the RMSNorm gains."""
-    return jax.tree.map(lambda spec: "norm" not in spec.axes, param_specs(config))
+    """True for tensors that decay (their description says so): matrices and embedding tables,
+    not norm gains and biases."""
+    return map_specs(lambda spec: spec.decay, param_specs(config))
 
 
 def make_optimizer(config: ModelConfig, train: TrainConfig) -> optax.GradientTransformation:

@@ -1,103 +1,109 @@
-"""Parameters: each tensor described once (shape letters, logical axes, initialiser).
+"""Parameters: a tree of arrays built from the components' tensor descriptions.
 
-Shapes, abstract arrays (`jax.eval_shape`), initialisation and — in the sharding layer — mesh
-placements are all derived from `param_specs`, so a new tensor is one line here.
+    {"embed": {"table": [V, D]},
+     "positions": {"table": [P, D]},                        # learned positions only
+     "groups": ({"attn_norm": {...}, "attn": {"wq": [L, D, N, H], ...},
+                 "mlp_norm": {...}, "mlp": {"w_up": [L, D, F], ...}}, ...),
+     "final_norm": {"scale": [D], ...},                     # pre-norm only
+     "lm_head": {"w": [D, V]}}                              # untied only
 
-Layer weights are stacked along a leading L axis so the decoder runs them with `lax.scan`.
-Projections keep the head axes explicit (`wq: [L, D, N, H]`), so einsums read like the math and
-the logical axes can shard heads without reshapes.
+A model is a sequence of layer groups (`layer_groups`); the blocks of one group share their
+structure, so their weights are stacked along a leading L axis and run by one `lax.scan`.
+`param_specs` is the single description every other part derives from: init, abstract shapes,
+shardings, the weight-decay mask, parameter counts and FLOPs, memory plans, and the checkpoint
+layouts. Projections keep the head axes explicit (`wq: [D, N, H]`), so einsums read like the
+math and the logical axes can shard heads without reshapes.
 
 Initialisation (Meta publishes none): N(0, init_std²) for embeddings and input projections, and
-init_std/√(2L) for the two projections that write into the residual stream (wo, w_down), as in
-GPT-2 and OLMo, so the residual variance stays O(1) with depth. Norm gains start at one.
+init_std/√(2L) for the two projections that write into the residual stream (W_O, W_down), as in
+GPT-2 and OLMo, so the residual variance stays O(1) with depth. Gains start at one, biases at 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from llama_jax.config import ModelConfig
+from llama_jax.nn.attention import attention_specs
+from llama_jax.nn.mlp import mlp_specs
+from llama_jax.nn.norms import norm_specs
+from llama_jax.nn.positions import position_specs
+from llama_jax.nn.spec import TensorSpec, map_specs, spec_leaves, weight
+
+Params = dict[str, Any]  # the tree above; leaves are arrays (or TensorSpecs, ShapeDtypeStructs)
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """One parameter: its dimension letters, logical axis names and initialiser."""
+class LayerGroup:
+    """Consecutive blocks of the same structure, stacked and run by one scan."""
 
-    letters: str
-    axes: tuple[str, ...]
-    init: str  # "normal" (std = init_std * scale) or "ones"
-    scale: float = 1.0
-
-    def __post_init__(self):
-        assert len(self.letters) == len(self.axes), (self.letters, self.axes)
-        assert self.init in ("normal", "ones"), self.init
-
-    def shape(self, config: ModelConfig) -> tuple[int, ...]:
-        return tuple(getattr(config, letter) for letter in self.letters)
+    n_layers: int
 
 
-@struct.dataclass
-class LayerParams:
-    """The weights of all L blocks, stacked along the leading axis."""
-
-    attn_norm: jax.Array  # [L, D]
-    wq: jax.Array  # [L, D, N, H]
-    wk: jax.Array  # [L, D, K, H]
-    wv: jax.Array  # [L, D, K, H]
-    wo: jax.Array  # [L, N, H, D]
-    ffn_norm: jax.Array  # [L, D]
-    w_gate: jax.Array  # [L, D, F]
-    w_up: jax.Array  # [L, D, F]
-    w_down: jax.Array  # [L, F, D]
+def layer_groups(config: ModelConfig) -> tuple[LayerGroup, ...]:
+    return (LayerGroup(config.n_layers),)
 
 
-@struct.dataclass
-class Params:
-    embed: jax.Array  # [V, D]
-    layers: LayerParams
-    final_norm: jax.Array  # [D]
-    lm_head: jax.Array | None  # [D, V]; None when tied to `embed`
+def block_specs(config: ModelConfig) -> dict:
+    """One block's tensors (unstacked): a norm and attention, a norm and an MLP."""
+    residual_out = 1 / math.sqrt(2 * config.n_layers)
+    return {"attn_norm": norm_specs(config), "attn": attention_specs(config, residual_out),
+            "mlp_norm": norm_specs(config), "mlp": mlp_specs(config, residual_out)}
 
 
 def param_specs(config: ModelConfig) -> Params:
-    """A `Params` tree whose leaves are `TensorSpec`s."""
-    residual_out = 1 / math.sqrt(2 * config.n_layers)
-    layers = LayerParams(
-        attn_norm=TensorSpec("LD", ("layers", "norm"), "ones"),
-        wq=TensorSpec("LDNH", ("layers", "embed", "q_heads", "head_dim"), "normal"),
-        wk=TensorSpec("LDKH", ("layers", "embed", "kv_heads", "head_dim"), "normal"),
-        wv=TensorSpec("LDKH", ("layers", "embed", "kv_heads", "head_dim"), "normal"),
-        wo=TensorSpec("LNHD", ("layers", "q_heads", "head_dim", "embed"), "normal", residual_out),
-        ffn_norm=TensorSpec("LD", ("layers", "norm"), "ones"),
-        w_gate=TensorSpec("LDF", ("layers", "embed", "mlp"), "normal"),
-        w_up=TensorSpec("LDF", ("layers", "embed", "mlp"), "normal"),
-        w_down=TensorSpec("LFD", ("layers", "mlp", "embed"), "normal", residual_out),
-    )
-    return Params(
-        embed=TensorSpec("VD", ("vocab", "embed"), "normal"),
-        layers=layers,
-        final_norm=TensorSpec("D", ("norm",), "ones"),
-        lm_head=None if config.tie_embeddings else TensorSpec("DV", ("embed", "vocab"), "normal"),
-    )
+    """The parameter tree with a `TensorSpec` at every leaf."""
+    dims = config.dims
+    specs: Params = {"embed": {"table": weight(dims, "VD", ("vocab", "embed"))}}
+    positions = position_specs(config)
+    if positions:
+        specs["positions"] = positions
+    specs["groups"] = tuple(map_specs(lambda s, n=group.n_layers: s.stacked(n),
+                                      block_specs(config)) for group in layer_groups(config))
+    if config.norm_position == "pre":
+        specs["final_norm"] = norm_specs(config)
+    if not config.tie_embeddings:
+        specs["lm_head"] = {"w": weight(dims, "DV", ("embed", "vocab"))}
+    return specs
 
 
 def init_params(config: ModelConfig, key: jax.Array) -> Params:
     """Random parameters in `config.param_dtype` (jit it with out_shardings to create them
     sharded; `jax.eval_shape` it to get shapes without allocating)."""
-    specs, treedef = jax.tree.flatten(param_specs(config))
-    keys = jax.random.split(key, len(specs))
+    specs = param_specs(config)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, TensorSpec))
+    keys = jax.random.split(key, len(leaves))
     dtype = jnp.dtype(config.param_dtype)
 
     def init_one(spec: TensorSpec, k: jax.Array) -> jax.Array:
-        shape = spec.shape(config)
         if spec.init == "ones":
-            return jnp.ones(shape, dtype)
+            return jnp.ones(spec.shape, dtype)
+        if spec.init == "zeros":
+            return jnp.zeros(spec.shape, dtype)
         std = config.init_std * spec.scale
-        return (std * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+        return (std * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype)
 
-    return jax.tree.unflatten(treedef, [init_one(s, k) for s, k in zip(specs, keys)])
+    return jax.tree.unflatten(treedef, [init_one(s, k) for s, k in zip(leaves, keys)])
+
+
+def abstract_params(config: ModelConfig) -> Params:
+    """`jax.ShapeDtypeStruct`s of the parameters, from their descriptions."""
+    dtype = jnp.dtype(config.param_dtype)
+    return map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), param_specs(config))
+
+
+def flat_paths(tree) -> dict[str, Any]:
+    """`{"groups/0/attn/wq": leaf, ...}`: every leaf of a parameter tree by its path."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, TensorSpec))
+    return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): leaf
+            for path, leaf in flat}
+
+
+def n_params(config: ModelConfig) -> int:
+    return sum(s.size for s in spec_leaves(param_specs(config)))

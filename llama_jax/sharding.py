@@ -1,6 +1,6 @@
 """Where arrays live: a device mesh from the config, and logical axis names mapped to mesh axes.
 
-The model and the parameter descriptions name logical axes only (`params.param_specs`: "embed",
+The model and the parameter descriptions name logical axes only (`TensorSpec.axes`: "embed",
 "q_heads", "mlp", ...; activations: "batch", "heads", ...). This module alone knows the mesh
 (`data`, `fsdp`, `tensor`) and turns names into `PartitionSpec`s through the rules tables of
 `MeshConfig` — one for weights (and the optimizer state, which mirrors them), one for
@@ -24,8 +24,8 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from llama_jax.config import MESH_AXES, ConfigError, MeshConfig, ModelConfig
-from llama_jax.params import Params, param_specs
+from llama_jax.config import MESH_AXES, ConfigError, MeshConfig
+from llama_jax.nn.spec import map_specs
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +78,12 @@ def spec(axes: Sequence[str | None], shape: Sequence[int], rules: tuple,
     return P(*out)
 
 
-def param_shardings(config: ModelConfig, mesh: Mesh, mesh_config: MeshConfig) -> Params:
-    """A NamedSharding per parameter, from its logical axes and the weight rules."""
-    return jax.tree.map(
-        lambda s: NamedSharding(mesh, spec(s.axes, s.shape(config), mesh_config.weight_rules,
-                                           mesh.shape, "/".join(s.axes))),
-        param_specs(config))
+def param_shardings(specs, mesh: Mesh, mesh_config: MeshConfig):
+    """A NamedSharding per parameter of a tree of TensorSpecs (`params.param_specs`), from
+    its logical axes and the weight rules."""
+    return map_specs(
+        lambda s: NamedSharding(mesh, spec(s.axes, s.shape, mesh_config.weight_rules,
+                                           mesh.shape, "/".join(s.axes))), specs)
 
 
 def batch_shards(mesh_config: MeshConfig, mesh_shape: Mapping[str, int]) -> int:
@@ -146,7 +146,7 @@ def bytes_per_device(tree) -> int:
                for shard in leaf.addressable_shards if shard.device == device)
 
 
-def optimizer_state_shardings(optimizer, abstract_params: Params, params_sharding: Params,
+def optimizer_state_shardings(optimizer, abstract_params, params_sharding,
                               mesh: Mesh):
     """The optimizer state laid out like the parameters it mirrors (moments), scalars
     replicated. Explicit, because `jit(optimizer.init)` on an Auto mesh may replicate it."""

@@ -35,6 +35,8 @@ from tqdm import tqdm
 
 from llama_jax import costs, data, hardware, sharding, workdir as run_dir
 from llama_jax.config import ConfigError, RunConfig
+from llama_jax.formats.legacy import is_legacy
+from llama_jax.params import abstract_params, param_specs
 from llama_jax.metrics import MetricsLog
 from llama_jax.optim import learning_rate_schedule, make_optimizer
 from llama_jax.training import TrainState, eval_sums, init_state, train_step
@@ -96,6 +98,14 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
         checkpoints.close()
         log(f"nothing to do: the latest checkpoint is at step {start}, the run ends at {end}")
         return Outcome(step=start)
+    if start and is_legacy(checkpoints.stored_params(start)):
+        checkpoints.close()
+        raise TrainingError(
+            f"{workdir / run_dir.CHECKPOINTS / str(start)} was written by llama_jax 0.1 (flat "
+            "`layers` parameter tree): its weights load (load_checkpoint, sample.py), but its "
+            "optimizer state cannot resume training in this version. Convert the weights with "
+            f"`python -m llama_jax.convert {workdir} NEW_DIR` and start a new run, or resume "
+            "with llama_jax 0.1")
 
     programs = _programs(run, tokens.bos_id, mesh)
     batch_sharding, abstract, compile_s = (programs.batch_sharding, programs.abstract,
@@ -204,11 +214,10 @@ def _programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh) -> _Programs
     process, so a resumed run in the same process does not compile again)."""
     optimizer = make_optimizer(run.model, run.train)
     replicated = sharding.replicated(mesh)
-    params_sharding = sharding.param_shardings(run.model, mesh, run.mesh)
-    abstract_params = costs.abstract_params(run.model)
+    params_sharding = sharding.param_shardings(param_specs(run.model), mesh, run.mesh)
     state_sharding = TrainState(
         step=replicated, params=params_sharding,
-        opt_state=sharding.optimizer_state_shardings(optimizer, abstract_params,
+        opt_state=sharding.optimizer_state_shardings(optimizer, abstract_params(run.model),
                                                      params_sharding, mesh))
     batch_sharding = sharding.batch_sharding(mesh, run.mesh)
     init = jax.jit(functools.partial(init_state, run.model, optimizer),

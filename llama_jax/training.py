@@ -24,7 +24,7 @@ from flax import struct
 
 from llama_jax.config import ModelConfig, TrainConfig
 from llama_jax.data import features
-from llama_jax.model import forward
+from llama_jax.model import apply, lm_head
 from llama_jax.params import Params, init_params
 
 
@@ -44,15 +44,20 @@ def init_state(config: ModelConfig, optimizer: optax.GradientTransformation,
 
 def loss_sums(config: ModelConfig, params: Params, window_BT1: jax.Array, bos_id: int,
               z_loss: float) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """(cross-entropy + z-loss, summed over scored tokens), with (cross-entropy sum, count)."""
+    """(cross-entropy + z-loss + the blocks' auxiliary losses, summed over scored tokens),
+    with (cross-entropy sum, count). Auxiliary losses (per-token means) are scaled by the count
+    so that dividing the sum by it gives `mean CE + aux`."""
     f = features(window_BT1, bos_id)
-    logits_BTV = forward(config, params, f.inputs_BT, positions_BT=f.positions_BT,
-                         segment_ids_BT=f.segment_ids_BT)
+    out = apply(config, params, f.inputs_BT, positions_BT=f.positions_BT,
+                segment_ids_BT=f.segment_ids_BT)
+    logits_BTV = lm_head(config, params, out.hidden_BTD)
     log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     target_logit_BT = jnp.take_along_axis(logits_BTV, f.targets_BT[..., None], axis=-1)[..., 0]
     ce_sum = jnp.sum((log_z_BT - target_logit_BT) * f.weights_BT)
+    count = jnp.sum(f.weights_BT)
     total = ce_sum + z_loss * jnp.sum(jnp.square(log_z_BT) * f.weights_BT)
-    return total, (ce_sum, jnp.sum(f.weights_BT))
+    total += sum(jax.tree.leaves(out.aux), jnp.zeros(())) * count
+    return total, (ce_sum, count)
 
 
 def train_step(config: ModelConfig, train: TrainConfig, optimizer: optax.GradientTransformation,

@@ -64,9 +64,11 @@ def claim(workdir: Path, run: RunConfig) -> None:
 
 def config_differences(stored: RunConfig, new: RunConfig) -> list[str]:
     """`section.field: stored -> new` for every field that changes the run's trajectory. The
-    mesh may change: checkpoints restore onto any mesh."""
+    mesh and the model's execution settings (dtypes, remat, scan) may change: checkpoints
+    restore onto any mesh and into any dtype."""
     out = []
     old_tree, new_tree = stored.to_dict(), new.to_dict()
+    new_tree["model"] = new.model.architecture()
     for section, fields in new_tree.items():
         if section == "mesh":
             continue
@@ -105,6 +107,11 @@ class Checkpoints:
             opt_state=ocp.args.StandardRestore(abstract_opt_state),
             data=grain.checkpoint.CheckpointRestore(iterator)))
         return restored.params, restored.opt_state
+
+    def stored_params(self, step: int) -> Any:
+        """The metadata tree (shapes and dtypes) of the parameters saved at `step`."""
+        path = self.manager.directory / str(step) / "params"
+        return ocp.StandardCheckpointer().metadata(path).item_metadata.tree
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         restored = self.manager.restore(step, args=ocp.args.Composite(

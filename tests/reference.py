@@ -112,10 +112,10 @@ def forward(config, params, tokens_BT, positions_BT=None, segments_BT=None):
 
 
 def _flat(params):
-    layers = params.layers
-    out = {name: getattr(layers, name) for name in
-           ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")}
-    out.update(embed=params.embed, final_norm=params.final_norm)
-    if params.lm_head is not None:
-        out["lm_head"] = params.lm_head
+    block = params["groups"][0]
+    out = {"attn_norm": block["attn_norm"]["scale"], "ffn_norm": block["mlp_norm"]["scale"],
+           **block["attn"], **block["mlp"], "embed": params["embed"]["table"],
+           "final_norm": params["final_norm"]["scale"]}
+    if "lm_head" in params:
+        out["lm_head"] = params["lm_head"]["w"]
     return out

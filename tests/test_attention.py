@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llama_jax.attention import attention, attention_mask
+from llama_jax.nn.attention import attention, attention_mask
 from reference import relative_error
 import reference as ref
 
@@ -93,7 +93,7 @@ def test_bf16_attention_is_close_to_fp32():
 
 @pytest.mark.parametrize("N, K", [(4, 4), (8, 2), (4, 1)], ids=["MHA", "GQA", "MQA"])
 def test_block_diagonal_decode_attention_matches_reference(N, K):
-    from llama_jax.attention import decode_attention_block_diagonal
+    from llama_jax.nn.attention import decode_attention_block_diagonal
 
     S = 13
     q = rng.standard_normal((B, 1, N, H)).astype(np.float32)

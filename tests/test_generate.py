@@ -11,8 +11,8 @@ import pytest
 import llama_jax
 from llama_jax import costs
 from llama_jax.decoder import GenerateError, GenerationStats, _EXECUTABLES, generate, stream
-from llama_jax.kv_cache import forward_cached, init_cache, unstack_layers
-from llama_jax.model import lm_head
+from llama_jax.kv_cache import init_cache
+from llama_jax.model import apply, lm_head, unstack_layers
 from llama_jax.sampling import SamplingParams, Strategy, argmax, filter_logits, sample
 from reference import relative_error
 
@@ -20,7 +20,8 @@ TINY = llama_jax.load_model_config("tiny")  # N=4, K=2
 KV_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
 CONFIGS = {name: dataclasses.replace(TINY, n_kv_heads=k) for name, k in KV_HEADS.items()}
 forward = jax.jit(llama_jax.forward, static_argnums=0)
-cached = jax.jit(forward_cached, static_argnums=0)
+cached = jax.jit(lambda c, p, tokens, cache: apply(c, p, tokens, cache=cache)[:2],
+                 static_argnums=0)
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +57,12 @@ def test_unstacked_layers_compute_the_same(params, cache_dtype):
     tokens = np.asarray(prompts([2, 9], seed=12)[1:] * 2)
     outs = []
     for layers in (p, unstack_layers(p)):
-        cache = init_cache(config, 2, 16, cache_dtype, per_layer=layers is not p)
+        cache = init_cache(config, 2, 16, cache_dtype,
+                           layout="stacked" if layers is p else "per_layer")
         h, cache = cached(config, layers, tokens[:, :6], cache)
         h2, _ = cached(config, layers, tokens[:, 6:7], cache)
         outs.append(np.concatenate([h, h2], axis=1))
-    assert isinstance(unstack_layers(p).layers, tuple)
+    assert isinstance(unstack_layers(p)["groups"][0], tuple)
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6, atol=1e-6)
 
 
@@ -215,23 +217,32 @@ def test_full_context_stops_cleanly_with_a_message(params):
 
 def test_kv_cache_bytes_equal_the_formula():
     config = TINY
-    cache = init_cache(config, batch=3, max_len=48)  # bf16 by default
+    cache = init_cache(config, batch=3, max_len=48, dtype=jnp.bfloat16).groups[0]
     L, K, H = config.n_layers, config.n_kv_heads, config.head_dim
     assert cache.k.shape == (L, 3, K, 48, H) and cache.k.dtype == jnp.bfloat16
     assert cache.k.nbytes + cache.v.nbytes == 2 * L * 3 * 48 * K * H * 2
     assert cache.k.nbytes + cache.v.nbytes == costs.kv_cache_bytes_per_token(config) * 3 * 48
-    per_layer = init_cache(config, batch=3, max_len=48, per_layer=True)
-    assert [a.shape for a in per_layer.k] == [(3, K * 48, H)] * L
-    assert sum(a.nbytes for a in per_layer.k + per_layer.v) == cache.k.nbytes + cache.v.nbytes
+    per_layer = init_cache(config, batch=3, max_len=48, dtype="bfloat16",
+                           layout="per_layer").groups[0]
+    assert [a.k.shape for a in per_layer] == [(3, K * 48, H)] * L
+    assert sum(a.k.nbytes + a.v.nbytes for a in per_layer) == cache.k.nbytes + cache.v.nbytes
+
+
+def test_cache_dtype_defaults_to_the_compute_dtype():
+    assert init_cache(TINY, 1, 8).groups[0].k.dtype == jnp.float32
+    bf16 = TINY.with_execution(compute_dtype="bfloat16")
+    assert init_cache(bf16, 1, 8).groups[0].k.dtype == jnp.bfloat16
+    assert init_cache(bf16, 1, 8, np.float32).groups[0].k.dtype == jnp.float32
 
 
 def test_decode_step_updates_the_cache_in_place(params):
     config = dataclasses.replace(TINY, n_layers=8, max_seq_len=4096)
     p = llama_jax.init_params(config, jax.random.key(0))
     cache = init_cache(config, 4, 2048, "float32")
-    step = jax.jit(forward_cached, static_argnums=0, donate_argnums=3)
+    step = jax.jit(lambda c, p, tokens, cache: apply(c, p, tokens, cache=cache).cache,
+                   static_argnums=0, donate_argnums=3)
     memory = step.lower(config, p, np.zeros((4, 1), np.int32), cache).compile().memory_analysis()
-    cache_bytes = cache.k.nbytes + cache.v.nbytes
+    cache_bytes = cache.groups[0].k.nbytes + cache.groups[0].v.nbytes
     assert memory.alias_size_in_bytes >= cache_bytes  # the donated cache is the output buffer
     assert memory.temp_size_in_bytes < cache_bytes / 2  # no copy of the stacked cache
 

@@ -53,7 +53,8 @@ def test_train_flops_follow_the_stated_formula():
     assert counts.matmul == 32 * per_layer + 32000 * 4096
     assert costs.train_flops_per_token(c, 2048) == 6 * counts.matmul + 6 * 32 * 2048 * 4096
     tied = costs.param_counts(load_model_config("llama3.2-1b"))
-    assert tied.lm_head == 0 and tied.matmul == tied.total - tied.embedding - tied.norms + (
+    norms = (2 * 16 + 1) * 2048
+    assert tied.lm_head == 0 and tied.matmul == tied.total - tied.embedding - norms + (
         128256 * 2048)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from llama_jax.config import ModelConfig, RopeScaling, load_model_config
-from llama_jax.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from llama_jax.nn.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from reference import relative_error
 import reference as ref
 

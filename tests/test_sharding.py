@@ -86,7 +86,7 @@ def test_a_sharded_step_equals_the_single_device_step(model_name, mesh_name):
 
 def test_parameters_and_optimizer_state_are_really_split():
     model = MODELS["gqa"]
-    total = sum(np.prod(a.shape) * 4 for a in jax.tree.leaves(costs.abstract_params(model)))
+    total = sum(np.prod(a.shape) * 4 for a in jax.tree.leaves(llama_jax.abstract_params(model)))
     for mesh_name, ways in (("fsdp8", 8), ("tp8", 8), ("fsdp4-tp2", 8), ("dp8", 1)):
         state = _programs(model, MESHES[mesh_name]).init(jax.random.key(0))
         norms = (model.n_layers * 2 + 1) * model.dim * 4  # replicated by design
@@ -99,22 +99,27 @@ def test_parameters_and_optimizer_state_are_really_split():
 def test_mqa_keeps_its_single_kv_head_whole_under_tensor_parallelism(caplog):
     mesh = sharding.make_mesh(MESHES["tp8"])
     with caplog.at_level("INFO", logger="llama_jax.sharding"):
-        shardings = sharding.param_shardings(MODELS["mqa"], mesh, MESHES["tp8"])
-    assert shardings.layers.wk.spec == jax.sharding.PartitionSpec(None, None, None, None)
-    assert shardings.layers.wq.spec[2] == "tensor"
+        shardings = sharding.param_shardings(llama_jax.param_specs(MODELS["mqa"]), mesh,
+                                             MESHES["tp8"])
+    attn = shardings["groups"][0]["attn"]
+    assert attn["wk"].spec == jax.sharding.PartitionSpec(None, None, None, None)
+    assert attn["wq"].spec[2] == "tensor"
     assert "does not divide kv_heads=1" in caplog.text
 
 
+@pytest.mark.parametrize("decode_impl", ["scan", "unrolled"])
 @pytest.mark.parametrize("mesh_name", ["tp8", "dp2-fsdp2-tp2"])
-def test_sharded_greedy_decode_equals_unsharded(mesh_name):
+def test_sharded_greedy_decode_equals_unsharded(mesh_name, decode_impl):
     model = MODELS["gqa"]
     params = llama_jax.init_params(model, jax.random.key(3))
     prompts = [list(np.random.default_rng(i).integers(3, 512, n)) for i, n in
                enumerate((5, 11, 3, 8))]
     expected = llama_jax.generate(model, params, prompts, 12, stop_tokens=[])
     mesh = sharding.make_mesh(MESHES[mesh_name])
-    placed = jax.device_put(params, sharding.param_shardings(model, mesh, MESHES[mesh_name]))
-    assert llama_jax.generate(model, placed, prompts, 12, stop_tokens=[]) == expected
+    placed = jax.device_put(params, sharding.param_shardings(llama_jax.param_specs(model), mesh,
+                                                             MESHES[mesh_name]))
+    assert llama_jax.generate(model, placed, prompts, 12, stop_tokens=[],
+                              decode_impl=decode_impl) == expected
 
 
 def test_the_kv_cache_follows_the_cache_rules():
@@ -124,10 +129,11 @@ def test_the_kv_cache_follows_the_cache_rules():
     mesh_config = MESHES["dp2-fsdp2-tp2"]
     mesh = sharding.make_mesh(mesh_config)
     with sharding.use_mesh(mesh, mesh_config):
-        cache = jax.jit(lambda: init_cache(MODELS["gqa"], 4, 16, "bfloat16"))()
-        per_layer = jax.jit(lambda: init_cache(MODELS["gqa"], 4, 16, per_layer=True))()
+        cache = jax.jit(lambda: init_cache(MODELS["gqa"], 4, 16, "bfloat16"))().groups[0]
+        per_layer = jax.jit(lambda: init_cache(MODELS["gqa"], 4, 16,
+                                               layout="per_layer"))().groups[0]
     assert cache.k.sharding.spec == jax.sharding.PartitionSpec(None, ("data", "fsdp"), "tensor")
-    assert per_layer.k[0].sharding.spec[0] == ("data", "fsdp")
+    assert per_layer[0].k.sharding.spec[0] == ("data", "fsdp")
     assert sharding.bytes_per_device(cache.k) == cache.k.nbytes // 8
 
 

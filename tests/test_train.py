@@ -23,6 +23,7 @@ from llama_jax.checkpoint import load_checkpoint
 from llama_jax.config import ConfigError, DataConfig, ModelConfig, RunConfig, TrainConfig
 from llama_jax.data import DataError
 from llama_jax.optim import learning_rate_schedule, make_optimizer
+from llama_jax.params import flat_paths
 from llama_jax.training import init_state, train_step
 from reference import relative_error
 
@@ -88,6 +89,10 @@ def test_loss_falls_when_overfitting_one_batch():
     assert losses[-1] < 0.3 * losses[0]
 
 
+def wq(params):
+    return params["groups"][0]["attn"]["wq"]
+
+
 def test_gradient_accumulation_equals_one_big_batch():
     batch = _batch(1)
     results = []
@@ -96,23 +101,31 @@ def test_gradient_accumulation_equals_one_big_batch():
         results.append(step(state, batch))
     (one, m1), (four, m4) = results
     assert float(m4["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-6)
-    assert relative_error(four.params.layers.wq, one.params.layers.wq) < 1e-5
+    assert relative_error(wq(four.params), wq(one.params)) < 1e-5
     for a, b in zip(jax.tree.leaves(four.params), jax.tree.leaves(one.params)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_weight_decay_spares_the_norm_gains():
-    optimizer = make_optimizer(MODEL, dataclasses.replace(TRAIN, warmup_steps=0))
-    params = init_state(MODEL, optimizer, jax.random.key(0)).params
-    params = params.replace(final_norm=params.final_norm * 1.5)
+@pytest.mark.parametrize("model", [MODEL, dataclasses.replace(
+    MODEL, norm="layernorm", bias=True, positions="learned", mlp="gelu")],
+    ids=["llama", "gpt2-like"])
+def test_weight_decay_spares_gains_and_biases(model):
+    optimizer = make_optimizer(model, dataclasses.replace(TRAIN, warmup_steps=0))
+    params = init_state(model, optimizer, jax.random.key(0)).params
+    params = jax.tree.map(lambda p: p + 0.5, params)  # biases start at zero: make them visible
     zero = jax.tree.map(jnp.zeros_like, params)
     updates, _ = optimizer.update(zero, optimizer.init(params), params)
-    new = optax.apply_updates(params, updates)
-    np.testing.assert_array_equal(new.final_norm, params.final_norm)
-    np.testing.assert_array_equal(new.layers.attn_norm, params.layers.attn_norm)
+    new = flat_paths(optax.apply_updates(params, updates))
     shrink = 1 - TRAIN.learning_rate * TRAIN.weight_decay
-    np.testing.assert_allclose(new.layers.wq, params.layers.wq * shrink, rtol=1e-6)
-    np.testing.assert_allclose(new.embed, params.embed * shrink, rtol=1e-6)
+    decayed = []
+    for path, before in flat_paths(params).items():
+        name = path.split("/")[-1]
+        if name in ("scale", "bias") or name.startswith("b"):  # gains and biases
+            np.testing.assert_array_equal(new[path], before)
+        else:  # matrices and embedding tables
+            np.testing.assert_allclose(new[path], before * shrink, rtol=1e-6)
+            decayed.append(path)
+    assert "embed/table" in decayed and "groups/0/attn/wq" in decayed
 
 
 def test_schedules():
@@ -133,12 +146,13 @@ def test_non_finite_step_is_skipped_and_counted():
     state, step = _step_fn(TRAIN)
     state, _ = step(state, _batch(2))
     before = jax.tree.map(np.asarray, state)
-    poisoned = state.replace(params=state.params.replace(
-        final_norm=state.params.final_norm.at[0].set(jnp.nan)))
+    final_norm = state.params["final_norm"]["scale"].at[0].set(jnp.nan)
+    poisoned = state.replace(params={**state.params, "final_norm": {"scale": final_norm}})
     after, m = step(poisoned, _batch(3))
     assert not np.isfinite(float(m["loss"])) and int(m["nonfinite_in_row"]) == 1
     assert int(after.step) == int(before.step) + 1
-    for a, b in zip(jax.tree.leaves(after.params.layers), jax.tree.leaves(before.params.layers)):
+    for a, b in zip(jax.tree.leaves(after.params["groups"]),
+                    jax.tree.leaves(before.params["groups"])):
         np.testing.assert_array_equal(a, b)  # untouched: no update, no moment change
     for a, b in zip(jax.tree.leaves(after.opt_state.inner_state),
                     jax.tree.leaves(before.opt_state.inner_state)):

@@ -15,7 +15,7 @@ import numpy as np
 
 from llama_jax.config import ConfigError, ModelConfig, RopeScaling
 from llama_jax.formats import CheckpointError
-from llama_jax.formats.layout import (TENSORS, Placement, TorchTensor, assemble, torch_shape,
+from llama_jax.formats.layout import (Placement, Slot, assemble, names, slots, torch_shape,
                                       torch_tensors, with_dtype)
 from llama_jax.params import Params
 
@@ -123,8 +123,8 @@ def load(path: Path, dtype: str | None,
 
     config = read_config(path)
     files = _weight_files(path)
-    expected = {t.hf.format(i=i) for t in TENSORS for i in range(config.n_layers)
-                if not (t.leaf == "lm_head" and config.tie_embeddings)}
+    layout = slots(config)
+    expected = {name for slot in layout for name in names(slot)}
     missing = sorted(expected - files.keys())
     if missing:
         raise CheckpointError(f"{path}: tensor(s) missing from the safetensors files: "
@@ -134,17 +134,18 @@ def load(path: Path, dtype: str | None,
     if unexpected:
         raise CheckpointError(f"{path}: tensor(s) that are not Llama weights: "
                               f"{', '.join(unexpected[:5])}")
-    config = with_dtype(config, dtype or _stored_dtype(files[TENSORS[0].hf], TENSORS[0].hf))
+    first = names(layout[0])[0]
+    config = with_dtype(config, dtype or _stored_dtype(files[first], first))
 
-    def read(tensor: TorchTensor, layer: int | None) -> np.ndarray:
-        name = tensor.hf.format(i=layer)
+    def read(slot: Slot, layer: int | None) -> np.ndarray:
+        name = slot.tensor.hf.format(i=layer)
         file = files[name]
         try:
             with safe_open(file, framework="numpy") as f:
                 w = f.get_tensor(name)
         except Exception as e:
             raise CheckpointError(f"{file}: cannot read tensor {name!r}: {e}") from None
-        expected_shape = torch_shape(config, tensor)
+        expected_shape = torch_shape(slot)
         if w.shape != expected_shape:
             raise CheckpointError(f"{file}: tensor {name!r} has shape {w.shape}, expected "
                                   f"{expected_shape} from {path / CONFIG}")

@@ -12,69 +12,93 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import numpy as np
 
 from llama_jax.config import ModelConfig
-from llama_jax.costs import abstract_params
-from llama_jax.params import LayerParams, Params, param_specs
+from llama_jax.formats import CheckpointError
+from llama_jax.nn.spec import TensorSpec
+from llama_jax.params import Params, abstract_params, flat_paths, layer_groups, param_specs
 
 
 @dataclasses.dataclass(frozen=True)
 class TorchTensor:
-    leaf: str  # path in Params: "embed", "layers.wq", ...
+    """How one of our tensors is stored in PyTorch checkpoints. `path` is its place in the
+    parameter tree — relative to the block for per-layer tensors ("attn/wq"), from the root
+    otherwise ("embed/table")."""
+
+    path: str
     hf: str  # Hugging Face name; "{i}" is the layer index
     meta: str  # Meta name
     linear_in_axes: int = 0  # >0: an nn.Linear weight whose `in` is our first axes (after L)
     rope_heads: str = ""  # "N" or "K": q/k rows in Meta's interleaved RoPE layout
+    per_layer: bool = False
+
+
+def _layer(path: str, hf: str, meta: str, linear_in_axes: int = 0, rope_heads: str = ""):
+    return TorchTensor(path, "model.layers.{i}." + hf, "layers.{i}." + meta, linear_in_axes,
+                       rope_heads, per_layer=True)
+
+
+# LLaMA's tensors: every tensor of a LLaMA-architecture parameter tree, by path.
+LLAMA = {t.path: t for t in (
+    TorchTensor("embed/table", "model.embed_tokens.weight", "tok_embeddings.weight"),
+    TorchTensor("final_norm/scale", "model.norm.weight", "norm.weight"),
+    TorchTensor("lm_head/w", "lm_head.weight", "output.weight", linear_in_axes=1),
+    _layer("attn_norm/scale", "input_layernorm.weight", "attention_norm.weight"),
+    _layer("attn/wq", "self_attn.q_proj.weight", "attention.wq.weight", 1, "N"),
+    _layer("attn/wk", "self_attn.k_proj.weight", "attention.wk.weight", 1, "K"),
+    _layer("attn/wv", "self_attn.v_proj.weight", "attention.wv.weight", 1),
+    _layer("attn/wo", "self_attn.o_proj.weight", "attention.wo.weight", 2),
+    _layer("mlp_norm/scale", "post_attention_layernorm.weight", "ffn_norm.weight"),
+    _layer("mlp/w_gate", "mlp.gate_proj.weight", "feed_forward.w1.weight", 1),
+    _layer("mlp/w_up", "mlp.up_proj.weight", "feed_forward.w3.weight", 1),
+    _layer("mlp/w_down", "mlp.down_proj.weight", "feed_forward.w2.weight", 1),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One tensor of a checkpoint: where it goes in our tree and how it is stored."""
+
+    tree_path: str  # "groups/0/attn/wq"
+    tensor: TorchTensor
+    spec: TensorSpec
+    layers: range  # checkpoint layer indices of a stacked leaf (empty for the others)
 
     @property
-    def per_layer(self) -> bool:
-        return self.leaf.startswith("layers.")
+    def shape(self) -> tuple[int, ...]:
+        """Our shape of one layer's slice (or of the whole leaf)."""
+        return self.spec.shape[1:] if self.layers else self.spec.shape
 
 
-_LAYER = "model.layers.{i}."
-TENSORS = (
-    TorchTensor("embed", "model.embed_tokens.weight", "tok_embeddings.weight"),
-    TorchTensor("final_norm", "model.norm.weight", "norm.weight"),
-    TorchTensor("lm_head", "lm_head.weight", "output.weight", linear_in_axes=1),
-    TorchTensor("layers.attn_norm", _LAYER + "input_layernorm.weight",
-                "layers.{i}.attention_norm.weight"),
-    TorchTensor("layers.wq", _LAYER + "self_attn.q_proj.weight", "layers.{i}.attention.wq.weight",
-                1, "N"),
-    TorchTensor("layers.wk", _LAYER + "self_attn.k_proj.weight", "layers.{i}.attention.wk.weight",
-                1, "K"),
-    TorchTensor("layers.wv", _LAYER + "self_attn.v_proj.weight", "layers.{i}.attention.wv.weight",
-                1),
-    TorchTensor("layers.wo", _LAYER + "self_attn.o_proj.weight", "layers.{i}.attention.wo.weight",
-                2),
-    TorchTensor("layers.ffn_norm", _LAYER + "post_attention_layernorm.weight",
-                "layers.{i}.ffn_norm.weight"),
-    TorchTensor("layers.w_gate", _LAYER + "mlp.gate_proj.weight",
-                "layers.{i}.feed_forward.w1.weight", 1),
-    TorchTensor("layers.w_up", _LAYER + "mlp.up_proj.weight", "layers.{i}.feed_forward.w3.weight",
-                1),
-    TorchTensor("layers.w_down", _LAYER + "mlp.down_proj.weight",
-                "layers.{i}.feed_forward.w2.weight", 1),
-)
+def slots(config: ModelConfig, table: dict[str, TorchTensor] = LLAMA) -> list[Slot]:
+    """Every tensor of `config`'s parameter tree, matched with its checkpoint description. A
+    tensor the table has no name for is an error naming the architecture field to blame."""
+    offsets = np.cumsum([0] + [g.n_layers for g in layer_groups(config)])
+    out = []
+    for tree_path, spec in flat_paths(param_specs(config)).items():
+        parts = tree_path.split("/")
+        stacked = parts[0] == "groups"
+        key = "/".join(parts[2:]) if stacked else tree_path
+        if key not in table:
+            raise CheckpointError(
+                f"tensor {tree_path} has no name in this checkpoint format: the format stores "
+                f"LLaMA-architecture models (norm={config.norm!r}, mlp={config.mlp!r}, "
+                f"positions={config.positions!r}, bias={config.bias} is not one)")
+        layers = (range(offsets[int(parts[1])], offsets[int(parts[1]) + 1]) if stacked
+                  else range(0))
+        out.append(Slot(tree_path, table[key], spec, layers))
+    return out
 
 
-def our_shape(config: ModelConfig, tensor: TorchTensor) -> tuple[int, ...] | None:
-    """Shape of one layer's slice of the leaf (None: the leaf does not exist, e.g. tied head)."""
-    spec = _get(param_specs(config), tensor.leaf)
-    if spec is None:
-        return None
-    shape = spec.shape(config)
-    return shape[1:] if tensor.per_layer else shape
-
-
-def torch_shape(config: ModelConfig, tensor: TorchTensor) -> tuple[int, ...]:
-    shape = our_shape(config, tensor)
-    if not tensor.linear_in_axes:
+def torch_shape(slot: Slot) -> tuple[int, ...]:
+    shape = slot.shape
+    if not slot.tensor.linear_in_axes:
         return shape
-    k = tensor.linear_in_axes
+    k = slot.tensor.linear_in_axes
     return (math.prod(shape[k:]), math.prod(shape[:k]))
 
 
@@ -89,17 +113,19 @@ def half_to_interleaved(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, rows // heads // 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols)
 
 
-def from_torch(config: ModelConfig, tensor: TorchTensor, w: np.ndarray, meta: bool) -> np.ndarray:
+def from_torch(config: ModelConfig, slot: Slot, w: np.ndarray, meta: bool) -> np.ndarray:
     """One checkpoint tensor (torch layout) → our layout for that leaf (one layer's slice)."""
+    tensor = slot.tensor
     if meta and tensor.rope_heads:
         w = interleaved_to_half(w, getattr(config, tensor.rope_heads))
     if tensor.linear_in_axes:
         w = w.T
-    return w.reshape(our_shape(config, tensor))
+    return w.reshape(slot.shape)
 
 
-def to_torch(config: ModelConfig, tensor: TorchTensor, a: np.ndarray, meta: bool) -> np.ndarray:
+def to_torch(config: ModelConfig, slot: Slot, a: np.ndarray, meta: bool) -> np.ndarray:
     """Inverse of `from_torch`: our slice → a contiguous tensor in HF (or Meta) layout."""
+    tensor = slot.tensor
     if tensor.linear_in_axes:
         a = a.reshape(math.prod(a.shape[:tensor.linear_in_axes]), -1).T
     if meta and tensor.rope_heads:
@@ -107,7 +133,13 @@ def to_torch(config: ModelConfig, tensor: TorchTensor, a: np.ndarray, meta: bool
     return np.ascontiguousarray(a)
 
 
-Reader = Callable[[TorchTensor, "int | None"], np.ndarray]
+def names(slot: Slot, meta: bool = False) -> list[str]:
+    """The checkpoint name(s) of a slot: one per layer for stacked leaves."""
+    name = slot.tensor.meta if meta else slot.tensor.hf
+    return [name.format(i=i) for i in slot.layers] if slot.layers else [name]
+
+
+Reader = Callable[[Slot, "int | None"], np.ndarray]
 
 
 Placement = Callable[[ModelConfig], "Params | None"]  # config -> a sharding per leaf, or None
@@ -115,42 +147,43 @@ Placement = Callable[[ModelConfig], "Params | None"]  # config -> a sharding per
 
 def assemble(config: ModelConfig, read: Reader, dtype: np.dtype, meta: bool,
              placement: Placement | None = None) -> Params:
-    """Builds Params leaf by leaf from `read(tensor, layer)` (torch layout, shape-checked by the
-    reader). Each stacked leaf is filled layer by layer in `dtype` and moved to the devices —
-    straight into its target sharding when `placement` gives one, each device receiving only
-    its shard — before the next is read, so host memory holds one leaf at a time."""
-    shardings = placement(config) if placement else None
+    """Builds the parameter tree leaf by leaf from `read(slot, layer)` (torch layout,
+    shape-checked by the reader). Each stacked leaf is filled layer by layer in `dtype` and
+    moved to the devices — straight into its target sharding when `placement` gives one, each
+    device receiving only its shard — before the next is read, so host memory holds one leaf
+    at a time."""
+    shardings = flat_paths(placement(config)) if placement else {}
     leaves = {}
-    for tensor in TENSORS:
-        shape = our_shape(config, tensor)
-        if shape is None:
-            continue
-        if tensor.per_layer:
-            out = np.empty((config.n_layers, *shape), dtype)
-            for i in range(config.n_layers):
-                out[i] = from_torch(config, tensor, read(tensor, i), meta)
+    for slot in slots(config):
+        if slot.layers:
+            out = np.empty(slot.spec.shape, dtype)
+            for j, i in enumerate(slot.layers):
+                out[j] = from_torch(config, slot, read(slot, i), meta)
         else:
-            out = from_torch(config, tensor, read(tensor, None), meta).astype(dtype)
-        leaves[tensor.leaf] = jax.device_put(
-            out, _get(shardings, tensor.leaf) if shardings is not None else None)
+            out = from_torch(config, slot, read(slot, None), meta).astype(dtype)
+        leaves[slot.tree_path] = jax.device_put(out, shardings.get(slot.tree_path))
         del out
-    layers = {k.split(".", 1)[1]: v for k, v in leaves.items() if k.startswith("layers.")}
-    return Params(embed=leaves["embed"], layers=LayerParams(**layers),
-                  final_norm=leaves["final_norm"], lm_head=leaves.get("lm_head"))
+    return unflatten(config, leaves)
 
 
-def torch_tensors(config: ModelConfig, params: Params, meta: bool = False):
+def unflatten(config: ModelConfig, leaves: dict[str, jax.Array]) -> Params:
+    """The parameter tree of `config` from its leaves by path."""
+    specs = param_specs(config)
+    treedef = jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, TensorSpec))
+    return jax.tree.unflatten(treedef, [leaves[path] for path in flat_paths(specs)])
+
+
+def torch_tensors(config: ModelConfig, params: Params, meta: bool = False
+                  ) -> Iterator[tuple[str, np.ndarray]]:
     """Yields (name, tensor) in torch layout for every weight, one at a time (for writers)."""
-    for tensor in TENSORS:
-        leaf = _get(params, tensor.leaf)
-        if leaf is None:
-            continue
-        name = tensor.meta if meta else tensor.hf
-        if tensor.per_layer:
-            for i in range(config.n_layers):
-                yield name.format(i=i), to_torch(config, tensor, np.asarray(leaf[i]), meta)
+    leaves = flat_paths(params)
+    for slot in slots(config):
+        leaf = leaves[slot.tree_path]
+        if slot.layers:
+            for j, name in enumerate(names(slot, meta)):
+                yield name, to_torch(config, slot, np.asarray(leaf[j]), meta)
         else:
-            yield name, to_torch(config, tensor, np.asarray(leaf), meta)
+            yield names(slot, meta)[0], to_torch(config, slot, np.asarray(leaf), meta)
 
 
 def placed_target(config: ModelConfig, placement: Placement | None) -> Params:
@@ -166,10 +199,4 @@ def placed_target(config: ModelConfig, placement: Placement | None) -> Params:
 
 def with_dtype(config: ModelConfig, dtype: str) -> ModelConfig:
     """The loaded model's config: parameters stored and computed in `dtype`."""
-    return dataclasses.replace(config, param_dtype=dtype, compute_dtype=dtype)
-
-
-def _get(tree, path: str):
-    for part in path.split("."):
-        tree = getattr(tree, part)
-    return tree
+    return config.with_execution(param_dtype=dtype, compute_dtype=dtype)

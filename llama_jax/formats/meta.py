@@ -21,7 +21,7 @@ import numpy as np
 
 from llama_jax.config import ConfigError, ModelConfig, RopeScaling
 from llama_jax.formats import CheckpointError
-from llama_jax.formats.layout import Placement, TorchTensor, assemble, torch_shape, with_dtype
+from llama_jax.formats.layout import Placement, Slot, assemble, torch_shape, with_dtype
 from llama_jax.params import Params
 
 PARAMS = "params.json"
@@ -34,7 +34,7 @@ def is_meta(path: Path) -> bool:
     return (path / PARAMS).is_file() and any(path.glob(SHARDS))
 
 
-def _open_shards(path: Path) -> list[dict]:
+def open_shards(path: Path) -> list[dict]:
     try:
         import torch
     except ImportError:
@@ -98,7 +98,7 @@ def _vocab_size(shards: list[dict], dim: int | None) -> int:
     return sum(p[0] for p in parts) if parts[0][1] == dim else parts[0][0]
 
 
-def _gather(shards: list[dict], name: str, expected: tuple[int, ...], path: Path) -> np.ndarray:
+def gather(shards: list[dict], name: str, expected: tuple[int, ...], path: Path) -> np.ndarray:
     """Concatenates one tensor's model-parallel slices along the axis they split."""
     parts = [s.get(name) for s in shards]
     if any(p is None for p in parts):
@@ -122,7 +122,7 @@ def _numpy(t) -> np.ndarray:
 
 def load(path: Path, dtype: str | None,
          placement: Placement | None = None) -> tuple[ModelConfig, Params]:
-    shards = _open_shards(path)
+    shards = open_shards(path)
     config = read_config(path, shards)
     stored = _TORCH_DTYPES.get(str(shards[0]["tok_embeddings.weight"].dtype), "float32") \
         if "tok_embeddings.weight" in shards[0] else "float32"
@@ -131,12 +131,12 @@ def load(path: Path, dtype: str | None,
     # already read, so resident memory holds the weights once, not the weights plus the files.
     opened = {"leaf": None, "shards": shards}
 
-    def read(tensor: TorchTensor, layer: int | None) -> np.ndarray:
-        if opened["leaf"] not in (None, tensor.leaf):
+    def read(slot: Slot, layer: int | None) -> np.ndarray:
+        if opened["leaf"] not in (None, slot.tree_path):
             opened["shards"] = None
-            opened["shards"] = _open_shards(path)
-        opened["leaf"] = tensor.leaf
-        return _gather(opened["shards"], tensor.meta.format(i=layer), torch_shape(config, tensor),
+            opened["shards"] = open_shards(path)
+        opened["leaf"] = slot.tree_path
+        return gather(opened["shards"], slot.tensor.meta.format(i=layer), torch_shape(slot),
                        path)
 
     del shards

@@ -1,20 +1,20 @@
 """llama_jax's own checkpoint: `config.yaml` (the model section) + `params/` (an orbax
-checkpoint of the Params pytree). Orbax restores straight into the requested dtype (and, with
-target shardings, onto any mesh)."""
+checkpoint of the parameter tree). Orbax restores straight into the requested dtype (and, with
+target shardings, onto any mesh). Checkpoints in the layout before the component tree load
+through formats/legacy.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import jax
 import orbax.checkpoint as ocp
 import yaml
 
 from llama_jax.config import ConfigError, ModelConfig, load_model_config
-from llama_jax.costs import abstract_params
 from llama_jax.formats import CheckpointError
 from llama_jax.formats.layout import Placement, placed_target, with_dtype
-from llama_jax.params import Params
+from llama_jax.formats.legacy import from_legacy, is_legacy, legacy_target
+from llama_jax.params import Params, flat_paths
 
 CONFIG = "config.yaml"
 PARAMS = "params"
@@ -44,17 +44,16 @@ def load(path: Path, dtype: str | None,
         stored = checkpointer.metadata(params_dir).item_metadata.tree
     except Exception as e:  # orbax raises several types for missing or corrupt metadata
         raise CheckpointError(f"{params_dir}: not a readable orbax checkpoint: {e}") from None
-    config = with_dtype(config, dtype or str(stored["embed"].dtype))
-    target = abstract_params(config)
-    expected = jax.tree.map(lambda a: tuple(a.shape), target)
-    found = jax.tree.map(lambda m: tuple(m.shape), Params(**_as_params_tree(stored)))
-    if jax.tree.structure(expected) != jax.tree.structure(found) or expected != found:
-        raise CheckpointError(f"{params_dir}: stored shapes {found} do not match "
-                              f"{path / CONFIG} {expected}")
-    return config, checkpointer.restore(params_dir, placed_target(config, placement))
-
-
-def _as_params_tree(stored: dict) -> dict:
-    from llama_jax.params import LayerParams
-
-    return {**stored, "layers": LayerParams(**stored["layers"]), "lm_head": stored.get("lm_head")}
+    old = is_legacy(stored)
+    first = flat_paths(stored)["embed" if old else "embed/table"]
+    config = with_dtype(config, dtype or str(first.dtype))
+    target = placed_target(config, placement)
+    if old:  # written before the component tree: restore, then move leaves to their paths
+        target = legacy_target(target)
+    expected = {k: tuple(a.shape) for k, a in flat_paths(target).items()}
+    found = {k: tuple(m.shape) for k, m in flat_paths(stored).items()}
+    if expected != found:
+        raise CheckpointError(f"{params_dir}: stored tensors {found} do not match the model of "
+                              f"{path / CONFIG}: {expected}")
+    restored = checkpointer.restore(params_dir, target)
+    return config, from_legacy(config, restored) if old else restored

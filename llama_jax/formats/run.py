@@ -9,6 +9,7 @@ from llama_jax import workdir
 from llama_jax.config import ConfigError, ModelConfig, TrainConfig, load_model_config
 from llama_jax.formats import CheckpointError
 from llama_jax.formats.layout import Placement, placed_target, with_dtype
+from llama_jax.formats.legacy import from_legacy, is_legacy, legacy_target
 from llama_jax.params import Params
 
 
@@ -27,8 +28,12 @@ def load(path: Path, dtype: str | None,
     if step is None:
         raise CheckpointError(f"{path}: a training run without a complete checkpoint yet")
     config = with_dtype(config, dtype or config.param_dtype)
+    target = placed_target(config, placement)
     try:  # onto the placement, whatever mesh the run was saved from
-        params = checkpoints.restore_params(step, placed_target(config, placement))
+        if is_legacy(checkpoints.stored_params(step)):  # the layout before the component tree
+            params = from_legacy(config, checkpoints.restore_params(step, legacy_target(target)))
+        else:
+            params = checkpoints.restore_params(step, target)
     except (ValueError, KeyError) as e:  # orbax: stored tree or shapes differ from the config
         raise CheckpointError(f"{path}: checkpoint {step} does not match its config.yaml: "
                               f"{e}") from None

@@ -65,9 +65,15 @@ def _turn_chunks(inv_freq: np.ndarray) -> np.ndarray:
 
 def rope_cos_sin(config: ModelConfig, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
     """cos and sin of the rotation angles, fp32 `[B, T, H/2]`, for integer positions."""
-    chunks = jnp.asarray(_turn_chunks(inverse_frequencies(config)))
+    return cos_sin(inverse_frequencies(config), positions_BT)
+
+
+def cos_sin(inv_freq: np.ndarray, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of the angles `position · inv_freq`, fp32 `[B, T, len(inv_freq)]`, accurate
+    to ~1e-7 rad for integer positions below 2^18 (see the module docstring)."""
+    chunks = jnp.asarray(_turn_chunks(inv_freq))
     pos_BT1 = positions_BT.astype(jnp.float32)[..., None]  # exact below 2^24
-    turns_BTh = jnp.zeros(positions_BT.shape + (config.head_dim // 2,), jnp.float32)
+    turns_BTh = jnp.zeros(positions_BT.shape + (len(inv_freq),), jnp.float32)
     for chunk in chunks:
         part = pos_BT1 * chunk  # exact for the fixed-point chunks (positions < 2^18)
         turns_BTh = turns_BTh + (part - jnp.round(part))

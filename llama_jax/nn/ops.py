@@ -1,8 +1,6 @@
-"""Pointwise and matmul building blocks: RMSNorm, SwiGLU and a mixed-precision einsum.
+"""Matmul building blocks: a mixed-precision einsum and the dense projection every component uses.
 
-Numerics follow Meta's reference `model.py`: norm statistics in fp32, the normalised activations
-cast back to the compute dtype before the gain is applied; matmuls accumulate in fp32
-(`preferred_element_type`) whatever the compute dtype.
+Matmuls accumulate in fp32 (`preferred_element_type`) whatever the compute dtype.
 """
 
 from __future__ import annotations
@@ -42,18 +40,3 @@ def dense(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
     w_KN = w.astype(x.dtype).reshape(contracted, -1)
     y = einsum_f32("MK,KN->MN", x.reshape(-1, contracted), w_KN)
     return y.reshape(*rows, *w.shape[n_in:]).astype(x.dtype)
-
-
-def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
-    """`x / sqrt(mean(x²) + eps) * gain` over the last axis; statistics in fp32, no mean, no bias."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return normed.astype(x.dtype) * gain.astype(x.dtype)
-
-
-def swiglu(x_BTD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array,
-           w_down_FD: jax.Array) -> jax.Array:
-    """`down(silu(gate(x)) * up(x))` (Shazeer 2020, as in LLaMA)."""
-    gate_BTF = dense("BTD,DF->BTF", x_BTD, w_gate_DF)
-    up_BTF = dense("BTD,DF->BTF", x_BTD, w_up_DF)
-    return dense("BTF,FD->BTD", jax.nn.silu(gate_BTF) * up_BTF, w_down_FD)

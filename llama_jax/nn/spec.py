@@ -1,0 +1,77 @@
+"""`TensorSpec`: one parameter described once — shape (with its dimension letters), logical axes,
+initialiser and whether weight decay applies. Everything about parameters is derived from trees
+of these: initialisation, abstract shapes, shardings, the weight-decay mask, parameter counts,
+memory plans and checkpoint layouts.
+
+Dimension letters: V vocab, D model width, F MLP width, N query heads, K KV heads, H head dim,
+P position-table rows (max_seq_len), L layers of a group. Logical axis names are what the
+sharding rules map to mesh axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+INITS = ("normal", "ones", "zeros")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One parameter tensor."""
+
+    letters: str  # dimension letters, one per axis ("DNH")
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]  # logical axis names, one per axis
+    init: str = "normal"  # normal: N(0, (init_std * scale)^2); ones; zeros
+    scale: float = 1.0
+    decay: bool = True  # AdamW weight decay applies (not to norm gains and biases)
+
+    def __post_init__(self):
+        assert len(self.letters) == len(self.shape) == len(self.axes), self
+        assert self.init in INITS, self.init
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def stacked(self, n_layers: int) -> "TensorSpec":
+        """The same tensor for `n_layers` layers, stacked along a leading L axis."""
+        return dataclasses.replace(self, letters="L" + self.letters, shape=(n_layers, *self.shape),
+                                   axes=("layers", *self.axes))
+
+
+def weight(dims: dict[str, int], letters: str, axes: tuple[str, ...], scale: float = 1.0,
+           ) -> TensorSpec:
+    """A matrix (or table) initialised N(0, (init_std * scale)^2), decayed."""
+    return TensorSpec(letters, tuple(dims[c] for c in letters), axes, "normal", scale)
+
+
+def gain(dims: dict[str, int], letters: str, axes: tuple[str, ...]) -> TensorSpec:
+    """A multiplicative gain, initialised to one, not decayed."""
+    return TensorSpec(letters, tuple(dims[c] for c in letters), axes, "ones", decay=False)
+
+
+def bias(dims: dict[str, int], letters: str, axes: tuple[str, ...]) -> TensorSpec:
+    """An additive bias, initialised to zero, not decayed."""
+    return TensorSpec(letters, tuple(dims[c] for c in letters), axes, "zeros", decay=False)
+
+
+def is_spec(x) -> bool:
+    return isinstance(x, TensorSpec)
+
+
+def spec_leaves(specs) -> list[TensorSpec]:
+    return jax.tree.leaves(specs, is_leaf=is_spec)
+
+
+def map_specs(fn, specs):
+    """`jax.tree.map` over a tree of TensorSpecs (empty subtrees stay empty)."""
+    return jax.tree.map(fn, specs, is_leaf=is_spec)
+
+
+def count(specs) -> int:
+    """Total number of parameters described by a tree of TensorSpecs."""
+    return sum(s.size for s in spec_leaves(specs))
