@@ -4,6 +4,8 @@ per-row loops."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -19,10 +21,6 @@ def rms_norm(x, g, eps):
 
 def silu(x):
     return x / (1 + np.exp(-x))
-
-
-def swiglu(x, w_gate, w_up, w_down):
-    return (silu(x @ w_gate) * (x @ w_up)) @ w_down
 
 
 def meta_inv_freq(config):
@@ -88,34 +86,108 @@ def causal_mask(T, segments_BT=None, B=1):
     return mask
 
 
+def layer_norm(x, g, b, eps):
+    """Ba et al. 2016: (x - mean) / sqrt(var + eps) · g + b."""
+    x = np.asarray(x, np.float64)
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * np.asarray(g, np.float64) + np.asarray(b, np.float64)
+
+
+def gelu_erf(x):
+    """Hendrycks & Gimpel 2016: x · Φ(x), Φ the standard normal CDF."""
+    return 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+
+
+def gelu_tanh(x):
+    """Their tanh approximation (GPT-2's gelu_new)."""
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+ACTIVATIONS = {"swiglu": silu, "geglu": gelu_erf, "gelu": gelu_erf, "gelu_tanh": gelu_tanh,
+               "relu": lambda x: np.maximum(x, 0.0)}
+
+
+def sinusoids(positions_BT, dim):
+    """Vaswani et al. 2017: PE[p, 2i] = sin(p / 10000^(2i/D)), PE[p, 2i+1] = cos(...)."""
+    pe = np.zeros((*np.shape(positions_BT), dim))
+    p = np.asarray(positions_BT, np.float64)[..., None]
+    i = np.arange(0, dim, 2)
+    pe[..., 0::2] = np.sin(p / 10000.0 ** (i / dim))
+    pe[..., 1::2] = np.cos(p / 10000.0 ** (i / dim))[..., :dim // 2]
+    return pe
+
+
 def forward(config, params, tokens_BT, positions_BT=None, segments_BT=None):
-    """The whole model in float64, RoPE in Meta's interleaved layout on permuted q/k."""
-    p = {k: np.asarray(v, np.float64) for k, v in _flat(params).items()}
+    """The whole model in float64 from the papers' formulas, for every component kind. RoPE
+    is Meta's interleaved complex form on q/k whose features are permuted to that layout."""
+    p = {k: np.asarray(v, np.float64) for k, v in params_flat(params).items()}
     tokens = np.asarray(tokens_BT)
     B, T = tokens.shape
     positions = np.broadcast_to(np.arange(T), (B, T)) if positions_BT is None else positions_BT
     mask = causal_mask(T, segments_BT, B)
-    inv_freq = meta_inv_freq(config)
-    x = p["embed"][tokens]
+
+    def norm(x, name, i=None):
+        pick = (lambda a: a) if i is None else (lambda a: a[i])
+        if config.norm == "layernorm":
+            return layer_norm(x, pick(p[name + "/scale"]), pick(p[name + "/bias"]),
+                              config.norm_eps)
+        return rms_norm(x, pick(p[name + "/scale"]), config.norm_eps)
+
+    def proj(x, equation, w, b, i):
+        y = np.einsum(equation, x, p[w][i])
+        return y + p[b][i] if b in p else y
+
+    def rotate(x):
+        if config.positions != "rope":
+            return x
+        return rope_meta(to_interleaved(x), positions, meta_inv_freq(config))
+
+    x = p["embed/table"][tokens]
+    if config.positions == "sinusoidal":
+        x = x + sinusoids(positions, config.dim)
+    elif config.positions == "learned":
+        x = x + p["positions/table"][positions]
+    act = ACTIVATIONS[config.mlp]
+    pre = config.norm_position == "pre"
     for i in range(config.n_layers):
-        h = rms_norm(x, p["attn_norm"][i], config.norm_eps)
-        q = to_interleaved(np.einsum("btd,dnh->btnh", h, p["wq"][i]))
-        k = to_interleaved(np.einsum("btd,dkh->btkh", h, p["wk"][i]))
-        v = np.einsum("btd,dkh->btkh", h, p["wv"][i])
-        q, k = rope_meta(q, positions, inv_freq), rope_meta(k, positions, inv_freq)
-        x = x + np.einsum("btnh,nhd->btd", attention(q, k, v, mask), p["wo"][i])
-        h = rms_norm(x, p["ffn_norm"][i], config.norm_eps)
-        x = x + swiglu(h, p["w_gate"][i], p["w_up"][i], p["w_down"][i])
-    x = rms_norm(x, p["final_norm"], config.norm_eps)
-    head = p["embed"].T if config.tie_embeddings else p["lm_head"]
+        h = norm(x, "attn_norm", i) if pre else x
+        q = rotate(proj(h, "btd,dnh->btnh", "attn/wq", "attn/bq", i))
+        k = rotate(proj(h, "btd,dkh->btkh", "attn/wk", "attn/bk", i))
+        v = proj(h, "btd,dkh->btkh", "attn/wv", "attn/bv", i)
+        x = x + proj(attention(q, k, v, mask), "btnh,nhd->btd", "attn/wo", "attn/bo", i)
+        if not pre:
+            x = norm(x, "attn_norm", i)
+        h = norm(x, "mlp_norm", i) if pre else x
+        up = proj(h, "btd,df->btf", "mlp/w_up", "mlp/b_up", i)
+        if config.mlp in ("swiglu", "geglu"):
+            hidden = act(proj(h, "btd,df->btf", "mlp/w_gate", "mlp/b_gate", i)) * up
+        else:
+            hidden = act(up)
+        x = x + proj(hidden, "btf,fd->btd", "mlp/w_down", "mlp/b_down", i)
+        if not pre:
+            x = norm(x, "mlp_norm", i)
+    if pre:
+        x = norm(x, "final_norm")
+    head = p["embed/table"].T if config.tie_embeddings else p["lm_head/w"]
     return x @ head
 
 
-def _flat(params):
-    block = params["groups"][0]
-    out = {"attn_norm": block["attn_norm"]["scale"], "ffn_norm": block["mlp_norm"]["scale"],
-           **block["attn"], **block["mlp"], "embed": params["embed"]["table"],
-           "final_norm": params["final_norm"]["scale"]}
-    if "lm_head" in params:
-        out["lm_head"] = params["lm_head"]["w"]
+def params_flat(params):
+    """The parameter tree as {"attn/wq": [L, ...], "embed/table": ..., ...} (one layer group)."""
+    out = {}
+    for path, leaf in _paths(params):
+        parts = path.split("/")
+        out["/".join(parts[2:]) if parts[0] == "groups" else path] = leaf
     return out
+
+
+def _paths(tree, prefix=""):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _paths(value, f"{prefix}{key}/")
+    elif isinstance(tree, (tuple, list)):
+        for i, value in enumerate(tree):
+            yield from _paths(value, f"{prefix}{i}/")
+    else:
+        yield prefix[:-1], tree

@@ -311,3 +311,83 @@ def test_cli_reports_bad_input_in_one_line(tmp_path):
         f"error: {REPO / 'configs' / 'tiny.yaml'}: train: unknown key 'learnig_rate' "
         "(did you mean 'learning_rate'?); known keys: " + ", ".join(
             f.name for f in dataclasses.fields(TrainConfig))]
+
+
+def test_loss_on_packed_documents_with_z_loss_matches_an_independent_cross_entropy():
+    """The training loss (packed documents, a scored-target mask, z-loss) against a float64
+    cross-entropy computed from the model's plain logits, document by document."""
+    from llama_jax.training import loss_sums
+    import reference as ref
+
+    params = llama_jax_init(MODEL)
+    window = np.asarray(_batch(4, batch=2, length=33))
+    total, (ce_sum, count) = jax.jit(loss_sums, static_argnums=(0, 3, 4))(
+        MODEL, params, window, 1, 1e-2)
+    want_ce, want_z, n = 0.0, 0.0, 0
+    for row in window:
+        starts = [i for i, t in enumerate(row[:-1]) if t == 1] + [len(row) - 1]
+        for begin, end in zip(starts, starts[1:]):  # each document alone, from its BOS
+            doc = row[begin:end + 1]
+            logits = ref.forward(MODEL, params, doc[None, :-1])[0]
+            log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+            for t, target in enumerate(doc[1:]):
+                if target == 1:  # the next document's BOS is not a target
+                    continue
+                want_ce += log_z[t] - logits[t, target]
+                want_z += log_z[t] ** 2
+                n += 1
+    assert int(count) == n
+    assert float(ce_sum) == pytest.approx(want_ce, rel=1e-5)
+    assert float(total) == pytest.approx(want_ce + 1e-2 * want_z, rel=1e-5)
+
+
+def llama_jax_init(model):
+    from llama_jax import init_params
+    return init_params(model, jax.random.key(5))
+
+
+def test_a_workdir_from_the_flat_layout_loads_and_refuses_to_resume(run, straight, tmp_path):
+    """Checkpoints written before the component tree (a flat `layers` tree of LLaMA tensors):
+    load_checkpoint migrates them; resuming training is refused with one clear message."""
+    import orbax.checkpoint as ocp
+    from llama_jax.formats.legacy import PATHS
+    from llama_jax.params import flat_paths
+
+    old = tmp_path / "old"
+    shutil.copytree(straight, old)
+    params = _final_params(straight)
+    leaves = flat_paths(params)
+    legacy = {"layers": {}}
+    for old_path, new_path in PATHS.items():
+        if new_path in leaves:
+            *parents, name = old_path.split("/")
+            (legacy["layers"] if parents else legacy)[name] = np.asarray(leaves[new_path])
+    params_dir = (old / run_dir.CHECKPOINTS / "6" / "params").absolute()
+    shutil.rmtree(params_dir)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(params_dir, legacy)
+    checkpointer.wait_until_finished()
+    _, loaded = load_checkpoint(old)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    longer = dataclasses.replace(run, train=dataclasses.replace(TRAIN, steps=8))
+    with pytest.raises(trainer.TrainingError, match=r"written by llama_jax 0\.1 .* its weights "
+                                                    r"load .*`python -m llama_jax\.convert"):
+        quiet(longer, old)
+
+
+def test_the_transformer_recipe_trains_with_train_py(corpus_dir, tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--config", "transformer", "--workdir",
+         str(tmp_path / "w"), "--corpus", str(corpus_dir), "--steps", "4", "--no-progress",
+         "--set", "model.vocab_size=512", "--set", "model.dim=32", "--set", "model.n_layers=2",
+         "--set", "model.ffn_dim=64", "--set", "train.batch_size=8", "--set",
+         "train.seq_len=32", "--set", "train.eval_every=4", "--set", "train.eval_batches=1",
+         "--set", "train.warmup_steps=1"],
+        capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stderr
+    config, params = load_checkpoint(tmp_path / "w")
+    assert (config.norm_position, config.positions, config.mlp) == ("post", "sinusoidal", "relu")
+    assert "final_norm" not in params and "b_up" in params["groups"][0]["mlp"]
+    losses = [r["loss"] for r in metrics.read(tmp_path / "w" / run_dir.METRICS)]
+    assert len(losses) == 4 and all(np.isfinite(losses))
