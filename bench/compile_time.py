@@ -3,8 +3,9 @@
     python bench/compile_time.py [--layers 4 16 64] [--repeats 3] [--unrolled]
 
 Each measurement runs in a fresh process (a cold JAX cache): trace + lower + XLA compile of
-`jax.jit(forward)`, of a training step (loss, grad, optax AdamW update) and of the decoder's
-prefill + decode executables, on abstract inputs so no weights are allocated. Width: D=512,
+`jax.jit(forward)` and of a training step (loss, grad, optax AdamW update) on abstract inputs
+(no weights allocated), and of the decoder's prefill + decode executables under both decode
+implementations (as `generate` reports them). Width: D=512,
 N=8, K=4, F=1536, V=8192, batch 8, seq 256 (the shape of the other benchmarks). Prints medians
 over `--repeats` processes and the ratio to the shallowest depth; `--unrolled` adds the same
 with `scan_layers=False` for contrast.
@@ -57,34 +58,24 @@ def measure(n_layers: int, scan: bool) -> dict[str, float]:
 
     result = {"forward": compile_seconds(forward, params, tokens),
               "train_step": compile_seconds(train_step, params, opt_state, tokens)}
-    if scan:  # the decoder is the same for both layouts (on CPU it always unrolls)
-        result["decode"] = decode_compile_seconds(config, params)
+    if scan:  # the decoder does not depend on scan_layers
+        for impl in ("scan", "unrolled"):
+            result[f"decode_{impl}"] = decode_compile_seconds(config, impl)
     return result
 
 
-def decode_compile_seconds(config, params) -> float:
-    """Prefill + decode executables of `generate` for batch 1, a 128-token prompt bucket and 128
-    new tokens, through the same AOT path generate uses."""
+def decode_compile_seconds(config, decode_impl: str) -> float:
+    """Prefill + decode compile seconds of `generate` (batch 1, a 128-token prompt, 128 new
+    tokens) under one decode implementation, as its own stats report them."""
     import jax
-    import numpy as np
 
-    from llama_jax import decoder
-    from llama_jax.sampling import SamplingParams, Strategy
+    import llama_jax
+    from llama_jax.decoder import GenerationStats
 
-    stats = decoder.GenerationStats()
-    greedy = Strategy(draw=False, sort=False)
-    layers = jax.eval_shape(decoder._decoder_params, params) if jax.default_backend() == "cpu" \
-        else params
-    B, T, N = 1, 128, 128
-    args = (config, layers, np.zeros((B, T), np.int32), np.zeros((B,), np.int32),
-            np.ones((B,), bool), np.full((B, 1), -1, np.int32), SamplingParams.broadcast(B),
-            np.int32(N), jax.random.key(0))
-    decoder._compiled(decoder._prefill, stats, *args, cache_len=T + N, n_out=N,
-                      cache_dtype="bfloat16", strategy=greedy)
-    state = jax.eval_shape(lambda *a: decoder._prefill(config, *a, cache_len=T + N, n_out=N,
-                                                       cache_dtype="bfloat16", strategy=greedy),
-                           *args[1:])
-    decoder._compiled(decoder._decode, stats, config, layers, state, np.int32(N), strategy=greedy)
+    params = llama_jax.init_params(config, jax.random.key(0))
+    stats = GenerationStats()
+    llama_jax.generate(config, params, [[1] * 128], 128, stop_tokens=[], decode_impl=decode_impl,
+                       stats=stats)
     return stats.compile_s
 
 
@@ -101,8 +92,8 @@ def main() -> None:
 
     print(f"width {WIDTH}, batch {BATCH}, seq {SEQ}; median of {args.repeats} cold processes")
     print("| layers | layout | forward compile s | train step compile s | forward / shallowest "
-          "| train / shallowest | decode (prefill+decode) compile s |")
-    print("|---|---|---|---|---|---|---|")
+          "| train / shallowest | decode compile s, scan | decode compile s, unrolled |")
+    print("|---|---|---|---|---|---|---|---|")
     for scan in [True, False] if args.unrolled else [True]:
         base = None
         for n_layers in args.layers:
@@ -110,10 +101,12 @@ def main() -> None:
                     for _ in range(args.repeats)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             base = base or med
-            decode = f"{med['decode']:.2f}" if "decode" in med else "-"
+            decode = [f"{med[k]:.2f}" if k in med else "-"
+                      for k in ("decode_scan", "decode_unrolled")]
             print(f"| {n_layers} | {'scan' if scan else 'unrolled'} | {med['forward']:.2f} | "
                   f"{med['train_step']:.2f} | {med['forward'] / base['forward']:.2f}x | "
-                  f"{med['train_step'] / base['train_step']:.2f}x | {decode} |", flush=True)
+                  f"{med['train_step'] / base['train_step']:.2f}x | {' | '.join(decode)} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,14 @@ and against the memory-bandwidth floor measured in the same run.
 
     python bench/decode.py [--rounds 3] [--repeats 3] [--batches 1 8]
                            [--cases float32/float32 float32/bfloat16 bfloat16/bfloat16]
+                           [--impls unrolled scan]
 
 Same model for both (D=512, L=8, N=8, K=4, F=1536, V=8192, random weights, exported once from
 llama_jax to a HF directory), a 128-token random prompt per row, 128 new tokens, greedy, no early
-stop. Runs alternate between the two implementations and the bandwidth probe so they share the
-machine's noise; medians are reported.
+stop. Ours runs under each decode implementation (`--impls`: the unrolled loop over per-layer
+weights that "auto" picks on CPU, and the lax.scan over stacked weights of accelerators). Runs
+alternate between the implementations and the bandwidth probe so they share the machine's
+noise; medians are reported.
 
 - tokens/s: B·128 new tokens / wall time of the whole call (prefill included, compile excluded).
 - step ms: our decode time per step after the first token.
@@ -33,6 +36,7 @@ import numpy as np
 import llama_jax
 from llama_jax import costs
 from llama_jax.decoder import GenerationStats, generate
+from llama_jax.hardware import bandwidth_probe
 
 from common import BENCH_MODEL, run_child
 
@@ -42,19 +46,6 @@ PROMPT, NEW = 128, 128
 WARMUP_RUNS = 3
 
 
-def bandwidth_probe():
-    data = jnp.ones((256 * 1024 * 1024,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    total(data).block_until_ready()
-
-    def measure() -> float:
-        start = time.perf_counter()
-        total(data).block_until_ready()
-        return data.nbytes / (time.perf_counter() - start)
-
-    return measure
-
-
 def floor_seconds(config, weight_dtype: str, cache_dtype: str, batch: int,
                   bandwidth: float) -> float:
     weights = costs.decode_bytes_per_step(config, batch, 0, weight_dtype)
@@ -62,7 +53,7 @@ def floor_seconds(config, weight_dtype: str, cache_dtype: str, batch: int,
     return (weights + kv) / bandwidth
 
 
-def run_ours(hf_dir: str, case: str, batch: int, repeats: int) -> dict:
+def run_ours(hf_dir: str, case: str, batch: int, repeats: int, impl: str) -> dict:
     dtype, cache_dtype = case.split("/")
     config, params = llama_jax.load_checkpoint(hf_dir, dtype=dtype)
     prompts = np.random.default_rng(batch).integers(0, CONFIG.vocab_size, (batch, PROMPT))
@@ -70,13 +61,13 @@ def run_ours(hf_dir: str, case: str, batch: int, repeats: int) -> dict:
     warm = GenerationStats()
     for _ in range(WARMUP_RUNS):
         generate(config, params, prompts.tolist(), NEW, stop_tokens=[], stats=warm,
-                 cache_dtype=cache_dtype)
+                 cache_dtype=cache_dtype, decode_impl=impl)
     result = {"tokens_per_s": [], "step_s": [], "bandwidth": [], "compile_s": warm.compile_s}
     for _ in range(repeats):
         stats = GenerationStats()
         start = time.perf_counter()
         out = generate(config, params, prompts.tolist(), NEW, stop_tokens=[], stats=stats,
-                       cache_dtype=cache_dtype)
+                       cache_dtype=cache_dtype, decode_impl=impl)
         result["tokens_per_s"].append(batch * NEW / (time.perf_counter() - start))
         result["step_s"].append(stats.decode_s / (NEW - 1))
         result["bandwidth"].append(probe())
@@ -84,7 +75,8 @@ def run_ours(hf_dir: str, case: str, batch: int, repeats: int) -> dict:
     return result
 
 
-def run_transformers(hf_dir: str, case: str, batch: int, repeats: int, threads: int) -> dict:
+def run_transformers(hf_dir: str, case: str, batch: int, repeats: int, impl: str,
+                     threads: int) -> dict:
     import torch
     import transformers
 
@@ -111,8 +103,9 @@ def run_transformers(hf_dir: str, case: str, batch: int, repeats: int, threads: 
     return result
 
 
-def worker(kind: str, hf_dir: str, case: str, batch: int, repeats: int, threads: int) -> dict:
-    return run_child(__file__, "--worker", kind, hf_dir, case, str(batch), str(repeats),
+def worker(kind: str, hf_dir: str, case: str, batch: int, repeats: int, threads: int,
+           impl: str = "-") -> dict:
+    return run_child(__file__, "--worker", kind, hf_dir, case, str(batch), str(repeats), impl,
                      "--threads", str(threads))
 
 
@@ -125,14 +118,16 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=["float32/float32", "float32/bfloat16",
                                                          "bfloat16/bfloat16"],
                         help="weight dtype / our KV-cache dtype")
+    parser.add_argument("--impls", nargs="+", default=["unrolled", "scan"],
+                        help="our decode implementations")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        kind, hf_dir, case, batch, repeats = args.worker
+        kind, hf_dir, case, batch, repeats, impl = args.worker
         run = run_ours if kind == "ours" else functools.partial(run_transformers,
                                                                 threads=args.threads)
-        print(json.dumps(run(hf_dir, case, int(batch), int(repeats))))
+        print(json.dumps(run(hf_dir, case, int(batch), int(repeats), impl)))
         return
 
     hf_dir = str(Path(tempfile.mkdtemp()) / "hf")
@@ -141,28 +136,31 @@ def main() -> None:
           f"V={CONFIG.V}; prompt {PROMPT}, new {NEW}, greedy; torch threads "
           f"{args.threads}; median of {args.rounds} rounds x {args.repeats} runs, each "
           "implementation in its own process")
-    print("| batch | weights / our cache | ours tok/s | transformers tok/s | ratio | ours step ms "
-          "| floor ms | % of floor | bandwidth GB/s | compile s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| batch | weights / our cache | decode impl | ours tok/s | transformers tok/s | ratio "
+          "| ours step ms | floor ms | % of floor | bandwidth GB/s | compile s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for case in args.cases:
         dtype, cache_dtype = case.split("/")
         for batch in args.batches:
-            ours: dict = {"tokens_per_s": [], "step_s": [], "bandwidth": [], "compile_s": []}
+            ours = {impl: {"tokens_per_s": [], "step_s": [], "bandwidth": [], "compile_s": []}
+                    for impl in args.impls}
             hf: list[float] = []
             for _ in range(args.rounds):
-                result = worker("ours", hf_dir, case, batch, args.repeats, args.threads)
-                for key in ("tokens_per_s", "step_s", "bandwidth"):
-                    ours[key] += result[key]
-                ours["compile_s"].append(result["compile_s"])
+                for impl in args.impls:
+                    result = worker("ours", hf_dir, case, batch, args.repeats, args.threads, impl)
+                    for key in ("tokens_per_s", "step_s", "bandwidth"):
+                        ours[impl][key] += result[key]
+                    ours[impl]["compile_s"].append(result["compile_s"])
                 hf += worker("hf", hf_dir, case, batch, args.repeats,
                              args.threads)["tokens_per_s"]
-            med = {k: statistics.median(v) for k, v in ours.items()}
             hf_tps = statistics.median(hf)
-            floor = floor_seconds(CONFIG, dtype, cache_dtype, batch, med["bandwidth"])
-            print(f"| {batch} | {case} | {med['tokens_per_s']:.0f} | {hf_tps:.0f} | "
-                  f"{med['tokens_per_s'] / hf_tps:.2f}x | {med['step_s'] * 1e3:.2f} | "
-                  f"{floor * 1e3:.2f} | {100 * floor / med['step_s']:.0f}% | "
-                  f"{med['bandwidth'] / 1e9:.1f} | {med['compile_s']:.2f} |", flush=True)
+            for impl in args.impls:
+                med = {k: statistics.median(v) for k, v in ours[impl].items()}
+                floor = floor_seconds(CONFIG, dtype, cache_dtype, batch, med["bandwidth"])
+                print(f"| {batch} | {case} | {impl} | {med['tokens_per_s']:.0f} | {hf_tps:.0f} | "
+                      f"{med['tokens_per_s'] / hf_tps:.2f}x | {med['step_s'] * 1e3:.2f} | "
+                      f"{floor * 1e3:.2f} | {100 * floor / med['step_s']:.0f}% | "
+                      f"{med['bandwidth'] / 1e9:.1f} | {med['compile_s']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

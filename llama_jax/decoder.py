@@ -94,12 +94,26 @@ def _emit(state: DecodeState, logits_BV: jax.Array, strategy: Strategy) -> Decod
                          done_B=done_B, step=state.step + 1)
 
 
+def _on(placement: tuple | None):
+    """The mesh and rules the program is traced under (see `sharding.use_mesh`). They are
+    static arguments of the jitted functions, so that jit's own trace cache tells apart the
+    same shapes compiled under different rules."""
+    return sharding.use_mesh(*placement) if placement else contextlib.nullcontext()
+
+
 @functools.partial(jax.jit, static_argnames=("config", "cache_len", "n_out", "cache_dtype",
-                                             "strategy"))
+                                             "strategy", "placement"))
 def _prefill(config: ModelConfig, params: Params, prompts_BT: jax.Array, start_B: jax.Array,
              active_B: jax.Array, stop_BS: jax.Array, sampling: SamplingParams,
              max_new: jax.Array, key: jax.Array, *, cache_len: int, n_out: int,
-             cache_dtype: str, strategy: Strategy) -> DecodeState:
+             cache_dtype: str, strategy: Strategy, placement: tuple | None) -> DecodeState:
+    with _on(placement):
+        return _prefill_state(config, params, prompts_BT, start_B, active_B, stop_BS, sampling,
+                              max_new, key, cache_len, n_out, cache_dtype, strategy)
+
+
+def _prefill_state(config, params, prompts_BT, start_B, active_B, stop_BS, sampling, max_new,
+                   key, cache_len, n_out, cache_dtype, strategy) -> DecodeState:
     B = prompts_BT.shape[0]
     cache = init_cache(config, B, cache_len, cache_dtype, start_B,
                        layout="per_layer" if _unstacked(params) else "stacked")
@@ -112,11 +126,16 @@ def _prefill(config: ModelConfig, params: Params, prompts_BT: jax.Array, start_B
     return _emit(state, lm_head(config, params, h_BTD[:, -1:])[:, 0], strategy)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "strategy"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "strategy", "placement"),
+                   donate_argnames=("state",))
 def _decode(config: ModelConfig, params: Params, state: DecodeState, n_steps: jax.Array, *,
-            strategy: Strategy) -> DecodeState:
+            strategy: Strategy, placement: tuple | None) -> DecodeState:
     """Up to `n_steps` decode steps; stops early when every row is done."""
+    with _on(placement):
+        return _decode_steps(config, params, state, n_steps, strategy)
 
+
+def _decode_steps(config, params, state, n_steps, strategy) -> DecodeState:
     def keep_going(carry):
         i, st = carry
         return (i < n_steps) & ~jnp.all(st.done_B)
@@ -170,18 +189,16 @@ def _compiled(fn, stats: GenerationStats, mesh_config: MeshConfig | None, *args,
     compile time can be reported apart from run time; returns the executable (called with the
     non-static args). Parameters on a mesh compile under `mesh_config`'s rules (the default
     rules when None): the cache and activations are laid out by them."""
+    mesh = sharding.mesh_of(args)
+    static["placement"] = None if mesh is None else (mesh, mesh_config or MeshConfig())
     leaves, treedef = jax.tree.flatten(args)
     signature = tuple((np.shape(x), jnp.result_type(x), getattr(x, "sharding", None))
                       if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x
                       for x in leaves)  # the config is a (hashable) leaf of its own
-    key = (fn, tuple(sorted(static.items())), treedef, signature, mesh_config)
+    key = (fn, tuple(sorted(static.items(), key=lambda kv: kv[0])), treedef, signature)
     if key not in _EXECUTABLES:
-        mesh = sharding.mesh_of(args)
-        placed = (sharding.use_mesh(mesh, mesh_config or MeshConfig()) if mesh is not None
-                  else contextlib.nullcontext())
         start = time.perf_counter()
-        with placed:
-            _EXECUTABLES[key] = fn.lower(*args, **static).compile()
+        _EXECUTABLES[key] = fn.lower(*args, **static).compile()
         stats.compile_s += time.perf_counter() - start
     return _EXECUTABLES[key]
 
@@ -283,7 +300,8 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
         if bool(np.all(np.asarray(state.done_B))):
             return
         n_steps = np.int32(chunk_steps or N)
-        decode = _compiled(_decode, stats, mesh_config, config, params, state, n_steps, strategy=strategy)
+        decode = _compiled(_decode, stats, mesh_config, config, params, state, n_steps,
+                           strategy=strategy)
         start = time.perf_counter()
         state = decode(params, state, n_steps)
 

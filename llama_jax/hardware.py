@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,10 +37,13 @@ HARDWARE = {h.name: h for h in (
 
 
 def hardware(name: str) -> Hardware:
-    """A planner hardware entry; "cpu" measures this machine's matmul rate (a second or two)."""
+    """A planner hardware entry; "cpu" measures this machine's matmul rate and memory bandwidth
+    (a few seconds)."""
     if name == "cpu":
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return Hardware("cpu", measure_matmul_flops("float32"), memory, 0.0)
+        probe = bandwidth_probe()
+        return Hardware("cpu", measure_matmul_flops("float32"), memory,
+                        max(probe() for _ in range(3)))
     return HARDWARE[name]
 
 
@@ -51,6 +55,21 @@ def peak_flops_per_device(dtype: str = "float32") -> float:
         if kind.startswith(entry.device_kinds):
             return entry.peak_bf16_flops
     return measure_matmul_flops(dtype)
+
+
+def bandwidth_probe(n_bytes: int = 1 << 30) -> Callable[[], float]:
+    """A function that measures read bandwidth (bytes/s) once per call: a jitted `sum` over an
+    fp32 array of `n_bytes` on device 0, compiled and warmed here."""
+    data = jnp.ones((n_bytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(data).block_until_ready()
+
+    def measure() -> float:
+        start = time.perf_counter()
+        total(data).block_until_ready()
+        return data.nbytes / (time.perf_counter() - start)
+
+    return measure
 
 
 def measure_matmul_flops(dtype: str = "float32", size: int = 1536, repeats: int = 5) -> float:

@@ -25,7 +25,7 @@ from llama_jax.cli import user_errors_exit
 from llama_jax.config import (DTYPES, MESH_AXES, REMAT_POLICIES, ConfigError, MeshConfig,
                               ModelConfig, load_model_config)
 
-DEFAULT_BANDWIDTH_GBPS = 3350.0  # H100 SXM HBM3
+DEFAULT_BANDWIDTH_GBPS = hardware.HARDWARE["h100"].bandwidth / 1e9
 
 
 def plan(config: ModelConfig, *, batch: int, seq: int, dtype: str,
@@ -161,8 +161,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="sequence / context length S (default: the model's max_seq_len)")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                         help="dtype of weights and KV cache for bytes and the decode floor")
-    parser.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH_GBPS,
-                        help="memory bandwidth in GB/s for the decode floor (default: H100 SXM)")
+    parser.add_argument("--bandwidth", type=float, default=None,
+                        help="memory bandwidth in GB/s for the decode floor (default: that of "
+                             "--hardware, else an H100 SXM's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--mesh", help="plan training on this mesh, e.g. data=2,fsdp=32,tensor=1")
     parser.add_argument("--hardware", choices=["cpu", *hardware.HARDWARE],
@@ -181,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = load_model_config(args.config)
     seq = config.max_seq_len if args.seq is None else args.seq
+    device = hardware.hardware(args.hardware or "h100")
+    if args.bandwidth is None:
+        args.bandwidth = device.bandwidth / 1e9 if args.hardware else DEFAULT_BANDWIDTH_GBPS
     for flag, value in (("--batch", args.batch), ("--seq", seq), ("--bandwidth", args.bandwidth)):
         if value <= 0:
             raise ConfigError(f"{flag}={value} must be > 0")
@@ -193,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if mesh is not None or args.hardware:
         result["training"] = plan_training(
             config, mesh or MeshConfig(data=1), batch=args.batch, seq=seq, remat=args.remat,
-            compute_dtype=args.compute_dtype, device=hardware.hardware(args.hardware or "h100"),
+            compute_dtype=args.compute_dtype, device=device,
             mfu=args.mfu, kv_dtype=args.dtype)
         text += "\n" + render_training(result["training"], args.batch, seq)
     print(json.dumps(result, indent=2) if args.json else text)

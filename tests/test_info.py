@@ -93,3 +93,13 @@ def test_cli_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert info.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_the_hardware_sets_the_decode_bandwidth(capsys):
+    assert info.main(["llama3-8b", "--seq", "2048", "--hardware", "v5p", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bandwidth_gbps"] == 2765  # v5p HBM, not the H100 default
+    assert out["decode_floor_s_per_step"] == pytest.approx(
+        out["decode_bytes_per_step"] / 2765e9)
+    assert info.main(["llama3-8b", "--hardware", "v5p", "--bandwidth", "1000", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bandwidth_gbps"] == 1000  # explicit wins

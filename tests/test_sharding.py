@@ -178,3 +178,26 @@ def test_unknown_axis_names_in_rules_are_refused():
         MeshConfig(weight_rules={"embd": "fsdp"})
     with pytest.raises(ConfigError, match="activation_rules.batch='model' must be a mesh axis"):
         MeshConfig(activation_rules={"batch": "model"})
+
+
+def test_sharded_decoding_compiles_under_the_given_mesh_rules():
+    """The user's rules (batch rows over data only, not data x fsdp) reach the compiled
+    decoder."""
+    from llama_jax import decoder
+
+    model = MODELS["gqa"]
+    rules = MeshConfig(data=2, fsdp=2, tensor=2, activation_rules={"batch": "data"},
+                       cache_rules={"batch": "data"})
+    mesh = sharding.make_mesh(rules)
+    params = jax.device_put(llama_jax.init_params(model, jax.random.key(3)),
+                            sharding.param_shardings(llama_jax.param_specs(model), mesh, rules))
+    prompts = [[5, 6, 7], [8, 9], [10], [11, 12, 13, 14]]  # 4 rows: data x fsdp divides them
+    expected = llama_jax.generate(model, params, prompts, 4, stop_tokens=[], decode_impl="scan")
+    decoder._EXECUTABLES.clear()
+    assert llama_jax.generate(model, params, prompts, 4, stop_tokens=[], decode_impl="scan",
+                              mesh_config=rules) == expected
+    (key, prefill), = [(k, e) for k, e in decoder._EXECUTABLES.items()
+                       if k[0] is decoder._prefill]
+    assert dict(key[1])["placement"][1] == rules
+    cache_k = prefill.output_shardings.cache.groups[0].k
+    assert cache_k.spec[1] == "data"  # the default rules split rows over ("data", "fsdp")

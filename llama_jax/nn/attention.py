@@ -157,18 +157,17 @@ class StackedKV:
     @classmethod
     def zeros(cls, config: ModelConfig, n_layers: int, batch: int, max_len: int,
               dtype: str) -> "StackedKV":
-        # On a mesh (`sharding.use_mesh`) rows and KV heads follow the cache rules.
-        k, v = (constrain(jnp.zeros((n_layers, batch, config.K, max_len, config.H), dtype),
-                          (None, "batch", "kv_heads", "seq", "head_dim"), "cache_rules")
-                for _ in range(2))
+        k, v = (_constrain_stacked(jnp.zeros((n_layers, batch, config.K, max_len, config.H),
+                                             dtype)) for _ in range(2))
         return cls(k=k, v=v)
 
     def write(self, k_BTKH: jax.Array, v_BTKH: jax.Array, context: Context) -> "StackedKV":
         """Writes new keys and values at slot `context.end` of the layer, in place."""
         def put(cache_LBKSH, x_BTKH):
             update = jnp.swapaxes(x_BTKH, 1, 2)[None].astype(cache_LBKSH.dtype)  # [1,B,K,T,H]
-            return jax.lax.dynamic_update_slice(cache_LBKSH, update,
-                                                (context.layer, 0, 0, context.end, 0))
+            cache_LBKSH = jax.lax.dynamic_update_slice(cache_LBKSH, update,
+                                                       (context.layer, 0, 0, context.end, 0))
+            return _constrain_stacked(cache_LBKSH)
         return self.replace(k=put(self.k, k_BTKH), v=put(self.v, v_BTKH))
 
     def attend(self, q_BTNH: jax.Array, context: Context) -> jax.Array:
@@ -188,10 +187,9 @@ class MergedKV:
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, max_len: int, dtype: str) -> "MergedKV":
-        # The merged layout puts heads with slots, so on a mesh only its rows can be split.
         stored = _bits_type(jnp.dtype(dtype))
-        k, v = (constrain(jnp.zeros((batch, config.K * max_len, config.H), stored),
-                          ("batch", None, "head_dim"), "cache_rules") for _ in range(2))
+        k, v = (_constrain_merged(jnp.zeros((batch, config.K * max_len, config.H), stored))
+                for _ in range(2))
         return cls(k=k, v=v, max_len=max_len, dtype=jnp.dtype(dtype).name)
 
     def write(self, k_BTKH: jax.Array, v_BTKH: jax.Array, context: Context) -> "MergedKV":
@@ -202,7 +200,7 @@ class MergedKV:
                     update = jax.lax.bitcast_convert_type(update, jnp.uint16)
                 cache_BCH = jax.lax.dynamic_update_slice(
                     cache_BCH, update, (0, head * self.max_len + context.end, 0))
-            return cache_BCH
+            return _constrain_merged(cache_BCH)
         return self.replace(k=put(self.k, k_BTKH), v=put(self.v, v_BTKH))
 
     def attend(self, q_BTNH: jax.Array, context: Context) -> jax.Array:
@@ -223,6 +221,17 @@ class MergedKV:
             widened = jax.lax.bitcast_convert_type(cache_BCH.astype(jnp.uint32) << 16, jnp.float32)
             return widened.astype(compute_dtype)
         return jax.lax.bitcast_convert_type(cache_BCH, self.dtype).astype(compute_dtype)
+
+
+# On a mesh (`sharding.use_mesh`) caches are laid out by the cache rules, when created and
+# after every write (else XLA's propagation picks a layout from the weights). The merged layout
+# puts heads with slots, so only its rows can be split.
+def _constrain_stacked(cache_LBKSH: jax.Array) -> jax.Array:
+    return constrain(cache_LBKSH, (None, "batch", "kv_heads", "seq", "head_dim"), "cache_rules")
+
+
+def _constrain_merged(cache_BCH: jax.Array) -> jax.Array:
+    return constrain(cache_BCH, ("batch", None, "head_dim"), "cache_rules")
 
 
 def _bits_type(dtype: jnp.dtype) -> jnp.dtype:
