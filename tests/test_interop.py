@@ -287,3 +287,43 @@ def test_loading_places_tensors_straight_into_a_mesh(fmt, models, hf_dirs, tmp_p
         assert got.sharding == sharding
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert placed["groups"][0]["attn"]["wq"].sharding.spec[1:3] == ("fsdp", "tensor")
+
+
+def test_writers_take_an_existing_empty_directory_and_refuse_a_full_one(hf_dirs, tmp_path):
+    config, params = load_checkpoint(hf_dirs["gqa"], dtype=jax.numpy.float32)  # a dtype-like
+    for write, name in ((llama_jax.export_hf, "hf"), (llama_jax.save_native, "native")):
+        empty = tmp_path / name
+        empty.mkdir()
+        write(config, params, empty)
+        _, again = load_checkpoint(empty)
+        for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        full = tmp_path / f"{name}-full"
+        full.mkdir()
+        (full / "notes.txt").write_text("keep me")
+        with pytest.raises(CheckpointError, match="not an empty directory"):
+            write(config, params, full)
+        assert [p.name for p in full.iterdir()] == ["notes.txt"]
+
+
+def test_native_checkpoints_of_the_flat_layout_load(hf_dirs, tmp_path):
+    """A native directory written before the component tree (flat `layers` of LLaMA tensors)."""
+    import orbax.checkpoint as ocp
+    import yaml
+    from llama_jax.formats.legacy import PATHS
+    from llama_jax.params import flat_paths
+
+    config, params = load_checkpoint(hf_dirs["gqa"])
+    leaves, legacy = flat_paths(params), {"layers": {}}
+    for old, new in PATHS.items():
+        if new in leaves:
+            *parents, name = old.split("/")
+            (legacy["layers"] if parents else legacy)[name] = np.asarray(leaves[new])
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.yaml").write_text(yaml.safe_dump({"model": config.to_dict()}))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save((tmp_path / "old" / "params").absolute(), legacy)
+    checkpointer.wait_until_finished()
+    _, loaded = load_checkpoint(tmp_path / "old", dtype="bfloat16")
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b).astype(jax.numpy.bfloat16))
