@@ -3,8 +3,9 @@
     config, params = load_checkpoint("path/to/dir", dtype="bfloat16")
 
 The directory's contents decide the format: `config.yaml` + `params/` (llama_jax, orbax),
-`config.json` + safetensors (Hugging Face), `params.json` + `consolidated.NN.pth` (Meta), or a
-training run's workdir (`config.yaml` + `checkpoints/`: its latest checkpoint).
+`config.json` + safetensors (Hugging Face: Llama or GPT-2), `params.json` +
+`consolidated.NN.pth` (Meta), or a training run's workdir (`config.yaml` + `checkpoints/`: its
+latest checkpoint).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jax
 from llama_jax.config import ConfigError, MeshConfig, ModelConfig, dtype_name
 from llama_jax.files import atomic_directory
 from llama_jax.formats import CheckpointError, hf, meta, native, run
+from llama_jax.formats.layout import family_of
 from llama_jax.params import Params, param_specs
 from llama_jax.sharding import param_shardings
 
@@ -64,9 +66,11 @@ def load_checkpoint(path: str | Path, dtype=None, *,
 
 
 def export_hf(config: ModelConfig, params: Params, path: str | Path) -> None:
-    """Writes a Hugging Face Llama directory (config.json + safetensors) that
-    `transformers.AutoModelForCausalLM.from_pretrained` loads; `path` must not exist or be an
-    empty directory."""
+    """Writes a Hugging Face directory (config.json + safetensors) that
+    `transformers.AutoModelForCausalLM.from_pretrained` loads: a `LlamaForCausalLM` or a
+    `GPT2LMHeadModel`, by the model's architecture. Any other architecture is refused before
+    anything is written; `path` must not exist or be an empty directory."""
+    family_of(config)  # raises for other architectures, before a directory is created
     with atomic_directory(path) as tmp:
         hf.save(config, params, tmp)
 

@@ -1,29 +1,38 @@
-"""Hugging Face Llama checkpoints: `config.json` + `model.safetensors` (or shards + index).
+"""Hugging Face checkpoints: `config.json` + `model.safetensors` (or shards + index), of the
+two families layout.py has tables for, chosen by config.json's `model_type` when reading and by
+the model's architecture when writing:
 
-Reads both config forms found in the wild: `rope_theta` + `rope_scaling` (transformers 4.x, all
-official LLaMA-3.1/3.2 uploads) and `rope_parameters` (transformers 5.x). Writes the 4.x form,
-which both generations load. Tensors are memory-mapped and read one at a time.
+- Llama (`LlamaForCausalLM`). Reads both config forms found in the wild: `rope_theta` +
+  `rope_scaling` (transformers 4.x, all official LLaMA-3.1/3.2 uploads) and `rope_parameters`
+  (transformers 5.x). Writes the 4.x form, which both generations load.
+- GPT-2 (`GPT2LMHeadModel`, or a bare `GPT2Model` save, whose names lack `transformer.`).
+  `activation_function` gelu_new / gelu_pytorch_tanh -> mlp gelu_tanh, gelu -> gelu (exact),
+  relu -> relu; the MLP width is `n_inner` or 4·D. Written as `GPT2LMHeadModel`.
+
+Tensors are memory-mapped and read one at a time.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import numpy as np
 
 from llama_jax.config import ConfigError, ModelConfig, RopeScaling
 from llama_jax.formats import CheckpointError
-from llama_jax.formats.layout import (Placement, Slot, assemble, names, slots, torch_shape,
-                                      torch_tensors, with_dtype)
+from llama_jax.formats.layout import (Family, Placement, Slot, assemble, family_of,
+                                      stored_tensors, torch_shape, torch_tensors, with_dtype)
 from llama_jax.params import Params
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-# Buffers some older exports saved with the weights; recomputed, never needed.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# GPT2Config.activation_function -> our mlp, and the name each mlp is written with.
+GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
+                    "relu": "relu"}
+GPT2_ACTIVATION_NAMES = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
@@ -32,38 +41,66 @@ def is_hf(path: Path) -> bool:
 
 
 def read_config(path: Path) -> ModelConfig:
-    """`config.json` → ModelConfig; rejects architectures that are not plain Llama."""
+    """`config.json` → ModelConfig; rejects architectures that are not plain Llama or GPT-2."""
     file = path / CONFIG
     try:
         hf = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{file}: cannot read: {e}") from None
     model_type = hf.get("model_type")
-    if model_type != "llama":
+    if model_type not in CONFIG_READERS:
         raise CheckpointError(f"{file}: model_type {model_type!r} (architectures "
-                              f"{hf.get('architectures')}) is not a Llama model; expected "
-                              "model_type 'llama' (no sliding window, no biases)")
+                              f"{hf.get('architectures')}) is not a Llama or GPT-2 model; "
+                              "expected model_type 'llama' (no sliding window, no biases) or "
+                              "'gpt2'")
+    try:
+        return CONFIG_READERS[model_type](file, hf, _eos_ids(path, hf))
+    except KeyError as e:
+        raise CheckpointError(f"{file}: missing field {e.args[0]!r}") from None
+    except ConfigError as e:
+        raise CheckpointError(f"{file}: {e}") from None
+
+
+def _llama_config(file: Path, hf: dict[str, Any], eos_ids: tuple[int, ...]) -> ModelConfig:
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise CheckpointError(f"{file}: {flag}=true is not part of the Llama architecture")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"{file}: hidden_act {act!r}; Llama's SwiGLU uses 'silu'")
-    try:
-        rope_theta, rope_type, scaling = _rope(hf)
-        return ModelConfig(
-            vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-            n_heads=hf["num_attention_heads"],
-            n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=hf.get("head_dim"), ffn_dim=hf["intermediate_size"],
-            norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope_theta, rope_type=rope_type,
-            rope_scaling=scaling, max_seq_len=hf.get("max_position_embeddings", 2048),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            eos_ids=_eos_ids(path, hf))
-    except KeyError as e:
-        raise CheckpointError(f"{file}: missing field {e.args[0]!r}") from None
-    except ConfigError as e:
-        raise CheckpointError(f"{file}: {e}") from None
+    rope_theta, rope_type, scaling = _rope(hf)
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim"), ffn_dim=hf["intermediate_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope_theta, rope_type=rope_type,
+        rope_scaling=scaling, max_seq_len=hf.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), eos_ids=eos_ids)
+
+
+def _gpt2_config(file: Path, hf: dict[str, Any], eos_ids: tuple[int, ...]) -> ModelConfig:
+    """Optional fields default as in transformers' GPT2Config."""
+    # Options that turn GPT-2's attention into one llama_jax does not compute.
+    for flag, plain in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                        ("add_cross_attention", False)):
+        if hf.get(flag, plain) != plain:
+            raise CheckpointError(f"{file}: {flag}={hf[flag]!r} is not supported (only "
+                                  f"{plain!r}: plain GPT-2 attention)")
+    act = hf.get("activation_function", "gelu_new")
+    if act not in GPT2_ACTIVATIONS:
+        raise CheckpointError(f"{file}: activation_function {act!r} is not supported; expected "
+                              f"one of {', '.join(GPT2_ACTIVATIONS)}")
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], dim=hf["n_embd"], n_layers=hf["n_layer"],
+        n_heads=hf["n_head"], ffn_dim=hf.get("n_inner") or 4 * hf["n_embd"],
+        norm="layernorm", norm_position="pre", norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        positions="learned", mlp=GPT2_ACTIVATIONS[act], bias=True,
+        max_seq_len=hf.get("n_positions", 1024),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), eos_ids=eos_ids)
+
+
+CONFIG_READERS = {"llama": _llama_config, "gpt2": _gpt2_config}  # by config.json's model_type
 
 
 def _eos_ids(path: Path, hf: dict[str, Any]) -> tuple[int, ...]:
@@ -122,23 +159,24 @@ def load(path: Path, dtype: str | None,
     from safetensors import safe_open
 
     config = read_config(path)
+    family = family_of(config)
     files = _weight_files(path)
-    layout = slots(config)
-    expected = {name for slot in layout for name in names(slot)}
-    missing = sorted(expected - files.keys())
+    expected = stored_tensors(config)
+    stored = _stored_names(files, family, expected)
+    missing = sorted(expected.keys() - stored.keys())
     if missing:
         raise CheckpointError(f"{path}: tensor(s) missing from the safetensors files: "
                               f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    unexpected = sorted(n for n in files.keys() - expected
-                        if not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight")
+    unexpected = sorted(stored[n] for n in stored.keys() - expected.keys()
+                        if not n.endswith(family.buffers) and n != "lm_head.weight")
     if unexpected:
-        raise CheckpointError(f"{path}: tensor(s) that are not Llama weights: "
+        raise CheckpointError(f"{path}: tensor(s) that are not {family.name} weights: "
                               f"{', '.join(unexpected[:5])}")
-    first = names(layout[0])[0]
+    first = stored[next(iter(expected))]
     config = with_dtype(config, dtype or _stored_dtype(files[first], first))
 
     def read(slot: Slot, layer: int | None) -> np.ndarray:
-        name = slot.tensor.hf.format(i=layer)
+        name = stored[slot.tensor.hf.format(i=layer)]
         file = files[name]
         try:
             with safe_open(file, framework="numpy") as f:
@@ -155,6 +193,14 @@ def load(path: Path, dtype: str | None,
                             placement=placement)
 
 
+def _stored_names(files: dict[str, Path], family: Family,
+                  expected: Collection[str]) -> dict[str, str]:
+    """Our name of each stored tensor → its name in the files, which lacks the family's
+    `base_prefix` in a save of the bare base model (GPT2Model rather than GPT2LMHeadModel)."""
+    prefix = family.base_prefix
+    return {prefix + name if prefix + name in expected else name: name for name in files}
+
+
 def _stored_dtype(file: Path, name: str) -> str:
     from safetensors import safe_open
 
@@ -167,7 +213,12 @@ def _stored_dtype(file: Path, name: str) -> str:
 
 
 def hf_config(config: ModelConfig) -> dict[str, Any]:
-    """config.json content in the transformers 4.x form (also read by 5.x)."""
+    """config.json content for the model's family (refused for other architectures)."""
+    return CONFIG_WRITERS[family_of(config).model_type](config)
+
+
+def _llama_json(config: ModelConfig) -> dict[str, Any]:
+    """The transformers 4.x form (also read by 5.x)."""
     scaling = None
     if config.rope_scaling is not None:
         s = config.rope_scaling
@@ -184,9 +235,33 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         "rope_theta": config.rope_theta, "rope_scaling": scaling,
         "tie_word_embeddings": config.tie_embeddings, "attention_bias": False,
         "mlp_bias": False, "torch_dtype": config.param_dtype,
-        "eos_token_id": (None if not config.eos_ids else config.eos_ids[0]
-                         if len(config.eos_ids) == 1 else list(config.eos_ids)),
+        "eos_token_id": _eos_token_id(config),
     }
+
+
+def _gpt2_json(config: ModelConfig) -> dict[str, Any]:
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": config.vocab_size, "n_embd": config.dim, "n_layer": config.n_layers,
+        "n_head": config.n_heads, "n_inner": config.ffn_dim, "n_positions": config.max_seq_len,
+        "activation_function": GPT2_ACTIVATION_NAMES[config.mlp],
+        "layer_norm_epsilon": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+        "add_cross_attention": False, "torch_dtype": config.param_dtype,
+        # GPT-2 begins and ends documents with the same <|endoftext|>; left out, transformers
+        # would default both ids to 50256, outside smaller vocabularies.
+        "bos_token_id": config.eos_ids[0] if config.eos_ids else None,
+        "eos_token_id": _eos_token_id(config),
+    }
+
+
+def _eos_token_id(config: ModelConfig) -> int | list[int] | None:
+    if not config.eos_ids:
+        return None
+    return config.eos_ids[0] if len(config.eos_ids) == 1 else list(config.eos_ids)
+
+
+CONFIG_WRITERS = {"llama": _llama_json, "gpt2": _gpt2_json}  # by the family's model_type
 
 
 def save(config: ModelConfig, params: Params, path: Path,

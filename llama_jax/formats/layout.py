@@ -1,11 +1,22 @@
-"""The one table that maps llama_jax parameters to the PyTorch checkpoints of HF and Meta.
+"""The name tables that map llama_jax parameters to PyTorch checkpoints, one per model family.
 
-Both ecosystems store `nn.Linear` weights as [out, in] and embeddings as [V, D]; llama_jax stores
-[in..., out...] with head axes explicit (`wq: [D, N, H]`, `wo: [N, H, D]`), so a Linear weight
-becomes ours by a transpose and a reshape. The only other difference is RoPE's layout: Meta's q/k
-projection rows pair features (2i, 2i+1) of each head, HF's and ours pair (i, i + H/2). Loading
-Meta weights permutes those rows per head — with the KV head count K for wk, which is where GQA
-ports have gone wrong.
+A checkpoint family is chosen by the model's architecture (`family_of`):
+
+- Llama (HF `LlamaForCausalLM`, Meta's consolidated .pth): RMSNorm, RoPE, SwiGLU, no biases.
+  Both ecosystems store `nn.Linear` weights as [out, in] and embeddings as [V, D]; llama_jax
+  stores [in..., out...] with head axes explicit (`wq: [D, N, H]`, `wo: [N, H, D]`), so a
+  Linear weight becomes ours by a transpose and a reshape. The only other difference is RoPE's
+  layout: Meta's q/k projection rows pair features (2i, 2i+1) of each head, HF's and ours pair
+  (i, i + H/2). Loading Meta weights permutes those rows per head — with the KV head count K
+  for wk, which is where GQA ports have gone wrong.
+- GPT-2 (HF `GPT2LMHeadModel`): pre-LayerNorm, learned positions, a GELU (or ReLU) MLP, biases
+  everywhere, multi-head attention. Its projections are `Conv1D`s, stored [in, out] — already
+  our order, so a reshape and no transpose. Queries, keys and values are one fused `c_attn`
+  tensor ([D, 3D], bias [3D]): each of wq, wk, wv (bq, bk, bv) is one equal third of it along
+  the out axis (a `part` of the stored tensor). There are no Meta checkpoints of GPT-2.
+
+A table entry (`TorchTensor`) says how one of our tensors is stored; everything else — shapes,
+splitting and joining fused tensors, the conversions both ways — is derived here, once.
 """
 
 from __future__ import annotations
@@ -22,6 +33,12 @@ from llama_jax.formats import CheckpointError
 from llama_jax.nn.spec import TensorSpec
 from llama_jax.params import Params, abstract_params, flat_paths, layer_groups, param_specs
 
+# How a stored tensor holds ours, and the stored axis of its output features (along which a
+# fused tensor's parts lie side by side): "same" is our shape (embeddings, norms, position
+# tables); "linear" is nn.Linear's [out, in]; "conv1d" is GPT-2's Conv1D [in, out]; "flat" a
+# vector (GPT-2's per-head biases [N·H]).
+OUT_AXIS = {"same": None, "linear": 0, "conv1d": 1, "flat": 0}
+
 
 @dataclasses.dataclass(frozen=True)
 class TorchTensor:
@@ -31,37 +48,121 @@ class TorchTensor:
 
     path: str
     hf: str  # Hugging Face name; "{i}" is the layer index
-    meta: str  # Meta name
-    linear_in_axes: int = 0  # >0: an nn.Linear weight whose `in` is our first axes (after L)
+    meta: str | None = None  # Meta name; None: the family has no Meta checkpoints
+    stored: str = "same"  # a key of OUT_AXIS
+    in_axes: int = 0  # linear / conv1d: how many of our leading axes (after L) form `in`
     rope_heads: str = ""  # "N" or "K": q/k rows in Meta's interleaved RoPE layout
-    per_layer: bool = False
+    part: tuple[int, int] = (0, 1)  # (i, n): the i-th of n equal slices along the out axis
 
 
-def _layer(path: str, hf: str, meta: str, linear_in_axes: int = 0, rope_heads: str = ""):
-    return TorchTensor(path, "model.layers.{i}." + hf, "layers.{i}." + meta, linear_in_axes,
-                       rope_heads, per_layer=True)
+def _llama_layer(path: str, hf: str, meta: str, in_axes: int = 0, rope_heads: str = ""):
+    return TorchTensor(path, "model.layers.{i}." + hf, "layers.{i}." + meta,
+                       "linear" if in_axes else "same", in_axes, rope_heads)
 
 
-# LLaMA's tensors: every tensor of a LLaMA-architecture parameter tree, by path.
+# Llama's tensors: every tensor of a Llama-architecture parameter tree, by path.
 LLAMA = {t.path: t for t in (
     TorchTensor("embed/table", "model.embed_tokens.weight", "tok_embeddings.weight"),
     TorchTensor("final_norm/scale", "model.norm.weight", "norm.weight"),
-    TorchTensor("lm_head/w", "lm_head.weight", "output.weight", linear_in_axes=1),
-    _layer("attn_norm/scale", "input_layernorm.weight", "attention_norm.weight"),
-    _layer("attn/wq", "self_attn.q_proj.weight", "attention.wq.weight", 1, "N"),
-    _layer("attn/wk", "self_attn.k_proj.weight", "attention.wk.weight", 1, "K"),
-    _layer("attn/wv", "self_attn.v_proj.weight", "attention.wv.weight", 1),
-    _layer("attn/wo", "self_attn.o_proj.weight", "attention.wo.weight", 2),
-    _layer("mlp_norm/scale", "post_attention_layernorm.weight", "ffn_norm.weight"),
-    _layer("mlp/w_gate", "mlp.gate_proj.weight", "feed_forward.w1.weight", 1),
-    _layer("mlp/w_up", "mlp.up_proj.weight", "feed_forward.w3.weight", 1),
-    _layer("mlp/w_down", "mlp.down_proj.weight", "feed_forward.w2.weight", 1),
+    TorchTensor("lm_head/w", "lm_head.weight", "output.weight", "linear", 1),
+    _llama_layer("attn_norm/scale", "input_layernorm.weight", "attention_norm.weight"),
+    _llama_layer("attn/wq", "self_attn.q_proj.weight", "attention.wq.weight", 1, "N"),
+    _llama_layer("attn/wk", "self_attn.k_proj.weight", "attention.wk.weight", 1, "K"),
+    _llama_layer("attn/wv", "self_attn.v_proj.weight", "attention.wv.weight", 1),
+    _llama_layer("attn/wo", "self_attn.o_proj.weight", "attention.wo.weight", 2),
+    _llama_layer("mlp_norm/scale", "post_attention_layernorm.weight", "ffn_norm.weight"),
+    _llama_layer("mlp/w_gate", "mlp.gate_proj.weight", "feed_forward.w1.weight", 1),
+    _llama_layer("mlp/w_up", "mlp.up_proj.weight", "feed_forward.w3.weight", 1),
+    _llama_layer("mlp/w_down", "mlp.down_proj.weight", "feed_forward.w2.weight", 1),
+)}
+
+
+def _gpt2_layer(path: str, hf: str, stored: str = "same", in_axes: int = 0,
+                part: tuple[int, int] = (0, 1)):
+    return TorchTensor(path, "transformer.h.{i}." + hf, None, stored, in_axes, part=part)
+
+
+def _fused(paths: tuple[str, ...], hf: str, stored: str, in_axes: int = 0):
+    """Our tensors `paths`, stored side by side in one tensor in that order."""
+    return [_gpt2_layer(path, hf, stored, in_axes, (i, len(paths)))
+            for i, path in enumerate(paths)]
+
+
+# GPT-2's tensors (GPT2LMHeadModel's names), by path.
+GPT2 = {t.path: t for t in (
+    TorchTensor("embed/table", "transformer.wte.weight"),
+    TorchTensor("positions/table", "transformer.wpe.weight"),
+    TorchTensor("final_norm/scale", "transformer.ln_f.weight"),
+    TorchTensor("final_norm/bias", "transformer.ln_f.bias"),
+    TorchTensor("lm_head/w", "lm_head.weight", stored="linear", in_axes=1),  # the head is Linear
+    _gpt2_layer("attn_norm/scale", "ln_1.weight"),
+    _gpt2_layer("attn_norm/bias", "ln_1.bias"),
+    *_fused(("attn/wq", "attn/wk", "attn/wv"), "attn.c_attn.weight", "conv1d", 1),
+    *_fused(("attn/bq", "attn/bk", "attn/bv"), "attn.c_attn.bias", "flat"),
+    _gpt2_layer("attn/wo", "attn.c_proj.weight", "conv1d", 2),
+    _gpt2_layer("attn/bo", "attn.c_proj.bias"),
+    _gpt2_layer("mlp_norm/scale", "ln_2.weight"),
+    _gpt2_layer("mlp_norm/bias", "ln_2.bias"),
+    _gpt2_layer("mlp/w_up", "mlp.c_fc.weight", "conv1d", 1),
+    _gpt2_layer("mlp/b_up", "mlp.c_fc.bias"),
+    _gpt2_layer("mlp/w_down", "mlp.c_proj.weight", "conv1d", 1),
+    _gpt2_layer("mlp/b_down", "mlp.c_proj.bias"),
 )}
 
 
 @dataclasses.dataclass(frozen=True)
+class Family:
+    """The models one name table stores: those whose architecture fields take the values
+    `requires(config)` allows (field -> allowed values)."""
+
+    name: str
+    model_type: str  # Hugging Face's config.json model_type
+    table: dict[str, TorchTensor]
+    requires: Callable[[ModelConfig], dict[str, tuple]]
+    base_prefix: str = ""  # what a save of the bare base model (GPT2Model) leaves off names
+    buffers: tuple[str, ...] = ()  # name suffixes of non-parameter tensors some saves include
+
+    def mismatches(self, config: ModelConfig) -> list[str]:
+        """The fields of `config` this family cannot store, each with what it would need."""
+        return [f"{field}={getattr(config, field)!r} should be "
+                f"{' or '.join(repr(v) for v in allowed)}"
+                for field, allowed in self.requires(config).items()
+                if getattr(config, field) not in allowed]
+
+
+FAMILIES = (
+    Family("Llama", "llama", LLAMA,
+           lambda c: {"norm": ("rmsnorm",), "norm_position": ("pre",), "positions": ("rope",),
+                      "mlp": ("swiglu",), "bias": (False,)},
+           buffers=("rotary_emb.inv_freq",)),  # recomputed; some older exports saved it
+    # c_attn holds q, k, v as equal thirds of D: multi-head attention over the whole width.
+    Family("GPT-2", "gpt2", GPT2,
+           lambda c: {"norm": ("layernorm",), "norm_position": ("pre",),
+                      "positions": ("learned",), "mlp": ("gelu_tanh", "gelu", "relu"),
+                      "bias": (True,), "n_kv_heads": (c.n_heads,),
+                      "dim": (c.n_heads * c.head_dim,)},
+           base_prefix="transformer.",
+           buffers=(".attn.bias", ".attn.masked_bias")),  # causal masks of older saves
+)
+
+
+def family_of(config: ModelConfig) -> Family:
+    """The family whose checkpoints can hold `config`'s model; an error naming the fields that
+    keep it from each family otherwise."""
+    reasons = []
+    for family in FAMILIES:
+        mismatches = family.mismatches(config)
+        if not mismatches:
+            return family
+        reasons.append(f"As {family.name}: {', '.join(mismatches)}")
+    raise CheckpointError(
+        f"this checkpoint format stores {' or '.join(f.name for f in FAMILIES)} models only, "
+        f"and this model is neither. {'. '.join(reasons)}.")
+
+
+@dataclasses.dataclass(frozen=True)
 class Slot:
-    """One tensor of a checkpoint: where it goes in our tree and how it is stored."""
+    """One of our tensors: where it goes in our tree and how it is stored."""
 
     tree_path: str  # "groups/0/attn/wq"
     tensor: TorchTensor
@@ -74,20 +175,16 @@ class Slot:
         return self.spec.shape[1:] if self.layers else self.spec.shape
 
 
-def slots(config: ModelConfig, table: dict[str, TorchTensor] = LLAMA) -> list[Slot]:
-    """Every tensor of `config`'s parameter tree, matched with its checkpoint description. A
-    tensor the table has no name for is an error naming the architecture field to blame."""
+def slots(config: ModelConfig) -> list[Slot]:
+    """Every tensor of `config`'s parameter tree, matched with its description in the table of
+    the model's family (`family_of`)."""
+    table = family_of(config).table
     offsets = np.cumsum([0] + [g.n_layers for g in layer_groups(config)])
     out = []
     for tree_path, spec in flat_paths(param_specs(config)).items():
         parts = tree_path.split("/")
         stacked = parts[0] == "groups"
         key = "/".join(parts[2:]) if stacked else tree_path
-        if key not in table:
-            raise CheckpointError(
-                f"tensor {tree_path} has no name in this checkpoint format: the format stores "
-                f"LLaMA-architecture models (norm={config.norm!r}, mlp={config.mlp!r}, "
-                f"positions={config.positions!r}, bias={config.bias} is not one)")
         layers = (range(offsets[int(parts[1])], offsets[int(parts[1]) + 1]) if stacked
                   else range(0))
         out.append(Slot(tree_path, table[key], spec, layers))
@@ -95,11 +192,17 @@ def slots(config: ModelConfig, table: dict[str, TorchTensor] = LLAMA) -> list[Sl
 
 
 def torch_shape(slot: Slot) -> tuple[int, ...]:
-    shape = slot.shape
-    if not slot.tensor.linear_in_axes:
+    """The shape of the stored tensor that holds `slot` (all of it, when fused)."""
+    tensor, shape = slot.tensor, slot.shape
+    if tensor.stored == "same":
         return shape
-    k = slot.tensor.linear_in_axes
-    return (math.prod(shape[k:]), math.prod(shape[:k]))
+    if tensor.stored == "flat":
+        stored = [math.prod(shape)]
+    else:
+        in_out = [math.prod(shape[:tensor.in_axes]), math.prod(shape[tensor.in_axes:])]
+        stored = in_out[::-1] if tensor.stored == "linear" else in_out
+    stored[OUT_AXIS[tensor.stored]] *= tensor.part[1]
+    return tuple(stored)
 
 
 def interleaved_to_half(w: np.ndarray, heads: int) -> np.ndarray:
@@ -114,20 +217,29 @@ def half_to_interleaved(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def from_torch(config: ModelConfig, slot: Slot, w: np.ndarray, meta: bool) -> np.ndarray:
-    """One checkpoint tensor (torch layout) → our layout for that leaf (one layer's slice)."""
+    """One stored tensor (torch layout) → our layout for that leaf (one layer's slice); of a
+    fused tensor, the slot's part."""
     tensor = slot.tensor
+    index, count = tensor.part
+    if count > 1:
+        w = np.split(w, count, axis=OUT_AXIS[tensor.stored])[index]
     if meta and tensor.rope_heads:
         w = interleaved_to_half(w, getattr(config, tensor.rope_heads))
-    if tensor.linear_in_axes:
+    if tensor.stored == "linear":
         w = w.T
     return w.reshape(slot.shape)
 
 
 def to_torch(config: ModelConfig, slot: Slot, a: np.ndarray, meta: bool) -> np.ndarray:
-    """Inverse of `from_torch`: our slice → a contiguous tensor in HF (or Meta) layout."""
+    """Inverse of `from_torch`: our slice → a contiguous tensor in HF (or Meta) layout (the
+    slot's part only, for a fused tensor: see `torch_tensors`)."""
     tensor = slot.tensor
-    if tensor.linear_in_axes:
-        a = a.reshape(math.prod(a.shape[:tensor.linear_in_axes]), -1).T
+    if tensor.stored == "flat":
+        a = a.reshape(-1)
+    elif tensor.stored != "same":
+        a = a.reshape(math.prod(a.shape[:tensor.in_axes]), -1)
+        if tensor.stored == "linear":
+            a = a.T
     if meta and tensor.rope_heads:
         a = half_to_interleaved(a, getattr(config, tensor.rope_heads))
     return np.ascontiguousarray(a)
@@ -136,7 +248,22 @@ def to_torch(config: ModelConfig, slot: Slot, a: np.ndarray, meta: bool) -> np.n
 def names(slot: Slot, meta: bool = False) -> list[str]:
     """The checkpoint name(s) of a slot: one per layer for stacked leaves."""
     name = slot.tensor.meta if meta else slot.tensor.hf
+    if name is None:
+        raise CheckpointError(f"tensor {slot.tree_path} has no name in Meta's format, which "
+                              "stores Llama models only")
     return [name.format(i=i) for i in slot.layers] if slot.layers else [name]
+
+
+def stored_tensors(config: ModelConfig, meta: bool = False
+                   ) -> dict[str, list[tuple[Slot, int | None]]]:
+    """Checkpoint name → the (slot, checkpoint layer or None) it holds — several, in part order,
+    for a fused tensor — in the order of our tree (a fused tensor where its first part is)."""
+    out: dict[str, list[tuple[Slot, int | None]]] = {}
+    for slot in slots(config):
+        for layer, name in zip(slot.layers or [None], names(slot, meta)):
+            out.setdefault(name, []).append((slot, layer))
+    return {name: sorted(parts, key=lambda part: part[0].tensor.part[0])
+            for name, parts in out.items()}
 
 
 Reader = Callable[[Slot, "int | None"], np.ndarray]
@@ -147,11 +274,11 @@ Placement = Callable[[ModelConfig], "Params | None"]  # config -> a sharding per
 
 def assemble(config: ModelConfig, read: Reader, dtype: np.dtype, meta: bool,
              placement: Placement | None = None) -> Params:
-    """Builds the parameter tree leaf by leaf from `read(slot, layer)` (torch layout,
-    shape-checked by the reader). Each stacked leaf is filled layer by layer in `dtype` and
-    moved to the devices — straight into its target sharding when `placement` gives one, each
-    device receiving only its shard — before the next is read, so host memory holds one leaf
-    at a time."""
+    """Builds the parameter tree leaf by leaf from `read(slot, layer)` (the stored tensor in
+    torch layout, shape-checked by the reader; a fused tensor is read once per part). Each
+    stacked leaf is filled layer by layer in `dtype` and moved to the devices — straight into
+    its target sharding when `placement` gives one, each device receiving only its shard —
+    before the next is read, so host memory holds one leaf at a time."""
     shardings = flat_paths(placement(config)) if placement else {}
     leaves = {}
     for slot in slots(config):
@@ -175,15 +302,19 @@ def unflatten(config: ModelConfig, leaves: dict[str, jax.Array]) -> Params:
 
 def torch_tensors(config: ModelConfig, params: Params, meta: bool = False
                   ) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields (name, tensor) in torch layout for every weight, one at a time (for writers)."""
+    """Yields (name, tensor) in torch layout for every stored tensor, one at a time (for
+    writers); a fused tensor is joined from its parts."""
     leaves = flat_paths(params)
-    for slot in slots(config):
+
+    def part(slot: Slot, layer: int | None) -> np.ndarray:
         leaf = leaves[slot.tree_path]
-        if slot.layers:
-            for j, name in enumerate(names(slot, meta)):
-                yield name, to_torch(config, slot, np.asarray(leaf[j]), meta)
-        else:
-            yield names(slot, meta)[0], to_torch(config, slot, np.asarray(leaf), meta)
+        ours = leaf if layer is None else leaf[layer - slot.layers.start]
+        return to_torch(config, slot, np.asarray(ours), meta)
+
+    for name, parts in stored_tensors(config, meta).items():
+        tensors = [part(slot, layer) for slot, layer in parts]
+        yield name, (tensors[0] if len(tensors) == 1 else
+                     np.concatenate(tensors, axis=OUT_AXIS[parts[0][0].tensor.stored]))
 
 
 def placed_target(config: ModelConfig, placement: Placement | None) -> Params:
