@@ -11,7 +11,7 @@ donated; transformers: `model(ids, labels=ids)`, `loss.backward()`, `clip_grad_n
 `compute_dtype`; torch's CPU autocast).
 
 - tokens/s: batch·seq / median step time (3 untimed steps first, compile excluded).
-- MFU = 6·P_mm + 6·L·T·D FLOPs per token (DESIGN.md §5: causal attention, LM head counted) ×
+- MFU = 6·P_mm + 6·L·T·D FLOPs per token (causal attention, LM head counted) ×
   tokens/s / peak, peak = best rate of a jitted 1536³ fp32 matmul measured in the same process.
 - peak MiB: the process's peak RSS (VmHWM) above its RSS after imports.
 Each implementation runs in its own process, alternating, `--rounds` times; medians.

@@ -201,7 +201,7 @@ class ModelConfig:
                      "is not an execution setting")
         return dataclasses.replace(self, **settings)
 
-    # The dimension key of DESIGN.md, so code can say `config.K` where the math says K.
+    # The dimension letters (README, "Code map"), so code can say `config.K` where the math says K.
     V = property(lambda self: self.vocab_size)
     D = property(lambda self: self.dim)
     L = property(lambda self: self.n_layers)

@@ -2,7 +2,7 @@
 
 MFU = model FLOPs per second / (devices × peak per device). On a CPU there is no datasheet
 figure that XLA can reach, so the peak is the rate of a large jitted matmul measured on the same
-machine in the same run (DESIGN.md §5).
+machine in the same run.
 """
 
 from __future__ import annotations

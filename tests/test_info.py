@@ -1,4 +1,4 @@
-"""The planner: parameter counts of every preset (DESIGN.md table, to the unit), KV-cache
+"""The planner: parameter counts of every preset (the published sizes, to the unit), KV-cache
 bytes, FLOPs formula, and the CLI."""
 
 import json
@@ -39,7 +39,7 @@ def test_preset_sizes_and_parameter_counts(preset):
 
 
 def test_kv_cache_bytes_per_token():
-    # DESIGN.md: LLaMA-2 7B bf16 512 KiB per token; LLaMA-3 8B 128 KiB (GQA, K = 8).
+    # LLaMA-2 7B bf16: 512 KiB per token; LLaMA-3 8B: 128 KiB (GQA, K = 8).
     assert costs.kv_cache_bytes_per_token(load_model_config("llama2-7b")) == 512 * 1024
     assert costs.kv_cache_bytes_per_token(load_model_config("llama3-8b")) == 128 * 1024
     assert costs.kv_cache_bytes_per_token(load_model_config("llama3-8b"), "float32") == 256 * 1024
@@ -60,7 +60,7 @@ def test_train_flops_follow_the_stated_formula():
 
 def test_decode_floor_for_llama3_8b_on_h100():
     # 8B bf16 at 2K context, batch 1, 3.35 TB/s: weights ~15 GB (embedding table gathered, not
-    # read) + 256 MiB of KV -> ~4.6 ms per token (DESIGN.md's 4.9 ms counts the whole table).
+    # read) + 256 MiB of KV -> ~4.6 ms per token (the often quoted 4.9 ms counts the whole table).
     p = info.plan(load_model_config("llama3-8b"), batch=1, seq=2048, dtype="bfloat16",
                   bandwidth_gbps=3350)
     assert p["kv_cache_bytes"] == 2048 * 128 * 1024
