@@ -117,3 +117,25 @@ def write_meta(model, path: Path, n_shards: int = 2, vocab_parallel_embedding: b
     if rope.get("rope_type") == "llama3":
         params.update(use_scaled_rope=True, rope_scaling_factor=rope["factor"])
     (path / "params.json").write_text(json.dumps(params))
+
+
+def load_onto_a_mesh(path):
+    """Loads `path` straight onto an FSDP=4 x TP=2 mesh and checks every tensor arrives in its
+    sharding with the values of an unsharded load; returns the placed parameters."""
+    import jax
+
+    import llama_jax
+    from llama_jax.config import MeshConfig
+    from llama_jax.sharding import make_mesh, param_shardings
+
+    rules = MeshConfig(data=1, fsdp=4, tensor=2)
+    mesh = make_mesh(rules)
+    config, placed = llama_jax.load_checkpoint(path, mesh=mesh, mesh_config=rules)
+    _, plain = llama_jax.load_checkpoint(path)
+    shardings = param_shardings(llama_jax.param_specs(config), mesh, rules)
+    for got, want, sharding in zip(jax.tree.leaves(placed), jax.tree.leaves(plain),
+                                   jax.tree.leaves(shardings)):
+        assert got.sharding == sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    return placed
+

@@ -16,7 +16,7 @@ import llama_jax
 from llama_jax import convert as convert_mod
 from llama_jax.checkpoint import load_checkpoint
 from llama_jax.formats import CheckpointError, layout
-from checkpoints import hf_logits
+from checkpoints import hf_logits, load_onto_a_mesh
 from reference import relative_error
 
 forward = jax.jit(llama_jax.forward, static_argnums=0)
@@ -214,17 +214,5 @@ def test_stored_causal_masks_are_ignored_and_other_tensors_refused(gpt2, tmp_pat
 def test_loading_places_gpt2_tensors_straight_into_a_mesh(gpt2):
     """Each of wq, wk, wv (a third of c_attn) arrives in its own sharding (FSDP x TP here)
     with the values of an unsharded load."""
-    from llama_jax.config import MeshConfig
-    from llama_jax.sharding import make_mesh, param_shardings
-
-    path = gpt2["gelu_new"][1]
-    rules = MeshConfig(data=1, fsdp=4, tensor=2)
-    mesh = make_mesh(rules)
-    config, placed = load_checkpoint(path, mesh=mesh, mesh_config=rules)
-    _, plain = load_checkpoint(path)
-    for got, want, sharding in zip(jax.tree.leaves(placed), jax.tree.leaves(plain),
-                                   jax.tree.leaves(param_shardings(llama_jax.param_specs(config),
-                                                                   mesh, rules))):
-        assert got.sharding == sharding
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    placed = load_onto_a_mesh(gpt2["gelu_new"][1])
     assert placed["groups"][0]["attn"]["wk"].sharding.spec[1:3] == ("fsdp", "tensor")

@@ -15,7 +15,8 @@ import llama_jax
 from llama_jax import convert as convert_mod
 from llama_jax.checkpoint import load_checkpoint
 from llama_jax.formats import CheckpointError, layout, native
-from checkpoints import HF_CASES, hf_logits, hf_model, to_legacy_config, write_meta
+from checkpoints import (HF_CASES, hf_logits, hf_model, load_onto_a_mesh, to_legacy_config,
+                         write_meta)
 from reference import relative_error
 
 forward = jax.jit(llama_jax.forward, static_argnums=0)
@@ -88,11 +89,27 @@ def test_export_hf_shards_large_models(hf_dirs, tmp_path):
                                   forward(config, params, TOKENS))
 
 
-def test_bf16_loading(hf_dirs, models):
+def test_bf16_loading_is_as_accurate_as_transformers_in_bf16(hf_dirs, models):
+    """Against a bf16 reference: transformers running the same weights in bf16. Both are
+    measured against the fp32 logits; ours must lose about as much (not far more: a bf16
+    softmax or norm statistic would; not far less: that would mean bf16 was not used)."""
     config, params = load_checkpoint(hf_dirs["gqa"], dtype="bfloat16")
     assert config.param_dtype == config.compute_dtype == "bfloat16"
     assert all(leaf.dtype == jax.numpy.bfloat16 for leaf in jax.tree.leaves(params))
-    assert relative_error(forward(config, params, TOKENS), hf_logits(models["gqa"], TOKENS)) < 5e-2
+    fp32 = hf_logits(models["gqa"], TOKENS)
+    theirs = relative_error(_bf16_logits(models["gqa"]), fp32)
+    ours = relative_error(forward(config, params, TOKENS), fp32)
+    assert 0.2 * theirs < ours < 1.5 * theirs, (ours, theirs)
+
+
+def _bf16_logits(model) -> np.ndarray:
+    import copy
+
+    import torch
+
+    with torch.no_grad():
+        bf16 = copy.deepcopy(model).to(torch.bfloat16)
+        return bf16(torch.as_tensor(TOKENS, dtype=torch.long)).logits.float().numpy()
 
 
 # --------------------------------------------------------------------------------- convert CLI
@@ -266,9 +283,6 @@ def test_hf_loading_holds_the_weights_about_once(tmp_path):
 def test_loading_places_tensors_straight_into_a_mesh(fmt, models, hf_dirs, tmp_path):
     """With a mesh, every tensor arrives in its sharding (FSDP x TP here) with the values of an
     unsharded load."""
-    from llama_jax.config import MeshConfig
-    from llama_jax.sharding import make_mesh, param_shardings
-
     if fmt == "meta":
         write_meta(models["gqa"], tmp_path / "m", n_shards=2)
         path = tmp_path / "m"
@@ -277,15 +291,7 @@ def test_loading_places_tensors_straight_into_a_mesh(fmt, models, hf_dirs, tmp_p
         path = tmp_path / "n"
     else:
         path = hf_dirs["gqa"]
-    rules = MeshConfig(data=1, fsdp=4, tensor=2)
-    mesh = make_mesh(rules)
-    config, placed = load_checkpoint(path, mesh=mesh, mesh_config=rules)
-    _, plain = load_checkpoint(path)
-    for got, want, sharding in zip(jax.tree.leaves(placed), jax.tree.leaves(plain),
-                                   jax.tree.leaves(param_shardings(llama_jax.param_specs(config),
-                                                                   mesh, rules))):
-        assert got.sharding == sharding
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    placed = load_onto_a_mesh(path)
     assert placed["groups"][0]["attn"]["wq"].sharding.spec[1:3] == ("fsdp", "tensor")
 
 
