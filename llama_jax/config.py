@@ -34,7 +34,9 @@ GATED_MLPS = ("swiglu", "geglu")
 # Field roles: "architecture" fields change the function the model computes; "execution" fields
 # only change how it runs (a run may resume, a checkpoint may load, under other values);
 # "generation" fields are defaults for sampling.
-EXECUTION, GENERATION = {"role": "execution"}, {"role": "generation"}
+# "init" fields only size or initialise the parameters (ffn_dim is resolved from them), so a
+# checkpoint does not carry them.
+EXECUTION, GENERATION, INIT = {"role": "execution"}, {"role": "generation"}, {"role": "init"}
 
 
 class ConfigError(ValueError):
@@ -79,8 +81,8 @@ class ModelConfig:
     n_kv_heads: int | None = None  # None: equal to n_heads (MHA)
     head_dim: int | None = None  # None: dim // n_heads
     ffn_dim: int | None = None  # None: `default_ffn_dim` for the MLP kind
-    multiple_of: int = 256
-    ffn_dim_multiplier: float | None = None
+    multiple_of: int = dataclasses.field(default=256, metadata=INIT)
+    ffn_dim_multiplier: float | None = dataclasses.field(default=None, metadata=INIT)
     norm: str = "rmsnorm"  # rmsnorm (LLaMA) | layernorm (mean, gain and bias)
     norm_position: str = "pre"  # pre: x + f(norm(x)), final norm; post: norm(x + f(x)), none
     norm_eps: float = 1e-5
@@ -92,7 +94,7 @@ class ModelConfig:
     bias: bool = False  # biases on the attention and MLP projections (GPT-2)
     max_seq_len: int = 2048
     tie_embeddings: bool = False
-    init_std: float = 0.02
+    init_std: float = dataclasses.field(default=0.02, metadata=INIT)
     param_dtype: str = dataclasses.field(default="float32", metadata=EXECUTION)
     compute_dtype: str = dataclasses.field(default="float32", metadata=EXECUTION)
     remat: str = dataclasses.field(default="none", metadata=EXECUTION)
@@ -189,7 +191,8 @@ class ModelConfig:
 
     def architecture(self) -> dict[str, Any]:
         """The fields that determine the function the model computes (no execution settings,
-        no generation defaults): two configs with equal architectures run the same weights."""
+        generation defaults or init-only fields): two configs with equal architectures run the
+        same weights."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if "role" not in f.metadata}
 
@@ -245,7 +248,7 @@ class TrainConfig:
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
-    weight_decay: float = 0.1  # AdamW, decoupled; never applied to norm gains
+    weight_decay: float = 0.1  # AdamW, decoupled; never applied to norm gains and biases
     clip_norm: float = 1.0  # global gradient norm; 0 = off
     z_loss: float = 0.0  # coefficient of log(Z)^2 (PaLM); 0 = off
     seed: int = 0  # parameter init and data order
@@ -326,7 +329,7 @@ RULE_TABLES = {
     "weight_rules": ({"embed": "fsdp", "q_heads": "tensor", "kv_heads": "tensor",
                       "mlp": "tensor", "vocab": "tensor"},
                      ("layers", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "vocab",
-                      "norm")),
+                      "norm", "positions")),
     "activation_rules": ({"batch": ["data", "fsdp"], "heads": "tensor", "kv_heads": "tensor",
                           "mlp": "tensor", "vocab": "tensor"},
                          ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
@@ -390,11 +393,6 @@ def build_section(cls: type, fields: Mapping[str, Any], where: str):
         raise ConfigError(f"{where}.{e}") from None
     except TypeError as e:  # e.g. a YAML list where a number belongs
         raise ConfigError(f"{where}: {e}") from None
-
-
-def meta_ffn_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
-    """Meta's SwiGLU width: int(2·4D/3), times the multiplier, rounded up to `multiple_of`."""
-    return default_ffn_dim("swiglu", dim, multiple_of, ffn_dim_multiplier)
 
 
 def default_ffn_dim(mlp: str, dim: int, multiple_of: int,

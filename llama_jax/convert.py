@@ -113,7 +113,7 @@ def convert(src: str | Path, dst: str | Path, to: str = "native", dtype: str | N
     tokens = gate_tokens(config)
     source_logits = float32_logits(config, params, tokens)
     report = {"source_format": fmt, "dtype": config.param_dtype}
-    if reference and fmt != "native":
+    if reference and fmt in ("hf", "meta"):
         ref = transformers_logits(src, fmt, config, tokens)
         if ref is not None:
             report["vs_transformers"] = err = relative_error(source_logits, ref)

@@ -67,9 +67,12 @@ def train_flops_per_token(config: ModelConfig, seq_len: int) -> int:
 
 def decode_bytes_per_step(config: ModelConfig, batch: int, context: int,
                           dtype: str = "bfloat16") -> int:
-    """Bytes one decode step must read: weights (the untied input embedding is only gathered,
-    B rows) plus the KV cache of every row at `context` tokens."""
+    """Bytes one decode step must read: weights (the untied input embedding and a learned
+    position table are only gathered, B rows each) plus the KV cache of every row at `context`
+    tokens."""
     counts = param_counts(config)
     gathered = 0 if config.tie_embeddings else counts.embedding - batch * config.dim
+    positions = count(param_specs(config).get("positions", {}))  # a learned table: B rows
+    gathered += max(positions - batch * config.dim, 0)
     weights = (counts.total - gathered) * dtype_bytes(dtype)
     return weights + batch * context * kv_cache_bytes_per_token(config, dtype)

@@ -170,7 +170,12 @@ def resolve_decode_impl(decode_impl: str) -> str:
 def _decoder_params(params: Params, decode_impl: str) -> Params:
     """The unrolled decoder runs over unstacked layers (see `model.unstack_layers`); the copy
     is made once per set of parameter arrays and reused while those arrays are alive."""
-    if decode_impl == "scan" or _unstacked(params):
+    if _unstacked(params):
+        if decode_impl == "scan":
+            raise GenerateError("decode_impl='scan' needs stacked parameters; these were "
+                                "unstacked (model.unstack_layers): pass the stacked ones")
+        return params
+    if decode_impl == "scan":
         return params
     leaves = jax.tree.leaves(params)
     key = tuple(id(leaf) for leaf in leaves)

@@ -86,6 +86,9 @@ def apply(config: ModelConfig, params: Params, tokens_BT: jax.Array, *,
             positions_BT = index_BT
         context = Context(attention_mask(index_BT, index_BT, segment_ids_BT, segment_ids_BT))
     else:
+        if positions_BT is not None or segment_ids_BT is not None:
+            raise ValueError("with a cache, positions and the mask come from the cache's slots; "
+                             "positions_BT and segment_ids_BT must be None")
         positions_BT, mask_BTS = cache.positions_and_mask(T)
         context = Context(mask_BTS, end=cache.end)
     context = context.replace(rotation=rotation(config, positions_BT))

@@ -1,5 +1,5 @@
 """The optimizer: optax AdamW with a warmup schedule, global-norm clipping, no weight decay on
-norm gains, and skipping of non-finite updates.
+norm gains and biases, and skipping of non-finite updates.
 
 Schedules (all warm up linearly from 0 over `warmup_steps`):
 - cosine: cosine decay to `min_lr_ratio · learning_rate` at `steps` (LLaMA 1-3's schedule);

@@ -33,7 +33,7 @@ from llama_jax.nn.attention import attention_specs
 from llama_jax.nn.mlp import mlp_specs
 from llama_jax.nn.norms import norm_specs
 from llama_jax.nn.positions import position_specs
-from llama_jax.nn.spec import TensorSpec, map_specs, spec_leaves, weight
+from llama_jax.nn.spec import TensorSpec, is_spec, map_specs, weight
 
 Params = dict[str, Any]  # the tree above; leaves are arrays (or TensorSpecs, ShapeDtypeStructs)
 
@@ -76,7 +76,7 @@ def init_params(config: ModelConfig, key: jax.Array) -> Params:
     """Random parameters in `config.param_dtype` (jit it with out_shardings to create them
     sharded; `jax.eval_shape` it to get shapes without allocating)."""
     specs = param_specs(config)
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, TensorSpec))
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     keys = jax.random.split(key, len(leaves))
     dtype = jnp.dtype(config.param_dtype)
 
@@ -99,11 +99,6 @@ def abstract_params(config: ModelConfig) -> Params:
 
 def flat_paths(tree) -> dict[str, Any]:
     """`{"groups/0/attn/wq": leaf, ...}`: every leaf of a parameter tree by its path."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, TensorSpec))
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_spec)
     return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): leaf
             for path, leaf in flat}
-
-
-def n_params(config: ModelConfig) -> int:
-    return sum(s.size for s in spec_leaves(param_specs(config)))

@@ -24,7 +24,7 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from llama_jax.config import MESH_AXES, ConfigError, MeshConfig
+from llama_jax.config import MESH_AXES, RULE_TABLES, ConfigError, MeshConfig
 from llama_jax.nn.spec import map_specs
 
 log = logging.getLogger(__name__)
@@ -80,10 +80,18 @@ def spec(axes: Sequence[str | None], shape: Sequence[int], rules: tuple,
 
 def param_shardings(specs, mesh: Mesh, mesh_config: MeshConfig):
     """A NamedSharding per parameter of a tree of TensorSpecs (`params.param_specs`), from
-    its logical axes and the weight rules."""
-    return map_specs(
-        lambda s: NamedSharding(mesh, spec(s.axes, s.shape, mesh_config.weight_rules,
-                                           mesh.shape, "/".join(s.axes))), specs)
+    its logical axes and the weight rules. An axis name the rules do not know is an error (a
+    new component's typo would otherwise leave its tensors silently replicated)."""
+    known = RULE_TABLES["weight_rules"][1]
+
+    def placed(s) -> NamedSharding:
+        unknown = [a for a in s.axes if a not in known]
+        if unknown:
+            raise ValueError(f"tensor with axes {s.axes}: logical axis name(s) {unknown} are "
+                             f"not weight axes ({', '.join(known)})")
+        return NamedSharding(mesh, spec(s.axes, s.shape, mesh_config.weight_rules, mesh.shape,
+                                        "/".join(s.axes)))
+    return map_specs(placed, specs)
 
 
 def batch_shards(mesh_config: MeshConfig, mesh_shape: Mapping[str, int]) -> int:
@@ -103,7 +111,10 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh, mesh_config: MeshConfig) -> Iterator[None]:
-    """Activates `constrain` (and the mesh) for code traced inside the block."""
+    """Activates `constrain` for code traced inside the block. It is read at trace time and is
+    not part of jit's cache key: a function already traced for the same arguments is not traced
+    again under other rules, so jit a fresh function (or pass the rules as a static argument,
+    as the decoder does) per rule set."""
     token = _ACTIVE.set((mesh, mesh_config))
     try:
         yield

@@ -65,10 +65,10 @@ def claim(workdir: Path, run: RunConfig) -> None:
 def config_differences(stored: RunConfig, new: RunConfig) -> list[str]:
     """`section.field: stored -> new` for every field that changes the run's trajectory. The
     mesh and the model's execution settings (dtypes, remat, scan) may change: checkpoints
-    restore onto any mesh and into any dtype."""
+    restore onto any mesh and into any dtype; so may init-only model fields (`init_std`)."""
     out = []
     old_tree, new_tree = stored.to_dict(), new.to_dict()
-    new_tree["model"] = new.model.architecture()
+    old_tree["model"], new_tree["model"] = stored.model.architecture(), new.model.architecture()
     for section, fields in new_tree.items():
         if section == "mesh":
             continue

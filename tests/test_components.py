@@ -292,3 +292,54 @@ def test_dtype_arguments_accept_any_dtype_like(dtype):
     name = jnp.dtype(dtype).name
     assert dataclasses.replace(BASE, param_dtype=dtype).param_dtype == name
     assert init_cache(BASE, 1, 4, dtype).groups[0].k.dtype == jnp.dtype(dtype)
+
+
+def test_a_misspelt_logical_axis_is_an_error_not_a_silent_replication():
+    from llama_jax.nn.spec import TensorSpec
+
+    mesh_config = MeshConfig(data=1, fsdp=8)
+    mesh = sharding.make_mesh(mesh_config)
+    specs = {"w": TensorSpec("DF", (48, 64), ("embd", "mlp"))}
+    with pytest.raises(ValueError, match=r"\['embd'\] are not weight axes"):
+        sharding.param_shardings(specs, mesh, mesh_config)
+
+
+def test_scan_decoding_of_unstacked_parameters_is_refused(params):
+    config = CONFIGS["llama"]
+    with pytest.raises(llama_jax.GenerateError, match="decode_impl='scan' needs stacked"):
+        llama_jax.generate(config, unstack_layers(params["llama"]), [[1, 2]], 2,
+                           decode_impl="scan")
+
+
+def test_positions_with_a_cache_are_refused(params):
+    config = CONFIGS["llama"]
+    cache = init_cache(config, 1, 8)
+    with pytest.raises(ValueError, match="positions and the mask come from the cache"):
+        apply(config, params["llama"], np.zeros((1, 2), np.int32), cache=cache,
+              positions_BT=np.zeros((1, 2), np.int32))
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "tiny-llama3.2", "llama2-70b", "gpt2-small"])
+def test_the_architecture_survives_the_hf_config_file(name, tmp_path):
+    """What an exported config.json reads back as: init-only fields (multiple_of,
+    ffn_dim_multiplier, init_std) are not architecture, so the resolved ffn_dim is enough."""
+    import json
+
+    from llama_jax.formats import hf
+
+    config = llama_jax.load_model_config(name)
+    (tmp_path / hf.CONFIG).write_text(json.dumps(hf.hf_config(config)))
+    assert hf.read_config(tmp_path).architecture() == config.architecture()
+
+
+def test_a_run_with_llama3_rope_scaling_resumes(tmp_path):
+    from llama_jax import workdir
+
+    run = llama_jax.load_run_config("tiny-llama3.2")
+    assert workdir.config_differences(run, run) == []
+    changed = llama_jax.load_run_config("tiny-llama3.2", ["model.compute_dtype=bfloat16",
+                                                          "model.remat=full",
+                                                          "model.init_std=0.01"])
+    assert workdir.config_differences(run, changed) == []
+    other = llama_jax.load_run_config("tiny-llama3.2", ["model.norm=layernorm"])
+    assert workdir.config_differences(run, other) == ["model.norm: 'rmsnorm' -> 'layernorm'"]

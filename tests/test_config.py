@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from llama_jax.config import (ConfigError, ModelConfig, RopeScaling, list_presets,
-                              load_model_config, meta_ffn_dim)
+                              load_model_config, default_ffn_dim)
 
 TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4)
 
@@ -14,7 +14,7 @@ TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4)
 def test_defaults_follow_meta():
     c = ModelConfig(**TINY)
     assert (c.K, c.H, c.G) == (4, 8, 1)
-    assert c.F == meta_ffn_dim(32, 256, None) == 256
+    assert c.F == default_ffn_dim("swiglu", 32, 256, None) == 256
 
 
 @pytest.mark.parametrize("dim, multiple_of, mult, expected", [
@@ -22,7 +22,7 @@ def test_defaults_follow_meta():
     (8192, 256, None, 22016), (8192, 4096, 1.3, 28672), (4096, 1024, 1.3, 14336),
     (16384, 4096, 1.2, 53248), (2048, 256, 1.5, 8192), (3072, 256, 1.0, 8192)])
 def test_meta_ffn_rule(dim, multiple_of, mult, expected):
-    assert meta_ffn_dim(dim, multiple_of, mult) == expected
+    assert default_ffn_dim("swiglu", dim, multiple_of, mult) == expected
 
 
 def test_config_is_hashable_and_static_under_jit():

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from llama_jax.config import ModelConfig
-from llama_jax.nn.ops import dense, einsum_f32
+from llama_jax.nn.ops import einsum_f32, linear
 from llama_jax.nn.positions import Rotation
 from llama_jax.nn.spec import bias, weight
 from llama_jax.sharding import constrain
@@ -124,9 +124,9 @@ def apply_attention(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Con
     """Self-attention of normed inputs `[B, T, D]`; returns `([B, T, D], kv)`. Without a cache
     the T tokens attend to each other; with one their K/V are written at `context.end` first
     and the queries attend to the whole cache."""
-    q_BTNH = _project(p, "q", "BTD,DNH->BTNH", x_BTD)
-    k_BTKH = _project(p, "k", "BTD,DKH->BTKH", x_BTD)
-    v_BTKH = _project(p, "v", "BTD,DKH->BTKH", x_BTD)
+    q_BTNH = linear("BTD,DNH->BTNH", x_BTD, p["wq"], p.get("bq"))
+    k_BTKH = linear("BTD,DKH->BTKH", x_BTD, p["wk"], p.get("bk"))
+    v_BTKH = linear("BTD,DKH->BTKH", x_BTD, p["wv"], p.get("bv"))
     if context.rotation is not None:
         q_BTNH, k_BTKH = context.rotation.apply(q_BTNH), context.rotation.apply(k_BTKH)
     q_BTNH = constrain(q_BTNH, ("batch", "seq", "heads", "head_dim"))
@@ -137,12 +137,7 @@ def apply_attention(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Con
     else:
         kv = kv.write(k_BTKH, v_BTKH, context)
         out_BTNH = kv.attend(q_BTNH, context)
-    return _project(p, "o", "BTNH,NHD->BTD", out_BTNH), kv
-
-
-def _project(p: dict, name: str, equation: str, x: jax.Array) -> jax.Array:
-    y = dense(equation, x, p[f"w{name}"])
-    return y + p[f"b{name}"].astype(y.dtype) if f"b{name}" in p else y
+    return linear("BTNH,NHD->BTD", out_BTNH, p["wo"], p.get("bo")), kv
 
 
 # ------------------------------------------------------------------------------- the KV cache

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 
 from llama_jax.config import ModelConfig
-from llama_jax.nn.ops import dense
+from llama_jax.nn.ops import linear
 from llama_jax.nn.spec import bias, weight
 from llama_jax.sharding import constrain
 
@@ -43,15 +43,11 @@ def mlp_specs(config: ModelConfig, residual_scale: float) -> dict:
 
 def apply_mlp(config: ModelConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
     act = ACTIVATIONS[config.mlp]
-    up_BTF = _project(p, "up", "BTD,DF->BTF", x_BTD)
+    up_BTF = linear("BTD,DF->BTF", x_BTD, p["w_up"], p.get("b_up"))
     if config.gated_mlp:
-        hidden_BTF = act(_project(p, "gate", "BTD,DF->BTF", x_BTD)) * up_BTF
+        hidden_BTF = act(linear("BTD,DF->BTF", x_BTD, p["w_gate"], p.get("b_gate"))) * up_BTF
     else:
         hidden_BTF = act(up_BTF)
     hidden_BTF = constrain(hidden_BTF, ("batch", "seq", "mlp"))
-    return _project(p, "down", "BTF,FD->BTD", hidden_BTF)
+    return linear("BTF,FD->BTD", hidden_BTF, p["w_down"], p.get("b_down"))
 
-
-def _project(p: dict, name: str, equation: str, x: jax.Array) -> jax.Array:
-    y = dense(equation, x, p[f"w_{name}"])
-    return y + p[f"b_{name}"].astype(y.dtype) if f"b_{name}" in p else y

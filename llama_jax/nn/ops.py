@@ -40,3 +40,9 @@ def dense(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
     w_KN = w.astype(x.dtype).reshape(contracted, -1)
     y = einsum_f32("MK,KN->MN", x.reshape(-1, contracted), w_KN)
     return y.reshape(*rows, *w.shape[n_in:]).astype(x.dtype)
+
+
+def linear(equation: str, x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """`dense`, plus a bias (cast to the result's dtype) when the layer has one."""
+    y = dense(equation, x, w)
+    return y if b is None else y + b.astype(y.dtype)
