@@ -22,6 +22,8 @@ from typing import Any, Mapping, Sequence
 import jax.numpy as jnp
 import yaml
 
+from llama_jax.sharding import MESH_AXES, RULE_TABLES
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 ROPE_TYPES = ("default", "llama3")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
@@ -319,30 +321,11 @@ class DataConfig:
                  "must be a positive integer")
 
 
-MESH_AXES = ("data", "fsdp", "tensor")
-
-# Logical axis -> mesh axes. Weights: FSDP shards the model width of every matrix, tensor
-# parallelism the heads, the FFN width and the vocabulary (Megatron's split). Activations:
-# the batch over data x fsdp, heads / FFN / vocab over tensor. The KV cache: rows over
-# data x fsdp, KV heads over tensor. A config's `mesh:` section overrides entries.
-RULE_TABLES = {
-    "weight_rules": ({"embed": "fsdp", "q_heads": "tensor", "kv_heads": "tensor",
-                      "mlp": "tensor", "vocab": "tensor"},
-                     ("layers", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "vocab",
-                      "norm", "positions")),
-    "activation_rules": ({"batch": ["data", "fsdp"], "heads": "tensor", "kv_heads": "tensor",
-                          "mlp": "tensor", "vocab": "tensor"},
-                         ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
-                          "vocab")),
-    "cache_rules": ({"batch": ["data", "fsdp"], "kv_heads": "tensor"},
-                    ("batch", "kv_heads", "seq", "head_dim")),
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Device mesh sizes (their product is the device count; one may be -1: the rest) and the
-    logical-axis rules (the `mesh:` section). Rules given here are merged over RULE_TABLES and
+    logical-axis rules (the `mesh:` section). Rules given here are merged over the default
+    tables of the sharding module (`sharding.RULE_TABLES`) and
     stored as sorted `(logical axis, (mesh axes...))` tuples, so the config stays hashable."""
 
     data: int = -1
@@ -374,6 +357,20 @@ class MeshConfig:
                     f"must be a mesh axis ({', '.join(MESH_AXES)}), a list of them, or null")
                 rules.append((axis, tuple(t for t in targets if t is not None)))
             object.__setattr__(self, name, tuple(sorted(rules)))
+
+    def shape_for(self, n_devices: int) -> tuple[int, int, int]:
+        """(data, fsdp, tensor) with the -1 entry filled; the product must be `n_devices`."""
+        sizes = [self.data, self.fsdp, self.tensor]
+        known = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            if n_devices % known:
+                raise ConfigError(f"mesh {dict(zip(MESH_AXES, sizes))}: the given sizes "
+                                  f"(product {known}) do not divide the {n_devices} devices")
+            sizes[sizes.index(-1)] = n_devices // known
+        if math.prod(sizes) != n_devices:
+            raise ConfigError(f"mesh {dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} "
+                              f"devices; this run has {n_devices}")
+        return tuple(sizes)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

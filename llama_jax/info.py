@@ -22,7 +22,8 @@ import dataclasses
 
 from llama_jax import costs, hardware, memory, sharding
 from llama_jax.cli import user_errors_exit
-from llama_jax.config import (DTYPES, MESH_AXES, REMAT_POLICIES, ConfigError, MeshConfig,
+from llama_jax.sharding import MESH_AXES
+from llama_jax.config import (DTYPES, REMAT_POLICIES, ConfigError, MeshConfig,
                               ModelConfig, load_model_config)
 
 DEFAULT_BANDWIDTH_GBPS = hardware.HARDWARE["h100"].bandwidth / 1e9

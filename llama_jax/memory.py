@@ -26,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 
 from llama_jax import costs, sharding
-from llama_jax.config import MESH_AXES, MeshConfig, ModelConfig
+from llama_jax.config import MeshConfig, ModelConfig
+from llama_jax.sharding import MESH_AXES
 from llama_jax.nn.spec import spec_leaves
 from llama_jax.params import param_specs
 
@@ -53,7 +54,7 @@ def _ways(rules: tuple, mesh_shape: dict[str, int], axis: str, size: int) -> int
 def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch: int,
                 seq: int, remat: str, micro_batches: int = 1, kv_batch: int = 1,
                 kv_seq: int | None = None, kv_dtype: str = "bfloat16") -> MemoryPlan:
-    shape = dict(zip(MESH_AXES, sharding.mesh_shape(mesh, n_devices)))
+    shape = dict(zip(MESH_AXES, mesh.shape_for(n_devices)))
     param_bytes = costs.dtype_bytes(config.param_dtype)
     state_elems = sum(
         s.size // sharding.shard_ways(sharding.spec(s.axes, s.shape, mesh.weight_rules, shape),

@@ -2,9 +2,10 @@
 
 The model and the parameter descriptions name logical axes only (`TensorSpec.axes`: "embed",
 "q_heads", "mlp", ...; activations: "batch", "heads", ...). This module alone knows the mesh
-(`data`, `fsdp`, `tensor`) and turns names into `PartitionSpec`s through the rules tables of
-`MeshConfig` — one for weights (and the optimizer state, which mirrors them), one for
-activations, one for the KV cache. A mesh axis is used at most once per array, and a mesh axis
+(`data`, `fsdp`, `tensor`) and turns names into `PartitionSpec`s through rules tables — one
+for weights (and the optimizer state, which mirrors them), one for activations, one for the KV
+cache: the defaults below (`RULE_TABLES`), with a config's `mesh:` section (`MeshConfig`)
+merged over them. A mesh axis is used at most once per array, and a mesh axis
 whose size does not divide a dimension (e.g. tensor=8 over MQA's single KV head) is dropped for
 that array, with a log line, rather than failing.
 
@@ -18,39 +19,46 @@ import contextlib
 import contextvars
 import logging
 import math
-from typing import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from llama_jax.config import MESH_AXES, RULE_TABLES, ConfigError, MeshConfig
 from llama_jax.nn.spec import map_specs
 
+if TYPE_CHECKING:
+    from llama_jax.config import MeshConfig
+
 log = logging.getLogger(__name__)
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axis -> mesh axes. Weights: FSDP shards the model width of every matrix, tensor
+# parallelism the heads, the FFN width and the vocabulary (Megatron's split). Activations:
+# the batch over data x fsdp, heads / FFN / vocab over tensor. The KV cache: rows over
+# data x fsdp, KV heads over tensor. A config's `mesh:` section overrides entries.
+RULE_TABLES = {
+    "weight_rules": ({"embed": "fsdp", "q_heads": "tensor", "kv_heads": "tensor",
+                      "mlp": "tensor", "vocab": "tensor"},
+                     ("layers", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "vocab",
+                      "norm", "positions")),
+    "activation_rules": ({"batch": ["data", "fsdp"], "heads": "tensor", "kv_heads": "tensor",
+                          "mlp": "tensor", "vocab": "tensor"},
+                         ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
+                          "vocab")),
+    "cache_rules": ({"batch": ["data", "fsdp"], "kv_heads": "tensor"},
+                    ("batch", "kv_heads", "seq", "head_dim")),
+}
+
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, MeshConfig] | None] = contextvars.ContextVar(
     "llama_jax_mesh", default=None)
 
 
-def mesh_shape(mesh: MeshConfig, n_devices: int) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) with the -1 entry filled; the product must be `n_devices`."""
-    sizes = [mesh.data, mesh.fsdp, mesh.tensor]
-    known = math.prod(s for s in sizes if s != -1)
-    if -1 in sizes:
-        if n_devices % known:
-            raise ConfigError(f"mesh {dict(zip(MESH_AXES, sizes))}: the given sizes "
-                              f"(product {known}) do not divide the {n_devices} devices")
-        sizes[sizes.index(-1)] = n_devices // known
-    if math.prod(sizes) != n_devices:
-        raise ConfigError(f"mesh {dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} devices; "
-                          f"this run has {n_devices}")
-    return tuple(sizes)
-
-
 def make_mesh(mesh: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
-    shape = mesh_shape(mesh, len(devices))
+    shape = mesh.shape_for(len(devices))
     return jax.make_mesh(shape, MESH_AXES, devices=devices,
                          axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 

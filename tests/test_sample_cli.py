@@ -34,10 +34,13 @@ def checkpoint(tmp_path_factory):
     return root / "m"
 
 
-def test_single_prompt_streams_the_greedy_continuation(checkpoint, capsys):
+@pytest.mark.parametrize("decode_impl", ["scan", "unrolled"])
+def test_single_prompt_streams_the_greedy_continuation(checkpoint, decode_impl, capsys):
+    """The default cache dtype follows the (fp32) model; both decode implementations stream
+    what `generate` returns."""
     assert sample.main(["--checkpoint", str(checkpoint), "--prompt", "The cat",
                         "--temperature", "0", "--max-new-tokens", "20", "--chunk-steps", "3",
-                        "--cache-dtype", "float32"]) == 0
+                        "--decode-impl", decode_impl]) == 0
     out, err = capsys.readouterr()
     config, params = llama_jax.load_checkpoint(checkpoint)
     tok = llama_jax.load_tokenizer(checkpoint)

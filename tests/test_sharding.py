@@ -158,7 +158,7 @@ def test_a_run_saved_on_one_mesh_continues_on_another(corpus_dir, tmp_path):
 ])
 def test_mesh_sizes_are_checked(mesh, match):
     if match is None:
-        assert sharding.mesh_shape(mesh, 8) == (1, 8, 1)
+        assert mesh.shape_for(8) == (1, 8, 1)
         return
     with pytest.raises(ConfigError, match=match):
         sharding.make_mesh(mesh)
