@@ -1,7 +1,7 @@
 """Model accounting without allocating a model: parameters, bytes, FLOPs, decode floors.
 
-Every count comes from the parameter descriptions (`params.param_specs`), the same ones `init_params`
-builds arrays from, so a new component is counted without touching this module.
+Every count comes from the parameter descriptions (`params.param_specs`), the same ones
+`init_params` builds arrays from, so a new component is counted without touching this module.
 
 FLOPs: training FLOPs per token = 6·P_mm + 6·L·T·N·H, where P_mm counts every weight used in a
 matmul — the blocks' projection matrices (their decayed tensors; gains and biases are not

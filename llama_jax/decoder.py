@@ -342,8 +342,8 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
     for new_tokens, new_logprobs in stream(
             config, params, prompts, max_new_tokens, temperature=temperature, top_k=top_k,
             top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
-            cache_dtype=cache_dtype, decode_impl=decode_impl, mesh_config=mesh_config, chunk_steps=None,
-            stats=stats):
+            cache_dtype=cache_dtype, decode_impl=decode_impl, mesh_config=mesh_config,
+            chunk_steps=None, stats=stats):
         for row, (t, lp) in enumerate(zip(new_tokens, new_logprobs)):
             tokens[row] += t
             logprobs[row] += lp

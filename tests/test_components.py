@@ -224,7 +224,8 @@ def test_mlp_kinds_match_their_formulas(mlp):
 
 def test_layer_norm_matches_ba_et_al():
     rng = np.random.default_rng(0)
-    x, g, b = 3 * rng.standard_normal((3, 5, 64)) + 2, rng.standard_normal(64), rng.standard_normal(64)
+    x = 3 * rng.standard_normal((3, 5, 64)) + 2
+    g, b = rng.standard_normal(64), rng.standard_normal(64)
     out = layer_norm(jnp.asarray(x, jnp.float32), g, b, 1e-5)
     assert relative_error(out, ref.layer_norm(x, g, b, 1e-5)) < 1e-6
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import llama_jax
-from llama_jax import costs, sharding, trainer
+from llama_jax import sharding, trainer
 from llama_jax.checkpoint import load_checkpoint
 from llama_jax.config import (ConfigError, DataConfig, MeshConfig, ModelConfig, RunConfig,
                               TrainConfig)

@@ -1,7 +1,8 @@
 """Normalisation layers, selected by `config.norm`; statistics always in fp32.
 
 - rmsnorm (Zhang & Sennrich 2019; LLaMA): `x / sqrt(mean(x²) + eps) · g` — no mean, no bias.
-- layernorm (Ba et al. 2016; the original Transformer, GPT-2): `(x − mean) / sqrt(var + eps) · g + b`.
+- layernorm (Ba et al. 2016; the original Transformer, GPT-2):
+  `(x − mean) / sqrt(var + eps) · g + b`.
 
 As in Meta's reference code, the normalised activations are cast back to the compute dtype
 before the gain (and bias) are applied.
@@ -31,7 +32,7 @@ def apply_norm(config: ModelConfig, p: dict, x: jax.Array) -> jax.Array:
 
 
 def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
-    """`x / sqrt(mean(x²) + eps) * gain` over the last axis; statistics in fp32, no mean, no bias."""
+    """`x / sqrt(mean(x²) + eps) * gain` over the last axis; statistics in fp32, no mean or bias."""
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return normed.astype(x.dtype) * gain.astype(x.dtype)
