@@ -278,17 +278,22 @@ def assemble(config: ModelConfig, read: Reader, dtype: np.dtype, meta: bool,
     torch layout, shape-checked by the reader; a fused tensor is read once per part). Each
     stacked leaf is filled layer by layer in `dtype` and moved to the devices — straight into
     its target sharding when `placement` gives one, each device receiving only its shard —
-    before the next is read, so host memory holds one leaf at a time."""
+    before the next is read, so host memory holds one leaf at a time. The largest leaves go
+    first: while a leaf is read it exists two or three times over (file pages, the array read,
+    the device copy), and that transient should not sit on top of everything else."""
     shardings = flat_paths(placement(config)) if placement else {}
     leaves = {}
-    for slot in slots(config):
+    for slot in sorted(slots(config), key=lambda s: -s.spec.size):
         if slot.layers:
             out = np.empty(slot.spec.shape, dtype)
             for j, i in enumerate(slot.layers):
                 out[j] = from_torch(config, slot, read(slot, i), meta)
         else:
             out = from_torch(config, slot, read(slot, None), meta).astype(dtype)
-        leaves[slot.tree_path] = jax.device_put(out, shardings.get(slot.tree_path))
+        # Wait for the copy: an asynchronous transfer would keep `out` alive while the next
+        # leaves are read, and the peak would depend on timing.
+        leaves[slot.tree_path] = jax.block_until_ready(
+            jax.device_put(out, shardings.get(slot.tree_path)))
         del out
     return unflatten(config, leaves)
 
