@@ -110,8 +110,10 @@ class Checkpoints:
 
     def stored_params(self, step: int) -> Any:
         """The metadata tree (shapes and dtypes) of the parameters saved at `step`."""
-        path = self.manager.directory / str(step) / "params"
-        return ocp.StandardCheckpointer().metadata(path).item_metadata.tree
+        # The handler reads the item's own metadata (a Checkpointer would look for a
+        # step-level file that CheckpointManager keeps one level up, and warn).
+        return ocp.StandardCheckpointHandler().metadata(
+            self.manager.directory / str(step) / "params").tree
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         restored = self.manager.restore(step, args=ocp.args.Composite(
