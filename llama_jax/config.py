@@ -94,6 +94,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     mlp: str = "swiglu"  # swiglu | geglu (gated, 3 matrices) | gelu | gelu_tanh | relu (2)
     bias: bool = False  # biases on the attention and MLP projections (GPT-2)
+    embed_scale: bool = False  # token embeddings times √D (Vaswani et al.), before positions
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     init_std: float = dataclasses.field(default=0.02, metadata=INIT)
@@ -139,7 +140,7 @@ class ModelConfig:
                  "must be a positive integer")
         _require(self.norm_eps > 0, "norm_eps", self.norm_eps, "must be > 0")
         _require(self.init_std > 0, "init_std", self.init_std, "must be > 0")
-        for name in ("tie_embeddings", "scan_layers", "bias"):
+        for name in ("tie_embeddings", "scan_layers", "bias", "embed_scale"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name),
                      "must be true or false")
         _require(isinstance(self.eos_ids, (list, tuple)), "eos_ids", self.eos_ids,

@@ -102,7 +102,11 @@ def apply(config: ModelConfig, params: Params, tokens_BT: jax.Array, *,
 
 def embed(config: ModelConfig, params: Params, tokens_BT: jax.Array,
           positions_BT: jax.Array) -> jax.Array:
+    """Token embeddings (times √D with `embed_scale`, as the original Transformer does so that
+    they are not drowned by the unit-amplitude sinusoids) plus absolute positions."""
     x_BTD = jnp.take(params["embed"]["table"], tokens_BT, axis=0).astype(config.compute_dtype)
+    if config.embed_scale:
+        x_BTD = x_BTD * jnp.asarray(config.dim ** 0.5, x_BTD.dtype)
     return add_positions(config, params.get("positions", {}), x_BTD, positions_BT)
 
 

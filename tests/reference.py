@@ -144,6 +144,8 @@ def forward(config, params, tokens_BT, positions_BT=None, segments_BT=None):
         return rope_meta(to_interleaved(x), positions, meta_inv_freq(config))
 
     x = p["embed/table"][tokens]
+    if config.embed_scale:
+        x = x * math.sqrt(config.dim)
     if config.positions == "sinusoidal":
         x = x + sinusoids(positions, config.dim)
     elif config.positions == "learned":

@@ -133,13 +133,13 @@ class Family:
 FAMILIES = (
     Family("Llama", "llama", LLAMA,
            lambda c: {"norm": ("rmsnorm",), "norm_position": ("pre",), "positions": ("rope",),
-                      "mlp": ("swiglu",), "bias": (False,)},
+                      "mlp": ("swiglu",), "bias": (False,), "embed_scale": (False,)},
            buffers=("rotary_emb.inv_freq",)),  # recomputed; some older exports saved it
     # c_attn holds q, k, v as equal thirds of D: multi-head attention over the whole width.
     Family("GPT-2", "gpt2", GPT2,
            lambda c: {"norm": ("layernorm",), "norm_position": ("pre",),
                       "positions": ("learned",), "mlp": ("gelu_tanh", "gelu", "relu"),
-                      "bias": (True,), "n_kv_heads": (c.n_heads,),
+                      "bias": (True,), "embed_scale": (False,), "n_kv_heads": (c.n_heads,),
                       "dim": (c.n_heads * c.head_dim,)},
            base_prefix="transformer.",
            buffers=(".attn.bias", ".attn.masked_bias")),  # causal masks of older saves
