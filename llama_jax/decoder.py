@@ -200,7 +200,7 @@ def _compiled(fn, stats: GenerationStats, mesh_config: MeshConfig | None, *args,
     signature = tuple((np.shape(x), jnp.result_type(x), getattr(x, "sharding", None))
                       if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x
                       for x in leaves)  # the config is a (hashable) leaf of its own
-    key = (fn, tuple(sorted(static.items(), key=lambda kv: kv[0])), treedef, signature)
+    key = (fn, tuple(sorted(static.items())), treedef, signature)
     if key not in _EXECUTABLES:
         start = time.perf_counter()
         _EXECUTABLES[key] = fn.lower(*args, **static).compile()

@@ -157,19 +157,18 @@ def run_layers(config: ModelConfig, groups: tuple, x_BTD: jax.Array, context: Co
 
 
 def _run_group(step, p_group, n_layers: int, x_BTD, context: Context, kv, scan: bool):
-    if isinstance(p_group, tuple):  # unstacked: an unrolled loop with per-layer caches
+    unstacked = isinstance(p_group, tuple)
+    if unstacked or (kv is None and not scan):
+        # An unrolled loop: over unstacked weights with per-layer caches (the CPU decoder), or
+        # over slices of the stacked weights (training with scan_layers=False).
+        layers = p_group if unstacked else [jax.tree.map(lambda w, i=i: w[i], p_group)
+                                            for i in range(n_layers)]
         kvs = list(kv) if kv is not None else [None] * n_layers
         auxes = []
-        for i, p_layer in enumerate(p_group):
+        for i, p_layer in enumerate(layers):
             x_BTD, kvs[i], layer_aux = step(p_layer, x_BTD, context, kvs[i])
             auxes.append(layer_aux)
         return x_BTD, None if kv is None else tuple(kvs), _sum(auxes)
-    if kv is None and not scan:  # training, unrolled over the stacked weights
-        auxes = []
-        for i in range(n_layers):
-            x_BTD, _, layer_aux = step(jax.tree.map(lambda w: w[i], p_group), x_BTD, context)
-            auxes.append(layer_aux)
-        return x_BTD, None, _sum(auxes)
 
     def layer_step(carry, xs):
         x_BTD, kv = carry

@@ -316,15 +316,10 @@ def test_native_checkpoints_of_the_flat_layout_load(hf_dirs, tmp_path):
     """A native directory written before the component tree (flat `layers` of LLaMA tensors)."""
     import orbax.checkpoint as ocp
     import yaml
-    from llama_jax.formats.legacy import PATHS
-    from llama_jax.params import flat_paths
+    from llama_jax.formats.legacy import legacy_target
 
     config, params = load_checkpoint(hf_dirs["gqa"])
-    leaves, legacy = flat_paths(params), {"layers": {}}
-    for old, new in PATHS.items():
-        if new in leaves:
-            *parents, name = old.split("/")
-            (legacy["layers"] if parents else legacy)[name] = np.asarray(leaves[new])
+    legacy = jax.tree.map(np.asarray, legacy_target(params))
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "config.yaml").write_text(yaml.safe_dump({"model": config.to_dict()}))
     checkpointer = ocp.StandardCheckpointer()

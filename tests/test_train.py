@@ -350,18 +350,12 @@ def test_a_workdir_from_the_flat_layout_loads_and_refuses_to_resume(run, straigh
     """Checkpoints written before the component tree (a flat `layers` tree of LLaMA tensors):
     load_checkpoint migrates them; resuming training is refused with one clear message."""
     import orbax.checkpoint as ocp
-    from llama_jax.formats.legacy import PATHS
-    from llama_jax.params import flat_paths
+    from llama_jax.formats.legacy import legacy_target
 
     old = tmp_path / "old"
     shutil.copytree(straight, old)
     params = _final_params(straight)
-    leaves = flat_paths(params)
-    legacy = {"layers": {}}
-    for old_path, new_path in PATHS.items():
-        if new_path in leaves:
-            *parents, name = old_path.split("/")
-            (legacy["layers"] if parents else legacy)[name] = np.asarray(leaves[new_path])
+    legacy = jax.tree.map(np.asarray, legacy_target(params))
     params_dir = (old / run_dir.CHECKPOINTS / "6" / "params").absolute()
     shutil.rmtree(params_dir)
     checkpointer = ocp.StandardCheckpointer()

@@ -30,7 +30,8 @@ def is_legacy(stored: Any) -> bool:
 
 
 def legacy_target(target: Params) -> dict:
-    """Today's abstract target (shapes, dtypes, shardings) rearranged into the old layout."""
+    """A tree of today's layout — an abstract restore target (shapes, dtypes, shardings) or
+    arrays — rearranged into the old layout, leaf for leaf."""
     leaves = flat_paths(target)
     tree: dict = {}
     for old, new in PATHS.items():
