@@ -17,7 +17,7 @@ from pathlib import Path
 
 from llama_jax import load_checkpoint, load_tokenizer
 from llama_jax.cli import user_errors_exit
-from llama_jax.config import DTYPES
+from llama_jax.config import ATTENTION_IMPLS, DTYPES
 from llama_jax.decoder import DECODE_IMPLS, GenerateError, GenerationStats, stream
 from llama_jax.tokenizer import TextStream
 
@@ -41,6 +41,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode-impl", choices=DECODE_IMPLS, default="auto",
                         help="layers as a scan over stacked weights, or an unrolled loop over "
                              "per-layer weights (auto: unrolled on CPU, scan elsewhere)")
+    parser.add_argument("--attention-impl", choices=ATTENTION_IMPLS, default="auto",
+                        help="how the prompt's attention is computed (auto: chunked on CPU, "
+                             "cuDNN on GPUs, splash on TPUs); decode steps use one query")
     parser.add_argument("--chunk-steps", type=int, default=8,
                         help="decode steps between prints when streaming")
     return parser.parse_args(argv)
@@ -68,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = read_prompts(args)
     tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
     config, params = load_checkpoint(args.checkpoint, args.dtype)
+    config = config.with_execution(attention_impl=args.attention_impl)
     token_prompts = [tokenizer.encode(p, bos=True) for p in prompts]
     stats = GenerationStats()
     streaming = len(prompts) == 1

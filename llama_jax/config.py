@@ -33,6 +33,7 @@ NORM_POSITIONS = ("pre", "post")
 POSITIONS = ("rope", "sinusoidal", "learned", "none")
 MLPS = ("swiglu", "geglu", "gelu", "gelu_tanh", "relu")
 GATED_MLPS = ("swiglu", "geglu")
+ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "splash")  # see nn/dot_product.py
 # Field roles: "architecture" fields change the function the model computes; "execution" fields
 # only change how it runs (a run may resume, a checkpoint may load, under other values);
 # "generation" fields are defaults for sampling.
@@ -103,17 +104,24 @@ class ModelConfig:
     remat: str = dataclasses.field(default="none", metadata=EXECUTION)
     # False unrolls the layer loop in training (compile time grows with L).
     scan_layers: bool = dataclasses.field(default=True, metadata=EXECUTION)
+    # How attention is computed (nn/dot_product.py): auto | xla (dense, memory quadratic in T) |
+    # chunked (blockwise, linear) | cudnn (NVIDIA GPUs) | splash (TPUs); blocks of the last three.
+    attention_impl: str = dataclasses.field(default="auto", metadata=EXECUTION)
+    attention_block_q: int = dataclasses.field(default=512, metadata=EXECUTION)
+    attention_block_kv: int = dataclasses.field(default=512, metadata=EXECUTION)
     # ids that end generation by default (from the tokenizer)
     eos_ids: tuple[int, ...] = dataclasses.field(default=(), metadata=GENERATION)
 
     def __post_init__(self):
         for name in ("norm_eps", "rope_theta", "init_std", "ffn_dim_multiplier"):
             object.__setattr__(self, name, _as_float(name, getattr(self, name)))
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "multiple_of", "max_seq_len"):
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "multiple_of", "max_seq_len",
+                     "attention_block_q", "attention_block_kv"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0, name, value, "must be a positive integer")
         for name, kinds in (("norm", NORMS), ("norm_position", NORM_POSITIONS),
-                            ("positions", POSITIONS), ("mlp", MLPS)):
+                            ("positions", POSITIONS), ("mlp", MLPS),
+                            ("attention_impl", ATTENTION_IMPLS)):
             _require(getattr(self, name) in kinds, name, getattr(self, name),
                      f"is not one of {kinds}")
         if self.n_kv_heads is None:
@@ -200,7 +208,8 @@ class ModelConfig:
                 if "role" not in f.metadata}
 
     def with_execution(self, **settings) -> "ModelConfig":
-        """The same architecture with other execution settings (dtypes, remat, scan)."""
+        """The same architecture with other execution settings (dtypes, remat, scan,
+        attention implementation)."""
         roles = {f.name: f.metadata.get("role") for f in dataclasses.fields(self)}
         for name in settings:
             _require(roles.get(name) == "execution", name, settings[name],

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from llama_jax.config import ModelConfig, dtype_name
-from llama_jax.nn.attention import MergedKV, StackedKV, attention_mask
+from llama_jax.nn.attention import MergedKV, StackedKV
+from llama_jax.nn.dot_product import Mask
 from llama_jax.params import layer_groups
 
 LAYOUTS = ("stacked", "per_layer")
@@ -30,15 +31,15 @@ class KVCache:
     end: jax.Array  # [] int32: the next slot to write, shared by all rows
     max_len: int = struct.field(pytree_node=False)  # S
 
-    def positions_and_mask(self, T: int) -> tuple[jax.Array, jax.Array]:
-        """Positions `[B, T]` of the next T tokens and the slots they may see `[B, T, S]`."""
+    def positions_and_mask(self, T: int) -> tuple[jax.Array, Mask]:
+        """Positions `[B, T]` of the next T tokens and the slots they may see."""
         B, S = self.start.shape[0], self.max_len
         q_index_BT = jnp.broadcast_to(self.end + jnp.arange(T, dtype=jnp.int32), (B, T))
         kv_index_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         positions_BT = jnp.maximum(q_index_BT - self.start[:, None], 0)  # padding: unused
-        mask_BTS = attention_mask(q_index_BT, kv_index_BS, jnp.ones((B, T), jnp.int32),
-                                  (kv_index_BS >= self.start[:, None]).astype(jnp.int32))
-        return positions_BT, mask_BTS
+        mask = Mask(q_index_BT, kv_index_BS, jnp.ones((B, T), jnp.int32),
+                    (kv_index_BS >= self.start[:, None]).astype(jnp.int32))
+        return positions_BT, mask
 
     def advance(self, groups: tuple, T: int) -> "KVCache":
         """The cache after T tokens were written into `groups`."""

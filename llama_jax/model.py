@@ -31,7 +31,8 @@ import jax.numpy as jnp
 
 from llama_jax.config import ModelConfig
 from llama_jax.kv_cache import KVCache
-from llama_jax.nn.attention import Context, apply_attention, attention_mask
+from llama_jax.nn.attention import Context, apply_attention
+from llama_jax.nn.dot_product import Mask
 from llama_jax.nn.mlp import apply_mlp
 from llama_jax.nn.norms import apply_norm
 from llama_jax.nn.ops import einsum_f32
@@ -81,16 +82,15 @@ def apply(config: ModelConfig, params: Params, tokens_BT: jax.Array, *,
     positions and the mask then come from the cache (see kv_cache.py)."""
     B, T = tokens_BT.shape
     if cache is None:
-        index_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        context = Context(Mask.causal(B, T, segment_ids_BT))
         if positions_BT is None:
-            positions_BT = index_BT
-        context = Context(attention_mask(index_BT, index_BT, segment_ids_BT, segment_ids_BT))
+            positions_BT = context.mask.q_index_BT
     else:
         if positions_BT is not None or segment_ids_BT is not None:
             raise ValueError("with a cache, positions and the mask come from the cache's slots; "
                              "positions_BT and segment_ids_BT must be None")
-        positions_BT, mask_BTS = cache.positions_and_mask(T)
-        context = Context(mask_BTS, end=cache.end)
+        positions_BT, mask = cache.positions_and_mask(T)
+        context = Context(mask, end=cache.end)
     context = context.replace(rotation=rotation(config, positions_BT))
     x_BTD = embed(config, params, tokens_BT, positions_BT)
     x_BTD, groups, aux = run_layers(config, params["groups"], x_BTD, context,

@@ -19,7 +19,7 @@ import contextlib
 import contextvars
 import logging
 import math
-from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
 
 import jax
 import optax
@@ -173,3 +173,24 @@ def optimizer_state_shardings(optimizer, abstract_params, params_sharding,
     return optax.tree_utils.tree_map_params(
         optimizer, lambda _, s: s, state, params_sharding,
         transform_non_params=lambda _: replicated(mesh))
+
+
+def per_shard(fn: Callable, in_axes: Sequence[Sequence[str | None]],
+              out_axes: Sequence[str | None], table: str = "activation_rules") -> Callable:
+    """`fn` run on each device's shard (`jax.shard_map`) when a mesh is active, and `fn` itself
+    otherwise: for kernels XLA cannot partition (Pallas calls). Inputs and the output are laid
+    out by their logical axes; `fn` must be correct on any shard of them (e.g. per row and
+    head)."""
+    active = _ACTIVE.get()
+    if active is None:
+        return fn
+    mesh, mesh_config = active
+    rules = getattr(mesh_config, table)
+
+    def sharded(*args):
+        out_shape = jax.eval_shape(fn, *args).shape
+        in_specs = tuple(spec(axes, a.shape, rules, mesh.shape) for axes, a in zip(in_axes, args))
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
+                             out_specs=spec(out_axes, out_shape, rules, mesh.shape),
+                             check_vma=False)(*args)
+    return sharded

@@ -38,6 +38,7 @@ from llama_jax.config import ConfigError, RunConfig
 from llama_jax.formats.legacy import is_legacy
 from llama_jax.params import abstract_params, param_specs
 from llama_jax.metrics import MetricsLog
+from llama_jax.nn.dot_product import chosen_attention, describe_attention
 from llama_jax.optim import learning_rate_schedule, make_optimizer
 from llama_jax.training import TrainState, eval_sums, init_state, train_step
 
@@ -57,8 +58,9 @@ class Outcome:
 
 
 def check_run(run: RunConfig, mesh: jax.sharding.Mesh) -> None:
-    """Config errors that only show against the mesh or across sections."""
+    """Config errors that only show against the mesh, the backend or across sections."""
     model, train = run.model, run.train
+    chosen_attention(model)
     if train.seq_len > model.max_seq_len:
         raise ConfigError(f"train.seq_len={train.seq_len} exceeds the model's context "
                           f"(model.max_seq_len={model.max_seq_len})")
@@ -79,6 +81,7 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
     mesh = sharding.make_mesh(run.mesh, devices)
     check_run(run, mesh)
     run_dir.claim(workdir, run)
+    log(describe_attention(model))
 
     corpus = data.find_corpus(run.data.corpus, run.data.val_fraction)
     tokenizer = data.prepare_tokenizer(run.data, corpus, model.vocab_size, workdir, log)

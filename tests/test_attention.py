@@ -1,64 +1,160 @@
-"""Attention: float64 reference, GQA/MQA without repeated K/V, causality, segment masks."""
+"""Attention under every implementation: the float64 reference, chunked == xla (forward and
+gradients) over head groupings, masks and block remainders, GQA/MQA without repeated K/V,
+causality, packed documents, memory linear in T, and the implementation choice itself.
+
+cuDNN and splash cannot run on CPU; their wrappers are checked here through the same calls
+with JAX's reference path (`cudnn_attention(..., implementation="xla")`) and Pallas's
+interpreter (`splash_attention(..., interpret=True)`)."""
+
+import dataclasses
+import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llama_jax.nn.attention import attention, attention_mask
+import llama_jax
+from llama_jax.config import ConfigError, ModelConfig
+from llama_jax.nn.dot_product import (Mask, cudnn_attention, dot_product_attention,
+                                      resolve_attention_impl, splash_attention)
 from reference import relative_error
 import reference as ref
 
 rng = np.random.default_rng(2)
 B, T, H = 2, 11, 16
+SEGMENTS = np.array([[1] * 4 + [2] * 7, [1] * 6 + [2] * 2 + [3] * 3])
+HEADS = {"MHA": (4, 4), "GQA": (8, 2), "MQA": (4, 1)}
 
 
-def qkv(N, K, T=T):
-    q = rng.standard_normal((B, T, N, H)).astype(np.float32)
-    k = rng.standard_normal((B, T, K, H)).astype(np.float32)
-    v = rng.standard_normal((B, T, K, H)).astype(np.float32)
-    return q, k, v
+@functools.partial(jax.jit, static_argnums=0)
+def attend(impl, q, k, v, mask):
+    """`impl`'s output; chunked with blocks (4 x 3) that divide neither T nor S."""
+    if impl == "splash":
+        return splash_attention(q, k, v, mask, scale=q.shape[-1] ** -0.5, block_q=128,
+                                block_kv=128, interpret=True)
+    if impl == "cudnn":
+        return cudnn_attention(q, k, v, mask, scale=q.shape[-1] ** -0.5, implementation="xla")
+    return dot_product_attention(q, k, v, mask, impl=impl, block_q=4, block_kv=3)
+
+
+def qkv(N, K, T=T, S=None, dtype=np.float32):
+    S = T if S is None else S
+    return (rng.standard_normal((B, T, N, H)).astype(dtype),
+            rng.standard_normal((B, S, K, H)).astype(dtype),
+            rng.standard_normal((B, S, K, H)).astype(dtype))
 
 
 def causal(T=T, segments=None):
-    index = jnp.broadcast_to(jnp.arange(T), (B, T))
-    seg = None if segments is None else jnp.asarray(segments)
-    return attention_mask(index, index, seg, seg)
+    return Mask.causal(B, T, None if segments is None else jnp.asarray(segments))
 
 
-@pytest.mark.parametrize("N, K", [(4, 4), (4, 2), (8, 2), (4, 1)], ids=["MHA", "GQA2", "GQA4",
-                                                                        "MQA"])
-def test_matches_float64_reference(N, K):
+def cache_mask(T_new, S, start_B):
+    """Queries at the last T_new of S cache slots; row b's slots before start_B[b] are left
+    padding (the decoder's prefill and decode steps)."""
+    kv_index_BS = jnp.broadcast_to(jnp.arange(S), (B, S))
+    return Mask(jnp.broadcast_to(jnp.arange(S - T_new, S), (B, T_new)), kv_index_BS,
+                jnp.ones((B, T_new), jnp.int32),
+                (kv_index_BS >= jnp.asarray(start_B)[:, None]).astype(jnp.int32))
+
+
+@pytest.mark.parametrize("impl", ["xla", "chunked", "cudnn", "splash"])
+@pytest.mark.parametrize("heads", list(HEADS))
+def test_matches_float64_reference(impl, heads):
+    if impl in ("cudnn", "splash") and heads != "GQA":
+        pytest.skip("the kernel wrappers are checked on one grouping (splash interprets slowly)")
+    q, k, v = qkv(*HEADS[heads])
+    out = attend(impl, q, k, v, causal(segments=SEGMENTS))
+    assert out.shape == q.shape
+    expected = ref.attention(q, k, v, ref.causal_mask(T, SEGMENTS, B=B))
+    assert relative_error(out, expected) < 1e-6
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def loss_and_grads(impl, q, k, v, mask):
+    def loss(q, k, v):  # a random projection of the output: every element gets a cotangent
+        out = attend(impl, q, k, v, mask).astype(jnp.float32)
+        return jnp.sum(out * jnp.asarray(np.random.default_rng(7).standard_normal(out.shape)))
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+MASKS = {
+    "causal": lambda: (T, T, causal()),
+    "packed": lambda: (T, T, causal(segments=SEGMENTS)),
+    "T=1": lambda: (1, 1, Mask.causal(B, 1)),
+    "prefill-left-padded": lambda: (7, 13, cache_mask(7, 13, [0, 5])),
+    "decode-left-padded": lambda: (1, 13, cache_mask(1, 13, [2, 6])),
+}
+
+
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("heads", list(HEADS))
+def test_chunked_equals_xla_forward_and_gradients(heads, mask_name):
+    T_q, S, mask = MASKS[mask_name]()
+    q, k, v = qkv(*HEADS[heads], T=T_q, S=S)
+    from llama_jax.nn.chunked import chunked_attention
+    # The chunked kernel itself (dot_product_attention sends one query to the dense path).
+    chunked = chunked_attention(q, k, v, mask.q_index_BT, mask.kv_index_BS, mask.q_segment_BT,
+                                mask.kv_segment_BS, scale=H ** -0.5, block_q=4, block_kv=3)
+    dense = attend("xla", q, k, v, mask)
+    assert relative_error(chunked, dense) < 1e-5
+    (value_c, grads_c), (value_x, grads_x) = (loss_and_grads(i, q, k, v, mask)
+                                              for i in ("chunked", "xla"))
+    assert relative_error(value_c, value_x) < 1e-5
+    for name, g_c, g_x in zip("qkv", grads_c, grads_x):
+        # (one key alone: softmax is constant and dq is exactly zero on both paths)
+        assert np.linalg.norm(g_c - g_x) <= 1e-5 * np.linalg.norm(g_x), name
+
+
+def test_chunked_bf16_matches_the_bf16_dense_path():
+    q, k, v = (jnp.asarray(a, jnp.bfloat16) for a in qkv(8, 2, T=40))
+    mask = causal(T=40)
+    (value_c, grads_c), (value_x, grads_x) = (loss_and_grads(i, q, k, v, mask)
+                                              for i in ("chunked", "xla"))
+    assert attend("chunked", q, k, v, mask).dtype == jnp.bfloat16
+    # bf16 rounds the (unnormalised) probabilities at different points: a few bf16 ulps.
+    assert relative_error(attend("chunked", q, k, v, mask), attend("xla", q, k, v, mask)) < 1e-2
+    assert relative_error(value_c, value_x) < 2e-2
+    for g_c, g_x in zip(grads_c, grads_x):
+        assert g_c.dtype == jnp.bfloat16 and relative_error(g_c, g_x) < 2e-2
+    full = attend("xla", *(a.astype(jnp.float32) for a in (q, k, v)), mask)
+    assert relative_error(attend("chunked", q, k, v, mask), full) < 1e-2
+
+
+@pytest.mark.parametrize("impl", ["xla", "chunked"])
+def test_grouped_equals_mha_with_repeated_kv(impl):
+    N, K = 8, 2
     q, k, v = qkv(N, K)
-    out = jax.jit(attention)(q, k, v, causal())
-    assert out.shape == (B, T, N, H)
-    assert relative_error(out, ref.attention(q, k, v, ref.causal_mask(T, B=B))) < 1e-6
-
-
-@pytest.mark.parametrize("K", [2, 1])
-def test_grouped_equals_mha_with_repeated_kv(K):
-    N = 8
-    q, k, v = qkv(N, K)
-    grouped = attention(q, k, v, causal())
-    repeated = attention(q, np.repeat(k, N // K, axis=2), np.repeat(v, N // K, axis=2), causal())
+    grouped = attend(impl, q, k, v, causal())
+    repeated = attend(impl, q, np.repeat(k, N // K, axis=2), np.repeat(v, N // K, axis=2),
+                      causal())
     np.testing.assert_allclose(grouped, repeated, rtol=1e-6, atol=1e-6)
 
 
-def test_grouped_attention_never_materialises_repeated_kv():
-    N, K, T_q, S = 8, 2, 3, 13  # T_q != S tells query-shaped arrays from key-shaped ones
-    q = rng.standard_normal((B, T_q, N, H)).astype(np.float32)
-    k, v = (rng.standard_normal((B, S, K, H)).astype(np.float32) for _ in range(2))
-    mask = attention_mask(jnp.full((B, T_q), S - 1), jnp.broadcast_to(jnp.arange(S), (B, S)))
-    jaxpr = jax.make_jaxpr(attention)(q, k, v, mask).jaxpr
-    shapes = {tuple(var.aval.shape) for eqn in jaxpr.eqns for var in eqn.outvars}
-    assert (B, S, N, H) not in shapes and (B, S, K, N // K, H) not in shapes, shapes
+@pytest.mark.parametrize("impl", ["xla", "chunked"])
+def test_grouped_attention_never_materialises_repeated_kv(impl):
+    N, K, T_q, S = 8, 2, 6, 13  # T_q != S tells query-shaped arrays from key-shaped ones
+    q, k, v = qkv(N, K, T=T_q, S=S)
+    mask = cache_mask(T_q, S, [0, 0])
+    jaxpr = jax.make_jaxpr(lambda q, k, v: loss_and_grads(impl, q, k, v, mask))(q, k, v)
+
+    def shapes(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield from (tuple(var.aval.shape) for var in eqn.outvars)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from shapes(sub)
+    found = set(shapes(jaxpr.jaxpr))
+    assert not any(s[-2:] == (N, H) and S in s or (K, N // K, H) == s[-3:] and S in s
+                   for s in found), found
 
 
-def test_causality_by_gradient():
+@pytest.mark.parametrize("impl", ["xla", "chunked"])
+def test_causality_by_gradient(impl):
     q, k, v = qkv(4, 2)
 
     def out_t(k, v, t):
-        return attention(q, k, v, causal())[:, t].sum()
+        return attend(impl, q, k, v, causal())[:, t].sum()
 
     for t in (0, 4, T - 1):
         dk, dv = jax.grad(out_t, argnums=(0, 1))(k, v, t)
@@ -66,29 +162,25 @@ def test_causality_by_gradient():
         assert np.all(np.abs(np.asarray(dv)[:, :t + 1]).sum(axis=(2, 3)) > 0)
 
 
-def test_segments_do_not_attend_across_documents():
-    segments = np.array([[1] * 4 + [2] * 7, [1] * 6 + [2] * 2 + [3] * 3])
+@pytest.mark.parametrize("impl", ["xla", "chunked"])
+def test_segments_do_not_attend_across_documents(impl):
     q, k, v = qkv(4, 2)
-    packed = np.asarray(attention(q, k, v, causal(segments=segments)))
+    packed = np.asarray(attend(impl, q, k, v, causal(segments=SEGMENTS)))
     for b in range(B):
-        for s in np.unique(segments[b]):
-            idx = np.flatnonzero(segments[b] == s)
-            alone = attention(q[b:b + 1, idx], k[b:b + 1, idx], v[b:b + 1, idx],
-                              attention_mask(*(jnp.arange(len(idx))[None],) * 2))
+        for s in np.unique(SEGMENTS[b]):
+            idx = np.flatnonzero(SEGMENTS[b] == s)
+            alone = attend(impl, q[b:b + 1, idx], k[b:b + 1, idx], v[b:b + 1, idx],
+                           Mask.causal(1, len(idx)))
             np.testing.assert_allclose(packed[b, idx], alone[0], rtol=1e-6, atol=1e-6)
 
 
-def test_fully_masked_rows_stay_finite():
+@pytest.mark.parametrize("impl", ["xla", "chunked"])
+def test_fully_masked_rows_stay_finite(impl):
     q, k, v = qkv(4, 2)
-    mask = np.zeros((B, T, T), bool)
-    assert np.isfinite(attention(q, k, v, mask)).all()
-
-
-def test_bf16_attention_is_close_to_fp32():
-    q, k, v = qkv(4, 2)
-    out = attention(*(jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)), causal())
-    assert out.dtype == jnp.bfloat16
-    assert relative_error(out, attention(q, k, v, causal())) < 2e-2
+    nothing = Mask(jnp.full((B, T), -1), jnp.broadcast_to(jnp.arange(T), (B, T)))
+    value, grads = loss_and_grads(impl, q, k, v, nothing)
+    assert np.isfinite(attend(impl, q, k, v, nothing)).all() and np.isfinite(value)
+    assert all(np.isfinite(g).all() for g in grads)
 
 
 @pytest.mark.parametrize("N, K", [(4, 4), (8, 2), (4, 1)], ids=["MHA", "GQA", "MQA"])
@@ -105,3 +197,76 @@ def test_block_diagonal_decode_attention_matches_reference(N, K):
                                           valid)
     ref_out = ref.attention(q, np.swapaxes(k, 1, 2), np.swapaxes(v, 1, 2), valid[:, None, :])
     assert relative_error(out, ref_out) < 1e-6
+
+
+# ------------------------------------------------------------------- memory and the choice
+
+LONG = ModelConfig(vocab_size=128, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64,
+                   max_seq_len=8192)
+
+
+def step_temporaries(config: ModelConfig, T: int) -> int:
+    """Temporary bytes of the compiled loss-and-gradient step at sequence length T."""
+    params = llama_jax.abstract_params(config)
+    tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
+
+    def loss(params, tokens):
+        logits = llama_jax.forward(config, params, tokens)
+        return -jnp.mean(jax.nn.log_softmax(logits)[0, jnp.arange(T), tokens[0]])
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(params, tokens).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.slow
+def test_chunked_step_memory_grows_linearly_with_T():
+    temps = {impl: [step_temporaries(LONG.with_execution(attention_impl=impl), T)
+                    for T in (2048, 4096, 8192)] for impl in ("chunked", "xla")}
+    # Doubling T doubles the chunked step's temporaries (plus a constant: the block tiles)...
+    for small, large in zip(temps["chunked"], temps["chunked"][1:]):
+        assert large < 2.2 * small, temps
+    # ... and quadruples the dense step's scores.
+    for small, large in zip(temps["xla"], temps["xla"][1:]):
+        assert large > 3.5 * small, temps
+    assert temps["xla"][-1] > 20 * temps["chunked"][-1], temps
+
+
+def test_auto_runs_on_cpu_and_picks_chunked():
+    assert resolve_attention_impl("auto", "cpu") == "chunked"
+    assert resolve_attention_impl("auto", "gpu", "bfloat16") == "cudnn"
+    assert resolve_attention_impl("auto", "gpu", "float32") == "chunked"  # cuDNN has no fp32
+    assert resolve_attention_impl("auto", "tpu") == "splash"
+    config = dataclasses.replace(LONG, max_seq_len=64, attention_block_q=16,
+                                 attention_block_kv=16)
+    params = llama_jax.init_params(config, jax.random.key(0))
+    tokens = rng.integers(0, 128, (2, 40), dtype=np.int32)
+    out = llama_jax.forward(config, params, tokens)
+    expected = llama_jax.forward(config.with_execution(attention_impl="xla"), params, tokens)
+    assert relative_error(out, expected) < 1e-5
+
+
+@pytest.mark.parametrize("impl, settings, message", [
+    ("cudnn", {}, "attention_impl='cudnn' needs an NVIDIA GPU, and JAX's backend here is 'cpu'"),
+    ("splash", {}, "attention_impl='splash' needs a TPU, and JAX's backend here is 'cpu'"),
+])
+def test_kernels_the_backend_lacks_are_refused_before_compiling(impl, settings, message):
+    config = LONG.with_execution(attention_impl=impl, **settings)
+    params = llama_jax.abstract_params(config)
+    with pytest.raises(ConfigError, match=message):
+        jax.jit(llama_jax.forward, static_argnums=0).trace(
+            config, params, jax.ShapeDtypeStruct((1, 600), jnp.int32))
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(attention_impl="flash"), "attention_impl='flash' is not one of"),
+    (dict(attention_block_q=0), "attention_block_q=0 must be a positive integer"),
+])
+def test_bad_attention_settings_name_the_field(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        dataclasses.replace(LONG, **fields)
+
+
+def test_kernel_settings_the_kernel_cannot_use_are_refused():
+    with pytest.raises(ConfigError, match="compute_dtype bfloat16 or float16"):
+        resolve_attention_impl("cudnn", "gpu", "float32")
+    with pytest.raises(ConfigError, match="attention_block_q=100: splash attention needs"):
+        resolve_attention_impl("splash", "tpu", block_q=100)

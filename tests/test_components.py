@@ -2,7 +2,10 @@
 the same checks — a float64 reference written from the papers' formulas, cached decode equal
 to the full forward under both decode implementations, sharded equal to unsharded,
 spec-derived parameter counts equal to the real leaves and to `costs`, and the loss falling
-when overfitting one batch. A new component kind gets all of them by adding a config here."""
+when overfitting one batch. A new component kind gets all of them by adding a config here.
+
+Attention runs chunked (the CPU's `auto`) with blocks small enough that every check crosses
+block boundaries; the float64 comparison runs under the dense `xla` path too."""
 
 import dataclasses
 
@@ -23,7 +26,7 @@ import reference as ref
 from reference import relative_error
 
 BASE = ModelConfig(vocab_size=256, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
-                   max_seq_len=64)
+                   max_seq_len=64, attention_block_q=8, attention_block_kv=16)
 # Each kind once against the LLaMA baseline, then the classic recipes and a few mixtures.
 KINDS = {
     "llama": {},
@@ -75,9 +78,10 @@ def tokens(config, batch, length, seed=0):
                                                 dtype=np.int32)
 
 
+@pytest.mark.parametrize("attention_impl", ["chunked", "xla"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_forward_matches_the_float64_reference(name, params):
-    config = CONFIGS[name]
+def test_forward_matches_the_float64_reference(name, attention_impl, params):
+    config = CONFIGS[name].with_execution(attention_impl=attention_impl)
     toks = tokens(config, 2, 24, seed=1)
     segments = np.repeat([[1] * 10 + [2] * 14], 2, axis=0)
     positions = np.concatenate([np.arange(10), np.arange(14)])[None].repeat(2, 0)

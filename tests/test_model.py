@@ -11,7 +11,8 @@ import pytest
 import llama_jax
 from llama_jax.config import load_model_config
 from llama_jax.model import embed, run_layers
-from llama_jax.nn.attention import Context, attention_mask
+from llama_jax.nn.attention import Context
+from llama_jax.nn.dot_product import Mask
 from llama_jax.nn.positions import rotation
 from llama_jax.params import param_specs
 from reference import relative_error
@@ -75,7 +76,7 @@ def test_causality_by_gradient(params):
     T = 10
     index = jnp.arange(T)[None]
     x = embed(TINY, params["gqa"], tokens(TINY, 1, T), index)
-    context = Context(attention_mask(index, index), rotation(TINY, index))
+    context = Context(Mask.causal(1, T), rotation(TINY, index))
 
     def layers(x):
         return run_layers(TINY, params["gqa"]["groups"], x, context)[0]

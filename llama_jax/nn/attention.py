@@ -2,9 +2,10 @@
 its parameters, and its KV cache.
 
 N query heads share K key/value heads (K = N: MHA, K = 1: MQA, otherwise GQA; Ainslie et al.
-2023). Queries are reshaped to (K, G = N/K) and contracted against the K key/value heads
-directly, so repeated K/V are never materialised. Logits, mask and softmax are fp32. RoPE (when
-the positions are rotary) turns q and k after the projections, never v.
+2023). The dot product itself runs under the configured implementation (dot_product.py: dense,
+chunked, cuDNN or splash; all contract queries grouped as (K, G = N/K) against the K key/value
+heads, so repeated K/V are never materialised; logits and softmax are fp32). RoPE (when the
+positions are rotary) turns q and k after the projections, never v.
 
 Masks are built from slot indices, not from RoPE positions: positions restart at each packed
 document and may be arbitrary, while causality is about where a token sits in the sequence (or
@@ -26,46 +27,19 @@ an update is a single `dynamic_update_slice`.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from llama_jax.config import ModelConfig
+from llama_jax.nn.chunked import MASKED
+from llama_jax.nn.dot_product import Mask, dot_product_attention
 from llama_jax.nn.ops import einsum_f32, linear
 from llama_jax.nn.positions import Rotation
 from llama_jax.nn.spec import bias, weight
 from llama_jax.sharding import constrain
-
-# Finite, so that a fully masked row (e.g. padding) gives a uniform softmax instead of NaN.
-_MASKED = float(jnp.finfo(jnp.float32).min)
-
-
-def attention_mask(q_index_BT: jax.Array, kv_index_BS: jax.Array,
-                   q_segment_BT: jax.Array | None = None,
-                   kv_segment_BS: jax.Array | None = None) -> jax.Array:
-    """`[B, T, S]` bool: query t may see key s iff s is not after t (and, with segment ids,
-    both belong to the same segment)."""
-    mask_BTS = kv_index_BS[:, None, :] <= q_index_BT[:, :, None]
-    if q_segment_BT is not None:
-        mask_BTS &= q_segment_BT[:, :, None] == kv_segment_BS[:, None, :]
-    return mask_BTS
-
-
-def attention(q_BTNH: jax.Array, k: jax.Array, v: jax.Array, mask_BTS: jax.Array,
-              kv_layout: str = "BSKH") -> jax.Array:
-    """softmax(q·kᵀ/√H + mask)·v for grouped heads; returns `[B, T, N, H]` in q's dtype.
-
-    `kv_layout` names the axes of k and v: "BSKH" (fresh projections) or "BKSH" (the KV cache,
-    whose heads lead so that each (b, k) block of keys is contiguous for the batched matmuls).
-    """
-    B, T, N, H = q_BTNH.shape
-    K = k.shape[kv_layout.index("K")]
-    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-    logits_BKGTS = einsum_f32(f"BTKGH,{kv_layout}->BKGTS", q_BTKGH, k) * H ** -0.5
-    logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, _MASKED)
-    probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
-    out_BTKGH = einsum_f32(f"BKGTS,{kv_layout}->BTKGH", probs_BKGTS.astype(v.dtype), v)
-    return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
 
 
 def decode_attention_block_diagonal(q_B1NH: jax.Array, k_BCH: jax.Array, v_BCH: jax.Array,
@@ -73,8 +47,8 @@ def decode_attention_block_diagonal(q_B1NH: jax.Array, k_BCH: jax.Array, v_BCH: 
     """Attention of one query per row over a per-layer cache `[B, C = K·S, H]`.
 
     Each row is one matmul over all K·S keys, with query/key pairs of different groups masked
-    out, so the result equals `attention`. That spends K times the score FLOPs of a decode step
-    (small next to reading the cache), but XLA:CPU runs B matmuls of N rows far faster than the
+    out, so the result equals dense attention. That spends K times the score FLOPs of a decode
+    step (small next to reading the cache), but XLA:CPU runs B matmuls of N rows far faster than the
     B·K matmuls of G = N/K rows of the grouped form (measured: 2.2x on the attention alone,
     8.6 -> 6.1 ms for a batch-8 decode step of the benchmark model).
     """
@@ -84,7 +58,7 @@ def decode_attention_block_diagonal(q_B1NH: jax.Array, k_BCH: jax.Array, v_BCH: 
     logits_BNC = einsum_f32("BNH,BCH->BNC", q_B1NH[:, 0], k_BCH) * H ** -0.5
     same_group_NC = (jnp.arange(N) // (N // K))[:, None] == (jnp.arange(C) // S)[None, :]
     mask_BNC = same_group_NC[None] & jnp.tile(mask_BS, (1, K))[:, None, :]
-    probs_BNC = jax.nn.softmax(jnp.where(mask_BNC, logits_BNC, _MASKED), axis=-1)
+    probs_BNC = jax.nn.softmax(jnp.where(mask_BNC, logits_BNC, MASKED), axis=-1)
     out_BNH = einsum_f32("BNC,BCH->BNH", probs_BNC.astype(v_BCH.dtype), v_BCH)
     return out_BNH[:, None].astype(q_B1NH.dtype)
 
@@ -108,12 +82,12 @@ def attention_specs(config: ModelConfig, residual_scale: float) -> dict:
 
 @struct.dataclass
 class Context:
-    """What the attention layers of one forward pass share: which keys each query may see
-    (`[B, T, S]`: the T new tokens in training, the S cache slots when decoding), RoPE's
-    rotation (None without rotary positions), the cache slot of the first new token, and the
-    index of the layer running within its group (set by the layer scan, for stacked caches)."""
+    """What the attention layers of one forward pass share: which keys each query may see (of
+    the T new tokens in training, of the S cache slots when decoding), RoPE's rotation (None
+    without rotary positions), the cache slot of the first new token, and the index of the
+    layer running within its group (set by the layer scan, for stacked caches)."""
 
-    mask_BTS: jax.Array
+    mask: Mask
     rotation: Rotation | None = None
     end: jax.Array | None = None
     layer: jax.Array | int = 0
@@ -132,11 +106,14 @@ def apply_attention(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Con
     q_BTNH = constrain(q_BTNH, ("batch", "seq", "heads", "head_dim"))
     k_BTKH = constrain(k_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
     v_BTKH = constrain(v_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
+    attend = functools.partial(dot_product_attention, impl=config.attention_impl,
+                               block_q=config.attention_block_q,
+                               block_kv=config.attention_block_kv)
     if kv is None:
-        out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, context.mask_BTS)
+        out_BTNH = attend(q_BTNH, k_BTKH, v_BTKH, context.mask)
     else:
         kv = kv.write(k_BTKH, v_BTKH, context)
-        out_BTNH = kv.attend(q_BTNH, context)
+        out_BTNH = kv.attend(attend, q_BTNH, context)
     return linear("BTNH,NHD->BTD", out_BTNH, p["wo"], p.get("bo")), kv
 
 
@@ -165,10 +142,12 @@ class StackedKV:
             return _constrain_stacked(cache_LBKSH)
         return self.replace(k=put(self.k, k_BTKH), v=put(self.v, v_BTKH))
 
-    def attend(self, q_BTNH: jax.Array, context: Context) -> jax.Array:
+    def attend(self, attend, q_BTNH: jax.Array, context: Context) -> jax.Array:
+        """The queries against the layer's cache, by `attend` (`dot_product_attention` with
+        the chosen implementation)."""
         layer = context.layer
-        return attention(q_BTNH, self.k[layer].astype(q_BTNH.dtype),
-                         self.v[layer].astype(q_BTNH.dtype), context.mask_BTS, kv_layout="BKSH")
+        return attend(q_BTNH, self.k[layer].astype(q_BTNH.dtype),
+                      self.v[layer].astype(q_BTNH.dtype), context.mask, kv_layout="BKSH")
 
 
 @struct.dataclass
@@ -198,15 +177,16 @@ class MergedKV:
             return _constrain_merged(cache_BCH)
         return self.replace(k=put(self.k, k_BTKH), v=put(self.v, v_BTKH))
 
-    def attend(self, q_BTNH: jax.Array, context: Context) -> jax.Array:
-        mask_BTS = context.mask_BTS
+    def attend(self, attend, q_BTNH: jax.Array, context: Context) -> jax.Array:
+        """A decode step by `decode_attention_block_diagonal`; longer inputs by `attend`."""
         k_BCH, v_BCH = self._read(self.k, q_BTNH.dtype), self._read(self.v, q_BTNH.dtype)
         B, T, _, H = q_BTNH.shape
         if T == 1:
-            return decode_attention_block_diagonal(q_BTNH, k_BCH, v_BCH, mask_BTS[:, 0])
+            return decode_attention_block_diagonal(q_BTNH, k_BCH, v_BCH,
+                                                   context.mask.dense()[:, 0])
         K, S = k_BCH.shape[1] // self.max_len, self.max_len
-        return attention(q_BTNH, k_BCH.reshape(B, K, S, H), v_BCH.reshape(B, K, S, H),
-                         mask_BTS, kv_layout="BKSH")
+        return attend(q_BTNH, k_BCH.reshape(B, K, S, H), v_BCH.reshape(B, K, S, H),
+                      context.mask, kv_layout="BKSH")
 
     def _read(self, cache_BCH: jax.Array, compute_dtype) -> jax.Array:
         """The cached values in `compute_dtype`. bf16 bits widen to fp32 exactly by a shift."""
