@@ -6,6 +6,7 @@ import json
 import resource
 import subprocess
 import sys
+import time
 
 import llama_jax
 
@@ -34,3 +35,16 @@ def peak_rss_bytes() -> int:
     with open("/proc/self/status") as f:
         line = next(line for line in f if line.startswith("VmHWM:"))
     return int(line.split()[1]) * 1024
+
+
+def time_train_steps(compiled, state, batch, warmup: int, steps: int) -> list[float]:
+    """Seconds of each of `steps` train steps (`compiled(state, batch) -> (state, metrics)`)
+    after `warmup` untimed ones."""
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        metrics["loss"].block_until_ready()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times

@@ -29,7 +29,7 @@ import time
 import jax
 import numpy as np
 
-from common import BENCH_MODEL, peak_rss_bytes, rss_bytes, run_child
+from common import BENCH_MODEL, peak_rss_bytes, rss_bytes, run_child, time_train_steps
 from llama_jax import costs, hardware
 from llama_jax.config import TrainConfig
 from llama_jax.optim import make_optimizer
@@ -56,13 +56,7 @@ def run_ours(compute: str, steps: int) -> dict:
     start = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
-    times = []
-    for i in range(WARMUP_STEPS + steps):
-        start = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        metrics["loss"].block_until_ready()
-        if i >= WARMUP_STEPS:
-            times.append(time.perf_counter() - start)
+    times = time_train_steps(compiled, state, batch, WARMUP_STEPS, steps)
     return {"step_s": times, "compile_s": compile_s,
             "peak_flops": hardware.measure_matmul_flops("float32"),
             "peak_mib": (peak_rss_bytes() - baseline) / 2 ** 20,

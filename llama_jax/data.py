@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -241,7 +242,10 @@ def train_batches(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
     if len(windows) < batch_size:
         raise DataError(f"the training split has {len(tokens)} tokens: fewer than one batch of "
                         f"{batch_size} sequences of {seq_len} tokens")
-    dataset = grain.MapDataset.source(windows).shuffle(seed=seed).repeat()
+    # Endless in practice (2^62 windows) but of finite length: grain's `batch` overflows
+    # computing the length of an infinite dataset in batches of one row.
+    epochs = sys.maxsize // 2 // len(windows)
+    dataset = grain.MapDataset.source(windows).shuffle(seed=seed).repeat(epochs)
     if process_count > 1:
         dataset = dataset[process_index::process_count]
     return iter(dataset.batch(batch_size // process_count).to_iter_dataset())

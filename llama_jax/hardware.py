@@ -21,18 +21,19 @@ class Hardware:
     peak_bf16_flops: float  # dense (no sparsity), per chip / GPU
     memory_bytes: int  # HBM per chip / GPU
     bandwidth: float  # HBM bytes/s
+    backend: str  # the JAX backend that drives it: "cpu", "gpu" or "tpu"
     device_kinds: tuple[str, ...] = ()  # prefixes of `jax.Device.device_kind` it goes by
 
 
 # Vendor datasheets. "cpu" has no entry: it is measured on the machine instead.
 HARDWARE = {h.name: h for h in (
-    Hardware("v4", 275e12, 32 << 30, 1200e9, ("TPU v4",)),
-    Hardware("v5e", 197e12, 16 << 30, 819e9, ("TPU v5 lite", "TPU v5e")),
-    Hardware("v5p", 459e12, 95 << 30, 2765e9, ("TPU v5p", "TPU v5")),
-    Hardware("v6e", 918e12, 32 << 30, 1640e9, ("TPU v6 lite", "TPU v6e")),
-    Hardware("a100", 312e12, 80 << 30, 2039e9, ("NVIDIA A100",)),
-    Hardware("h100", 989e12, 80 << 30, 3350e9, ("NVIDIA H100",)),
-    Hardware("h200", 989e12, 141 << 30, 4800e9, ("NVIDIA H200",)),
+    Hardware("v4", 275e12, 32 << 30, 1200e9, "tpu", ("TPU v4",)),
+    Hardware("v5e", 197e12, 16 << 30, 819e9, "tpu", ("TPU v5 lite", "TPU v5e")),
+    Hardware("v5p", 459e12, 95 << 30, 2765e9, "tpu", ("TPU v5p", "TPU v5")),
+    Hardware("v6e", 918e12, 32 << 30, 1640e9, "tpu", ("TPU v6 lite", "TPU v6e")),
+    Hardware("a100", 312e12, 80 << 30, 2039e9, "gpu", ("NVIDIA A100",)),
+    Hardware("h100", 989e12, 80 << 30, 3350e9, "gpu", ("NVIDIA H100",)),
+    Hardware("h200", 989e12, 141 << 30, 4800e9, "gpu", ("NVIDIA H200",)),
 )}
 
 
@@ -43,7 +44,7 @@ def hardware(name: str) -> Hardware:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         probe = bandwidth_probe()
         return Hardware("cpu", measure_matmul_flops("float32"), memory,
-                        max(probe() for _ in range(3)))
+                        max(probe() for _ in range(3)), "cpu")
     return HARDWARE[name]
 
 

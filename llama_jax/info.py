@@ -4,12 +4,14 @@ device mesh.
     python -m llama_jax.info PRESET_OR_CONFIG_FILE [--batch B] [--seq S] [--dtype D]
                              [--bandwidth GBPS] [--json]
                              [--mesh data=D,fsdp=F,tensor=T --hardware {cpu,v5e,v5p,v6e,h100,h200}
-                              --remat POLICY --mfu 0.4 --compute-dtype bfloat16]
+                              --remat POLICY --mfu 0.4 --compute-dtype bfloat16
+                              --attention-impl {auto,xla,chunked,cudnn,splash}]
 
 All numbers come from `llama_jax.costs` and `llama_jax.memory`; the formulas are printed next
 to the figures. With `--mesh` (or `--hardware`) it adds per-device training memory (weights,
-gradients, AdamW state, activations under the remat policy), the KV cache of B x S tokens per
-device, and the step time at the stated MFU. `--batch` is then the global batch in sequences.
+gradients, AdamW state, activations under the remat policy and the attention implementation as
+it would run on that hardware), the KV cache of B x S tokens per device, and the step time at
+the stated MFU. `--batch` is then the global batch in sequences.
 """
 
 from __future__ import annotations
@@ -18,13 +20,12 @@ import argparse
 import json
 import sys
 
-import dataclasses
-
 from llama_jax import costs, hardware, memory, sharding
 from llama_jax.cli import user_errors_exit
 from llama_jax.sharding import MESH_AXES
-from llama_jax.config import (DTYPES, REMAT_POLICIES, ConfigError, MeshConfig,
+from llama_jax.config import (ATTENTION_IMPLS, DTYPES, REMAT_POLICIES, ConfigError, MeshConfig,
                               ModelConfig, load_model_config)
+from llama_jax.nn.dot_product import chosen_attention
 
 DEFAULT_BANDWIDTH_GBPS = hardware.HARDWARE["h100"].bandwidth / 1e9
 
@@ -64,22 +65,23 @@ def plan(config: ModelConfig, *, batch: int, seq: int, dtype: str,
 
 def plan_training(config: ModelConfig, mesh: MeshConfig, *, batch: int, seq: int, remat: str,
                   compute_dtype: str, device: hardware.Hardware, mfu: float,
-                  kv_dtype: str) -> dict:
+                  kv_dtype: str, attention_impl: str = "auto") -> dict:
     """Per-device memory and step time of training `config` on `mesh` of `device`s."""
     n_devices = mesh.data * mesh.fsdp * mesh.tensor
-    config = dataclasses.replace(config, remat=remat, compute_dtype=compute_dtype,
-                                 param_dtype="float32")
+    config = config.with_execution(remat=remat, compute_dtype=compute_dtype,
+                                   param_dtype="float32", attention_impl=attention_impl)
     batch_ways = sharding.batch_shards(mesh, dict(zip(MESH_AXES, (mesh.data, mesh.fsdp,
                                                                   mesh.tensor))))
     if batch % batch_ways:
         raise ConfigError(f"--batch {batch} does not split over data x fsdp = {batch_ways}")
     m = memory.plan_memory(config, mesh, n_devices, batch=batch, seq=seq, remat=remat,
-                           kv_batch=batch, kv_dtype=kv_dtype)
+                           kv_batch=batch, kv_dtype=kv_dtype, backend=device.backend)
     flops = costs.train_flops_per_token(config, seq) * batch * seq
     step_s = flops / (n_devices * device.peak_bf16_flops * mfu)
     return {"mesh": m.mesh, "devices": n_devices, "hardware": device.name,
             "device_memory_bytes": device.memory_bytes,
             "peak_flops_per_device": device.peak_bf16_flops, "remat": remat,
+            "attention": chosen_attention(config, device.backend),
             "compute_dtype": compute_dtype, "weights_bytes": m.weights,
             "gradients_bytes": m.gradients, "optimizer_bytes": m.optimizer,
             "activations_bytes": m.activations, "training_bytes": m.training,
@@ -95,7 +97,7 @@ def render_training(t: dict, batch: int, seq: int) -> str:
         f"training plan        mesh {mesh} ({t['devices']} x {t['hardware']}: "
         f"{_bytes(t['device_memory_bytes'])}, {t['peak_flops_per_device'] / 1e12:,.0f} TFLOP/s "
         f"each); global batch {batch} x {seq} tokens, fp32 params + AdamW, "
-        f"{t['compute_dtype']} compute, remat {t['remat']}",
+        f"{t['compute_dtype']} compute, remat {t['remat']}, {t['attention']} attention",
         f"  per device: weights {_bytes(t['weights_bytes'])}, gradients "
         f"{_bytes(t['gradients_bytes'])}, optimizer {_bytes(t['optimizer_bytes'])}, "
         f"activations {_bytes(t['activations_bytes'])}",
@@ -175,6 +177,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="model FLOPs utilisation assumed for the step time (default 0.4)")
     parser.add_argument("--compute-dtype", choices=DTYPES, default="bfloat16",
                         help="matmul dtype of the training plan (parameters stay fp32)")
+    parser.add_argument("--attention-impl", choices=ATTENTION_IMPLS, default="auto",
+                        help="attention implementation of the training plan (auto: cuDNN on "
+                             "GPUs, splash on TPUs, chunked on CPUs; xla: dense)")
     return parser.parse_args(argv)
 
 
@@ -199,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         result["training"] = plan_training(
             config, mesh or MeshConfig(data=1), batch=args.batch, seq=seq, remat=args.remat,
             compute_dtype=args.compute_dtype, device=device,
-            mfu=args.mfu, kv_dtype=args.dtype)
+            mfu=args.mfu, kv_dtype=args.dtype, attention_impl=args.attention_impl)
         text += "\n" + render_training(result["training"], args.batch, seq)
     print(json.dumps(result, indent=2) if args.json else text)
     return 0

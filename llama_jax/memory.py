@@ -6,17 +6,22 @@ creates): parameters in `param_dtype`, gradients like them, AdamW's two moments 
 Activations saved for the backward pass, per layer and per token held by the device, in
 `compute_dtype` bytes b (fp32 where the code computes in fp32), under each remat policy:
 - none: block input, both norm outputs, q, k, v, attention output, residual, gate, up and
-  their product: b·(4D + 2·N·H + 2·K·H + 3F), plus the fp32 softmax probabilities and scores,
-  2·4·N·T (attention is computed for all T keys); a plain MLP keeps 2F (up, activation);
-- dots: the outputs of every matmul (q, k, v, scores in fp32, attention output, o, gate, up,
-  down): b·(2·N·H + 2·K·H + 2D + 2F) + 4·N·T (1F for a plain MLP);
-- dots_no_batch: the weight matmuls only (attention's batched matmuls are recomputed):
-  b·(N·H + 2·K·H + 2D + 2F);
+  their product: b·(4D + 2·N·H + 2·K·H + 3F), plus attention's own: the dense (`xla`) path
+  keeps the fp32 softmax probabilities and scores for all T keys, 2·4·N·T; the blockwise ones
+  (chunked, cuDNN, splash) their output again and one fp32 log-sum-exp per head,
+  b·N·H + 4·N; a plain MLP keeps 2F (up, activation);
+- dots: the outputs of every matmul (q, k, v, attention output, o, gate, up, down):
+  b·(2·N·H + 2·K·H + 2D + 2F) (1F for a plain MLP), plus the dense path's fp32 scores, 4·N·T,
+  or the blockwise paths' log-sum-exp, 4·N;
+- dots_no_batch: the weight matmuls only (attention is recomputed): b·(N·H + 2·K·H + 2D + 2F);
 - full: the block input only, b·D (the block is recomputed).
+cuDNN with packed documents (as training is) also keeps its `[T, S]` document mask as a b-byte
+bias per layer, b·T per token, except under the recomputing policies.
 Heads and the FFN width are divided by the tensor axis when the activation rules shard them.
 Working set on top: one whole layer's activations (the layer being back-propagated, recomputed
 under remat), the fp32 logits, their softmax and its gradient, 3·4·V per token (over tensor when
-the vocabulary is sharded), and the embedded input, b·D. The figures are estimates; `python -m
+the vocabulary is sharded), and the embedded input, b·D; for the blockwise paths, a few fp32
+tiles of scores (3·4·N·block_q·block_kv per row). The figures are estimates; `python -m
 llama_jax.info` prints them, and tests/test_memory.py checks them against XLA's
 `compiled.memory_analysis()` on CPU.
 """
@@ -28,6 +33,7 @@ import dataclasses
 from llama_jax import costs, sharding
 from llama_jax.config import MeshConfig, ModelConfig
 from llama_jax.sharding import MESH_AXES
+from llama_jax.nn.dot_product import chosen_attention
 from llama_jax.nn.spec import spec_leaves
 from llama_jax.params import param_specs
 
@@ -53,7 +59,9 @@ def _ways(rules: tuple, mesh_shape: dict[str, int], axis: str, size: int) -> int
 
 def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch: int,
                 seq: int, remat: str, micro_batches: int = 1, kv_batch: int = 1,
-                kv_seq: int | None = None, kv_dtype: str = "bfloat16") -> MemoryPlan:
+                kv_seq: int | None = None, kv_dtype: str = "bfloat16",
+                backend: str = "cpu") -> MemoryPlan:
+    """Per-device bytes of training `config` (attention as it would run on `backend`)."""
     shape = dict(zip(MESH_AXES, mesh.shape_for(n_devices)))
     param_bytes = costs.dtype_bytes(config.param_dtype)
     state_elems = sum(
@@ -71,16 +79,17 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
     # A gated MLP keeps gate, up and their product (two matmul outputs); a plain one up and
     # its activation (one).
     f_saved, f_dots = (3, 2) if config.gated_mlp else (2, 1)
-    scores = 2 * 4 * (config.N // _ways(rules, shape, "heads", config.N)) * T
-    whole_layer = b * (4 * D + 2 * NH + 2 * KH + f_saved * F_local) + scores
+    N_local = config.N // _ways(rules, shape, "heads", config.N)
+    attn = _attention_memory(config, backend, T, b, NH, N_local)
+    whole_layer = b * (4 * D + 2 * NH + 2 * KH + f_saved * F_local) + attn.saved
     per_token = {
         "none": whole_layer,
-        "dots": b * (2 * NH + 2 * KH + 2 * D + f_dots * F_local) + scores // 2,
+        "dots": b * (2 * NH + 2 * KH + 2 * D + f_dots * F_local) + attn.saved_by_dots,
         "dots_no_batch": b * (NH + 2 * KH + 2 * D + f_dots * F_local),
         "full": b * D,
     }[remat]
-    # Working set of the backward pass: one layer's activations (recomputed under remat) and
-    # the logits, their softmax and its gradient.
+    # Working set of the backward pass: one layer's activations (recomputed under remat), the
+    # logits, their softmax and its gradient, and attention's tiles.
     outside = whole_layer + 3 * 4 * V // _ways(rules, shape, "vocab", V) + b * D
     kv_seq = seq if kv_seq is None else kv_seq
     cache = mesh.cache_rules
@@ -88,4 +97,25 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
           // _ways(cache, shape, "batch", kv_batch) // _ways(cache, shape, "kv_heads", config.K))
     return MemoryPlan(mesh=shape, weights=state_elems * param_bytes,
                       gradients=state_elems * param_bytes, optimizer=2 * 4 * state_elems,
-                      activations=tokens * (L * per_token + outside), kv_cache=kv)
+                      activations=tokens * (L * per_token + outside) + rows * attn.tiles,
+                      kv_cache=kv)
+
+
+@dataclasses.dataclass(frozen=True)
+class _AttentionMemory:
+    saved: int  # bytes per token per layer kept with no remat
+    saved_by_dots: int  # of them, those the "dots" policy keeps
+    tiles: int  # working set per row
+
+
+def _attention_memory(config: ModelConfig, backend: str, T: int, b: int, NH: int,
+                      N: int) -> _AttentionMemory:
+    """What attention adds to the activations under the implementation `config` picks on
+    `backend` (N: the heads a device holds)."""
+    impl = chosen_attention(config, backend)
+    block_q, block_kv = min(config.attention_block_q, T), min(config.attention_block_kv, T)
+    if impl == "xla" or (impl == "chunked" and block_q == block_kv == T):  # one block: dense
+        return _AttentionMemory(saved=2 * 4 * N * T, saved_by_dots=4 * N * T, tiles=0)
+    mask = b * T if impl == "cudnn" else 0
+    return _AttentionMemory(saved=b * NH + 4 * N + mask, saved_by_dots=4 * N + mask,
+                            tiles=3 * 4 * N * block_q * block_kv)

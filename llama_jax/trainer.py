@@ -81,7 +81,7 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
     mesh = sharding.make_mesh(run.mesh, devices)
     check_run(run, mesh)
     run_dir.claim(workdir, run)
-    log(describe_attention(model))
+    log(describe_attention(model, train_cfg.seq_len))
 
     corpus = data.find_corpus(run.data.corpus, run.data.val_fraction)
     tokenizer = data.prepare_tokenizer(run.data, corpus, model.vocab_size, workdir, log)

@@ -17,8 +17,9 @@ import pytest
 
 import llama_jax
 from llama_jax.config import ConfigError, ModelConfig
-from llama_jax.nn.dot_product import (Mask, cudnn_attention, dot_product_attention,
-                                      resolve_attention_impl, splash_attention)
+from llama_jax.nn.dot_product import (Mask, cudnn_attention, describe_attention,
+                                      dot_product_attention, resolve_attention_impl,
+                                      splash_attention)
 from reference import relative_error
 import reference as ref
 
@@ -245,8 +246,8 @@ def test_auto_runs_on_cpu_and_picks_chunked():
 
 
 @pytest.mark.parametrize("impl, settings, message", [
-    ("cudnn", {}, "attention_impl='cudnn' needs an NVIDIA GPU, and JAX's backend here is 'cpu'"),
-    ("splash", {}, "attention_impl='splash' needs a TPU, and JAX's backend here is 'cpu'"),
+    ("cudnn", {}, "attention_impl='cudnn' needs an NVIDIA GPU; the backend is 'cpu'"),
+    ("splash", {}, "attention_impl='splash' needs a TPU; the backend is 'cpu'"),
 ])
 def test_kernels_the_backend_lacks_are_refused_before_compiling(impl, settings, message):
     config = LONG.with_execution(attention_impl=impl, **settings)
@@ -270,3 +271,15 @@ def test_kernel_settings_the_kernel_cannot_use_are_refused():
         resolve_attention_impl("cudnn", "gpu", "float32")
     with pytest.raises(ConfigError, match="attention_block_q=100: splash attention needs"):
         resolve_attention_impl("splash", "tpu", block_q=100)
+
+
+def test_the_run_log_line_names_the_choice():
+    config = LONG.with_execution(attention_block_q=256, attention_block_kv=128)
+    assert describe_attention(config, 4096, "cpu") == (
+        "attention: chunked (auto on cpu; blocks of 256 queries x 128 keys)")
+    assert describe_attention(config, 100, "cpu").endswith(
+        "so one block at seq_len 100: computed densely)")
+    assert describe_attention(config.with_execution(attention_impl="xla"), 4096, "cpu") == (
+        "attention: xla (attention_impl)")
+    assert describe_attention(config.with_execution(compute_dtype="bfloat16"), 4096, "gpu") == (
+        "attention: cudnn (auto on gpu)")

@@ -147,3 +147,13 @@ def test_unigram_entropy_ignores_bos():
     tokens = np.array([1, 5, 5, 7, 2, 1, 5, 7, 7, 2], np.uint16)  # 1 = BOS
     p = np.array([3, 3, 2]) / 8  # tokens 5, 7, 2
     assert data.unigram_entropy(tokens, bos_id=1) == pytest.approx(-(p * np.log(p)).sum())
+
+
+def test_batches_of_one_row_are_the_same_windows_in_the_same_order():
+    """Long-context runs train on one sequence per step (configs/demo-long.yaml)."""
+    tokens = np.arange(1, 8 * 10 + 2, dtype=np.uint16)
+    pairs = data.train_batches(tokens, 8, 2, seed=3)
+    singles = data.train_batches(tokens, 8, 1, seed=3)
+    for _ in range(7):  # into the second epoch
+        np.testing.assert_array_equal(next(pairs), np.concatenate([next(singles),
+                                                                   next(singles)]))

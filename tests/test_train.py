@@ -258,6 +258,8 @@ def test_rerunning_a_finished_run_does_nothing(run, straight):
     (dict(data=dict(corpus="/nonexistent/corpus")), DataError, "no such directory"),
     (dict(model=dict(vocab_size=256)), DataError, "training the tokenizer .* failed: .*"
                                                   "Vocabulary size is smaller"),
+    (dict(model=dict(attention_impl="cudnn")), ConfigError,
+     "attention_impl='cudnn' needs an NVIDIA GPU; the backend is 'cpu'"),
 ])
 def test_bad_input_fails_before_compiling(run, tmp_path, monkeypatch, change, error, match):
     monkeypatch.setattr(trainer, "_programs", lambda *a: pytest.fail("compiled"))

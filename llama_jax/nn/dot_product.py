@@ -8,8 +8,8 @@
   keys it is the dense computation, and runs as such.
 - `cudnn`: cuDNN's fused flash attention through `jax.nn.dot_product_attention` (NVIDIA GPUs,
   bf16/fp16). Packed documents go to it as a `[B, 1, T, S]` mask (its public JAX interface has
-  no segment ids), which cuDNN applies as a bias: quadratic, though N·8 times smaller than the
-  dense path's scores.
+  no segment ids), which cuDNN applies as a bias: quadratic, though 2 bytes per query/key pair
+  instead of the dense path's 8·N (fp32 scores and probabilities of N heads).
 - `splash`: the Pallas TPU splash-attention kernel of `jax.experimental` (block-sparse causal
   mask, segment ids), run per shard under `sharding.per_shard` on a mesh.
 - `auto`: cudnn on GPUs where it applies (bf16/fp16, head dims ≤ 128 and multiples of 8),
@@ -82,15 +82,15 @@ def resolve_attention_impl(impl: str, backend: str | None = None,
         return "splash" if backend == "tpu" else "chunked"
     if impl == "cudnn":
         if backend != "gpu":
-            raise ConfigError(f"attention_impl='cudnn' needs an NVIDIA GPU, and JAX's backend "
-                              f"here is {backend!r}; use auto, chunked or xla")
+            raise ConfigError(f"attention_impl='cudnn' needs an NVIDIA GPU; the backend "
+                              f"is {backend!r}; use auto, chunked or xla")
         if not cudnn_ok:
             raise ConfigError(f"attention_impl='cudnn' needs compute_dtype bfloat16 or float16 "
                               f"and a head dim <= 128 divisible by 8 (compute_dtype={dtype}, "
                               f"head_dim={head_dim}); use auto or chunked")
     if impl == "splash":
         if backend != "tpu":
-            raise ConfigError(f"attention_impl='splash' needs a TPU, and JAX's backend here is "
+            raise ConfigError(f"attention_impl='splash' needs a TPU; the backend is "
                               f"{backend!r}; use auto, chunked or xla")
         _splash_blocks_ok(block_q, block_kv)
     return impl
@@ -103,13 +103,18 @@ def chosen_attention(config: ModelConfig, backend: str | None = None) -> str:
                                   config.attention_block_q, config.attention_block_kv)
 
 
-def describe_attention(config: ModelConfig, backend: str | None = None) -> str:
-    """One line for a run's log: the implementation, why, and its blocks."""
+def describe_attention(config: ModelConfig, seq_len: int, backend: str | None = None) -> str:
+    """One line for a run's log: the implementation, why, and its blocks at `seq_len`."""
     backend = backend or jax.default_backend()
     impl = chosen_attention(config, backend)
     why = f"auto on {backend}" if config.attention_impl == "auto" else "attention_impl"
-    blocks = ("" if impl in ("xla", "cudnn") else f"; blocks of {config.attention_block_q} "
-              f"queries x {config.attention_block_kv} keys")
+    blocks = ""
+    if impl in ("chunked", "splash"):
+        blocks = (f"; blocks of {config.attention_block_q} queries x "
+                  f"{config.attention_block_kv} keys")
+        if impl == "chunked" and seq_len <= min(config.attention_block_q,
+                                                config.attention_block_kv):
+            blocks += f", so one block at seq_len {seq_len}: computed densely"
     return f"attention: {impl} ({why}{blocks})"
 
 
