@@ -48,6 +48,8 @@ bench: install
 	$(PY) bench/load_memory.py
 	$(PY) bench/decode.py
 	$(PY) bench/train.py
+	$(PY) bench/attention.py
+	$(PY) bench/attention.py --fit
 
 clean:
 	rm -rf $(VENV) .pytest_cache

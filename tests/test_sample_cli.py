@@ -53,7 +53,7 @@ def test_several_prompts_and_a_prompt_file(checkpoint, tmp_path, capsys):
     (tmp_path / "prompts.txt").write_text("A dog\n\nNumbers:\n")
     assert sample.main(["--checkpoint", str(checkpoint), "--prompt", "The cat",
                         "--prompt-file", str(tmp_path / "prompts.txt"), "--seed", "3",
-                        "--max-new-tokens", "8"]) == 0
+                        "--max-new-tokens", "8", "--attention-impl", "xla"]) == 0
     out = capsys.readouterr().out
     assert [line for line in out.splitlines() if line.startswith("--- prompt")] == [
         "--- prompt 0 ---", "--- prompt 1 ---", "--- prompt 2 ---"]
@@ -65,6 +65,7 @@ def test_several_prompts_and_a_prompt_file(checkpoint, tmp_path, capsys):
     (["--prompt", "x", "--temperature", "-1"], "temperature=-1.0"),
     (["--prompt-file", "/nonexistent"], "No such file"),
     ([], "no prompt"),
+    (["--prompt", "x", "--attention-impl", "splash"], "attention_impl='splash' needs a TPU"),
 ])
 def test_bad_input_is_one_line_and_exit_2(checkpoint, argv, message, capsys):
     assert sample.main(["--checkpoint", str(checkpoint), *argv]) == 2
