@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import llama_jax
-from llama_jax.config import ConfigError, ModelConfig
+from llama_jax import sharding
+from llama_jax.config import ConfigError, MeshConfig, ModelConfig
 from llama_jax.nn.dot_product import (Mask, cudnn_attention, describe_attention,
                                       dot_product_attention, resolve_attention_impl,
                                       splash_attention)
@@ -60,15 +61,35 @@ def cache_mask(T_new, S, start_B):
                 (kv_index_BS >= jnp.asarray(start_B)[:, None]).astype(jnp.int32))
 
 
-@pytest.mark.parametrize("impl", ["xla", "chunked", "cudnn", "splash"])
-@pytest.mark.parametrize("heads", list(HEADS))
+# The kernel wrappers on one grouping (splash interprets slowly); the JAX paths on all three.
+@pytest.mark.parametrize("impl, heads", [(impl, heads) for impl in ("xla", "chunked")
+                                         for heads in HEADS] + [("cudnn", "GQA"),
+                                                                ("splash", "GQA")])
 def test_matches_float64_reference(impl, heads):
-    if impl in ("cudnn", "splash") and heads != "GQA":
-        pytest.skip("the kernel wrappers are checked on one grouping (splash interprets slowly)")
     q, k, v = qkv(*HEADS[heads])
     out = attend(impl, q, k, v, causal(segments=SEGMENTS))
     assert out.shape == q.shape
     expected = ref.attention(q, k, v, ref.causal_mask(T, SEGMENTS, B=B))
+    assert relative_error(out, expected) < 1e-6
+
+
+@pytest.mark.parametrize("mesh_config", [MeshConfig(data=8), MeshConfig(data=2, tensor=4)],
+                         ids=["dp8", "dp2-tp4"])
+def test_splash_runs_per_shard_on_a_mesh(mesh_config):
+    """A Pallas kernel is not partitioned by XLA: on a mesh it runs under shard_map, per row
+    and head shard (`sharding.per_shard`)."""
+    B8, N, K = 8, 8, 4
+    q = rng.standard_normal((B8, T, N, H)).astype(np.float32)
+    k, v = (rng.standard_normal((B8, T, K, H)).astype(np.float32) for _ in range(2))
+    mask = Mask.causal(B8, T, jnp.asarray(np.tile(SEGMENTS, (4, 1))))
+    mesh = sharding.make_mesh(mesh_config)
+    def splash(*args):
+        return splash_attention(*args, scale=H ** -0.5, block_q=128, block_kv=128,
+                                interpret=True)
+    with sharding.use_mesh(mesh, mesh_config):  # a fresh jit: the rules are read when tracing
+        out = jax.jit(splash)(q, k, v, mask)
+        assert "shard_map" in str(jax.make_jaxpr(splash)(q, k, v, mask))
+    expected = ref.attention(q, k, v, np.asarray(mask.dense()))
     assert relative_error(out, expected) < 1e-6
 
 
