@@ -119,8 +119,7 @@ def reference_experts(p, x_XD, experts_XR, weights_XR, mlp):
 def test_experts_match_the_float64_reference(dispatch, mlp):
     x = rng.standard_normal((X, D)).astype(np.float32)
     routing = moe.route(logits(), top_k=2)
-    y, dropped = moe.apply_experts(expert_params(mlp), x, routing, mlp=mlp, dispatch=dispatch,
-                                   capacity_factor=float(E))  # room for every assignment
+    y, dropped = moe.apply_experts(expert_params(mlp), x, routing, mlp=mlp, dispatch=dispatch)
     expected = reference_experts(expert_params(mlp), np.asarray(x, np.float64),
                                  np.asarray(routing.experts_XR), np.asarray(routing.weights_XR),
                                  mlp)
@@ -128,28 +127,38 @@ def test_experts_match_the_float64_reference(dispatch, mlp):
     assert relative_error(y, expected) < 1e-5
 
 
-def test_capacity_equals_dropless_in_values_and_gradients():
+@pytest.mark.parametrize("capacity_factor", [None, 8.0, 1.0, 0.5])
+def test_capacity_equals_dropless_in_values_and_gradients(capacity_factor):
+    """The two dispatches compute one function: with no drops (None, or room for every
+    assignment) and with the same assignments dropped."""
     x = rng.standard_normal((X, D)).astype(np.float32)
     z, p = logits(), expert_params("swiglu")
 
     def loss(p, x, z, dispatch):
         routing = moe.route(z, top_k=2)
-        y, _ = moe.apply_experts(p, x, routing, mlp="swiglu", dispatch=dispatch,
-                                 capacity_factor=float(E))
-        return jnp.sum(y * jnp.cos(jnp.arange(D)))
-    grads = {d: jax.grad(loss, argnums=(0, 1, 2))(p, x, z, d) for d in moe.DISPATCHES}
-    for g_c, g_d in zip(jax.tree.leaves(grads["capacity"]), jax.tree.leaves(grads["dropless"])):
+        y, dropped = moe.apply_experts(p, x, routing, mlp="swiglu", dispatch=dispatch,
+                                       capacity_factor=capacity_factor)
+        return jnp.sum(y * jnp.cos(jnp.arange(D))), dropped
+    out = {d: jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(p, x, z, d)
+           for d in moe.DISPATCHES}
+    (value_c, dropped_c), grads_c = out["capacity"]
+    (value_d, dropped_d), grads_d = out["dropless"]
+    assert int(dropped_c) == int(dropped_d) and (int(dropped_c) > 0) == (
+        capacity_factor in (1.0, 0.5))
+    assert relative_error(value_c, value_d) < 1e-6
+    for g_c, g_d in zip(jax.tree.leaves(grads_c), jax.tree.leaves(grads_d)):
         assert relative_error(g_c, g_d) < 1e-5
-    assert relative_error(loss(p, x, z, "capacity"), loss(p, x, z, "dropless")) < 1e-6
 
 
-def test_a_token_whose_assignments_are_all_dropped_gets_nothing():
+@pytest.mark.parametrize("dispatch", moe.DISPATCHES)
+def test_a_token_whose_assignments_are_all_dropped_gets_nothing(dispatch):
+    """(The block adds the MoE output to the residual: such a token passes through.)"""
     z = np.full((X, E), -5.0, np.float32)
     z[:, 0], z[:, 1] = 5.0, 4.0  # every token wants experts 0 and 1
     routing = moe.route(z, top_k=2)
     x = rng.standard_normal((X, D)).astype(np.float32)
     y, dropped = moe.apply_experts(expert_params("swiglu"), x, routing, mlp="swiglu",
-                                   dispatch="capacity", capacity_factor=1.0)
+                                   dispatch=dispatch, capacity_factor=1.0)
     slots = moe.capacity(X * 2, E, 1.0)  # 6 slots: tokens 0..5 keep both experts
     assert int(dropped) == 2 * (X - slots)
     assert np.all(np.asarray(y)[slots:] == 0) and np.all(np.abs(np.asarray(y)[:slots]) > 0)

@@ -13,15 +13,16 @@ expert's for softmax, its two best experts' sum for sigmoid, as those papers do)
 scores are the combine weights, renormalised to sum to 1 with `normalize_top_k` (Mixtral,
 DeepSeek-V3), times `routed_scaling`.
 
-Dispatch, one interface (`apply_experts`), two implementations with the same results whenever no
-assignment is dropped:
+Dispatch, one interface (`apply_experts`), two implementations of the same function (the
+capacity factor, not the implementation, decides what is dropped):
 - "capacity" (GShard, Switch): each expert has C = ceil(A/E · capacity_factor) slots, filled in
   priority order — every token's first choice before any second choice, tokens in order within
   a choice — by a cumulative sum; assignments beyond C are dropped (the token keeps only its
   other experts, or the residual alone). One-hot dispatch/combine tensors `[X, E, C]` feed
   batched expert matmuls `[E, C, D]`.
 - "dropless" (MegaBlocks-style): assignments sorted by expert, the experts' matmuls as grouped
-  matmuls over the sorted rows (`jax.lax.ragged_dot`), unsorted and weighted.
+  matmuls over the sorted rows (`jax.lax.ragged_dot`), unsorted and weighted; with a capacity
+  factor, the assignments the capacity path would drop get weight zero.
 
 Losses: the load-balancing loss E · Σ_e f_e · P_e, with f_e the fraction of the A assignments
 that go to expert e and P_e the mean score of expert e over tokens (Switch's, extended to top_k
@@ -90,37 +91,45 @@ def capacity(n_assignments: int, n_experts: int, capacity_factor: float) -> int:
     return math.ceil(n_assignments / n_experts * capacity_factor)
 
 
+def slot_positions(routing: Routing, n_experts: int) -> jax.Array:
+    """`[X, R]`: each assignment's position among its expert's assignments, in priority order
+    (every token's first choice, then every second choice, ...; tokens in order within one)."""
+    onehot_AE = jax.nn.one_hot(routing.experts_XR.T.reshape(-1), n_experts, dtype=jnp.int32)
+    position_A = ((jnp.cumsum(onehot_AE, axis=0) - 1) * onehot_AE).sum(-1)
+    return position_A.reshape(routing.experts_XR.shape[::-1]).T
+
+
 def capacity_slots(routing: Routing, n_experts: int, slots: int):
     """`(dispatch_XEC bool, combine_XEC fp32, dropped)`: where each kept assignment sits in its
-    expert's buffer, by priority (all first choices, then all second choices, ...)."""
-    experts_RX = routing.experts_XR.T
-    onehot_RXE = jax.nn.one_hot(experts_RX, n_experts, dtype=jnp.int32)
-    # Position of each assignment among its expert's, counted over (choice, token) order.
-    order_AE = onehot_RXE.reshape(-1, n_experts)
-    position_RX = ((jnp.cumsum(order_AE, axis=0) - 1) * order_AE).sum(-1).reshape(experts_RX.shape)
-    kept_RX = position_RX < slots
-    slot_RXEC = (onehot_RXE[..., None].astype(bool)
-                 & jax.nn.one_hot(position_RX, slots, dtype=bool)[:, :, None, :]
-                 & kept_RX[:, :, None, None])
-    dispatch_XEC = slot_RXEC.any(axis=0)
-    combine_XEC = jnp.einsum("RXEC,XR->XEC", slot_RXEC.astype(jnp.float32), routing.weights_XR)
-    return dispatch_XEC, combine_XEC, routing.experts_XR.size - kept_RX.sum()
+    expert's buffer of `slots`; assignments past it are dropped."""
+    position_XR = slot_positions(routing, n_experts)
+    kept_XR = position_XR < slots
+    slot_XREC = (jax.nn.one_hot(routing.experts_XR, n_experts, dtype=bool)[..., None]
+                 & jax.nn.one_hot(position_XR, slots, dtype=bool)[:, :, None, :]
+                 & kept_XR[:, :, None, None])
+    combine_XEC = jnp.einsum("XREC,XR->XEC", slot_XREC.astype(jnp.float32), routing.weights_XR)
+    return slot_XREC.any(axis=1), combine_XEC, routing.experts_XR.size - kept_XR.sum()
 
 
 def apply_experts(p: dict, x_XD: jax.Array, routing: Routing, *, mlp: str, dispatch: str,
                   capacity_factor: float | None = None) -> tuple[jax.Array, jax.Array]:
     """Σ_r weight_r · Expert_{e_r}(x) per token, `[X, D]` in x's dtype, and the number of
     dropped assignments. `p`: the experts' stacked MLP weights `w_up, w_down[, w_gate]`
-    (`[E, D, F]`, `[E, F, D]`) of MLP kind `mlp`."""
+    (`[E, D, F]`, `[E, F, D]`) of MLP kind `mlp`.
+
+    `capacity_factor` decides which assignments are dropped (None: none), `dispatch` only how
+    the experts' matmuls are laid out: both drop the same assignments and compute the same
+    function (with None, the capacity buffers hold every token: C = X)."""
     E = p["w_up"].shape[0]
+    X, R = routing.experts_XR.shape
+    slots = X if capacity_factor is None else capacity(X * R, E, capacity_factor)
     if dispatch == "capacity":
-        slots = capacity(routing.experts_XR.size, E, capacity_factor)
         dispatch_XEC, combine_XEC, dropped = capacity_slots(routing, E, slots)
         in_ECD = jnp.einsum("XEC,XD->ECD", dispatch_XEC.astype(x_XD.dtype), x_XD)
         out_ECD = _expert_mlp(p, in_ECD, mlp, lambda x, w: einsum_f32("ECI,EIO->ECO", x, w))
         y_XD = einsum_f32("XEC,ECD->XD", combine_XEC, out_ECD)
         return y_XD.astype(x_XD.dtype), dropped
-    X, R = routing.experts_XR.shape
+    kept_XR = slot_positions(routing, E) < slots
     experts_A = routing.experts_XR.reshape(-1)
     order_A = jnp.argsort(experts_A, stable=True)
     rows_AD = x_XD[order_A // R]
@@ -130,8 +139,10 @@ def apply_experts(p: dict, x_XD: jax.Array, routing: Routing, *, mlp: str, dispa
         return jax.lax.ragged_dot(x_AD.astype(jnp.float32), w_EDF.astype(jnp.float32), sizes_E)
     out_AD = _expert_mlp(p, rows_AD, mlp, grouped)
     unsorted_XRD = jnp.zeros_like(out_AD).at[order_A].set(out_AD).reshape(X, R, -1)
-    y_XD = jnp.einsum("XRD,XR->XD", unsorted_XRD, routing.weights_XR)
-    return y_XD.astype(x_XD.dtype), jnp.zeros((), jnp.int32)
+    # Dropped assignments are computed (the grouped matmuls have no fixed buffers to overflow)
+    # and weighted by zero, so the function is the capacity path's.
+    y_XD = jnp.einsum("XRD,XR->XD", unsorted_XRD, jnp.where(kept_XR, routing.weights_XR, 0.0))
+    return y_XD.astype(x_XD.dtype), X * R - kept_XR.sum()
 
 
 def _expert_mlp(p: dict, x, mlp: str, matmul):
