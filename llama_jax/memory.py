@@ -33,7 +33,7 @@ import dataclasses
 from llama_jax import costs, sharding
 from llama_jax.config import MeshConfig, ModelConfig
 from llama_jax.sharding import MESH_AXES
-from llama_jax.nn.dot_product import chosen_attention
+from llama_jax.nn.dot_product import chosen_attention, one_block
 from llama_jax.nn.spec import spec_leaves
 from llama_jax.params import param_specs
 
@@ -114,7 +114,8 @@ def _attention_memory(config: ModelConfig, backend: str, T: int, b: int, NH: int
     `backend` (N: the heads a device holds)."""
     impl = chosen_attention(config, backend)
     block_q, block_kv = min(config.attention_block_q, T), min(config.attention_block_kv, T)
-    if impl == "xla" or (impl == "chunked" and block_q == block_kv == T):  # one block: dense
+    if impl == "xla" or (impl == "chunked" and one_block(T, T, config.attention_block_q,
+                                                         config.attention_block_kv)):
         return _AttentionMemory(saved=2 * 4 * N * T, saved_by_dots=4 * N * T, tiles=0)
     mask = b * T if impl == "cudnn" else 0
     return _AttentionMemory(saved=b * NH + 4 * N + mask, saved_by_dots=4 * N + mask,

@@ -85,11 +85,20 @@ def _tile_ranges(q_index_QBT, kv_index_JBS, q_segment_QBT, kv_segment_JBS):
     return lo_Q.astype(jnp.int32), hi_Q.astype(jnp.int32)
 
 
+def visible(q_index_BT: jax.Array, kv_index_BS: jax.Array, q_segment_BT: jax.Array | None = None,
+            kv_segment_BS: jax.Array | None = None) -> jax.Array:
+    """`[B, T, S]` bool: query t sees key s iff `kv_index[s] <= q_index[t]` and (with segment
+    ids) both are in the same segment."""
+    visible_BTS = kv_index_BS[:, None, :] <= q_index_BT[:, :, None]
+    if q_segment_BT is not None:
+        visible_BTS &= q_segment_BT[:, :, None] == kv_segment_BS[:, None, :]
+    return visible_BTS
+
+
 def _scores(scale, q_BTKGH, k_BSKH, q_index_BT, kv_index_BS, q_segment_BT, kv_segment_BS):
     """One tile's masked fp32 scores `[B, K, G, T, S]`."""
     s_BKGTS = einsum_f32("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH) * scale
-    visible_BTS = ((kv_index_BS[:, None, :] <= q_index_BT[:, :, None])
-                   & (q_segment_BT[:, :, None] == kv_segment_BS[:, None, :]))
+    visible_BTS = visible(q_index_BT, kv_index_BS, q_segment_BT, kv_segment_BS)
     return jnp.where(visible_BTS[:, None, None], s_BKGTS, MASKED)
 
 
@@ -102,7 +111,8 @@ def _flash(scale, q_QBTKGH, k_JBSKH, v_JBSKH, q_index_QBT, kv_index_JBS, q_segme
 
 def _flash_forward(scale, q_QBTKGH, k_JBSKH, v_JBSKH, q_index_QBT, kv_index_JBS, q_segment_QBT,
                    kv_segment_JBS):
-    """Blocked outputs `[Q, B, T, K, G, Hv]` and log-sum-exps `[Q, B, K, G, T]` (fp32)."""
+    """Blocked outputs `[Q, B, T, K, G, Hv]`, log-sum-exps `[Q, B, K, G, T]` (fp32) and the
+    key blocks each query block visits (`_tile_ranges`)."""
     lo_Q, hi_Q = _tile_ranges(q_index_QBT, kv_index_JBS, q_segment_QBT, kv_segment_JBS)
 
     def query_block(_, xs):
@@ -132,12 +142,12 @@ def _flash_forward(scale, q_QBTKGH, k_JBSKH, v_JBSKH, q_index_QBT, kv_index_JBS,
 
     _, (out_QBTKGH, lse_QBKGT) = jax.lax.scan(
         query_block, None, (q_QBTKGH, q_index_QBT, q_segment_QBT, lo_Q, hi_Q))
-    return out_QBTKGH, lse_QBKGT
+    return out_QBTKGH, lse_QBKGT, (lo_Q, hi_Q)
 
 
 def _flash_fwd(scale, q, k, v, q_index, kv_index, q_segment, kv_segment):
-    out, lse = _flash_forward(scale, q, k, v, q_index, kv_index, q_segment, kv_segment)
-    return out, (q, k, v, q_index, kv_index, q_segment, kv_segment, out, lse)
+    out, lse, ranges = _flash_forward(scale, q, k, v, q_index, kv_index, q_segment, kv_segment)
+    return out, (q, k, v, q_index, kv_index, q_segment, kv_segment, out, lse, ranges)
 
 
 def _flash_bwd(scale, residuals, dout_QBTKGH):
@@ -145,8 +155,7 @@ def _flash_bwd(scale, residuals, dout_QBTKGH):
     dV += pᵀ·dO, dP = dO·Vᵀ, dS = p ⊙ (dP − rowsum(dO ⊙ O)), dQ += dS·K·scale and
     dK += dSᵀ·Q·scale. dQ is built per query block; dK and dV accumulate in fp32 across them."""
     (q_QBTKGH, k_JBSKH, v_JBSKH, q_index_QBT, kv_index_JBS, q_segment_QBT, kv_segment_JBS,
-     out_QBTKGH, lse_QBKGT) = residuals
-    lo_Q, hi_Q = _tile_ranges(q_index_QBT, kv_index_JBS, q_segment_QBT, kv_segment_JBS)
+     out_QBTKGH, lse_QBKGT, (lo_Q, hi_Q)) = residuals
 
     def query_block(dkv, xs):
         q_BTKGH, q_index_BT, q_segment_BT, lo, hi, lse_BKGT, do_BTKGH, o_BTKGH = xs

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from llama_jax.config import ATTENTION_IMPLS, ConfigError, ModelConfig, dtype_name
-from llama_jax.nn.chunked import MASKED, chunked_attention
+from llama_jax.nn.chunked import MASKED, chunked_attention, visible
 from llama_jax.nn.ops import einsum_f32
 from llama_jax.sharding import per_shard
 
@@ -60,10 +60,13 @@ class Mask:
 
     def dense(self) -> jax.Array:
         """The `[B, T, S]` bool mask."""
-        mask_BTS = self.kv_index_BS[:, None, :] <= self.q_index_BT[:, :, None]
-        if self.q_segment_BT is not None:
-            mask_BTS &= self.q_segment_BT[:, :, None] == self.kv_segment_BS[:, None, :]
-        return mask_BTS
+        return visible(self.q_index_BT, self.kv_index_BS, self.q_segment_BT, self.kv_segment_BS)
+
+
+def one_block(T: int, S: int, block_q: int, block_kv: int) -> bool:
+    """Whether one block covers all T queries and S keys, where `chunked` is the dense
+    computation and runs as such."""
+    return T <= block_q and S <= block_kv
 
 
 def resolve_attention_impl(impl: str, backend: str | None = None,
@@ -112,8 +115,8 @@ def describe_attention(config: ModelConfig, seq_len: int, backend: str | None = 
     if impl in ("chunked", "splash"):
         blocks = (f"; blocks of {config.attention_block_q} queries x "
                   f"{config.attention_block_kv} keys")
-        if impl == "chunked" and seq_len <= min(config.attention_block_q,
-                                                config.attention_block_kv):
+        if impl == "chunked" and one_block(seq_len, seq_len, config.attention_block_q,
+                                           config.attention_block_kv):
             blocks += f", so one block at seq_len {seq_len}: computed densely"
     return f"attention: {impl} ({why}{blocks})"
 
@@ -137,8 +140,7 @@ def dot_product_attention(q_BTNH: jax.Array, k: jax.Array, v: jax.Array, mask: M
     impl = resolve_attention_impl(impl, compute_dtype=q_BTNH.dtype, head_dim=H,
                                   block_q=block_q, block_kv=block_kv)
     S = k.shape[kv_layout.index("S")]
-    one_block = T <= block_q and S <= block_kv
-    if T == 1 or impl == "xla" or (impl == "chunked" and one_block):
+    if T == 1 or impl == "xla" or (impl == "chunked" and one_block(T, S, block_q, block_kv)):
         return dense_attention(q_BTNH, k, v, mask.dense(), kv_layout=kv_layout, scale=scale)
     if kv_layout == "BKSH":
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
