@@ -31,8 +31,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 NORMS = ("rmsnorm", "layernorm")
 NORM_POSITIONS = ("pre", "post")
 POSITIONS = ("rope", "sinusoidal", "learned", "none")
-MLPS = ("swiglu", "geglu", "gelu", "gelu_tanh", "relu")
+DENSE_MLPS = ("swiglu", "geglu", "gelu", "gelu_tanh", "relu")
+MLPS = (*DENSE_MLPS, "moe")
 GATED_MLPS = ("swiglu", "geglu")
+ROUTERS = ("softmax", "sigmoid")
+MOE_DISPATCHES = ("auto", "capacity", "dropless")  # see nn/moe.py
 ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "splash")  # see nn/dot_product.py
 # Field roles: "architecture" fields change the function the model computes; "execution" fields
 # only change how it runs (a run may resume, a checkpoint may load, under other values);
@@ -69,6 +72,72 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """The `moe:` section of `mlp: moe` (nn/moe.py): E routed experts of which each token uses
+    top_k, plus always-on shared experts; the first `first_dense_layers` blocks keep a dense
+    MLP of kind `expert_mlp` and width `ffn_dim`."""
+
+    n_experts: int = 8
+    top_k: int = 2
+    expert_mlp: str = "swiglu"  # the experts' (and the dense layers') MLP kind
+    expert_ffn_dim: int | None = None  # None: the model's ffn_dim
+    n_shared_experts: int = 0  # always-on experts of the same kind, one MLP n_shared x as wide
+    router: str = "softmax"  # softmax over experts (Mixtral) | sigmoid per expert (DeepSeek-V3)
+    normalize_top_k: bool = True  # the top_k weights renormalised to sum to 1
+    routed_scaling: float = 1.0  # the routed experts' sum times this (DeepSeek-V3: 2.5)
+    n_groups: int = 1  # group-limited routing: experts in n_groups groups ...
+    top_k_groups: int = 1  # ... of which each token picks from its best top_k_groups
+    first_dense_layers: int = 0
+    capacity_factor: float | None = None  # slots per expert / (tokens·top_k/E); None: dropless
+    aux_loss_weight: float = 0.01  # times the load-balancing loss (1 under uniform routing)
+    router_z_loss_weight: float = 0.0  # times mean(logsumexp(logits)^2)
+    # sigmoid router: the selection bias moves by this much per step towards balance (the sign
+    # of mean load - expert load, DeepSeek-V3's gamma), outside the gradient; 0 = frozen
+    bias_update_rate: float = 0.001
+
+    def __post_init__(self):
+        for name in ("routed_scaling", "capacity_factor", "aux_loss_weight",
+                     "router_z_loss_weight", "bias_update_rate"):
+            object.__setattr__(self, name, _as_float(f"moe.{name}", getattr(self, name)))
+        for name in ("n_experts", "top_k", "n_groups", "top_k_groups"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                     f"moe.{name}", value, "must be a positive integer")
+        for name in ("n_shared_experts", "first_dense_layers"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+                     f"moe.{name}", value, "must be a non-negative integer")
+        _require(self.expert_ffn_dim is None or (isinstance(self.expert_ffn_dim, int)
+                                                 and self.expert_ffn_dim > 0),
+                 "moe.expert_ffn_dim", self.expert_ffn_dim, "must be a positive integer")
+        _require(self.expert_mlp in DENSE_MLPS, "moe.expert_mlp", self.expert_mlp,
+                 f"is not one of {DENSE_MLPS}")
+        _require(self.router in ROUTERS, "moe.router", self.router, f"is not one of {ROUTERS}")
+        _require(isinstance(self.normalize_top_k, bool), "moe.normalize_top_k",
+                 self.normalize_top_k, "must be true or false")
+        _require(self.top_k <= self.n_experts, "moe.top_k", self.top_k,
+                 f"must be <= n_experts ({self.n_experts})")
+        _require(self.n_experts % self.n_groups == 0, "moe.n_groups", self.n_groups,
+                 f"must divide n_experts ({self.n_experts})")
+        _require(self.top_k_groups <= self.n_groups, "moe.top_k_groups", self.top_k_groups,
+                 f"must be <= n_groups ({self.n_groups})")
+        if self.n_groups > 1:
+            per_group = self.n_experts // self.n_groups
+            _require(self.top_k <= self.top_k_groups * per_group, "moe.top_k", self.top_k,
+                     f"must be <= top_k_groups x experts per group "
+                     f"({self.top_k_groups} x {per_group})")
+            _require(self.router == "softmax" or per_group >= 2, "moe.n_groups", self.n_groups,
+                     "leaves one expert per group; a sigmoid router scores a group by its two "
+                     "best experts")
+        _require(self.capacity_factor is None or self.capacity_factor > 0,
+                 "moe.capacity_factor", self.capacity_factor, "must be > 0 (or null: dropless)")
+        for name in ("aux_loss_weight", "router_z_loss_weight", "bias_update_rate"):
+            _require(getattr(self, name) >= 0, f"moe.{name}", getattr(self, name), "must be >= 0")
+        _require(self.routed_scaling > 0, "moe.routed_scaling", self.routed_scaling,
+                 "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """One decoder-only Transformer: LLaMA by default, the classic choices by config value.
 
@@ -93,7 +162,8 @@ class ModelConfig:
     rope_theta: float | None = None  # None: 10000 with rope
     rope_type: str | None = None  # None: "default" with rope
     rope_scaling: RopeScaling | None = None
-    mlp: str = "swiglu"  # swiglu | geglu (gated, 3 matrices) | gelu | gelu_tanh | relu (2)
+    mlp: str = "swiglu"  # swiglu | geglu (gated, 3 matrices) | gelu | gelu_tanh | relu (2) | moe
+    moe: MoeConfig | None = None  # with mlp: moe (None there: MoeConfig's defaults)
     bias: bool = False  # biases on the attention and MLP projections (GPT-2)
     embed_scale: bool = False  # token embeddings times √D (Vaswani et al.), before positions
     max_seq_len: int = 2048
@@ -109,6 +179,9 @@ class ModelConfig:
     attention_impl: str = dataclasses.field(default="auto", metadata=EXECUTION)
     attention_block_q: int = dataclasses.field(default=512, metadata=EXECUTION)
     attention_block_kv: int = dataclasses.field(default=512, metadata=EXECUTION)
+    # How MoE experts are dispatched (nn/moe.py): capacity (fixed per-expert buffers) |
+    # dropless (sorted tokens, grouped matmuls) | auto (capacity with a capacity_factor).
+    moe_dispatch: str = dataclasses.field(default="auto", metadata=EXECUTION)
     # ids that end generation by default (from the tokenizer)
     eos_ids: tuple[int, ...] = dataclasses.field(default=(), metadata=GENERATION)
 
@@ -121,7 +194,8 @@ class ModelConfig:
             _require(isinstance(value, int) and value > 0, name, value, "must be a positive integer")
         for name, kinds in (("norm", NORMS), ("norm_position", NORM_POSITIONS),
                             ("positions", POSITIONS), ("mlp", MLPS),
-                            ("attention_impl", ATTENTION_IMPLS)):
+                            ("attention_impl", ATTENTION_IMPLS),
+                            ("moe_dispatch", MOE_DISPATCHES)):
             _require(getattr(self, name) in kinds, name, getattr(self, name),
                      f"is not one of {kinds}")
         if self.n_kv_heads is None:
@@ -138,12 +212,13 @@ class ModelConfig:
         _require(isinstance(self.head_dim, int) and self.head_dim > 0, "head_dim", self.head_dim,
                  "must be a positive integer")
         self._check_positions()
+        self._check_moe()
         if self.ffn_dim_multiplier is not None:
             _require(self.ffn_dim_multiplier > 0, "ffn_dim_multiplier", self.ffn_dim_multiplier,
                      "must be > 0")
         if self.ffn_dim is None:
             object.__setattr__(self, "ffn_dim", default_ffn_dim(
-                self.mlp, self.dim, self.multiple_of, self.ffn_dim_multiplier))
+                self.dense_mlp, self.dim, self.multiple_of, self.ffn_dim_multiplier))
         _require(isinstance(self.ffn_dim, int) and self.ffn_dim > 0, "ffn_dim", self.ffn_dim,
                  "must be a positive integer")
         _require(self.norm_eps > 0, "norm_eps", self.norm_eps, "must be > 0")
@@ -190,15 +265,44 @@ class ModelConfig:
                  self.rope_scaling, f"must be given exactly when rope_type is 'llama3' "
                  f"(rope_type is {self.rope_type!r})")
 
+    def _check_moe(self) -> None:
+        """`moe:` belongs to `mlp: moe` (which defaults it); MoE experts have no biases."""
+        if self.mlp != "moe":
+            if self.moe is not None:
+                raise ConfigError(f"moe: the section applies only to mlp 'moe', not "
+                                  f"{self.mlp!r}; remove it (or set mlp: moe)")
+            return
+        if self.moe is None:
+            object.__setattr__(self, "moe", MoeConfig())
+        _require(isinstance(self.moe, MoeConfig), "moe", self.moe,
+                 "must be a mapping of MoE fields")
+        _require(not self.bias, "bias", self.bias, "is not supported with mlp 'moe'")
+        _require(self.moe.first_dense_layers < self.n_layers, "moe.first_dense_layers",
+                 self.moe.first_dense_layers, f"must be < n_layers ({self.n_layers})")
+
+    @property
+    def dense_mlp(self) -> str:
+        """The kind of every dense MLP: `mlp`, or the MoE experts' kind (which its dense first
+        layers and shared experts also use)."""
+        return self.moe.expert_mlp if self.mlp == "moe" else self.mlp
+
     @property
     def gated_mlp(self) -> bool:
-        return self.mlp in GATED_MLPS
+        return self.dense_mlp in GATED_MLPS
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        return self.moe.expert_ffn_dim or self.ffn_dim
 
     @property
     def dims(self) -> dict[str, int]:
-        """Sizes by dimension letter, for `TensorSpec` shapes."""
-        return {"V": self.V, "D": self.D, "N": self.N, "K": self.K, "H": self.H, "F": self.F,
+        """Sizes by dimension letter, for `TensorSpec` shapes (E, M, U: with mlp moe)."""
+        dims = {"V": self.V, "D": self.D, "N": self.N, "K": self.K, "H": self.H, "F": self.F,
                 "P": self.max_seq_len}
+        if self.mlp == "moe":
+            dims.update(E=self.moe.n_experts, M=self.expert_ffn_dim,
+                        U=self.moe.n_shared_experts * self.expert_ffn_dim)
+        return dims
 
     def architecture(self) -> dict[str, Any]:
         """The fields that determine the function the model computes (no execution settings,
@@ -230,15 +334,18 @@ class ModelConfig:
     def from_dict(cls, fields: Mapping[str, Any], where: str = "model") -> "ModelConfig":
         """Builds a config from plain data (a YAML section); `where` prefixes error messages."""
         fields = dict(fields)
-        scaling = fields.get("rope_scaling")
-        if isinstance(scaling, Mapping):
-            _check_keys(scaling, RopeScaling, f"{where}.rope_scaling")
-            fields["rope_scaling"] = build_section(RopeScaling, scaling, where)
+        for name, section in (("rope_scaling", RopeScaling), ("moe", MoeConfig)):
+            if isinstance(fields.get(name), Mapping):  # its errors name `name.field` already
+                _check_keys(fields[name], section, f"{where}.{name}")
+                fields[name] = build_section(section, fields[name], where)
         return build_section(cls, fields, where)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for a YAML file (tuples become lists)."""
-        return {**dataclasses.asdict(self), "eos_ids": list(self.eos_ids)}
+        out = {**dataclasses.asdict(self), "eos_ids": list(self.eos_ids)}
+        if self.moe is None:
+            del out["moe"]  # a dense model's file has no MoE section
+        return out
 
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -341,12 +448,13 @@ class MeshConfig:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    expert: int = 1  # expert parallelism: MoE experts split over it (a batch axis elsewhere)
     weight_rules: Any = None  # {logical axis: mesh axis | [mesh axes] | null}
     activation_rules: Any = None
     cache_rules: Any = None
 
     def __post_init__(self):
-        sizes = [self.data, self.fsdp, self.tensor]
+        sizes = list(self.sizes)
         for name, size in zip(MESH_AXES, sizes):
             _require(isinstance(size, int) and not isinstance(size, bool)
                      and (size > 0 or size == -1), name, size, "must be a positive integer or -1")
@@ -368,9 +476,15 @@ class MeshConfig:
                 rules.append((axis, tuple(t for t in targets if t is not None)))
             object.__setattr__(self, name, tuple(sorted(rules)))
 
-    def shape_for(self, n_devices: int) -> tuple[int, int, int]:
-        """(data, fsdp, tensor) with the -1 entry filled; the product must be `n_devices`."""
-        sizes = [self.data, self.fsdp, self.tensor]
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The axis sizes in `MESH_AXES` order, as given (-1 unfilled)."""
+        return tuple(getattr(self, name) for name in MESH_AXES)
+
+    def shape_for(self, n_devices: int) -> tuple[int, ...]:
+        """The sizes in `MESH_AXES` order with the -1 entry filled; the product must be
+        `n_devices`."""
+        sizes = list(self.sizes)
         known = math.prod(s for s in sizes if s != -1)
         if -1 in sizes:
             if n_devices % known:

@@ -3,8 +3,8 @@ device mesh.
 
     python -m llama_jax.info PRESET_OR_CONFIG_FILE [--batch B] [--seq S] [--dtype D]
                              [--bandwidth GBPS] [--json]
-                             [--mesh data=D,fsdp=F,tensor=T --hardware {cpu,v5e,v5p,v6e,h100,h200}
-                              --remat POLICY --mfu 0.4 --compute-dtype bfloat16
+                             [--mesh data=D,fsdp=F,tensor=T[,expert=E]
+                              --hardware {cpu,v5e,v5p,v6e,h100,h200} --remat POLICY --mfu 0.4 --compute-dtype bfloat16
                               --attention-impl {auto,xla,chunked,cudnn,splash}]
 
 All numbers come from `llama_jax.costs` and `llama_jax.memory`; the formulas are printed next
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from llama_jax import costs, hardware, memory, sharding
@@ -67,13 +68,13 @@ def plan_training(config: ModelConfig, mesh: MeshConfig, *, batch: int, seq: int
                   compute_dtype: str, device: hardware.Hardware, mfu: float,
                   kv_dtype: str, attention_impl: str = "auto") -> dict:
     """Per-device memory and step time of training `config` on `mesh` of `device`s."""
-    n_devices = mesh.data * mesh.fsdp * mesh.tensor
+    n_devices = math.prod(mesh.sizes)
     config = config.with_execution(remat=remat, compute_dtype=compute_dtype,
                                    param_dtype="float32", attention_impl=attention_impl)
-    batch_ways = sharding.batch_shards(mesh, dict(zip(MESH_AXES, (mesh.data, mesh.fsdp,
-                                                                  mesh.tensor))))
+    batch_ways = sharding.batch_shards(mesh, dict(zip(MESH_AXES, mesh.sizes)))
     if batch % batch_ways:
-        raise ConfigError(f"--batch {batch} does not split over data x fsdp = {batch_ways}")
+        raise ConfigError(f"--batch {batch} does not split over data x fsdp x expert = "
+                          f"{batch_ways}")
     m = memory.plan_memory(config, mesh, n_devices, batch=batch, seq=seq, remat=remat,
                            kv_batch=batch, kv_dtype=kv_dtype, backend=device.backend)
     flops = costs.train_flops_per_token(config, seq) * batch * seq
@@ -114,11 +115,11 @@ def parse_mesh(text: str) -> MeshConfig:
     for item in text.split(","):
         name, _, value = item.partition("=")
         if name not in MESH_AXES or not value.lstrip("-").isdigit():
-            raise ConfigError(f"--mesh {text!r}: expected data=D,fsdp=F,tensor=T "
+            raise ConfigError(f"--mesh {text!r}: expected data=D,fsdp=F,tensor=T[,expert=E] "
                               f"(axes {', '.join(MESH_AXES)})")
         sizes[name] = int(value)
     mesh = MeshConfig(**{"data": 1, **sizes})
-    if -1 in (mesh.data, mesh.fsdp, mesh.tensor):
+    if -1 in mesh.sizes:
         raise ConfigError(f"--mesh {text!r}: give every size (the planner has no devices "
                           "to fill -1 from)")
     return mesh

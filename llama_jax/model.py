@@ -8,8 +8,11 @@ no final norm (Vaswani et al. 2017), absolute positions added to the embedding, 
 MLPs, biases.
 
 `block` is the one block function: it serves the training forward, prefill and decode (the KV
-cache is an optional input and output) and returns auxiliary outputs (a dict of scalars to add
-to the loss; empty for the components so far). Layers run group by group (`layer_groups`):
+cache is an optional input and output) and returns auxiliary outputs: a dict with the weighted
+losses to add to the objective under "loss" and statistics of a component under its name (the
+MoE's routing loads, nn/moe.py); empty for dense blocks. They come back per group, stacked over
+its layers (`Output.aux`); `aux_loss`, `aux_metrics` and `update_outside_gradient` read them.
+Layers run group by group (`layer_groups`):
 
 - stacked weights `[L, ...]` run under one `lax.scan` per group, so compile time does not grow
   with depth; a stacked cache rides in the carry and is updated in place (passing it as scanned
@@ -34,10 +37,11 @@ from llama_jax.kv_cache import KVCache
 from llama_jax.nn.attention import Context, apply_attention
 from llama_jax.nn.dot_product import Mask
 from llama_jax.nn.mlp import apply_mlp
+from llama_jax.nn.moe import apply_moe, moe_metrics, update_selection_bias
 from llama_jax.nn.norms import apply_norm
 from llama_jax.nn.ops import einsum_f32
 from llama_jax.nn.positions import add_positions, rotation
-from llama_jax.params import Params, layer_groups
+from llama_jax.params import LayerGroup, Params, layer_groups
 from llama_jax.sharding import constrain
 
 REMAT_POLICY_FNS = {
@@ -50,7 +54,7 @@ REMAT_POLICY_FNS = {
 class Output(NamedTuple):
     hidden_BTD: jax.Array  # final hidden states (after the final norm of pre-norm models)
     cache: KVCache | None  # the cache with the new tokens' K/V written, when one was given
-    aux: dict  # auxiliary outputs summed over layers (losses to add to the objective)
+    aux: tuple  # per layer group: the blocks' auxiliary outputs, stacked over its layers
 
 
 def forward(config: ModelConfig, params: Params, tokens_BT: jax.Array, *,
@@ -120,8 +124,9 @@ def lm_head(config: ModelConfig, params: Params, h_BTD: jax.Array) -> jax.Array:
     return constrain(logits_BTV, ("batch", "seq", "vocab"))
 
 
-def block(config: ModelConfig, p: Params, x_BTD: jax.Array, context: Context, kv=None):
-    """One block on one layer's (unstacked) weights: `(x_BTD, kv, aux)`.
+def block(config: ModelConfig, group: LayerGroup, p: Params, x_BTD: jax.Array,
+          context: Context, kv=None):
+    """One block of `group` on one layer's (unstacked) weights: `(x_BTD, kv, aux)`.
 
     pre-norm:  h = x + Attn(Norm(x));  out = h + MLP(Norm(h))
     post-norm: h = Norm(x + Attn(x));  out = Norm(h + MLP(h))
@@ -134,26 +139,30 @@ def block(config: ModelConfig, p: Params, x_BTD: jax.Array, context: Context, kv
     if not pre:
         h_BTD = apply_norm(config, p["attn_norm"], h_BTD)
     mlp_in = apply_norm(config, p["mlp_norm"], h_BTD) if pre else h_BTD
-    out_BTD = h_BTD + apply_mlp(config, p["mlp"], mlp_in)
+    if group.moe:  # the cached decoder (kv given) never drops tokens: see nn/moe.py
+        mlp_BTD, aux = apply_moe(config, p["mlp"], mlp_in, drop=kv is None)
+    else:
+        mlp_BTD, aux = apply_mlp(config, p["mlp"], mlp_in), {}
+    out_BTD = h_BTD + mlp_BTD
     if not pre:
         out_BTD = apply_norm(config, p["mlp_norm"], out_BTD)
-    return constrain(out_BTD, ("batch", "seq", "embed")), kv, {}
+    return constrain(out_BTD, ("batch", "seq", "embed")), kv, aux
 
 
 def run_layers(config: ModelConfig, groups: tuple, x_BTD: jax.Array, context: Context,
                caches: tuple | None = None):
-    """Every layer group in order: `(x_BTD, caches, aux)` with aux summed over layers."""
-    new_caches, aux = [], {}
+    """Every layer group in order: `(x_BTD, caches, aux)`, aux per group stacked over layers."""
+    new_caches, aux = [], []
     for group, p_group, kv in zip(layer_groups(config), groups,
                                   caches if caches is not None else [None] * len(groups)):
-        step = functools.partial(block, config)
+        step = functools.partial(block, config, group)
         if config.remat != "none" and kv is None:
             step = jax.checkpoint(step, policy=REMAT_POLICY_FNS[config.remat], prevent_cse=False)
         x_BTD, kv, group_aux = _run_group(step, p_group, group.n_layers, x_BTD, context, kv,
                                           config.scan_layers)
         new_caches.append(kv)
-        aux = jax.tree.map(jnp.add, aux, group_aux) if aux else group_aux
-    return x_BTD, tuple(new_caches), aux
+        aux.append(group_aux)
+    return x_BTD, tuple(new_caches), tuple(aux)
 
 
 def _run_group(step, p_group, n_layers: int, x_BTD, context: Context, kv, scan: bool):
@@ -168,7 +177,8 @@ def _run_group(step, p_group, n_layers: int, x_BTD, context: Context, kv, scan: 
         for i, p_layer in enumerate(layers):
             x_BTD, kvs[i], layer_aux = step(p_layer, x_BTD, context, kvs[i])
             auxes.append(layer_aux)
-        return x_BTD, None if kv is None else tuple(kvs), _sum(auxes)
+        return x_BTD, None if kv is None else tuple(kvs), jax.tree.map(
+            lambda *a: jnp.stack(a), *auxes)
 
     def layer_step(carry, xs):
         x_BTD, kv = carry
@@ -178,11 +188,31 @@ def _run_group(step, p_group, n_layers: int, x_BTD, context: Context, kv, scan: 
 
     layer_ids = jnp.arange(n_layers, dtype=jnp.int32)
     (x_BTD, kv), aux_L = jax.lax.scan(layer_step, (x_BTD, kv), (p_group, layer_ids))
-    return x_BTD, kv, jax.tree.map(lambda a: jnp.sum(a, axis=0), aux_L)
+    return x_BTD, kv, aux_L
 
 
-def _sum(auxes: list[dict]) -> dict:
-    return jax.tree.map(lambda *a: sum(a), *auxes) if auxes and auxes[0] else {}
+def aux_loss(aux: tuple) -> jax.Array:
+    """The blocks' weighted auxiliary losses, summed over layers and groups (a scalar)."""
+    return sum((jnp.sum(group["loss"]) for group in aux if "loss" in group), jnp.zeros(()))
+
+
+def aux_metrics(aux: tuple) -> dict[str, jax.Array]:
+    """Scalars to log from auxiliary statistics (summed over batches): the MoE's loads."""
+    moe = [group["moe"] for group in aux if "moe" in group]
+    if not moe:
+        return {}
+    return moe_metrics(jax.tree.map(lambda *a: jnp.concatenate(a), *moe))
+
+
+def update_outside_gradient(config: ModelConfig, params: Params, aux: tuple) -> Params:
+    """Parameters updated by rules rather than gradients, from a step's auxiliary statistics:
+    the sigmoid router's selection bias (DeepSeek-V3's loss-free balancing)."""
+    groups = list(params["groups"])
+    for g, (group, group_aux) in enumerate(zip(layer_groups(config), aux)):
+        if group.moe and "selection_bias" in groups[g]["mlp"] and config.moe.bias_update_rate:
+            mlp = update_selection_bias(config, groups[g]["mlp"], group_aux["moe"]["load_E"])
+            groups[g] = {**groups[g], "mlp": mlp}
+    return {**params, "groups": tuple(groups)}
 
 
 def unstack_layers(params: Params) -> Params:

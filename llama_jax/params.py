@@ -3,7 +3,7 @@
     {"embed": {"table": [V, D]},
      "positions": {"table": [P, D]},                        # learned positions only
      "groups": ({"attn_norm": {...}, "attn": {"wq": [L, D, N, H], ...},
-                 "mlp_norm": {...}, "mlp": {"w_up": [L, D, F], ...}}, ...),
+                 "mlp_norm": {...}, "mlp": {"w_up": [L, D, F], ...}}, ...),  # (MoE: nn/moe.py)
      "final_norm": {"scale": [D], ...},                     # pre-norm only
      "lm_head": {"w": [D, V]}}                              # untied only
 
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from llama_jax.config import ModelConfig
 from llama_jax.nn.attention import attention_specs
 from llama_jax.nn.mlp import mlp_specs
+from llama_jax.nn.moe import moe_specs
 from llama_jax.nn.norms import norm_specs
 from llama_jax.nn.positions import position_specs
 from llama_jax.nn.spec import TensorSpec, is_spec, map_specs, weight
@@ -43,17 +44,23 @@ class LayerGroup:
     """Consecutive blocks of the same structure, stacked and run by one scan."""
 
     n_layers: int
+    moe: bool = False  # the block's MLP is the MoE (else the dense MLP)
 
 
 def layer_groups(config: ModelConfig) -> tuple[LayerGroup, ...]:
-    return (LayerGroup(config.n_layers),)
+    """One group, or with MoE its `first_dense_layers` dense blocks and then the MoE blocks."""
+    if config.mlp != "moe":
+        return (LayerGroup(config.n_layers),)
+    dense = config.moe.first_dense_layers
+    return ((LayerGroup(dense),) if dense else ()) + (LayerGroup(config.n_layers - dense, True),)
 
 
-def block_specs(config: ModelConfig) -> dict:
-    """One block's tensors (unstacked): a norm and attention, a norm and an MLP."""
+def block_specs(config: ModelConfig, group: LayerGroup) -> dict:
+    """One block's tensors (unstacked): a norm and attention, a norm and an MLP (or MoE)."""
     residual_out = 1 / math.sqrt(2 * config.n_layers)
+    mlp = (moe_specs if group.moe else mlp_specs)(config, residual_out)
     return {"attn_norm": norm_specs(config), "attn": attention_specs(config, residual_out),
-            "mlp_norm": norm_specs(config), "mlp": mlp_specs(config, residual_out)}
+            "mlp_norm": norm_specs(config), "mlp": mlp}
 
 
 def param_specs(config: ModelConfig) -> Params:
@@ -64,7 +71,8 @@ def param_specs(config: ModelConfig) -> Params:
     if positions:
         specs["positions"] = positions
     specs["groups"] = tuple(map_specs(lambda s, n=group.n_layers: s.stacked(n),
-                                      block_specs(config)) for group in layer_groups(config))
+                                      block_specs(config, group))
+                            for group in layer_groups(config))
     if config.norm_position == "pre":
         specs["final_norm"] = norm_specs(config)
     if not config.tie_embeddings:

@@ -2,7 +2,7 @@
 
 The model and the parameter descriptions name logical axes only (`TensorSpec.axes`: "embed",
 "q_heads", "mlp", ...; activations: "batch", "heads", ...). This module alone knows the mesh
-(`data`, `fsdp`, `tensor`) and turns names into `PartitionSpec`s through rules tables — one
+(`data`, `fsdp`, `tensor`, `expert`) and turns names into `PartitionSpec`s through rules tables — one
 for weights (and the optimizer state, which mirrors them), one for activations, one for the KV
 cache: the defaults below (`RULE_TABLES`), with a config's `mesh:` section (`MeshConfig`)
 merged over them. A mesh axis is used at most once per array, and a mesh axis
@@ -32,22 +32,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 # Logical axis -> mesh axes. Weights: FSDP shards the model width of every matrix, tensor
-# parallelism the heads, the FFN width and the vocabulary (Megatron's split). Activations:
-# the batch over data x fsdp, heads / FFN / vocab over tensor. The KV cache: rows over
-# data x fsdp, KV heads over tensor. A config's `mesh:` section overrides entries.
+# parallelism the heads, the FFN width and the vocabulary (Megatron's split), expert
+# parallelism the MoE experts. Activations: the batch over data x fsdp x expert (outside the
+# experts, the expert axis is one more data-parallel axis), heads / FFN / vocab over tensor,
+# the experts' token buffers over expert. The KV cache: rows over data x fsdp x expert, KV
+# heads over tensor. A config's `mesh:` section overrides entries.
+BATCH_AXES = ["data", "fsdp", "expert"]
 RULE_TABLES = {
     "weight_rules": ({"embed": "fsdp", "q_heads": "tensor", "kv_heads": "tensor",
-                      "mlp": "tensor", "vocab": "tensor"},
+                      "mlp": "tensor", "vocab": "tensor", "experts": "expert"},
                      ("layers", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "vocab",
-                      "norm", "positions")),
-    "activation_rules": ({"batch": ["data", "fsdp"], "heads": "tensor", "kv_heads": "tensor",
-                          "mlp": "tensor", "vocab": "tensor"},
+                      "norm", "positions", "experts")),
+    "activation_rules": ({"batch": BATCH_AXES, "heads": "tensor", "kv_heads": "tensor",
+                          "mlp": "tensor", "vocab": "tensor", "experts": "expert"},
                          ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
-                          "vocab")),
-    "cache_rules": ({"batch": ["data", "fsdp"], "kv_heads": "tensor"},
+                          "vocab", "experts")),
+    "cache_rules": ({"batch": BATCH_AXES, "kv_heads": "tensor"},
                     ("batch", "kv_heads", "seq", "head_dim")),
 }
 

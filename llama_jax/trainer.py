@@ -40,6 +40,7 @@ from llama_jax.params import abstract_params, param_specs
 from llama_jax.metrics import MetricsLog
 from llama_jax.nn.dot_product import chosen_attention, describe_attention
 from llama_jax.optim import learning_rate_schedule, make_optimizer
+from llama_jax.model import aux_metrics
 from llama_jax.training import TrainState, eval_sums, init_state, train_step
 
 
@@ -167,17 +168,19 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
                         grad_norm=values["grad_norm"],
                         tokens_per_s=window_steps * tokens_per_step / elapsed,
                         mfu=window_steps * flops_per_step / elapsed / peak,
-                        nonfinite_total=values["nonfinite_total"])
+                        nonfinite_total=values["nonfinite_total"],
+                        **{k: v for k, v in values.items() if k.startswith("moe_")})
                     bar.set_postfix(loss=f"{values['loss']:.3f}",
                                     tok_s=f"{record['tokens_per_s']:.0f}",
                                     mfu=f"{record['mfu']:.0%}", refresh=False)
                     window_start, window_steps, window_paused = time.perf_counter(), 0, 0.0
                 paused_from = time.perf_counter()
                 if step % train_cfg.eval_every == 0 or step == train_cfg.steps:
-                    outcome.val_loss = _validation_loss(programs.evaluate, state.params, val,
-                                                        batch_sharding)
+                    outcome.val_loss, val_aux = _validation_loss(programs.evaluate, state.params,
+                                                                 val, batch_sharding)
                     record.update(val_loss=outcome.val_loss,
-                                  val_ppl=math.exp(min(outcome.val_loss, 700)))
+                                  val_ppl=math.exp(min(outcome.val_loss, 700)),
+                                  **{f"val_{k}": v for k, v in val_aux.items()})
                     say(f"step {step}: val_loss {outcome.val_loss:.4f} "
                         f"val_ppl {record['val_ppl']:.2f}")
                 metrics.write(step, record)
@@ -206,7 +209,7 @@ class _Programs:
     init: Callable  # seed key -> TrainState, created sharded
     abstract: TrainState  # shapes, dtypes and shardings of the state
     step: Callable  # (state, batch) -> (state, metrics), compiled ahead of time, state donated
-    evaluate: Callable  # (params, batch) -> (cross-entropy sum, token count), compiled
+    evaluate: Callable  # (params, batch) -> (cross-entropy sum, token count, aux), compiled
     compile_s: float
     batch_sharding: NamedSharding
 
@@ -248,13 +251,17 @@ def _all_finite(tree) -> jax.Array:
 
 
 def _validation_loss(evaluate, params, batches: list[np.ndarray],
-                     sharding: NamedSharding) -> float:
+                     sharding: NamedSharding) -> tuple[float, dict[str, float]]:
+    """The mean validation cross-entropy, and the blocks' statistics over the same batches
+    (`model.aux_metrics`: the MoE's drops, loads and router entropy)."""
     total = count = 0.0
+    aux = None
     for batch in batches:
-        ce_sum, n = jax.device_get(evaluate(
+        ce_sum, n, batch_aux = jax.device_get(evaluate(
             params, jax.make_array_from_process_local_data(sharding, batch)))
         total, count = total + float(ce_sum), count + float(n)
-    return total / max(count, 1.0)
+        aux = batch_aux if aux is None else jax.tree.map(np.add, aux, batch_aux)
+    return total / max(count, 1.0), {k: float(v) for k, v in aux_metrics(aux or ()).items()}
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from flax import struct
 
 from llama_jax.config import ModelConfig, TrainConfig
 from llama_jax.data import features
-from llama_jax.model import apply, lm_head
+from llama_jax.model import apply, aux_loss, aux_metrics, lm_head, update_outside_gradient
 from llama_jax.params import Params, init_params
 
 
@@ -43,10 +43,11 @@ def init_state(config: ModelConfig, optimizer: optax.GradientTransformation,
 
 
 def loss_sums(config: ModelConfig, params: Params, window_BT1: jax.Array, bos_id: int,
-              z_loss: float) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+              z_loss: float) -> tuple[jax.Array, tuple[jax.Array, jax.Array, tuple]]:
     """(cross-entropy + z-loss + the blocks' auxiliary losses, summed over scored tokens),
-    with (cross-entropy sum, count). Auxiliary losses (per-token means) are scaled by the count
-    so that dividing the sum by it gives `mean CE + aux`."""
+    with (cross-entropy sum, count, the blocks' auxiliary outputs). Auxiliary losses
+    (per-token means) are scaled by the count so that dividing the sum by it gives
+    `mean CE + aux`."""
     f = features(window_BT1, bos_id)
     out = apply(config, params, f.inputs_BT, positions_BT=f.positions_BT,
                 segment_ids_BT=f.segment_ids_BT)
@@ -56,8 +57,8 @@ def loss_sums(config: ModelConfig, params: Params, window_BT1: jax.Array, bos_id
     ce_sum = jnp.sum((log_z_BT - target_logit_BT) * f.weights_BT)
     count = jnp.sum(f.weights_BT)
     total = ce_sum + z_loss * jnp.sum(jnp.square(log_z_BT) * f.weights_BT)
-    total += sum(jax.tree.leaves(out.aux), jnp.zeros(())) * count
-    return total, (ce_sum, count)
+    total += aux_loss(out.aux) * count
+    return total, (ce_sum, count, out.aux)
 
 
 def train_step(config: ModelConfig, train: TrainConfig, optimizer: optax.GradientTransformation,
@@ -66,34 +67,34 @@ def train_step(config: ModelConfig, train: TrainConfig, optimizer: optax.Gradien
     this step's metrics (loss = mean cross-entropy before the update)."""
     grad_of_sums = jax.grad(functools.partial(loss_sums, config), has_aux=True)
     if train.micro_batches == 1:
-        grad_sums, (ce_sum, count) = grad_of_sums(state.params, window_BT1, bos_id, train.z_loss)
+        grad_sums, (ce_sum, count, aux) = grad_of_sums(state.params, window_BT1, bos_id,
+                                                       train.z_loss)
     else:
         B = window_BT1.shape[0]
         parts_MBT1 = window_BT1.reshape(train.micro_batches, B // train.micro_batches, -1)
 
         def accumulate(carry, part_BT1):
-            grads, ce_sum, count = carry
-            part_grads, (part_ce, part_count) = grad_of_sums(state.params, part_BT1, bos_id,
-                                                             train.z_loss)
-            return (jax.tree.map(jnp.add, grads, part_grads), ce_sum + part_ce,
-                    count + part_count), None
+            part = grad_of_sums(state.params, part_BT1, bos_id, train.z_loss)
+            return jax.tree.map(jnp.add, carry, part), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        (grad_sums, ce_sum, count), _ = jax.lax.scan(
-            accumulate, (zeros, jnp.zeros(()), jnp.zeros(())), parts_MBT1)
+        # The carry's structure (gradients, sums, auxiliary outputs) is the first part's.
+        shapes = jax.eval_shape(grad_of_sums, state.params, parts_MBT1[0], bos_id, train.z_loss)
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), shapes)
+        (grad_sums, (ce_sum, count, aux)), _ = jax.lax.scan(accumulate, zeros, parts_MBT1)
     count = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grad_sums, state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     metrics = {"loss": ce_sum / count, "grad_norm": optax.tree.norm(grads),
                "nonfinite_in_row": opt_state.notfinite_count,
-               "nonfinite_total": opt_state.total_notfinite}
-    new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                           opt_state=opt_state)
+               "nonfinite_total": opt_state.total_notfinite, **aux_metrics(aux)}
+    params = update_outside_gradient(config, optax.apply_updates(state.params, updates), aux)
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics
 
 
 def eval_sums(config: ModelConfig, bos_id: int, params: Params,
-              window_BT1: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(cross-entropy sum, scored-token count) of one validation batch."""
+              window_BT1: jax.Array) -> tuple[jax.Array, jax.Array, tuple]:
+    """(cross-entropy sum, scored-token count, auxiliary outputs) of one validation batch:
+    sums to add over batches (`aux_metrics` turns the last into scalars)."""
     _, sums = loss_sums(config, params, window_BT1, bos_id, 0.0)
     return sums

@@ -12,8 +12,8 @@ import pytest
 import llama_jax
 from llama_jax import sharding, trainer
 from llama_jax.checkpoint import load_checkpoint
-from llama_jax.config import (ConfigError, DataConfig, MeshConfig, ModelConfig, RunConfig,
-                              TrainConfig)
+from llama_jax.config import (ConfigError, DataConfig, MeshConfig, ModelConfig, MoeConfig,
+                              RunConfig, TrainConfig)
 from reference import relative_error
 
 MODELS = {  # K divisible by tensor=8, and MQA (K=1: the KV heads cannot be split)
@@ -21,6 +21,17 @@ MODELS = {  # K divisible by tensor=8, and MQA (K=1: the KV heads cannot be spli
                        ffn_dim=128, max_seq_len=64),
     "mqa": ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=8, n_kv_heads=1, head_dim=8,
                        ffn_dim=128, max_seq_len=64, tie_embeddings=True),
+    # MoE over the expert axis: DeepSeek-style (sigmoid router with its bias updated outside
+    # the gradient, a shared expert, a dense first layer, capacity dispatch with drops) and
+    # Mixtral-style (softmax, dropless grouped matmuls).
+    "moe-capacity": ModelConfig(vocab_size=512, dim=64, n_layers=3, n_heads=8, n_kv_heads=2,
+                                ffn_dim=64, max_seq_len=64, mlp="moe", moe=MoeConfig(
+                                    n_experts=8, top_k=2, n_shared_experts=1, router="sigmoid",
+                                    first_dense_layers=1, capacity_factor=1.0,
+                                    router_z_loss_weight=0.01, bias_update_rate=0.01)),
+    "moe-dropless": ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=8, n_kv_heads=2,
+                                ffn_dim=64, max_seq_len=64, mlp="moe",
+                                moe=MoeConfig(n_experts=8, top_k=2)),
 }
 TRAIN = TrainConfig(seq_len=32, batch_size=8, steps=6, learning_rate=3e-3, warmup_steps=1,
                     log_every=2, eval_every=3, eval_batches=1, checkpoint_every=3)
@@ -28,6 +39,7 @@ MESHES = {
     "dp8": MeshConfig(data=8), "fsdp8": MeshConfig(data=1, fsdp=8),
     "tp8": MeshConfig(data=1, tensor=8), "fsdp4-tp2": MeshConfig(data=1, fsdp=4, tensor=2),
     "dp2-fsdp2-tp2": MeshConfig(data=2, fsdp=2, tensor=2),
+    "ep8": MeshConfig(data=1, expert=8), "fsdp2-ep4": MeshConfig(data=1, fsdp=2, expert=4),
 }
 BOS = 1
 
@@ -58,7 +70,7 @@ def _place(tree, abstract):
 def _single_device_steps(name: str):
     """State after init and after each of two steps, on one device (the reference)."""
     single = _programs(MODELS[name], MeshConfig(data=1), jax.devices()[:1])
-    state = single.init(jax.random.key(0))
+    state = _decisive_routers(single.init(jax.random.key(0)))
     states, losses = [jax.device_get(state)], []
     for seed in (1, 2):
         state, metrics = single.step(state, jax.device_put(_batch(seed), single.batch_sharding))
@@ -67,8 +79,19 @@ def _single_device_steps(name: str):
     return states, losses
 
 
-# MQA only differs from GQA where its single KV head meets the tensor axis.
-CASES = [("gqa", m) for m in MESHES] + [("mqa", m) for m in MESHES if "tp" in m]
+def _decisive_routers(state):
+    """Router weights large enough that no top-k choice is decided by rounding noise (the
+    sharded step sums in another order)."""
+    groups = tuple({**g, "mlp": {**g["mlp"], "router": 30 * g["mlp"]["router"]}}
+                   if "router" in g["mlp"] else g for g in state.params["groups"])
+    return state.replace(params={**state.params, "groups": groups})
+
+
+# MQA only differs from GQA where its single KV head meets the tensor axis; MoE where its
+# experts meet the expert axis (and under FSDP x TP, for the dropless grouped matmuls).
+CASES = ([("gqa", m) for m in MESHES if "ep" not in m] + [("mqa", m) for m in MESHES if "tp" in m]
+         + [(moe, m) for moe in ("moe-capacity", "moe-dropless")
+            for m in ("ep8", "fsdp2-ep4", "fsdp4-tp2")])
 
 
 @pytest.mark.parametrize("model_name, mesh_name", CASES)
@@ -151,14 +174,14 @@ def test_a_run_saved_on_one_mesh_continues_on_another(corpus_dir, tmp_path):
 
 
 @pytest.mark.parametrize("mesh, match", [
-    (MeshConfig(data=3), r"mesh \{'data': 3, 'fsdp': 1, 'tensor': 1\} has 3 devices; this run "
-                         r"has 8"),
+    (MeshConfig(data=3), r"mesh \{'data': 3, 'fsdp': 1, 'tensor': 1, 'expert': 1\} has 3 "
+                         r"devices; this run has 8"),
     (MeshConfig(data=-1, fsdp=3), "do not divide the 8 devices"),
     (MeshConfig(data=1, fsdp=8), None),  # batch 8 over 8 shards: fine
 ])
 def test_mesh_sizes_are_checked(mesh, match):
     if match is None:
-        assert mesh.shape_for(8) == (1, 8, 1)
+        assert mesh.shape_for(8) == (1, 8, 1, 1)
         return
     with pytest.raises(ConfigError, match=match):
         sharding.make_mesh(mesh)

@@ -1,8 +1,10 @@
-"""Mixture-of-Experts FFN pieces: routing, the two dispatch implementations, and the router
-losses. (The `mlp: moe` component that puts them in a block comes with its config section.)
+"""The Mixture-of-Experts MLP (`mlp: moe`, the `moe:` config section): a router, E routed
+expert MLPs of which each token uses top_k, optional always-on shared experts, the router
+losses and the load statistics.
 
 Letters besides the model's: X tokens (B·T flattened), E experts, R routed choices per token
-(top_k), A = X·R assignments, C slots per expert (capacity).
+(top_k), A = X·R assignments, C slots per expert (capacity), M an expert's hidden width, U the
+shared experts' (n_shared_experts · M, one MLP as DeepSeek does).
 
 Routing (`route`): router logits `[X, E]` in fp32 become scores — softmax over the experts
 (Switch, GShard, Mixtral) or independent sigmoids (DeepSeek-V3). Each token picks its top_k
@@ -24,10 +26,21 @@ capacity factor, not the implementation, decides what is dropped):
   matmuls over the sorted rows (`jax.lax.ragged_dot`), unsorted and weighted; with a capacity
   factor, the assignments the capacity path would drop get weight zero.
 
+Capacity applies where tokens are processed as a batch (training, evaluation, `forward`); the
+KV-cached decoder never drops, so a token's output does not depend on which other rows happen
+to be decoded beside it (with capacity_factor null, cached decode == full forward exactly).
+The router runs in fp32 (its logits decide discrete choices).
+
 Losses: the load-balancing loss E · Σ_e f_e · P_e, with f_e the fraction of the A assignments
 that go to expert e and P_e the mean score of expert e over tokens (Switch's, extended to top_k
 by counting every assignment; 1 under uniform routing); the router z-loss
-mean_x(logsumexp_e(logits)²) (ST-MoE).
+mean_x(logsumexp_e(logits)²) (ST-MoE), each per MoE layer, times its weight, summed over
+layers. Other codebases: HF's Mixtral loss (`load_balancing_loss_func`) is
+E · Σ_e (fraction of tokens with e among their top_k) · P_e — top_k times ours, k under uniform
+routing — over all layers' router logits at once (an average over layers, where we sum), so
+its `router_aux_loss_coef` c is about our aux_loss_weight = k·c / L. MaxText's
+(`load_balance_loss`) is also k times ours (f normalised by tokens, not assignments; per
+sequence, then averaged), added per layer: its weight w is our k·w.
 """
 
 from __future__ import annotations
@@ -38,10 +51,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from llama_jax.nn.mlp import ACTIVATIONS
-from llama_jax.nn.ops import einsum_f32
+from llama_jax.config import ModelConfig
+from llama_jax.nn.mlp import apply_mlp, ffn, ffn_specs
+from llama_jax.nn.ops import einsum_f32, grouped_f32
+from llama_jax.nn.spec import bias, weight
+from llama_jax.sharding import constrain
 
-ROUTERS = ("softmax", "sigmoid")
 DISPATCHES = ("capacity", "dropless")
 
 
@@ -76,10 +91,16 @@ def route(logits_XE: jax.Array, *, top_k: int, router: str = "softmax",
 
 
 def load_balancing_loss(routing: Routing) -> jax.Array:
-    """E · Σ_e f_e · P_e: 1 when routing is uniform, E when every token picks one expert."""
+    """E · Σ_e f_e · P_e: 1 when routing is uniform, E when every token picks one expert.
+    P_e averages the scores normalised per token (the softmax's already are; sigmoid scores
+    are normalised as in DeepSeek-V3's balance loss)."""
     E = routing.scores_XE.shape[-1]
     f_E = jnp.zeros(E).at[routing.experts_XR.reshape(-1)].add(1.0) / routing.experts_XR.size
-    return E * jnp.sum(f_E * routing.scores_XE.mean(axis=0))
+    return E * jnp.sum(f_E * normalized_scores(routing).mean(axis=0))
+
+
+def normalized_scores(routing: Routing) -> jax.Array:
+    return routing.scores_XE / routing.scores_XE.sum(-1, keepdims=True)
 
 
 def router_z_loss(logits_XE: jax.Array) -> jax.Array:
@@ -125,8 +146,12 @@ def apply_experts(p: dict, x_XD: jax.Array, routing: Routing, *, mlp: str, dispa
     slots = X if capacity_factor is None else capacity(X * R, E, capacity_factor)
     if dispatch == "capacity":
         dispatch_XEC, combine_XEC, dropped = capacity_slots(routing, E, slots)
-        in_ECD = jnp.einsum("XEC,XD->ECD", dispatch_XEC.astype(x_XD.dtype), x_XD)
-        out_ECD = _expert_mlp(p, in_ECD, mlp, lambda x, w: einsum_f32("ECI,EIO->ECO", x, w))
+        # Each expert's buffer on the devices holding that expert (the expert mesh axis).
+        in_ECD = constrain(jnp.einsum("XEC,XD->ECD", dispatch_XEC.astype(x_XD.dtype), x_XD),
+                           ("experts", None, None))
+        out_ECD = ffn(mlp, p, in_ECD,
+                      lambda x_ECD, w_EDM, _: einsum_f32("ECD,EDM->ECM", x_ECD, w_EDM),
+                      lambda h_ECM, w_EMD, _: einsum_f32("ECM,EMD->ECD", h_ECM, w_EMD))
         y_XD = einsum_f32("XEC,ECD->XD", combine_XEC, out_ECD)
         return y_XD.astype(x_XD.dtype), dropped
     kept_XR = slot_positions(routing, E) < slots
@@ -135,9 +160,9 @@ def apply_experts(p: dict, x_XD: jax.Array, routing: Routing, *, mlp: str, dispa
     rows_AD = x_XD[order_A // R]
     sizes_E = jnp.zeros(E, jnp.int32).at[experts_A].add(1)
 
-    def grouped(x_AD, w_EDF):
-        return jax.lax.ragged_dot(x_AD.astype(jnp.float32), w_EDF.astype(jnp.float32), sizes_E)
-    out_AD = _expert_mlp(p, rows_AD, mlp, grouped)
+    def grouped(rows, w, _):
+        return grouped_f32(rows, w, sizes_E)
+    out_AD = ffn(mlp, p, rows_AD, grouped, grouped)
     unsorted_XRD = jnp.zeros_like(out_AD).at[order_A].set(out_AD).reshape(X, R, -1)
     # Dropped assignments are computed (the grouped matmuls have no fixed buffers to overflow)
     # and weighted by zero, so the function is the capacity path's.
@@ -145,10 +170,78 @@ def apply_experts(p: dict, x_XD: jax.Array, routing: Routing, *, mlp: str, dispa
     return y_XD.astype(x_XD.dtype), X * R - kept_XR.sum()
 
 
-def _expert_mlp(p: dict, x, mlp: str, matmul):
-    """One MLP of kind `mlp` per expert, its matmuls by `matmul(x, w)` (batched or grouped;
-    I and O: a matmul's input and output widths)."""
-    up = matmul(x, p["w_up"])
-    hidden = ACTIVATIONS[mlp](matmul(x, p["w_gate"])) * up if "w_gate" in p else (
-        ACTIVATIONS[mlp](up))
-    return matmul(hidden.astype(x.dtype), p["w_down"])
+def moe_specs(config: ModelConfig, residual_scale: float) -> dict:
+    """The router `[D, E]`, the routed experts (`[E, D, M]`, `[E, M, D]`), a selection bias
+    `[E]` with the sigmoid router, and the shared experts (`[D, U]`, `[U, D]`)."""
+    dims, m = config.dims, config.moe
+    specs = {"router": weight(dims, "DE", ("embed", "experts")),
+             "experts": ffn_specs(dims, m.expert_mlp, "M", residual_scale,
+                                  lead=(("E", "experts"),))}
+    if m.router == "sigmoid":
+        specs["selection_bias"] = bias(dims, "E", ("experts",))
+    if m.n_shared_experts:
+        specs["shared"] = ffn_specs(dims, m.expert_mlp, "U", residual_scale)
+    return specs
+
+
+def dispatch_of(config: ModelConfig, drop: bool) -> str:
+    """auto: fixed capacity buffers where a capacity factor bounds them, else dropless
+    (capacity buffers without one would hold every token for every expert)."""
+    if config.moe_dispatch != "auto":
+        return config.moe_dispatch
+    return "capacity" if drop and config.moe.capacity_factor is not None else "dropless"
+
+
+def apply_moe(config: ModelConfig, p: dict, x_BTD: jax.Array, *, drop: bool = True):
+    """`(y_BTD, aux)`: the routed experts' weighted sum plus the shared experts, and
+    `{"loss": weighted router losses, "moe": load statistics}` (sums, see `moe_metrics`).
+    `drop=False` ignores the capacity factor (the cached decoder)."""
+    m = config.moe
+    B, T, D = x_BTD.shape
+    x_XD = x_BTD.reshape(B * T, D)
+    logits_XE = einsum_f32("XD,DE->XE", x_XD.astype(jnp.float32), p["router"])
+    bias_E = p.get("selection_bias")
+    routing = route(logits_XE, top_k=m.top_k, router=m.router, normalize_top_k=m.normalize_top_k,
+                    routed_scaling=m.routed_scaling, n_groups=m.n_groups,
+                    top_k_groups=m.top_k_groups,
+                    selection_bias_E=None if bias_E is None else jax.lax.stop_gradient(bias_E))
+    y_XD, dropped = apply_experts(p["experts"], x_XD, routing, mlp=m.expert_mlp,
+                                  dispatch=dispatch_of(config, drop),
+                                  capacity_factor=m.capacity_factor if drop else None)
+    y_BTD = y_XD.reshape(B, T, D)
+    if "shared" in p:
+        y_BTD = y_BTD + apply_mlp(config, p["shared"], x_BTD)
+    balance, z = load_balancing_loss(routing), router_z_loss(logits_XE)
+    probs_XE = normalized_scores(routing)
+    tokens = jnp.float32(B * T)
+    stats = {"load_E": jnp.zeros(m.n_experts).at[routing.experts_XR.reshape(-1)].add(1.0),
+             "dropped": dropped.astype(jnp.float32), "tokens": tokens,
+             "entropy": -jnp.sum(probs_XE * jnp.log(jnp.maximum(probs_XE, 1e-30))),
+             "balance": balance * tokens, "z": z * tokens}
+    return y_BTD, {"loss": m.aux_loss_weight * balance + m.router_z_loss_weight * z,
+                   "moe": stats}
+
+
+def moe_metrics(stats: dict) -> dict[str, jax.Array]:
+    """Scalars from load statistics summed over batches, each leaf with a leading axis over
+    the MoE layers: the dropped fraction of assignments, the most and least loaded expert's
+    share of its layer's assignments (1/E when balanced), the mean router entropy (nats, of
+    the scores normalised per token) and the mean unweighted router losses."""
+    tokens = stats["tokens"].sum()
+    load_LE = stats["load_E"]
+    share_LE = load_LE / jnp.maximum(load_LE.sum(-1, keepdims=True), 1.0)
+    return {"moe_dropped_fraction": stats["dropped"].sum() / jnp.maximum(load_LE.sum(), 1.0),
+            "moe_max_load_share": share_LE.max(), "moe_min_load_share": share_LE.min(),
+            "moe_router_entropy": stats["entropy"].sum() / tokens,
+            "moe_load_balancing_loss": stats["balance"].sum() / tokens,
+            "moe_router_z_loss": stats["z"].sum() / tokens}
+
+
+def update_selection_bias(config: ModelConfig, p_L: dict, load_LE: jax.Array) -> dict:
+    """DeepSeek-V3's auxiliary-loss-free balancing, outside the gradient: each layer's
+    selection bias moves by bias_update_rate towards its mean load (up for underloaded
+    experts, down for overloaded ones). `p_L`: the MoE parameters of a group, stacked."""
+    bias_LE = p_L["selection_bias"]
+    error_LE = load_LE.mean(-1, keepdims=True) - load_LE
+    step_LE = config.moe.bias_update_rate * jnp.sign(error_LE)
+    return {**p_L, "selection_bias": (bias_LE + step_LE).astype(bias_LE.dtype)}

@@ -25,6 +25,15 @@ def einsum_f32(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
 
 
+def grouped_f32(rows: jax.Array, w_EIO: jax.Array, sizes_E: jax.Array) -> jax.Array:
+    """Grouped matmul (`jax.lax.ragged_dot`): consecutive runs of `sizes_E[e]` rows times
+    `w_EIO[e]`, fp32 result; widened on CPU as in `einsum_f32`."""
+    w_EIO = w_EIO.astype(rows.dtype)
+    if jax.default_backend() == "cpu":
+        rows, w_EIO = rows.astype(jnp.float32), w_EIO.astype(jnp.float32)
+    return jax.lax.ragged_dot(rows, w_EIO, sizes_E, preferred_element_type=jnp.float32)
+
+
 def dense(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """`einsum(equation, x, w)` in x's dtype with fp32 accumulation; w is cast to x's dtype.
 
