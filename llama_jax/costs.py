@@ -7,7 +7,9 @@ FLOPs: training FLOPs per token = 6·P_mm + 6·L·T·N·H, where P_mm counts eve
 matmul — the blocks' projection matrices (their decayed tensors; gains and biases are not
 matrices) and the LM head, which counts even when tied — but not the gathered input-embedding
 or position tables; 6·L·T·N·H is causal attention (half of PaLM's non-causal 12·L·T·D; N·H = D
-for every LLaMA preset).
+for every LLaMA preset). With MoE, P_mm counts *active* weights: each routed expert matrix
+times top_k/E (a token runs top_k of the E experts; `TensorSpec.used`), the router and
+shared experts whole. Capacity padding and dropped tokens are not counted (model FLOPs).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from llama_jax.config import ModelConfig
 from llama_jax.nn.spec import count, spec_leaves
 from llama_jax.params import param_specs
 
-TRAIN_FLOPS_FORMULA = "6*P_mm + 6*L*T*N*H (P_mm: matmul weights incl. LM head; causal attention)"
+TRAIN_FLOPS_FORMULA = ("6*P_mm + 6*L*T*N*H (P_mm: active matmul weights incl. LM head; causal "
+                       "attention)")
 DECODE_BYTES_FORMULA = ("weights read per step (all but the input-embedding table, which is "
                         "gathered, unless tied) + KV cache read for B x S tokens")
 
@@ -31,7 +34,8 @@ class ParamCounts:
     total: int
     embedding: int  # the input token-embedding table, V·D
     lm_head: int  # the untied LM head, D·V; 0 when tied to the embedding
-    matmul: int  # P_mm: block matrices + the LM head's V·D (a tied head reuses the embedding)
+    matmul: int  # P_mm: active block matrices + the LM head's V·D (even when tied)
+    active: int  # what one token uses: total less the routed experts it skips (= total dense)
 
     @property
     def non_embedding(self) -> int:
@@ -42,12 +46,13 @@ class ParamCounts:
 @functools.lru_cache(maxsize=64)  # the planner asks several times per config
 def param_counts(config: ModelConfig) -> ParamCounts:
     specs = param_specs(config)
-    block_matrices = sum(s.size for s in spec_leaves(specs["groups"]) if s.decay)
+    block_matrices = sum(round(s.size * s.used) for s in spec_leaves(specs["groups"]) if s.decay)
     return ParamCounts(
         total=count(specs),
         embedding=count(specs["embed"]),
         lm_head=count(specs.get("lm_head", {})),
         matmul=block_matrices + config.vocab_size * config.dim,
+        active=sum(round(s.size * s.used) for s in spec_leaves(specs)),
     )
 
 

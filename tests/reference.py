@@ -121,22 +121,20 @@ def sinusoids(positions_BT, dim):
 def forward(config, params, tokens_BT, positions_BT=None, segments_BT=None):
     """The whole model in float64 from the papers' formulas, for every component kind. RoPE
     is Meta's interleaved complex form on q/k whose features are permuted to that layout."""
-    p = {k: np.asarray(v, np.float64) for k, v in params_flat(params).items()}
+    p = {k: np.asarray(v, np.float64) for k, v in _paths(params) if not k.startswith("groups/")}
     tokens = np.asarray(tokens_BT)
     B, T = tokens.shape
     positions = np.broadcast_to(np.arange(T), (B, T)) if positions_BT is None else positions_BT
     mask = causal_mask(T, segments_BT, B)
 
-    def norm(x, name, i=None):
-        pick = (lambda a: a) if i is None else (lambda a: a[i])
+    def norm(x, name, p=p):
         if config.norm == "layernorm":
-            return layer_norm(x, pick(p[name + "/scale"]), pick(p[name + "/bias"]),
-                              config.norm_eps)
-        return rms_norm(x, pick(p[name + "/scale"]), config.norm_eps)
+            return layer_norm(x, p[name + "/scale"], p[name + "/bias"], config.norm_eps)
+        return rms_norm(x, p[name + "/scale"], config.norm_eps)
 
-    def proj(x, equation, w, b, i):
-        y = np.einsum(equation, x, p[w][i])
-        return y + p[b][i] if b in p else y
+    def proj(x, equation, w, b, layer):
+        y = np.einsum(equation, x, layer[w])
+        return y + layer[b] if b in layer else y
 
     def rotate(x):
         if config.positions != "rope":
@@ -150,37 +148,87 @@ def forward(config, params, tokens_BT, positions_BT=None, segments_BT=None):
         x = x + sinusoids(positions, config.dim)
     elif config.positions == "learned":
         x = x + p["positions/table"][positions]
-    act = ACTIVATIONS[config.mlp]
     pre = config.norm_position == "pre"
-    for i in range(config.n_layers):
-        h = norm(x, "attn_norm", i) if pre else x
-        q = rotate(proj(h, "btd,dnh->btnh", "attn/wq", "attn/bq", i))
-        k = rotate(proj(h, "btd,dkh->btkh", "attn/wk", "attn/bk", i))
-        v = proj(h, "btd,dkh->btkh", "attn/wv", "attn/bv", i)
-        x = x + proj(attention(q, k, v, mask), "btnh,nhd->btd", "attn/wo", "attn/bo", i)
+    for layer in layers(params):
+        h = norm(x, "attn_norm", layer) if pre else x
+        q = rotate(proj(h, "btd,dnh->btnh", "attn/wq", "attn/bq", layer))
+        k = rotate(proj(h, "btd,dkh->btkh", "attn/wk", "attn/bk", layer))
+        v = proj(h, "btd,dkh->btkh", "attn/wv", "attn/bv", layer)
+        x = x + proj(attention(q, k, v, mask), "btnh,nhd->btd", "attn/wo", "attn/bo", layer)
         if not pre:
-            x = norm(x, "attn_norm", i)
-        h = norm(x, "mlp_norm", i) if pre else x
-        up = proj(h, "btd,df->btf", "mlp/w_up", "mlp/b_up", i)
-        if config.mlp in ("swiglu", "geglu"):
-            hidden = act(proj(h, "btd,df->btf", "mlp/w_gate", "mlp/b_gate", i)) * up
-        else:
-            hidden = act(up)
-        x = x + proj(hidden, "btf,fd->btd", "mlp/w_down", "mlp/b_down", i)
+            x = norm(x, "attn_norm", layer)
+        h = norm(x, "mlp_norm", layer) if pre else x
+        x = x + (moe(config, layer, h) if "mlp/router" in layer
+                 else mlp(config.dense_mlp, layer, h))
         if not pre:
-            x = norm(x, "mlp_norm", i)
+            x = norm(x, "mlp_norm", layer)
     if pre:
         x = norm(x, "final_norm")
     head = p["embed/table"].T if config.tie_embeddings else p["lm_head/w"]
     return x @ head
 
 
-def params_flat(params):
-    """The parameter tree as {"attn/wq": [L, ...], "embed/table": ..., ...} (one layer group)."""
-    out = {}
-    for path, leaf in _paths(params):
-        parts = path.split("/")
-        out["/".join(parts[2:]) if parts[0] == "groups" else path] = leaf
+def route(logits_XE, top_k, router, normalize, scaling, n_groups=1, top_k_groups=1, bias=None):
+    """Top-k routing token by token: (experts [X, R], weights [X, R], scores [X, E])."""
+    z = np.asarray(logits_XE, np.float64)
+    E = z.shape[-1]
+    scores = (np.exp(z - z.max(-1, keepdims=True)) / np.exp(z - z.max(-1, keepdims=True)).sum(
+        -1, keepdims=True) if router == "softmax" else 1 / (1 + np.exp(-z)))
+    choice = scores + (0 if bias is None else np.asarray(bias, np.float64))
+    experts, weights = [], []
+    for x in range(len(z)):
+        allowed = np.ones(E, bool)
+        if n_groups > 1:
+            groups = choice[x].reshape(n_groups, -1)
+            group_score = (groups.max(-1) if router == "softmax"
+                           else np.sort(groups, -1)[:, -2:].sum(-1))
+            best = np.argsort(-group_score, kind="stable")[:top_k_groups]
+            allowed = np.repeat(np.isin(np.arange(n_groups), best), E // n_groups)
+        ranked = [e for e in np.argsort(-choice[x], kind="stable") if allowed[e]][:top_k]
+        w = scores[x, ranked]
+        if normalize:
+            w = w / w.sum()
+        experts.append(ranked)
+        weights.append(w * scaling)
+    return np.array(experts), np.array(weights), scores
+
+
+def mlp(kind, p, x, prefix="mlp/"):
+    """One MLP of `kind` on x (`p`: one layer's float64 weights by path; biases if present)."""
+    def proj(x, name):
+        y = x @ p[prefix + "w_" + name]
+        return y + p[prefix + "b_" + name] if prefix + "b_" + name in p else y
+    act = ACTIVATIONS[kind]
+    hidden = act(proj(x, "gate")) * proj(x, "up") if kind in ("swiglu", "geglu") else (
+        act(proj(x, "up")))
+    return proj(hidden, "down")
+
+
+def moe(config, p, x_BTD):
+    """The MoE MLP without drops, token by token: Σ_r weight_r · Expert_{e_r}(x) + shared."""
+    m = config.moe
+    x_XD = x_BTD.reshape(-1, x_BTD.shape[-1])
+    experts, weights, _ = route(x_XD @ p["mlp/router"], m.top_k, m.router, m.normalize_top_k,
+                                m.routed_scaling, m.n_groups, m.top_k_groups,
+                                p.get("mlp/selection_bias"))
+    out = np.zeros_like(x_XD)
+    for x in range(len(x_XD)):
+        for e, w in zip(experts[x], weights[x]):
+            expert = {k: v[e] for k, v in p.items() if k.startswith("mlp/experts/")}
+            out[x] += w * mlp(m.expert_mlp, expert, x_XD[x], "mlp/experts/")
+    if "mlp/shared/w_up" in p:
+        out += mlp(m.expert_mlp, p, x_XD, "mlp/shared/")
+    return out.reshape(x_BTD.shape)
+
+
+def layers(params):
+    """One {"attn/wq": ..., ...} per layer (float64), across the layer groups in order."""
+    out = []
+    for group in params["groups"]:
+        flat = dict(_paths(group))
+        n_layers = len(next(iter(flat.values())))
+        out += [{k: np.asarray(v[i], np.float64) for k, v in flat.items()}
+                for i in range(n_layers)]
     return out
 
 

@@ -16,7 +16,7 @@ import pytest
 
 import llama_jax
 from llama_jax import costs, sharding
-from llama_jax.config import ConfigError, MeshConfig, ModelConfig
+from llama_jax.config import ConfigError, MeshConfig, ModelConfig, MoeConfig
 from llama_jax.kv_cache import init_cache
 from llama_jax.model import apply, lm_head, unstack_layers
 from llama_jax.nn.norms import layer_norm, rms_norm
@@ -48,6 +48,15 @@ KINDS = {
     "mix-post-rms-geglu-learned": dict(norm_position="post", mlp="geglu", positions="learned",
                                        n_kv_heads=1),
     "mix-ln-nope-swiglu-bias": dict(norm="layernorm", positions="none", bias=True),
+    # MoE: Mixtral's routing, on the dropless grouped matmuls and on capacity buffers (holding
+    # every token: no capacity factor); DeepSeek-V3's (sigmoid with a selection bias, groups,
+    # scaling, a shared expert, a dense first layer) with GeGLU experts of their own width.
+    "moe-mixtral": dict(mlp="moe", moe=MoeConfig(n_experts=4, top_k=2)),
+    "moe-mixtral-capacity": dict(mlp="moe", moe=MoeConfig(n_experts=4, top_k=2),
+                                 moe_dispatch="capacity"),
+    "moe-deepseek": dict(mlp="moe", moe=MoeConfig(
+        n_experts=8, top_k=3, expert_mlp="geglu", expert_ffn_dim=24, n_shared_experts=1,
+        router="sigmoid", routed_scaling=2.5, n_groups=4, top_k_groups=2, first_dense_layers=1)),
 }
 CONFIGS = {name: dataclasses.replace(BASE, **kw) for name, kw in KINDS.items()}
 forward = jax.jit(llama_jax.forward, static_argnums=0)
@@ -55,13 +64,20 @@ forward = jax.jit(llama_jax.forward, static_argnums=0)
 
 def random_params(config, seed=0):
     """Parameters with every leaf random — gains and biases too, which init sets to 1 and 0 —
-    so that each one matters to the comparisons."""
+    so that each one matters to the comparisons; MoE routers decisive (near-uniform router
+    logits would let rounding noise flip top-k choices between paths)."""
     params = llama_jax.init_params(config, jax.random.key(seed))
-    leaves, treedef = jax.tree.flatten(params)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    return jax.tree.unflatten(treedef, [leaf + 0.3 * jax.random.normal(k, leaf.shape, leaf.dtype)
-                                        if leaf.ndim <= 3 and spec_like_vector(leaf) else leaf
-                                        for leaf, k in zip(leaves, keys)])
+
+    def randomised(path, leaf, k):
+        if "router" in jax.tree_util.keystr(path):
+            return 30 * leaf
+        if leaf.ndim <= 3 and spec_like_vector(leaf):
+            return leaf + 0.3 * jax.random.normal(k, leaf.shape, leaf.dtype)
+        return leaf
+    return jax.tree.unflatten(treedef, [randomised(path, leaf, k)
+                                        for (path, leaf), k in zip(leaves, keys)])
 
 
 def spec_like_vector(leaf) -> bool:

@@ -5,6 +5,10 @@ the model's architecture when writing:
 - Llama (`LlamaForCausalLM`). Reads both config forms found in the wild: `rope_theta` +
   `rope_scaling` (transformers 4.x, all official LLaMA-3.1/3.2 uploads) and `rope_parameters`
   (transformers 5.x). Writes the 4.x form, which both generations load.
+- Mixtral (`MixtralForCausalLM`): Llama attention with a softmax top-k MoE of SwiGLU experts
+  (`num_local_experts`, `num_experts_per_tok`, expert width `intermediate_size`). Its
+  `router_aux_loss_coef` is a training setting of transformers' own loss (see nn/moe.py for how
+  it relates to ours) and is not read; written as our weight / top_k · L.
 - GPT-2 (`GPT2LMHeadModel`, or a bare `GPT2Model` save, whose names lack `transformer.`).
   `activation_function` gelu_new / gelu_pytorch_tanh -> mlp gelu_tanh, gelu -> gelu (exact),
   relu -> relu; the MLP width is `n_inner` or 4·D. Written as `GPT2LMHeadModel`.
@@ -14,13 +18,14 @@ Tensors are memory-mapped and read one at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Collection
 
 import numpy as np
 
-from llama_jax.config import ConfigError, ModelConfig, RopeScaling
+from llama_jax.config import ConfigError, ModelConfig, MoeConfig, RopeScaling
 from llama_jax.formats import CheckpointError
 from llama_jax.formats.layout import (Family, Placement, Slot, assemble, family_of,
                                       stored_tensors, torch_shape, torch_tensors, with_dtype)
@@ -50,9 +55,9 @@ def read_config(path: Path) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type not in CONFIG_READERS:
         raise CheckpointError(f"{file}: model_type {model_type!r} (architectures "
-                              f"{hf.get('architectures')}) is not a Llama or GPT-2 model; "
-                              "expected model_type 'llama' (no sliding window, no biases) or "
-                              "'gpt2'")
+                              f"{hf.get('architectures')}) is not a Llama, Mixtral or GPT-2 "
+                              "model; expected model_type 'llama' (no biases), 'mixtral' (no "
+                              "sliding window) or 'gpt2'")
     try:
         return CONFIG_READERS[model_type](file, hf, _eos_ids(path, hf))
     except KeyError as e:
@@ -79,6 +84,15 @@ def _llama_config(file: Path, hf: dict[str, Any], eos_ids: tuple[int, ...]) -> M
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), eos_ids=eos_ids)
 
 
+def _mixtral_config(file: Path, hf: dict[str, Any], eos_ids: tuple[int, ...]) -> ModelConfig:
+    if hf.get("sliding_window") is not None:
+        raise CheckpointError(f"{file}: sliding_window={hf['sliding_window']} is not supported "
+                              "(full causal attention only)")
+    llama = _llama_config(file, {**hf, "model_type": "llama"}, eos_ids)
+    return dataclasses.replace(llama, mlp="moe", moe=MoeConfig(
+        n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"]))
+
+
 def _gpt2_config(file: Path, hf: dict[str, Any], eos_ids: tuple[int, ...]) -> ModelConfig:
     """Optional fields default as in transformers' GPT2Config."""
     # Options that turn GPT-2's attention into one llama_jax does not compute.
@@ -100,7 +114,7 @@ def _gpt2_config(file: Path, hf: dict[str, Any], eos_ids: tuple[int, ...]) -> Mo
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)), eos_ids=eos_ids)
 
 
-CONFIG_READERS = {"llama": _llama_config, "gpt2": _gpt2_config}  # by config.json's model_type
+CONFIG_READERS = {"llama": _llama_config, "mixtral": _mixtral_config, "gpt2": _gpt2_config}  # by config.json's model_type
 
 
 def _eos_ids(path: Path, hf: dict[str, Any]) -> tuple[int, ...]:
@@ -175,8 +189,8 @@ def load(path: Path, dtype: str | None,
     first = stored[next(iter(expected))]
     config = with_dtype(config, dtype or _stored_dtype(files[first], first))
 
-    def read(slot: Slot, layer: int | None) -> np.ndarray:
-        name = stored[slot.tensor.hf.format(i=layer)]
+    def read(slot: Slot, ours: str) -> np.ndarray:
+        name = stored[ours]
         file = files[name]
         try:
             with safe_open(file, framework="numpy") as f:
@@ -239,6 +253,16 @@ def _llama_json(config: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _mixtral_json(config: ModelConfig) -> dict[str, Any]:
+    m = config.moe
+    llama = {k: v for k, v in _llama_json(config).items()
+             if k not in ("attention_bias", "mlp_bias", "head_dim")}
+    return {**llama, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "head_dim": config.head_dim, "num_local_experts": m.n_experts,
+            "num_experts_per_tok": m.top_k, "sliding_window": None,
+            "router_aux_loss_coef": m.aux_loss_weight / m.top_k * config.n_layers}
+
+
 def _gpt2_json(config: ModelConfig) -> dict[str, Any]:
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
@@ -261,7 +285,7 @@ def _eos_token_id(config: ModelConfig) -> int | list[int] | None:
     return config.eos_ids[0] if len(config.eos_ids) == 1 else list(config.eos_ids)
 
 
-CONFIG_WRITERS = {"llama": _llama_json, "gpt2": _gpt2_json}  # by the family's model_type
+CONFIG_WRITERS = {"llama": _llama_json, "mixtral": _mixtral_json, "gpt2": _gpt2_json}  # by the family's model_type
 
 
 def save(config: ModelConfig, params: Params, path: Path,

@@ -53,6 +53,7 @@ class TorchTensor:
     in_axes: int = 0  # linear / conv1d: how many of our leading axes (after L) form `in`
     rope_heads: str = ""  # "N" or "K": q/k rows in Meta's interleaved RoPE layout
     part: tuple[int, int] = (0, 1)  # (i, n): the i-th of n equal slices along the out axis
+    per_expert: bool = False  # our leading E axis is stored as one tensor per expert ("{e}")
 
 
 def _llama_layer(path: str, hf: str, meta: str, in_axes: int = 0, rope_heads: str = ""):
@@ -75,6 +76,25 @@ LLAMA = {t.path: t for t in (
     _llama_layer("mlp/w_up", "mlp.up_proj.weight", "feed_forward.w3.weight", 1),
     _llama_layer("mlp/w_down", "mlp.down_proj.weight", "feed_forward.w2.weight", 1),
 )}
+
+
+def _mixtral_expert(path: str, w: str):
+    return TorchTensor(path, f"model.layers.{{i}}.block_sparse_moe.experts.{{e}}.{w}.weight",
+                       stored="linear", in_axes=1, per_expert=True)
+
+
+# Mixtral's tensors (MixtralForCausalLM's names as saved, also by transformers 5, which fuses
+# the experts in memory only): Llama's attention and norms, a router and one SwiGLU MLP per
+# expert with Meta's w1 (gate), w3 (up), w2 (down) names.
+MIXTRAL = {**{path: t for path, t in LLAMA.items() if not path.startswith("mlp/")}, **{
+    t.path: t for t in (
+        TorchTensor("mlp/router", "model.layers.{i}.block_sparse_moe.gate.weight",
+                    stored="linear", in_axes=1),
+        _mixtral_expert("mlp/experts/w_gate", "w1"),
+        _mixtral_expert("mlp/experts/w_up", "w3"),
+        _mixtral_expert("mlp/experts/w_down", "w2"),
+    )}}
+MIXTRAL = {path: dataclasses.replace(t, meta=None) for path, t in MIXTRAL.items()}
 
 
 def _gpt2_layer(path: str, hf: str, stored: str = "same", in_axes: int = 0,
@@ -123,18 +143,37 @@ class Family:
     buffers: tuple[str, ...] = ()  # name suffixes of non-parameter tensors some saves include
 
     def mismatches(self, config: ModelConfig) -> list[str]:
-        """The fields of `config` this family cannot store, each with what it would need."""
-        return [f"{field}={getattr(config, field)!r} should be "
-                f"{' or '.join(repr(v) for v in allowed)}"
+        """The fields of `config` this family cannot store, each with what it would need
+        (`moe.router`: a field of a section)."""
+        def value(field: str):
+            section, _, name = field.rpartition(".")
+            return getattr(getattr(config, section) if section else config, name)
+        return [f"{field}={value(field)!r} should be {' or '.join(repr(v) for v in allowed)}"
                 for field, allowed in self.requires(config).items()
-                if getattr(config, field) not in allowed]
+                if value(field) not in allowed]
+
+
+def _llama_like(mlp: str) -> dict[str, tuple]:
+    return {"norm": ("rmsnorm",), "norm_position": ("pre",), "positions": ("rope",),
+            "mlp": (mlp,), "bias": (False,), "embed_scale": (False,)}
+
+
+def _mixtral(config: ModelConfig) -> dict[str, tuple]:
+    """Mixtral's MoE: softmax top-k renormalised, SwiGLU experts, nothing else routed. (Its
+    inference is dropless; a capacity factor is a training choice the checkpoint does not
+    carry.)"""
+    if config.mlp != "moe":
+        return _llama_like("moe")
+    return {**_llama_like("moe"), "moe.expert_mlp": ("swiglu",), "moe.router": ("softmax",),
+            "moe.normalize_top_k": (True,), "moe.routed_scaling": (1.0,),
+            "moe.n_shared_experts": (0,), "moe.n_groups": (1,), "moe.first_dense_layers": (0,),
+            "moe.expert_ffn_dim": (None, config.ffn_dim)}
 
 
 FAMILIES = (
-    Family("Llama", "llama", LLAMA,
-           lambda c: {"norm": ("rmsnorm",), "norm_position": ("pre",), "positions": ("rope",),
-                      "mlp": ("swiglu",), "bias": (False,), "embed_scale": (False,)},
+    Family("Llama", "llama", LLAMA, lambda c: _llama_like("swiglu"),
            buffers=("rotary_emb.inv_freq",)),  # recomputed; some older exports saved it
+    Family("Mixtral", "mixtral", MIXTRAL, _mixtral, buffers=("rotary_emb.inv_freq",)),
     # c_attn holds q, k, v as equal thirds of D: multi-head attention over the whole width.
     Family("GPT-2", "gpt2", GPT2,
            lambda c: {"norm": ("layernorm",), "norm_position": ("pre",),
@@ -170,9 +209,21 @@ class Slot:
     layers: range  # checkpoint layer indices of a stacked leaf (empty for the others)
 
     @property
+    def pieces(self) -> list[dict[str, int]]:
+        """The stored tensors that make up the leaf, as the indices their names are formatted
+        with ({i}: layer, {e}: expert), in the leaf's row-major order: one per layer of a
+        stacked leaf, times one per expert of a per-expert one, or a single one."""
+        pieces = [{"i": i} for i in self.layers] or [{}]
+        if not self.tensor.per_expert:
+            return pieces
+        n_experts = self.spec.shape[1 if self.layers else 0]
+        return [{**piece, "e": e} for piece in pieces for e in range(n_experts)]
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        """Our shape of one layer's slice (or of the whole leaf)."""
-        return self.spec.shape[1:] if self.layers else self.spec.shape
+        """Our shape of one piece: a layer's (and an expert's) slice, or the whole leaf."""
+        shape = self.spec.shape[1:] if self.layers else self.spec.shape
+        return shape[1:] if self.tensor.per_expert else shape
 
 
 def slots(config: ModelConfig) -> list[Slot]:
@@ -246,27 +297,27 @@ def to_torch(config: ModelConfig, slot: Slot, a: np.ndarray, meta: bool) -> np.n
 
 
 def names(slot: Slot, meta: bool = False) -> list[str]:
-    """The checkpoint name(s) of a slot: one per layer for stacked leaves."""
+    """The checkpoint name of each of a slot's pieces (`Slot.pieces`)."""
     name = slot.tensor.meta if meta else slot.tensor.hf
     if name is None:
         raise CheckpointError(f"tensor {slot.tree_path} has no name in Meta's format, which "
                               "stores Llama models only")
-    return [name.format(i=i) for i in slot.layers] if slot.layers else [name]
+    return [name.format(**piece) for piece in slot.pieces]
 
 
 def stored_tensors(config: ModelConfig, meta: bool = False
-                   ) -> dict[str, list[tuple[Slot, int | None]]]:
-    """Checkpoint name → the (slot, checkpoint layer or None) it holds — several, in part order,
+                   ) -> dict[str, list[tuple[Slot, int]]]:
+    """Checkpoint name → the (slot, index among its pieces) it holds — several, in part order,
     for a fused tensor — in the order of our tree (a fused tensor where its first part is)."""
-    out: dict[str, list[tuple[Slot, int | None]]] = {}
+    out: dict[str, list[tuple[Slot, int]]] = {}
     for slot in slots(config):
-        for layer, name in zip(slot.layers or [None], names(slot, meta)):
-            out.setdefault(name, []).append((slot, layer))
+        for j, name in enumerate(names(slot, meta)):
+            out.setdefault(name, []).append((slot, j))
     return {name: sorted(parts, key=lambda part: part[0].tensor.part[0])
             for name, parts in out.items()}
 
 
-Reader = Callable[[Slot, "int | None"], np.ndarray]
+Reader = Callable[[Slot, str], np.ndarray]  # (slot, checkpoint name) -> the stored tensor
 
 
 Placement = Callable[[ModelConfig], "Params | None"]  # config -> a sharding per leaf, or None
@@ -274,9 +325,9 @@ Placement = Callable[[ModelConfig], "Params | None"]  # config -> a sharding per
 
 def assemble(config: ModelConfig, read: Reader, dtype: np.dtype, meta: bool,
              placement: Placement | None = None) -> Params:
-    """Builds the parameter tree leaf by leaf from `read(slot, layer)` (the stored tensor in
+    """Builds the parameter tree leaf by leaf from `read(slot, name)` (the stored tensor in
     torch layout, shape-checked by the reader; a fused tensor is read once per part). Each
-    stacked leaf is filled layer by layer in `dtype` and moved to the devices — straight into
+    leaf is filled piece by piece (layers, experts) in `dtype` and moved to the devices — straight into
     its target sharding when `placement` gives one, each device receiving only its shard —
     before the next is read, so host memory holds one leaf at a time. The largest leaves go
     first: while a leaf is read it exists two or three times over (file pages, the array read,
@@ -284,12 +335,10 @@ def assemble(config: ModelConfig, read: Reader, dtype: np.dtype, meta: bool,
     shardings = flat_paths(placement(config)) if placement else {}
     leaves = {}
     for slot in sorted(slots(config), key=lambda s: -s.spec.size):
-        if slot.layers:
-            out = np.empty(slot.spec.shape, dtype)
-            for j, i in enumerate(slot.layers):
-                out[j] = from_torch(config, slot, read(slot, i), meta)
-        else:
-            out = from_torch(config, slot, read(slot, None), meta).astype(dtype)
+        out = np.empty((len(slot.pieces), *slot.shape), dtype)
+        for j, name in enumerate(names(slot, meta)):
+            out[j] = from_torch(config, slot, read(slot, name), meta)
+        out = out.reshape(slot.spec.shape)
         # Wait for the copy: an asynchronous transfer would keep `out` alive while the next
         # leaves are read, and the peak would depend on timing.
         leaves[slot.tree_path] = jax.block_until_ready(
@@ -311,13 +360,14 @@ def torch_tensors(config: ModelConfig, params: Params, meta: bool = False
     writers); a fused tensor is joined from its parts."""
     leaves = flat_paths(params)
 
-    def part(slot: Slot, layer: int | None) -> np.ndarray:
+    def part(slot: Slot, j: int) -> np.ndarray:
         leaf = leaves[slot.tree_path]
-        ours = leaf if layer is None else leaf[layer - slot.layers.start]
-        return to_torch(config, slot, np.asarray(ours), meta)
+        lead = leaf.shape[:leaf.ndim - len(slot.shape)]  # (layers, experts) of a piece
+        piece = leaf[tuple(int(i) for i in np.unravel_index(j, lead))] if lead else leaf
+        return to_torch(config, slot, np.asarray(piece), meta)
 
     for name, parts in stored_tensors(config, meta).items():
-        tensors = [part(slot, layer) for slot, layer in parts]
+        tensors = [part(slot, j) for slot, j in parts]
         yield name, (tensors[0] if len(tensors) == 1 else
                      np.concatenate(tensors, axis=OUT_AXIS[parts[0][0].tensor.stored]))
 

@@ -131,13 +131,12 @@ def load(path: Path, dtype: str | None,
     # already read, so resident memory holds the weights once, not the weights plus the files.
     opened = {"leaf": None, "shards": shards}
 
-    def read(slot: Slot, layer: int | None) -> np.ndarray:
+    def read(slot: Slot, name: str) -> np.ndarray:
         if opened["leaf"] not in (None, slot.tree_path):
             opened["shards"] = None
             opened["shards"] = open_shards(path)
         opened["leaf"] = slot.tree_path
-        return gather(opened["shards"], slot.tensor.meta.format(i=layer), torch_shape(slot),
-                       path)
+        return gather(opened["shards"], name, torch_shape(slot), path)
 
     del shards
     return config, assemble(config, read, np.dtype(config.param_dtype), meta=True,

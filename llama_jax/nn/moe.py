@@ -20,8 +20,10 @@ capacity factor, not the implementation, decides what is dropped):
 - "capacity" (GShard, Switch): each expert has C = ceil(A/E · capacity_factor) slots, filled in
   priority order — every token's first choice before any second choice, tokens in order within
   a choice — by a cumulative sum; assignments beyond C are dropped (the token keeps only its
-  other experts, or the residual alone). One-hot dispatch/combine tensors `[X, E, C]` feed
-  batched expert matmuls `[E, C, D]`.
+  other experts, or the residual alone). Tokens are scattered into `[E, C, D]` buffers by
+  slot index (GShard's one-hot dispatch/combine einsums would cost X·E·C·D, more than the
+  experts themselves at these sizes), the experts run as batched matmuls, and the outputs are
+  gathered back by the same indices.
 - "dropless" (MegaBlocks-style): assignments sorted by expert, the experts' matmuls as grouped
   matmuls over the sorted rows (`jax.lax.ragged_dot`), unsorted and weighted; with a capacity
   factor, the assignments the capacity path would drop get weight zero.
@@ -45,6 +47,7 @@ sequence, then averaged), added per layer: its weight w is our k·w.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -54,7 +57,7 @@ from flax import struct
 from llama_jax.config import ModelConfig
 from llama_jax.nn.mlp import apply_mlp, ffn, ffn_specs
 from llama_jax.nn.ops import einsum_f32, grouped_f32
-from llama_jax.nn.spec import bias, weight
+from llama_jax.nn.spec import bias, map_specs, weight
 from llama_jax.sharding import constrain
 
 DISPATCHES = ("capacity", "dropless")
@@ -121,15 +124,13 @@ def slot_positions(routing: Routing, n_experts: int) -> jax.Array:
 
 
 def capacity_slots(routing: Routing, n_experts: int, slots: int):
-    """`(dispatch_XEC bool, combine_XEC fp32, dropped)`: where each kept assignment sits in its
-    expert's buffer of `slots`; assignments past it are dropped."""
+    """`(slot_XR, kept_XR, dropped)`: each assignment's row in the experts' buffers flattened
+    to `[E · slots]` (expert · slots + its position), kept when its position is below `slots`.
+    Dropped assignments point one past the buffers (row E · slots)."""
     position_XR = slot_positions(routing, n_experts)
     kept_XR = position_XR < slots
-    slot_XREC = (jax.nn.one_hot(routing.experts_XR, n_experts, dtype=bool)[..., None]
-                 & jax.nn.one_hot(position_XR, slots, dtype=bool)[:, :, None, :]
-                 & kept_XR[:, :, None, None])
-    combine_XEC = jnp.einsum("XREC,XR->XEC", slot_XREC.astype(jnp.float32), routing.weights_XR)
-    return slot_XREC.any(axis=1), combine_XEC, routing.experts_XR.size - kept_XR.sum()
+    slot_XR = jnp.where(kept_XR, routing.experts_XR * slots + position_XR, n_experts * slots)
+    return slot_XR, kept_XR, routing.experts_XR.size - kept_XR.sum()
 
 
 def apply_experts(p: dict, x_XD: jax.Array, routing: Routing, *, mlp: str, dispatch: str,
@@ -145,14 +146,20 @@ def apply_experts(p: dict, x_XD: jax.Array, routing: Routing, *, mlp: str, dispa
     X, R = routing.experts_XR.shape
     slots = X if capacity_factor is None else capacity(X * R, E, capacity_factor)
     if dispatch == "capacity":
-        dispatch_XEC, combine_XEC, dropped = capacity_slots(routing, E, slots)
-        # Each expert's buffer on the devices holding that expert (the expert mesh axis).
-        in_ECD = constrain(jnp.einsum("XEC,XD->ECD", dispatch_XEC.astype(x_XD.dtype), x_XD),
-                           ("experts", None, None))
+        slot_XR, kept_XR, dropped = capacity_slots(routing, E, slots)
+        # Tokens scattered into their slots (the dropped ones into a spare row, cut off), each
+        # expert's buffer on the devices holding that expert (the expert mesh axis).
+        rows_XRD = jnp.broadcast_to(x_XD[:, None], (X, R, x_XD.shape[-1]))
+        buffers = jnp.zeros((E * slots + 1, x_XD.shape[-1]), x_XD.dtype).at[
+            slot_XR.reshape(-1)].add(rows_XRD.reshape(X * R, -1))
+        in_ECD = constrain(buffers[:-1].reshape(E, slots, -1), ("experts", None, None))
         out_ECD = ffn(mlp, p, in_ECD,
                       lambda x_ECD, w_EDM, _: einsum_f32("ECD,EDM->ECM", x_ECD, w_EDM),
                       lambda h_ECM, w_EMD, _: einsum_f32("ECM,EMD->ECD", h_ECM, w_EMD))
-        y_XD = einsum_f32("XEC,ECD->XD", combine_XEC, out_ECD)
+        out_rows = jnp.concatenate([out_ECD.reshape(E * slots, -1),
+                                    jnp.zeros((1, out_ECD.shape[-1]), out_ECD.dtype)])
+        y_XD = jnp.einsum("XRD,XR->XD", out_rows[slot_XR],
+                          jnp.where(kept_XR, routing.weights_XR, 0.0))
         return y_XD.astype(x_XD.dtype), dropped
     kept_XR = slot_positions(routing, E) < slots
     experts_A = routing.experts_XR.reshape(-1)
@@ -174,9 +181,10 @@ def moe_specs(config: ModelConfig, residual_scale: float) -> dict:
     """The router `[D, E]`, the routed experts (`[E, D, M]`, `[E, M, D]`), a selection bias
     `[E]` with the sigmoid router, and the shared experts (`[D, U]`, `[U, D]`)."""
     dims, m = config.dims, config.moe
+    experts = ffn_specs(dims, m.expert_mlp, "M", residual_scale, lead=(("E", "experts"),))
     specs = {"router": weight(dims, "DE", ("embed", "experts")),
-             "experts": ffn_specs(dims, m.expert_mlp, "M", residual_scale,
-                                  lead=(("E", "experts"),))}
+             "experts": map_specs(lambda s: dataclasses.replace(s, used=m.top_k / m.n_experts),
+                                  experts)}
     if m.router == "sigmoid":
         specs["selection_bias"] = bias(dims, "E", ("experts",))
     if m.n_shared_experts:

@@ -4,7 +4,8 @@ of these: initialisation, abstract shapes, shardings, the weight-decay mask, par
 memory plans and checkpoint layouts.
 
 Dimension letters: V vocab, D model width, F MLP width, N query heads, K KV heads, H head dim,
-P position-table rows (max_seq_len), L layers of a group. Logical axis names are what the
+P position-table rows (max_seq_len), L layers of a group; with MoE, E experts, M an expert's
+MLP width, U the shared experts' width. Logical axis names are what the
 sharding rules map to mesh axes.
 """
 
@@ -28,6 +29,7 @@ class TensorSpec:
     init: str = "normal"  # normal: N(0, (init_std * scale)^2); ones; zeros
     scale: float = 1.0
     decay: bool = True  # AdamW weight decay applies (not to norm gains and biases)
+    used: float = 1.0  # the fraction of it one token's forward pass uses (MoE experts: top_k/E)
 
     def __post_init__(self):
         assert len(self.letters) == len(self.shape) == len(self.axes), self
