@@ -37,6 +37,30 @@ def peak_rss_bytes() -> int:
     return int(line.split()[1]) * 1024
 
 
+def time_torch_train_steps(model, ids, warmup: int, steps: int, autocast=None) -> list[float]:
+    """Seconds of each of `steps` transformers training steps (forward with labels, backward,
+    `clip_grad_norm_(1.0)`, AdamW(lr 3e-4, betas 0.9/0.95, weight decay 0.1), `zero_grad`) after
+    `warmup` untimed ones; `autocast` an optional torch autocast context."""
+    import contextlib
+
+    import torch
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95),
+                                  weight_decay=0.1)
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        with autocast or contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
 def time_train_steps(compiled, state, batch, warmup: int, steps: int) -> list[float]:
     """Seconds of each of `steps` train steps (`compiled(state, batch) -> (state, metrics)`)
     after `warmup` untimed ones."""

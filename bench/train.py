@@ -29,7 +29,8 @@ import time
 import jax
 import numpy as np
 
-from common import BENCH_MODEL, peak_rss_bytes, rss_bytes, run_child, time_train_steps
+from common import (BENCH_MODEL, peak_rss_bytes, rss_bytes, run_child, time_torch_train_steps,
+                    time_train_steps)
 from llama_jax import costs, hardware
 from llama_jax.config import TrainConfig
 from llama_jax.optim import make_optimizer
@@ -75,21 +76,9 @@ def run_transformers(compute: str, steps: int, threads: int) -> dict:
         vocab_size=c.V, hidden_size=c.D, intermediate_size=c.F, num_hidden_layers=c.L,
         num_attention_heads=c.N, num_key_value_heads=c.K, max_position_embeddings=c.max_seq_len,
         rms_norm_eps=c.norm_eps, tie_word_embeddings=False))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95),
-                                  weight_decay=0.1)
     ids = torch.as_tensor(random_batch()[:, :SEQ], dtype=torch.long)  # labels shift inside
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute == "bfloat16")
-    times = []
-    for i in range(WARMUP_STEPS + steps):
-        start = time.perf_counter()
-        with autocast:
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if i >= WARMUP_STEPS:
-            times.append(time.perf_counter() - start)
+    times = time_torch_train_steps(model, ids, WARMUP_STEPS, steps, autocast)
     return {"step_s": times, "peak_mib": (peak_rss_bytes() - baseline) / 2 ** 20}
 
 

@@ -4,7 +4,8 @@ device mesh.
     python -m llama_jax.info PRESET_OR_CONFIG_FILE [--batch B] [--seq S] [--dtype D]
                              [--bandwidth GBPS] [--json]
                              [--mesh data=D,fsdp=F,tensor=T[,expert=E]
-                              --hardware {cpu,v5e,v5p,v6e,h100,h200} --remat POLICY --mfu 0.4 --compute-dtype bfloat16
+                              --hardware {cpu,v5e,v5p,v6e,h100,h200} --remat POLICY
+                              --mfu 0.4 --compute-dtype bfloat16
                               --attention-impl {auto,xla,chunked,cudnn,splash}]
 
 All numbers come from `llama_jax.costs` and `llama_jax.memory`; the formulas are printed next

@@ -6,7 +6,8 @@ creates): parameters in `param_dtype`, gradients like them, AdamW's two moments 
 Activations saved for the backward pass, per layer and per token held by the device, in
 `compute_dtype` bytes b (fp32 where the code computes in fp32), under each remat policy:
 - none: block input, both norm outputs, q, k, v, attention output, residual, gate, up and
-  their product: b·(4D + 2·N·H + 2·K·H + 3F), plus attention's own: the dense (`xla`) path
+  their product: b·(4D + 2·N·H + 2·K·H + 3F) (an MoE MLP: see `_mlp_memory`), plus
+  attention's own: the dense (`xla`) path
   keeps the fp32 softmax probabilities and scores for all T keys, 2·4·N·T; the blockwise ones
   (chunked, cuDNN, splash) their output again and one fp32 log-sum-exp per head,
   b·N·H + 4·N; a plain MLP keeps 2F (up, activation);
@@ -29,13 +30,15 @@ llama_jax.info` prints them, and tests/test_memory.py checks them against XLA's
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from llama_jax import costs, sharding
 from llama_jax.config import MeshConfig, ModelConfig
 from llama_jax.sharding import MESH_AXES
 from llama_jax.nn.dot_product import chosen_attention, one_block
+from llama_jax.nn.moe import dispatch_of
 from llama_jax.nn.spec import spec_leaves
-from llama_jax.params import param_specs
+from llama_jax.params import layer_groups, param_specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,22 +75,28 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
     rows = batch // micro_batches // _ways(rules, shape, "batch", batch // micro_batches)
     tokens = rows * seq
     b = costs.dtype_bytes(config.compute_dtype)
-    D, F, V, L, T = config.D, config.F, config.V, config.L, seq
+    D, V, T = config.D, config.V, seq
     NH = config.N * config.H // _ways(rules, shape, "heads", config.N)
     KH = config.K * config.H // _ways(rules, shape, "kv_heads", config.K)
-    F_local = F // _ways(rules, shape, "mlp", F)
-    # A gated MLP keeps gate, up and their product (two matmul outputs); a plain one up and
-    # its activation (one).
-    f_saved, f_dots = (3, 2) if config.gated_mlp else (2, 1)
     N_local = config.N // _ways(rules, shape, "heads", config.N)
     attn = _attention_memory(config, backend, T, b, NH, N_local)
-    whole_layer = b * (4 * D + 2 * NH + 2 * KH + f_saved * F_local) + attn.saved
-    per_token = {
-        "none": whole_layer,
-        "dots": b * (2 * NH + 2 * KH + 2 * D + f_dots * F_local) + attn.saved_by_dots,
-        "dots_no_batch": b * (NH + 2 * KH + 2 * D + f_dots * F_local),
-        "full": b * D,
-    }[remat]
+    per_token, whole_layer, gathered = 0, 0, 0
+    for group in layer_groups(config):
+        mlp = _mlp_memory(config, group.moe, b, lambda width: width // _ways(
+            rules, shape, "mlp", width), exchanged=shape["expert"] > 1)
+        if group.moe and chosen_dispatch(config) == "dropless" and math.prod(shape.values()) > 1:
+            # Each device runs its rows' grouped matmuls on every expert's weights, gathered
+            # (kept for the backward pass) and their gradient before it is reduce-scattered.
+            experts = param_specs(config)["groups"][-1]["mlp"]["experts"]  # [L, E, ...]
+            gathered += 2 * param_bytes * sum(s.size for s in spec_leaves(experts))
+        layer = {
+            "none": b * (4 * D + 2 * NH + 2 * KH) + mlp["none"] + attn.saved,
+            "dots": b * (2 * NH + 2 * KH + 2 * D) + mlp["dots"] + attn.saved_by_dots,
+            "dots_no_batch": b * (NH + 2 * KH + 2 * D) + mlp["dots_no_batch"],
+            "full": b * D,
+        }
+        per_token += group.n_layers * layer[remat]
+        whole_layer = max(whole_layer, layer["none"])
     # Working set of the backward pass: one layer's activations (recomputed under remat), the
     # logits, their softmax and its gradient, and attention's tiles.
     outside = whole_layer + 3 * 4 * V // _ways(rules, shape, "vocab", V) + b * D
@@ -97,8 +106,43 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
           // _ways(cache, shape, "batch", kv_batch) // _ways(cache, shape, "kv_heads", config.K))
     return MemoryPlan(mesh=shape, weights=state_elems * param_bytes,
                       gradients=state_elems * param_bytes, optimizer=2 * 4 * state_elems,
-                      activations=tokens * (L * per_token + outside) + rows * attn.tiles,
+                      activations=tokens * (per_token + outside) + rows * attn.tiles + gathered,
                       kv_cache=kv)
+
+
+def _mlp_memory(config: ModelConfig, moe: bool, b: int, local,
+                exchanged: bool = False) -> dict[str, int]:
+    """Bytes per token an MLP keeps under each remat policy (`local(width)`: the part of a
+    hidden width a device holds). Dense, gated: gate, up and their product (two matmul
+    outputs); plain: up and its activation (one).
+
+    MoE, per token and layer, with R = top_k and s = the slots per assignment (the capacity
+    factor on capacity buffers, whose padding is computed too; 1 dropless): R·s expert MLPs'
+    hidden values, input rows (b·D) and fp32 output rows (4·D) — in both layouts around the
+    all-to-alls when the expert axis splits them — plus, per assignment, the row copied into
+    the buffers (b·D) and the fp32 output gathered back (4·D); the router's fp32 logits and
+    scores (2·4·E); shared experts as a dense MLP. dots keeps the matmul outputs only; under
+    dots_no_batch the experts' matmuls (batched over E, or grouped) are recomputed."""
+    saved, dots = (3, 2) if config.gated_mlp else (2, 1)
+    if not moe:
+        F = local(config.F)
+        return {"none": b * saved * F, "dots": b * dots * F, "dots_no_batch": b * dots * F}
+    m, D = config.moe, config.D
+    capacity_path = chosen_dispatch(config) == "capacity"
+    R, slots = m.top_k, (m.capacity_factor or 1.0) if capacity_path else 1.0
+    M, U, E = local(config.expert_ffn_dim), local(m.n_shared_experts * config.expert_ffn_dim), \
+        m.n_experts
+    copies = 2 if exchanged and capacity_path else 1
+    experts_none = R * slots * (b * saved * M + copies * (b + 4) * D) + R * (b + 4) * D
+    experts_dots = R * slots * (b * dots * M + 4 * D) + R * 4 * D
+    router = 2 * 4 * E
+    return {"none": int(experts_none) + router + b * saved * U,
+            "dots": int(experts_dots) + router + b * dots * U,
+            "dots_no_batch": 4 * E + b * dots * U}
+
+
+def chosen_dispatch(config: ModelConfig) -> str:
+    return dispatch_of(config, drop=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,7 +136,8 @@ def test_cached_decode_equals_the_full_forward(name, decode_impl, params):
 cached = jax.jit(lambda c, p, toks, cache: apply(c, p, toks, cache=cache), static_argnums=0)
 
 
-@pytest.mark.parametrize("name", ["transformer", "gpt2", "mix-post-rms-geglu-learned"])
+@pytest.mark.parametrize("name", ["transformer", "gpt2", "mix-post-rms-geglu-learned",
+                                  "moe-deepseek"])
 def test_greedy_generation_is_the_same_under_both_decode_implementations(name, params):
     config, p = CONFIGS[name], params[name]
     prompts = [tokens(config, 1, n, seed=n)[0].tolist() for n in (3, 11, 6)]
@@ -148,11 +149,14 @@ def test_greedy_generation_is_the_same_under_both_decode_implementations(name, p
 
 
 MESHES = {"dp8": MeshConfig(data=8), "fsdp8": MeshConfig(data=1, fsdp=8),
-          "tp4-dp2": MeshConfig(data=2, tensor=4)}
+          "tp4-dp2": MeshConfig(data=2, tensor=4), "ep4-dp2": MeshConfig(data=2, expert=4)}
+SHARDED = ([(name, mesh) for name in ("transformer", "gpt2", "mix-ln-nope-swiglu-bias")
+            for mesh in ("dp8", "fsdp8", "tp4-dp2")]
+           + [("moe-mixtral", "fsdp8"), ("moe-mixtral-capacity", "ep4-dp2"),
+              ("moe-deepseek", "ep4-dp2"), ("moe-deepseek", "tp4-dp2")])
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize("name", ["transformer", "gpt2", "mix-ln-nope-swiglu-bias"])
+@pytest.mark.parametrize("name, mesh_name", SHARDED)
 def test_sharded_forward_equals_unsharded(name, mesh_name, params):
     config, mesh_config = CONFIGS[name], MESHES[mesh_name]
     mesh = sharding.make_mesh(mesh_config)
@@ -190,7 +194,7 @@ def test_the_published_gpt2_small_parameter_count():
     assert costs.param_counts(llama_jax.load_model_config("gpt2-small")).total == 124_439_808
 
 
-@pytest.mark.parametrize("name", ["transformer", "gpt2", "nope"])
+@pytest.mark.parametrize("name", ["transformer", "gpt2", "nope", "moe-mixtral"])
 def test_loss_falls_when_overfitting_one_batch(name):
     import optax
 

@@ -61,6 +61,35 @@ def test_bad_rope_scaling_names_the_field():
         RopeScaling(low_freq_factor=4.0, high_freq_factor=1.0)
 
 
+@pytest.mark.parametrize("section, message", [
+    ("{top_k: 9}", r"model\.moe\.top_k=9 must be <= n_experts \(8\)"),
+    ("{n_groups: 3}", r"model\.moe\.n_groups=3 must divide n_experts \(8\)"),
+    ("{n_groups: 2, top_k_groups: 3}", r"model\.moe\.top_k_groups=3 must be <= n_groups"),
+    ("{capacity_factor: 0}", r"model\.moe\.capacity_factor=0\.0 must be > 0"),
+    ("{capacity_factor: -1.5}", r"model\.moe\.capacity_factor=-1\.5 must be > 0"),
+    ("{router: relu}", r"model\.moe\.router='relu' is not one of"),
+    ("{expert_mlp: moe}", r"model\.moe\.expert_mlp='moe' is not one of"),
+    ("{first_dense_layers: 2}", r"model\.moe\.first_dense_layers=2 must be < n_layers \(2\)"),
+    ("{n_expert: 4}", r"model\.moe: unknown key 'n_expert' \(did you mean 'n_experts'\?\)"),
+])
+def test_bad_moe_sections_name_the_file_and_field(section, message, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"base: tiny\nmodel: {{mlp: moe, moe: {section}}}\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: " + message):
+        load_model_config(bad)
+
+
+def test_moe_fields_with_a_dense_mlp_are_refused(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base: tiny\nmodel: {mlp: swiglu, moe: {n_experts: 4}}\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: model\.moe: the section applies only to "
+                                          r"mlp 'moe', not 'swiglu'"):
+        load_model_config(bad)
+    bad.write_text("base: tiny\nmodel: {mlp: moe, bias: true}\n")
+    with pytest.raises(ConfigError, match=r"model\.bias=True is not supported with mlp 'moe'"):
+        load_model_config(bad)
+
+
 def test_yaml_numbers_without_dot_are_accepted():
     # YAML 1.1 reads `1e-5` as a string; the config turns it into a float.
     c = ModelConfig.from_dict({**TINY, "norm_eps": "1e-5", "rope_theta": 500000})

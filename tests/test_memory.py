@@ -7,23 +7,30 @@ import json
 import pytest
 
 from llama_jax import info, memory, sharding, trainer
-from llama_jax.config import DataConfig, MeshConfig, ModelConfig, RunConfig, TrainConfig
+from llama_jax.config import (DataConfig, MeshConfig, ModelConfig, MoeConfig, RunConfig,
+                              TrainConfig)
 
 MODEL = ModelConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
                     max_seq_len=256)
+# The same active parameters with 8 experts, top-2: capacity buffers, or dropless
+MOE = dataclasses.replace(MODEL, mlp="moe", ffn_dim=384, moe=MoeConfig(capacity_factor=1.25))
+DROPLESS = dataclasses.replace(MOE, moe=MoeConfig(), moe_dispatch="dropless")
 TRAIN = TrainConfig(seq_len=256, batch_size=16)
 
 
-@pytest.mark.parametrize("mesh, remat, attention", [
-    (MeshConfig(data=8), "none", "xla"), (MeshConfig(data=1, fsdp=8), "dots", "xla"),
-    (MeshConfig(data=1, fsdp=4, tensor=2), "dots_no_batch", "xla"),
-    (MeshConfig(data=2, fsdp=4), "full", "xla"),
+@pytest.mark.parametrize("mesh, remat, attention, base", [
+    (MeshConfig(data=8), "none", "xla", MODEL),
+    (MeshConfig(data=1, fsdp=8), "dots", "xla", MODEL),
+    (MeshConfig(data=1, fsdp=4, tensor=2), "dots_no_batch", "xla", MODEL),
+    (MeshConfig(data=2, fsdp=4), "full", "xla", MODEL),
     # blocks of 64 make the step really blockwise at T = 256
-    (MeshConfig(data=8), "none", "chunked"), (MeshConfig(data=1, fsdp=4, tensor=2), "dots",
-                                              "chunked"),
+    (MeshConfig(data=8), "none", "chunked", MODEL),
+    (MeshConfig(data=1, fsdp=4, tensor=2), "dots", "chunked", MODEL),
+    (MeshConfig(data=2, expert=4), "none", "chunked", MOE),
+    (MeshConfig(data=1, fsdp=2, expert=4), "none", "chunked", DROPLESS),
 ])
-def test_planned_memory_agrees_with_the_compiled_step(mesh, remat, attention):
-    model = dataclasses.replace(MODEL, remat=remat, attention_impl=attention,
+def test_planned_memory_agrees_with_the_compiled_step(mesh, remat, attention, base):
+    model = dataclasses.replace(base, remat=remat, attention_impl=attention,
                                 attention_block_q=64, attention_block_kv=64)
     run = RunConfig(model=model, train=TRAIN, data=DataConfig(corpus="unused"), mesh=mesh)
     compiled = trainer._programs(run, 1, sharding.make_mesh(mesh)).step
@@ -33,7 +40,7 @@ def test_planned_memory_agrees_with_the_compiled_step(mesh, remat, attention):
     # Arguments: the state, exactly, plus this device's rows of the batch and a few scalars.
     assert 0 <= measured.argument_size_in_bytes - (plan.weights + plan.optimizer) < 16 << 10
     ratio = (measured.argument_size_in_bytes + measured.temp_size_in_bytes) / plan.training
-    assert 0.8 < ratio < 1.25, ratio  # measured 0.83-1.16 over these cases
+    assert 0.8 < ratio < 1.25, ratio  # measured 0.83-1.21 over these cases
 
 
 def test_planner_cli_prints_a_training_plan(capsys):

@@ -114,7 +114,8 @@ def _gpt2_config(file: Path, hf: dict[str, Any], eos_ids: tuple[int, ...]) -> Mo
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)), eos_ids=eos_ids)
 
 
-CONFIG_READERS = {"llama": _llama_config, "mixtral": _mixtral_config, "gpt2": _gpt2_config}  # by config.json's model_type
+# by config.json's model_type
+CONFIG_READERS = {"llama": _llama_config, "mixtral": _mixtral_config, "gpt2": _gpt2_config}
 
 
 def _eos_ids(path: Path, hf: dict[str, Any]) -> tuple[int, ...]:
@@ -285,7 +286,8 @@ def _eos_token_id(config: ModelConfig) -> int | list[int] | None:
     return config.eos_ids[0] if len(config.eos_ids) == 1 else list(config.eos_ids)
 
 
-CONFIG_WRITERS = {"llama": _llama_json, "mixtral": _mixtral_json, "gpt2": _gpt2_json}  # by the family's model_type
+# by the family's model_type
+CONFIG_WRITERS = {"llama": _llama_json, "mixtral": _mixtral_json, "gpt2": _gpt2_json}
 
 
 def save(config: ModelConfig, params: Params, path: Path,

@@ -48,6 +48,7 @@ sequence, then averaged), added per layer: its weight w is our k·w.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -58,7 +59,7 @@ from llama_jax.config import ModelConfig
 from llama_jax.nn.mlp import apply_mlp, ffn, ffn_specs
 from llama_jax.nn.ops import einsum_f32, grouped_f32
 from llama_jax.nn.spec import bias, map_specs, weight
-from llama_jax.sharding import constrain
+from llama_jax.sharding import constrain, per_shard
 
 DISPATCHES = ("capacity", "dropless")
 
@@ -115,66 +116,90 @@ def capacity(n_assignments: int, n_experts: int, capacity_factor: float) -> int:
     return math.ceil(n_assignments / n_experts * capacity_factor)
 
 
-def slot_positions(routing: Routing, n_experts: int) -> jax.Array:
+def slot_positions(experts_XR: jax.Array, n_experts: int) -> jax.Array:
     """`[X, R]`: each assignment's position among its expert's assignments, in priority order
     (every token's first choice, then every second choice, ...; tokens in order within one)."""
-    onehot_AE = jax.nn.one_hot(routing.experts_XR.T.reshape(-1), n_experts, dtype=jnp.int32)
+    onehot_AE = jax.nn.one_hot(experts_XR.T.reshape(-1), n_experts, dtype=jnp.int32)
     position_A = ((jnp.cumsum(onehot_AE, axis=0) - 1) * onehot_AE).sum(-1)
-    return position_A.reshape(routing.experts_XR.shape[::-1]).T
+    return position_A.reshape(experts_XR.shape[::-1]).T
 
 
-def capacity_slots(routing: Routing, n_experts: int, slots: int):
-    """`(slot_XR, kept_XR, dropped)`: each assignment's row in the experts' buffers flattened
-    to `[E · slots]` (expert · slots + its position), kept when its position is below `slots`.
+def capacity_slots(experts_XR: jax.Array, n_experts: int, slots: int):
+    """`(slot_XR, kept_XR)`: each assignment's row in the experts' buffers flattened to
+    `[E · slots]` (expert · slots + its position), kept when its position is below `slots`.
     Dropped assignments point one past the buffers (row E · slots)."""
-    position_XR = slot_positions(routing, n_experts)
+    position_XR = slot_positions(experts_XR, n_experts)
     kept_XR = position_XR < slots
-    slot_XR = jnp.where(kept_XR, routing.experts_XR * slots + position_XR, n_experts * slots)
-    return slot_XR, kept_XR, routing.experts_XR.size - kept_XR.sum()
+    return jnp.where(kept_XR, experts_XR * slots + position_XR, n_experts * slots), kept_XR
 
 
-def apply_experts(p: dict, x_XD: jax.Array, routing: Routing, *, mlp: str, dispatch: str,
-                  capacity_factor: float | None = None) -> tuple[jax.Array, jax.Array]:
-    """Σ_r weight_r · Expert_{e_r}(x) per token, `[X, D]` in x's dtype, and the number of
+def apply_experts(p: dict, x_BTD: jax.Array, experts_BTR: jax.Array, weights_BTR: jax.Array,
+                  *, mlp: str, dispatch: str, capacity_factor: float | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
+    """Σ_r weight_r · Expert_{e_r}(x) per token, `[B, T, D]` in x's dtype, and the number of
     dropped assignments. `p`: the experts' stacked MLP weights `w_up, w_down[, w_gate]`
-    (`[E, D, F]`, `[E, F, D]`) of MLP kind `mlp`.
+    (`[E, D, M]`, `[E, M, D]`) of MLP kind `mlp`.
 
-    `capacity_factor` decides which assignments are dropped (None: none), `dispatch` only how
-    the experts' matmuls are laid out: both drop the same assignments and compute the same
-    function (with None, the capacity buffers hold every token: C = X)."""
+    Each sequence is one dispatch group (GShard's groups): its T·R assignments compete for
+    C = ceil(T·R/E · capacity_factor) slots per expert, so a row's drops never depend on the
+    other rows of the batch, and the buffers of a data-parallel batch stay on the devices of
+    its rows. `capacity_factor` decides which assignments are dropped (None: none),
+    `dispatch` only how the experts' matmuls are laid out: both drop the same assignments and
+    compute the same function (with None, the capacity buffers hold every token: C = T)."""
     E = p["w_up"].shape[0]
-    X, R = routing.experts_XR.shape
-    slots = X if capacity_factor is None else capacity(X * R, E, capacity_factor)
+    B, T, R = experts_BTR.shape
+    slots = T if capacity_factor is None else capacity(T * R, E, capacity_factor)
+    slot_BTR, kept_BTR = jax.vmap(capacity_slots, in_axes=(0, None, None))(experts_BTR, E, slots)
+    weights_BTR = jnp.where(kept_BTR, weights_BTR, 0.0)
+    dropped = B * T * R - kept_BTR.sum()
     if dispatch == "capacity":
-        slot_XR, kept_XR, dropped = capacity_slots(routing, E, slots)
-        # Tokens scattered into their slots (the dropped ones into a spare row, cut off), each
-        # expert's buffer on the devices holding that expert (the expert mesh axis).
-        rows_XRD = jnp.broadcast_to(x_XD[:, None], (X, R, x_XD.shape[-1]))
-        buffers = jnp.zeros((E * slots + 1, x_XD.shape[-1]), x_XD.dtype).at[
-            slot_XR.reshape(-1)].add(rows_XRD.reshape(X * R, -1))
-        in_ECD = constrain(buffers[:-1].reshape(E, slots, -1), ("experts", None, None))
-        out_ECD = ffn(mlp, p, in_ECD,
-                      lambda x_ECD, w_EDM, _: einsum_f32("ECD,EDM->ECM", x_ECD, w_EDM),
-                      lambda h_ECM, w_EMD, _: einsum_f32("ECM,EMD->ECD", h_ECM, w_EMD))
-        out_rows = jnp.concatenate([out_ECD.reshape(E * slots, -1),
-                                    jnp.zeros((1, out_ECD.shape[-1]), out_ECD.dtype)])
-        y_XD = jnp.einsum("XRD,XR->XD", out_rows[slot_XR],
-                          jnp.where(kept_XR, routing.weights_XR, 0.0))
-        return y_XD.astype(x_XD.dtype), dropped
-    kept_XR = slot_positions(routing, E) < slots
-    experts_A = routing.experts_XR.reshape(-1)
+        y_BTD = _capacity_experts(p, x_BTD, slot_BTR, weights_BTR, mlp, E, slots)
+    else:
+        # Sorting and grouped matmuls cannot be partitioned by XLA: each device runs its rows.
+        y_BTD = per_shard(functools.partial(_dropless_experts, names=tuple(p), mlp=mlp),
+                          in_axes=[(None, None, None)] * len(p) + [("batch", None, None)] * 3,
+                          out_axes=("batch", None, None))(*p.values(), x_BTD, experts_BTR,
+                                                          weights_BTR)
+    return y_BTD.astype(x_BTD.dtype), dropped
+
+
+def _capacity_experts(p, x_BTD, slot_BTR, weights_BTR, mlp, E, slots):
+    """Tokens scattered into their slots of `[B, E, C, D]` buffers (the dropped ones into a
+    spare row, cut off), batched expert matmuls, outputs gathered back by the same slots."""
+    B, T, R = slot_BTR.shape
+    D = x_BTD.shape[-1]
+    rows_BAD = jnp.broadcast_to(x_BTD[:, :, None], (B, T, R, D)).reshape(B, T * R, D)
+    buffers = jax.vmap(lambda rows_AD, slot_A: jnp.zeros((E * slots + 1, D), x_BTD.dtype).at[
+        slot_A].add(rows_AD))(rows_BAD, slot_BTR.reshape(B, T * R))
+    # The expert axis moves from the batch to the experts here (an all-to-all under EP).
+    in_BECD = constrain(buffers[:, :-1].reshape(B, E, slots, D),
+                        ("expert_batch", "experts", None, None))
+    out_BECD = ffn(mlp, p, in_BECD,
+                   lambda x_BECD, w_EDM, _: einsum_f32("BECD,EDM->BECM", x_BECD, w_EDM),
+                   lambda h_BECM, w_EMD, _: einsum_f32("BECM,EMD->BECD", h_BECM, w_EMD))
+    out_rows = jnp.concatenate([out_BECD.reshape(B, E * slots, D),
+                                jnp.zeros((B, 1, D), out_BECD.dtype)], axis=1)
+    gathered_BTRD = jax.vmap(lambda rows, slot: rows[slot])(out_rows, slot_BTR)
+    return jnp.einsum("BTRD,BTR->BTD", gathered_BTRD, weights_BTR)
+
+
+def _dropless_experts(*arrays, names: tuple[str, ...], mlp: str):
+    """Assignments sorted by expert, grouped matmuls over the sorted rows, unsorted; dropped
+    assignments (weight zero) are computed too — grouped matmuls have no buffers to overflow."""
+    p = dict(zip(names, arrays[:len(names)]))
+    x_BTD, experts_BTR, weights_BTR = arrays[len(names):]
+    B, T, R = experts_BTR.shape
+    E = p["w_up"].shape[0]
+    experts_A = experts_BTR.reshape(-1)
     order_A = jnp.argsort(experts_A, stable=True)
-    rows_AD = x_XD[order_A // R]
+    rows_AD = x_BTD.reshape(B * T, -1)[order_A // R]
     sizes_E = jnp.zeros(E, jnp.int32).at[experts_A].add(1)
 
     def grouped(rows, w, _):
         return grouped_f32(rows, w, sizes_E)
     out_AD = ffn(mlp, p, rows_AD, grouped, grouped)
-    unsorted_XRD = jnp.zeros_like(out_AD).at[order_A].set(out_AD).reshape(X, R, -1)
-    # Dropped assignments are computed (the grouped matmuls have no fixed buffers to overflow)
-    # and weighted by zero, so the function is the capacity path's.
-    y_XD = jnp.einsum("XRD,XR->XD", unsorted_XRD, jnp.where(kept_XR, routing.weights_XR, 0.0))
-    return y_XD.astype(x_XD.dtype), X * R - kept_XR.sum()
+    unsorted_BTRD = jnp.zeros_like(out_AD).at[order_A].set(out_AD).reshape(B, T, R, -1)
+    return jnp.einsum("BTRD,BTR->BTD", unsorted_BTRD, weights_BTR)
 
 
 def moe_specs(config: ModelConfig, residual_scale: float) -> dict:
@@ -213,10 +238,10 @@ def apply_moe(config: ModelConfig, p: dict, x_BTD: jax.Array, *, drop: bool = Tr
                     routed_scaling=m.routed_scaling, n_groups=m.n_groups,
                     top_k_groups=m.top_k_groups,
                     selection_bias_E=None if bias_E is None else jax.lax.stop_gradient(bias_E))
-    y_XD, dropped = apply_experts(p["experts"], x_XD, routing, mlp=m.expert_mlp,
-                                  dispatch=dispatch_of(config, drop),
-                                  capacity_factor=m.capacity_factor if drop else None)
-    y_BTD = y_XD.reshape(B, T, D)
+    y_BTD, dropped = apply_experts(p["experts"], x_BTD, routing.experts_XR.reshape(B, T, -1),
+                                   routing.weights_XR.reshape(B, T, -1), mlp=m.expert_mlp,
+                                   dispatch=dispatch_of(config, drop),
+                                   capacity_factor=m.capacity_factor if drop else None)
     if "shared" in p:
         y_BTD = y_BTD + apply_mlp(config, p["shared"], x_BTD)
     balance, z = load_balancing_loss(routing), router_z_loss(logits_XE)
