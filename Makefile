@@ -50,6 +50,7 @@ bench: install
 	$(PY) bench/train.py
 	$(PY) bench/attention.py
 	$(PY) bench/attention.py --fit
+	$(PY) bench/moe.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

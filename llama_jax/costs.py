@@ -26,7 +26,8 @@ from llama_jax.params import param_specs
 TRAIN_FLOPS_FORMULA = ("6*P_mm + 6*L*T*N*H (P_mm: active matmul weights incl. LM head; causal "
                        "attention)")
 DECODE_BYTES_FORMULA = ("weights read per step (all but the input-embedding table, which is "
-                        "gathered, unless tied) + KV cache read for B x S tokens")
+                        "gathered, unless tied; of MoE experts, those B tokens are expected to "
+                        "hit) + KV cache read for B x S tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +74,13 @@ def train_flops_per_token(config: ModelConfig, seq_len: int) -> int:
 def decode_bytes_per_step(config: ModelConfig, batch: int, context: int,
                           dtype: str = "bfloat16") -> int:
     """Bytes one decode step must read: weights (the untied input embedding and a learned
-    position table are only gathered, B rows each) plus the KV cache of every row at `context`
-    tokens."""
+    position table are only gathered, B rows each; of a routed expert tensor, the experts B
+    tokens are expected to hit when each picks top_k of E uniformly: a fraction
+    1 - (1 - top_k/E)^B) plus the KV cache of every row at `context` tokens."""
     counts = param_counts(config)
     gathered = 0 if config.tie_embeddings else counts.embedding - batch * config.dim
     positions = count(param_specs(config).get("positions", {}))  # a learned table: B rows
     gathered += max(positions - batch * config.dim, 0)
-    weights = (counts.total - gathered) * dtype_bytes(dtype)
+    unread = sum(s.size * (1 - s.used) ** batch for s in spec_leaves(param_specs(config)))
+    weights = round(counts.total - gathered - unread) * dtype_bytes(dtype)
     return weights + batch * context * kv_cache_bytes_per_token(config, dtype)

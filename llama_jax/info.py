@@ -43,7 +43,10 @@ def plan(config: ModelConfig, *, batch: int, seq: int, dtype: str,
         "config": {"D": config.D, "L": config.L, "N": config.N, "K": config.K, "H": config.H,
                    "F": config.F, "V": config.V, "max_seq_len": config.max_seq_len,
                    "tie_embeddings": config.tie_embeddings, "rope_theta": config.rope_theta,
-                   "rope_type": config.rope_type, "mlp": config.mlp},
+                   "rope_type": config.rope_type, "positions": config.positions,
+                   "mlp": config.mlp,
+                   "moe": config.moe and {"E": config.moe.n_experts, "top_k": config.moe.top_k,
+                                          "M": config.expert_ffn_dim}},
         "n_params": counts.total,
         "n_params_embedding": counts.embedding,
         "n_params_lm_head": counts.lm_head,
@@ -139,7 +142,10 @@ def render(name: str, p: dict) -> str:
     lines = [
         f"{name}: D={c['D']} L={c['L']} N={c['N']} K={c['K']} H={c['H']} F={c['F']} "
         f"V={c['V']} context={c['max_seq_len']} tied={c['tie_embeddings']} "
-        f"rope_theta={c['rope_theta']:g} rope_type={c['rope_type']}",
+        + (f"rope_theta={c['rope_theta']:g} rope_type={c['rope_type']}"
+           if c["positions"] == "rope" else f"positions={c['positions']}")
+        + (f" mlp=moe E={c['moe']['E']} top_k={c['moe']['top_k']} M={c['moe']['M']}"
+           if c["moe"] else ""),
         f"parameters           {p['n_params']:>20,}",
         f"  embedding (V*D)    {p['n_params_embedding']:>20,}",
         f"  LM head (untied)   {p['n_params_lm_head']:>20,}",

@@ -103,3 +103,39 @@ def test_the_hardware_sets_the_decode_bandwidth(capsys):
         out["decode_bytes_per_step"] / 2765e9)
     assert info.main(["llama3-8b", "--hardware", "v5p", "--bandwidth", "1000", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["bandwidth_gbps"] == 1000  # explicit wins
+
+
+def test_moe_reports_total_and_active_parameters(capsys):
+    """The MoE demo: 8 experts of 384, top-2, equal active parameters to the dense demo (up to
+    the router), four times its MLP weights; FLOPs count what a token uses."""
+    from llama_jax.config import load_model_config
+
+    dense, moe = load_model_config("demo"), load_model_config("configs/moe-demo.yaml")
+    d, m = costs.param_counts(dense), costs.param_counts(moe)
+    router = moe.L * moe.D * moe.moe.n_experts
+    expert_weights = moe.L * moe.moe.n_experts * 3 * moe.D * moe.expert_ffn_dim
+    assert m.total == d.total - dense.L * 3 * dense.D * dense.F + expert_weights + router
+    assert m.active == d.active + router == d.total + router
+    assert m.matmul == d.matmul + router
+    assert costs.train_flops_per_token(moe, 256) - costs.train_flops_per_token(dense, 256) \
+        == 6 * router
+    assert info.main(["configs/moe-demo.yaml", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["n_params"], out["n_params_active"]) == (m.total, m.active)
+    assert info.main(["transformer"]) == 0  # no RoPE: no rope fields to print
+    assert "positions=sinusoidal" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("batch", [1, 3, 64])
+def test_moe_decode_reads_the_experts_a_batch_is_expected_to_hit(batch):
+    """Each of B tokens picks top_k of E experts: a fraction 1 - (1 - k/E)^B of every expert
+    tensor is read per step (k/E at B = 1; nearly all at large B); the rest as a dense model."""
+    from llama_jax.config import load_model_config
+
+    moe = load_model_config("configs/moe-demo.yaml")
+    experts = moe.L * moe.moe.n_experts * 3 * moe.D * moe.expert_ffn_dim
+    everything = costs.param_counts(moe).total - (costs.param_counts(moe).embedding
+                                                 - batch * moe.D)
+    hit = 1 - (1 - moe.moe.top_k / moe.moe.n_experts) ** batch
+    expected = round(everything - experts * (1 - hit)) * 2
+    assert costs.decode_bytes_per_step(moe, batch, 0, "bfloat16") == expected

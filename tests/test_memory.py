@@ -40,7 +40,7 @@ def test_planned_memory_agrees_with_the_compiled_step(mesh, remat, attention, ba
     # Arguments: the state, exactly, plus this device's rows of the batch and a few scalars.
     assert 0 <= measured.argument_size_in_bytes - (plan.weights + plan.optimizer) < 16 << 10
     ratio = (measured.argument_size_in_bytes + measured.temp_size_in_bytes) / plan.training
-    assert 0.8 < ratio < 1.25, ratio  # measured 0.83-1.21 over these cases
+    assert 0.8 < ratio < 1.25, ratio  # measured 0.83-1.16 over these cases
 
 
 def test_planner_cli_prints_a_training_plan(capsys):

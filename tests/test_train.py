@@ -54,14 +54,14 @@ def _final_params(workdir: Path):
     return load_checkpoint(workdir)[1]
 
 
-def _assert_same_run(workdir: Path, reference: Path) -> None:
+def _assert_same_run(workdir: Path, reference: Path, steps: int = 6) -> None:
     """Bit-for-bit: final parameters and every logged loss."""
     for a, b in zip(jax.tree.leaves(_final_params(workdir)),
                     jax.tree.leaves(_final_params(reference))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     losses = [(r["step"], r["loss"]) for r in metrics.read(workdir / run_dir.METRICS)]
     assert losses == [(r["step"], r["loss"]) for r in metrics.read(reference / run_dir.METRICS)]
-    assert [step for step, _ in losses] == list(range(1, 7))
+    assert [step for step, _ in losses] == list(range(1, steps + 1))
 
 
 def _batch(seed: int, batch: int = 8, length: int = 33) -> jnp.ndarray:
@@ -387,3 +387,33 @@ def test_the_transformer_recipe_trains_with_train_py(corpus_dir, tmp_path):
     assert "final_norm" not in params and "b_up" in params["groups"][0]["mlp"]
     losses = [r["loss"] for r in metrics.read(tmp_path / "w" / run_dir.METRICS)]
     assert len(losses) == 4 and all(np.isfinite(losses))
+
+
+def test_an_moe_run_logs_its_router_metrics_and_resumes_exactly(corpus_dir, tmp_path):
+    """DeepSeek-style routing (sigmoid, the selection bias updated after every step, a shared
+    expert, a dense first layer) with capacity drops: metrics.jsonl carries the MoE statistics
+    of the training batches and of validation, and stopping and resuming equals training
+    straight through bit for bit (the bias is part of the checkpointed parameters)."""
+    from llama_jax.config import MoeConfig
+
+    model = dataclasses.replace(MODEL, n_layers=3, mlp="moe", ffn_dim=32, moe=MoeConfig(
+        n_experts=4, top_k=2, router="sigmoid", n_shared_experts=1, first_dense_layers=1,
+        capacity_factor=1.0, router_z_loss_weight=1e-3, bias_update_rate=0.01))
+    run = RunConfig(model=model, train=dataclasses.replace(TRAIN, steps=4, eval_every=2,
+                                                           checkpoint_every=2),
+                    data=DataConfig(corpus=str(corpus_dir)))
+    quiet(run, tmp_path / "straight")
+    quiet(run, tmp_path / "resumed", stop_at=2)
+    quiet(run, tmp_path / "resumed")
+    _assert_same_run(tmp_path / "resumed", tmp_path / "straight", steps=4)
+    records = {r["step"]: r for r in metrics.read(tmp_path / "straight" / run_dir.METRICS)}
+    for step in (2, 4):
+        r = records[step]
+        for prefix in ("", "val_"):
+            share = (r[prefix + "moe_min_load_share"], r[prefix + "moe_max_load_share"])
+            assert 0 <= share[0] <= 0.25 <= share[1] <= 1  # 1/E when balanced
+            assert 0 < r[prefix + "moe_dropped_fraction"] < 0.5
+            assert 0 < r[prefix + "moe_router_entropy"] <= np.log(4) + 1e-6
+            assert r[prefix + "moe_load_balancing_loss"] > 0
+    bias = load_checkpoint(tmp_path / "straight")[1]["groups"][1]["mlp"]["selection_bias"]
+    assert np.abs(np.asarray(bias)).max() > 0  # moved by the rule (its gradient is zero)

@@ -3,7 +3,7 @@ expert MLPs of which each token uses top_k, optional always-on shared experts, t
 losses and the load statistics.
 
 Letters besides the model's: X tokens (B·T flattened), E experts, R routed choices per token
-(top_k), A = X·R assignments, C slots per expert (capacity), M an expert's hidden width, U the
+(top_k), A = X·R (or T·R) assignments, C slots per expert and sequence (capacity), M an expert's hidden width, U the
 shared experts' (n_shared_experts · M, one MLP as DeepSeek does).
 
 Routing (`route`): router logits `[X, E]` in fp32 become scores — softmax over the experts
@@ -16,17 +16,23 @@ scores are the combine weights, renormalised to sum to 1 with `normalize_top_k` 
 DeepSeek-V3), times `routed_scaling`.
 
 Dispatch, one interface (`apply_experts`), two implementations of the same function (the
-capacity factor, not the implementation, decides what is dropped):
-- "capacity" (GShard, Switch): each expert has C = ceil(A/E · capacity_factor) slots, filled in
-  priority order — every token's first choice before any second choice, tokens in order within
-  a choice — by a cumulative sum; assignments beyond C are dropped (the token keeps only its
-  other experts, or the residual alone). Tokens are scattered into `[E, C, D]` buffers by
-  slot index (GShard's one-hot dispatch/combine einsums would cost X·E·C·D, more than the
+capacity factor, not the implementation, decides what is dropped). Each sequence is a dispatch
+group (GShard's groups): its T·R assignments compete for C = ceil(T·R/E · capacity_factor)
+slots per expert, filled in priority order — every token's first choice before any second
+choice, tokens in order within a choice — by a cumulative sum; assignments beyond C are
+dropped (the token keeps only its other experts, or the residual alone). Rows never compete,
+so a row computes the same alone as in any batch, and a data-parallel batch's buffers stay on
+the devices of its rows.
+- "capacity" (GShard, Switch): tokens are scattered into `[B, E, C, D]` buffers by slot index
+  (GShard's one-hot dispatch/combine einsums would cost T·E·C·D per row, more than the
   experts themselves at these sizes), the experts run as batched matmuls, and the outputs are
-  gathered back by the same indices.
+  gathered back by the same indices. Under expert parallelism the buffers move from the batch
+  axis to the expert axis (an all-to-all XLA inserts) and back.
 - "dropless" (MegaBlocks-style): assignments sorted by expert, the experts' matmuls as grouped
-  matmuls over the sorted rows (`jax.lax.ragged_dot`), unsorted and weighted; with a capacity
-  factor, the assignments the capacity path would drop get weight zero.
+  matmuls over the sorted rows (`jax.lax.ragged_dot`), unsorted and weighted; the assignments
+  a capacity factor drops get weight zero. XLA cannot partition the sort, so on a mesh each
+  device runs its own rows (`sharding.per_shard`) with every expert's weights gathered: no
+  expert parallelism for this path yet (that needs a ragged all-to-all).
 
 Capacity applies where tokens are processed as a batch (training, evaluation, `forward`); the
 KV-cached decoder never drops, so a token's output does not depend on which other rows happen
@@ -168,9 +174,11 @@ def _capacity_experts(p, x_BTD, slot_BTR, weights_BTR, mlp, E, slots):
     spare row, cut off), batched expert matmuls, outputs gathered back by the same slots."""
     B, T, R = slot_BTR.shape
     D = x_BTD.shape[-1]
-    rows_BAD = jnp.broadcast_to(x_BTD[:, :, None], (B, T, R, D)).reshape(B, T * R, D)
-    buffers = jax.vmap(lambda rows_AD, slot_A: jnp.zeros((E * slots + 1, D), x_BTD.dtype).at[
-        slot_A].add(rows_AD))(rows_BAD, slot_BTR.reshape(B, T * R))
+    # One flat scatter: row b's slots are rows b·(E·C + 1) + slot of all rows' buffers.
+    flat_BTR = slot_BTR + (E * slots + 1) * jnp.arange(B, dtype=slot_BTR.dtype)[:, None, None]
+    rows_BTRD = jnp.broadcast_to(x_BTD[:, :, None], (B, T, R, D))
+    buffers = jnp.zeros((B * (E * slots + 1), D), x_BTD.dtype).at[flat_BTR.reshape(-1)].add(
+        rows_BTRD.reshape(-1, D)).reshape(B, E * slots + 1, D)
     # The expert axis moves from the batch to the experts here (an all-to-all under EP).
     in_BECD = constrain(buffers[:, :-1].reshape(B, E, slots, D),
                         ("expert_batch", "experts", None, None))
@@ -179,7 +187,7 @@ def _capacity_experts(p, x_BTD, slot_BTR, weights_BTR, mlp, E, slots):
                    lambda h_BECM, w_EMD, _: einsum_f32("BECM,EMD->BECD", h_BECM, w_EMD))
     out_rows = jnp.concatenate([out_BECD.reshape(B, E * slots, D),
                                 jnp.zeros((B, 1, D), out_BECD.dtype)], axis=1)
-    gathered_BTRD = jax.vmap(lambda rows, slot: rows[slot])(out_rows, slot_BTR)
+    gathered_BTRD = out_rows.reshape(-1, D)[flat_BTR]
     return jnp.einsum("BTRD,BTR->BTD", gathered_BTRD, weights_BTR)
 
 
