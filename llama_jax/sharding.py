@@ -4,8 +4,8 @@ The model and the parameter descriptions name logical axes only (`TensorSpec.axe
 "q_heads", "mlp", ...; activations: "batch", "heads", ...). This module alone knows the mesh
 (`data`, `fsdp`, `tensor`, `expert`) and turns names into `PartitionSpec`s through rules
 tables — one for weights (and the optimizer state, which mirrors them), one for activations,
-one for the KV cache: the defaults below (`RULE_TABLES`), with a config's `mesh:` section (`MeshConfig`)
-merged over them. A mesh axis is used at most once per array, and a mesh axis
+one for the KV cache: the defaults below (`RULE_TABLES`), with a config's `mesh:` section
+(`MeshConfig`) merged over them. A mesh axis is used at most once per array, and a mesh axis
 whose size does not divide a dimension (e.g. tensor=8 over MQA's single KV head) is dropped for
 that array, with a log line, rather than failing.
 
@@ -39,7 +39,8 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert")
 # parallelism the MoE experts. Activations: the batch over data x fsdp x expert (outside the
 # experts, the expert axis is one more data-parallel axis), heads / FFN / vocab over tensor,
 # the experts' token buffers `[B, E, C, D]` over expert (E) and data x fsdp (B: expert_batch).
-# The KV cache: rows over data x fsdp x expert, KV heads over tensor. A config's `mesh:` section overrides entries.
+# The KV cache: rows over data x fsdp x expert, KV heads over tensor. A config's `mesh:`
+# section overrides entries.
 BATCH_AXES = ["data", "fsdp", "expert"]
 RULE_TABLES = {
     "weight_rules": ({"embed": "fsdp", "q_heads": "tensor", "kv_heads": "tensor",

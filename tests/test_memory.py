@@ -47,7 +47,7 @@ def test_planner_cli_prints_a_training_plan(capsys):
     assert info.main(["llama3-8b", "--batch", "8", "--seq", "8192", "--mesh",
                       "data=1,fsdp=8,tensor=1", "--hardware", "h100", "--remat", "full"]) == 0
     out = capsys.readouterr().out
-    assert "mesh data=1,fsdp=8,tensor=1 (8 x h100" in out and "fits in 80.0 GiB" in out
+    assert "mesh data=1,fsdp=8,tensor=1,expert=1 (8 x h100" in out and "fits in 80.0 GiB" in out
     plan = info.plan_training(info.load_model_config("llama3-70b"), MeshConfig(data=1, fsdp=8),
                               batch=8, seq=4096, remat="full", compute_dtype="bfloat16",
                               device=info.hardware.HARDWARE["h100"], mfu=0.4,
@@ -59,7 +59,7 @@ def test_planner_cli_prints_a_training_plan(capsys):
 @pytest.mark.parametrize("argv, match", [
     (["--mesh", "data=2,model=4"], "expected data=D,fsdp=F,tensor=T"),
     (["--mesh", "data=-1,fsdp=8"], "give every size"),
-    (["--mesh", "data=3", "--batch", "8"], "does not split over data x fsdp = 3"),
+    (["--mesh", "data=3", "--batch", "8"], "does not split over data x fsdp x expert = 3"),
     (["--mfu", "1.5", "--hardware", "v5p"], "must be in"),
 ])
 def test_planner_refuses_bad_plans(argv, match, capsys):

@@ -329,9 +329,10 @@ def assemble(config: ModelConfig, read: Reader, dtype: np.dtype, meta: bool,
     torch layout, shape-checked by the reader; a fused tensor is read once per part). Each
     leaf is filled piece by piece (layers, experts) in `dtype` and moved to the devices —
     straight into its target sharding when `placement` gives one, each device receiving only
-    its shard — before the next is read, so host memory holds one leaf at a time. The largest leaves go
-    first: while a leaf is read it exists two or three times over (file pages, the array read,
-    the device copy), and that transient should not sit on top of everything else."""
+    its shard — before the next is read, so host memory holds one leaf at a time. The largest
+    leaves go first: while a leaf is read it exists two or three times over (file pages, the
+    array read, the device copy), and that transient should not sit on top of everything
+    else."""
     shardings = flat_paths(placement(config)) if placement else {}
     leaves = {}
     for slot in sorted(slots(config), key=lambda s: -s.spec.size):

@@ -3,8 +3,8 @@ expert MLPs of which each token uses top_k, optional always-on shared experts, t
 losses and the load statistics.
 
 Letters besides the model's: X tokens (B·T flattened), E experts, R routed choices per token
-(top_k), A = X·R (or T·R) assignments, C slots per expert and sequence (capacity), M an expert's hidden width, U the
-shared experts' (n_shared_experts · M, one MLP as DeepSeek does).
+(top_k), A = X·R (or T·R) assignments, C slots per expert and sequence (capacity), M an
+expert's hidden width, U the shared experts' (n_shared_experts · M, one MLP as DeepSeek does).
 
 Routing (`route`): router logits `[X, E]` in fp32 become scores — softmax over the experts
 (Switch, GShard, Mixtral) or independent sigmoids (DeepSeek-V3). Each token picks its top_k
