@@ -87,7 +87,12 @@ def train_step(config: ModelConfig, train: TrainConfig, optimizer: optax.Gradien
     metrics = {"loss": ce_sum / count, "grad_norm": optax.tree.norm(grads),
                "nonfinite_in_row": opt_state.notfinite_count,
                "nonfinite_total": opt_state.total_notfinite, **aux_metrics(aux)}
-    params = update_outside_gradient(config, optax.apply_updates(state.params, updates), aux)
+    params = optax.apply_updates(state.params, updates)
+    # Rule-based updates (the MoE selection bias) are skipped with the step when it was not
+    # finite, so such a step changes nothing.
+    ruled = update_outside_gradient(config, params, aux)
+    params = jax.tree.map(lambda new, old: new if new is old else jnp.where(
+        opt_state.last_finite, new, old), ruled, params)
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics
 

@@ -20,7 +20,8 @@ import yaml
 
 from llama_jax import metrics, trainer, workdir as run_dir
 from llama_jax.checkpoint import load_checkpoint
-from llama_jax.config import ConfigError, DataConfig, ModelConfig, RunConfig, TrainConfig
+from llama_jax.config import (ConfigError, DataConfig, ModelConfig, MoeConfig, RunConfig,
+                              TrainConfig)
 from llama_jax.data import DataError
 from llama_jax.optim import learning_rate_schedule, make_optimizer
 from llama_jax.params import flat_paths
@@ -72,10 +73,15 @@ def _batch(seed: int, batch: int = 8, length: int = 33) -> jnp.ndarray:
     return jnp.asarray(window, jnp.int32)
 
 
-def _step_fn(train: TrainConfig):
-    optimizer = make_optimizer(MODEL, train)
-    state = init_state(MODEL, optimizer, jax.random.key(0))
-    return state, jax.jit(functools.partial(train_step, MODEL, train, optimizer, 1))
+def _step_fn(train: TrainConfig, model: ModelConfig = MODEL):
+    optimizer = make_optimizer(model, train)
+    state = init_state(model, optimizer, jax.random.key(0))
+    return state, jax.jit(functools.partial(train_step, model, train, optimizer, 1))
+
+
+# An MoE whose sigmoid router's selection bias moves by a rule after every (finite) step.
+MOE_MODEL = dataclasses.replace(MODEL, mlp="moe", ffn_dim=32, moe=MoeConfig(
+    n_experts=4, top_k=2, router="sigmoid", bias_update_rate=0.01))
 
 
 def test_loss_falls_when_overfitting_one_batch():
@@ -142,8 +148,9 @@ def test_schedules():
     assert float(constant(5)) == pytest.approx(0.5) and float(constant(99)) == 1.0
 
 
-def test_non_finite_step_is_skipped_and_counted():
-    state, step = _step_fn(TRAIN)
+@pytest.mark.parametrize("model", [MODEL, MOE_MODEL], ids=["dense", "moe"])
+def test_non_finite_step_is_skipped_and_counted(model):
+    state, step = _step_fn(TRAIN, model)
     state, _ = step(state, _batch(2))
     before = jax.tree.map(np.asarray, state)
     final_norm = state.params["final_norm"]["scale"].at[0].set(jnp.nan)
@@ -394,8 +401,6 @@ def test_an_moe_run_logs_its_router_metrics_and_resumes_exactly(corpus_dir, tmp_
     expert, a dense first layer) with capacity drops: metrics.jsonl carries the MoE statistics
     of the training batches and of validation, and stopping and resuming equals training
     straight through bit for bit (the bias is part of the checkpointed parameters)."""
-    from llama_jax.config import MoeConfig
-
     model = dataclasses.replace(MODEL, n_layers=3, mlp="moe", ffn_dim=32, moe=MoeConfig(
         n_experts=4, top_k=2, router="sigmoid", n_shared_experts=1, first_dense_layers=1,
         capacity_factor=1.0, router_z_loss_weight=1e-3, bias_update_rate=0.01))
