@@ -20,7 +20,7 @@ import functools
 import jax.numpy as jnp
 
 from llama_jax.config import ModelConfig
-from llama_jax.nn.spec import count, spec_leaves
+from llama_jax.nn.spec import TensorSpec, count, spec_leaves
 from llama_jax.params import param_specs
 
 TRAIN_FLOPS_FORMULA = ("6*P_mm + 6*L*T*N*H (P_mm: active matmul weights incl. LM head; causal "
@@ -47,14 +47,19 @@ class ParamCounts:
 @functools.lru_cache(maxsize=64)  # the planner asks several times per config
 def param_counts(config: ModelConfig) -> ParamCounts:
     specs = param_specs(config)
-    block_matrices = sum(round(s.size * s.used) for s in spec_leaves(specs["groups"]) if s.decay)
+    block_matrices = sum(_active(s) for s in spec_leaves(specs["groups"]) if s.decay)
     return ParamCounts(
         total=count(specs),
         embedding=count(specs["embed"]),
         lm_head=count(specs.get("lm_head", {})),
         matmul=block_matrices + config.vocab_size * config.dim,
-        active=sum(round(s.size * s.used) for s in spec_leaves(specs)),
+        active=sum(_active(s) for s in spec_leaves(specs)),
     )
+
+
+def _active(spec: TensorSpec) -> int:
+    """The elements of a tensor one token's forward pass uses."""
+    return round(spec.size * spec.used)
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -77,10 +82,10 @@ def decode_bytes_per_step(config: ModelConfig, batch: int, context: int,
     position table are only gathered, B rows each; of a routed expert tensor, the experts B
     tokens are expected to hit when each picks top_k of E uniformly: a fraction
     1 - (1 - top_k/E)^B) plus the KV cache of every row at `context` tokens."""
-    counts = param_counts(config)
+    counts, specs = param_counts(config), param_specs(config)
     gathered = 0 if config.tie_embeddings else counts.embedding - batch * config.dim
-    positions = count(param_specs(config).get("positions", {}))  # a learned table: B rows
+    positions = count(specs.get("positions", {}))  # a learned table: B rows
     gathered += max(positions - batch * config.dim, 0)
-    unread = sum(s.size * (1 - s.used) ** batch for s in spec_leaves(param_specs(config)))
+    unread = sum(s.size * (1 - s.used) ** batch for s in spec_leaves(specs))
     weights = round(counts.total - gathered - unread) * dtype_bytes(dtype)
     return weights + batch * context * kv_cache_bytes_per_token(config, dtype)

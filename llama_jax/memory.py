@@ -37,7 +37,7 @@ from llama_jax.config import MeshConfig, ModelConfig
 from llama_jax.sharding import MESH_AXES
 from llama_jax.nn.dot_product import chosen_attention, one_block
 from llama_jax.nn.moe import dispatch_of
-from llama_jax.nn.spec import spec_leaves
+from llama_jax.nn.spec import count, spec_leaves
 from llama_jax.params import layer_groups, param_specs
 
 
@@ -67,10 +67,11 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
     """Per-device bytes of training `config` (attention as it would run on `backend`)."""
     shape = dict(zip(MESH_AXES, mesh.shape_for(n_devices)))
     param_bytes = costs.dtype_bytes(config.param_dtype)
+    specs = param_specs(config)
     state_elems = sum(
         s.size // sharding.shard_ways(sharding.spec(s.axes, s.shape, mesh.weight_rules, shape),
                                       shape)
-        for s in spec_leaves(param_specs(config)))
+        for s in spec_leaves(specs))
     rules = mesh.activation_rules
     rows = batch // micro_batches // _ways(rules, shape, "batch", batch // micro_batches)
     tokens = rows * seq
@@ -81,14 +82,14 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
     N_local = config.N // _ways(rules, shape, "heads", config.N)
     attn = _attention_memory(config, backend, T, b, NH, N_local)
     per_token, whole_layer, gathered = 0, 0, 0
-    for group in layer_groups(config):
+    for group, group_specs in zip(layer_groups(config), specs["groups"]):
         mlp = _mlp_memory(config, group.moe, b, lambda width: width // _ways(
             rules, shape, "mlp", width), exchanged=shape["expert"] > 1)
-        if group.moe and chosen_dispatch(config) == "dropless" and math.prod(shape.values()) > 1:
+        if group.moe and dispatch_of(config, drop=True) == "dropless" and \
+                math.prod(shape.values()) > 1:
             # Each device runs its rows' grouped matmuls on every expert's weights, gathered
             # (kept for the backward pass) and their gradient before it is reduce-scattered.
-            experts = param_specs(config)["groups"][-1]["mlp"]["experts"]  # [L, E, ...]
-            gathered += 2 * param_bytes * sum(s.size for s in spec_leaves(experts))
+            gathered += 2 * param_bytes * count(group_specs["mlp"]["experts"])  # [L, E, ...]
         layer = {
             "none": b * (4 * D + 2 * NH + 2 * KH) + mlp["none"] + attn.saved,
             "dots": b * (2 * NH + 2 * KH + 2 * D) + mlp["dots"] + attn.saved_by_dots,
@@ -128,7 +129,7 @@ def _mlp_memory(config: ModelConfig, moe: bool, b: int, local,
         F = local(config.F)
         return {"none": b * saved * F, "dots": b * dots * F, "dots_no_batch": b * dots * F}
     m, D = config.moe, config.D
-    capacity_path = chosen_dispatch(config) == "capacity"
+    capacity_path = dispatch_of(config, drop=True) == "capacity"
     R, slots = m.top_k, (m.capacity_factor or 1.0) if capacity_path else 1.0
     M, U, E = local(config.expert_ffn_dim), local(m.n_shared_experts * config.expert_ffn_dim), \
         m.n_experts
@@ -139,10 +140,6 @@ def _mlp_memory(config: ModelConfig, moe: bool, b: int, local,
     return {"none": int(experts_none) + router + b * saved * U,
             "dots": int(experts_dots) + router + b * dots * U,
             "dots_no_batch": 4 * E + b * dots * U}
-
-
-def chosen_dispatch(config: ModelConfig) -> str:
-    return dispatch_of(config, drop=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,18 +19,22 @@ def einsum_f32(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
     the same numbers, since products of bf16/fp16 values are exact in fp32. Accelerators get
     `preferred_element_type` and keep their 16-bit inputs.
     """
-    if jax.default_backend() == "cpu":
-        a, b = a.astype(jnp.promote_types(a.dtype, jnp.float32)), b.astype(
-            jnp.promote_types(b.dtype, jnp.float32))
+    a, b = _widened_on_cpu(a, b)
     return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
+
+
+def _widened_on_cpu(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """16-bit operands widened to fp32 on CPU (see `einsum_f32`); unchanged elsewhere."""
+    if jax.default_backend() != "cpu":
+        return a, b
+    return (a.astype(jnp.promote_types(a.dtype, jnp.float32)),
+            b.astype(jnp.promote_types(b.dtype, jnp.float32)))
 
 
 def grouped_f32(rows: jax.Array, w_EIO: jax.Array, sizes_E: jax.Array) -> jax.Array:
     """Grouped matmul (`jax.lax.ragged_dot`): consecutive runs of `sizes_E[e]` rows times
     `w_EIO[e]`, fp32 result; widened on CPU as in `einsum_f32`."""
-    w_EIO = w_EIO.astype(rows.dtype)
-    if jax.default_backend() == "cpu":
-        rows, w_EIO = rows.astype(jnp.float32), w_EIO.astype(jnp.float32)
+    rows, w_EIO = _widened_on_cpu(rows, w_EIO.astype(rows.dtype))
     return jax.lax.ragged_dot(rows, w_EIO, sizes_E, preferred_element_type=jnp.float32)
 
 
