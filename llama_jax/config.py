@@ -25,7 +25,9 @@ import yaml
 from llama_jax.sharding import MESH_AXES, RULE_TABLES
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "yarn")
+ATTENTIONS = ("gqa", "mla")  # see nn/attention.py and nn/mla.py
+MLA_DECODES = ("absorbed", "expanded")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 DTYPES = ("float32", "bfloat16", "float16")
 NORMS = ("rmsnorm", "layernorm")
@@ -49,26 +51,88 @@ class ConfigError(ValueError):
     """An invalid configuration; the message names the file (when there is one) and the field."""
 
 
+# The fields of each rope_type's scaling, with their defaults (factor and
+# original_max_position_embeddings are common to both).
+ROPE_SCALING_FIELDS = {
+    "llama3": {"low_freq_factor": 1.0, "high_freq_factor": 4.0},
+    "yarn": {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0},
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """LLaMA-3.1 "llama3" frequency rescaling (Meta's `apply_scaling`, HF's rope_type "llama3")."""
+    """RoPE frequency rescaling for contexts past the original one (nn/rope.py), by rope_type:
+    "llama3" (Meta's LLaMA-3.1 `apply_scaling`) or "yarn" (Peng et al. 2023, as DeepSeek-V2/V3
+    and transformers define it). The fields of the other type stay None (giving one is an
+    error); those of the model's type are defaulted by the model (`for_type`)."""
 
     factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    beta_fast: float | None = None  # yarn: rotations per context above which nothing changes
+    beta_slow: float | None = None  # yarn: ... below which frequencies are divided by factor
+    mscale: float | None = None  # yarn: the attention temperature of cos/sin (see nn/rope.py)
+    mscale_all_dim: float | None = None  # yarn: ... and of the softmax scale (DeepSeek)
 
     def __post_init__(self):
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+        for name in ("factor", *(n for fields in ROPE_SCALING_FIELDS.values() for n in fields)):
             object.__setattr__(self, name, _as_float(f"rope_scaling.{name}", getattr(self, name)))
         _require(self.factor >= 1.0, "rope_scaling.factor", self.factor, "must be >= 1")
-        _require(self.low_freq_factor > 0, "rope_scaling.low_freq_factor", self.low_freq_factor,
-                 "must be > 0")
-        _require(self.high_freq_factor > self.low_freq_factor, "rope_scaling.high_freq_factor",
-                 self.high_freq_factor, f"must be > low_freq_factor ({self.low_freq_factor})")
-        _require(self.original_max_position_embeddings > 0,
-                 "rope_scaling.original_max_position_embeddings",
-                 self.original_max_position_embeddings, "must be > 0")
+        context = self.original_max_position_embeddings
+        _require(isinstance(context, int) and context > 0,
+                 "rope_scaling.original_max_position_embeddings", context,
+                 "must be a positive integer")
+        for name in ("low_freq_factor", "beta_slow"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"rope_scaling.{name}", value, "must be > 0")
+        for name in ("mscale", "mscale_all_dim"):
+            value = getattr(self, name)
+            _require(value is None or value >= 0, f"rope_scaling.{name}", value, "must be >= 0")
+        for low, high in (("low_freq_factor", "high_freq_factor"), ("beta_slow", "beta_fast")):
+            if getattr(self, low) is not None and getattr(self, high) is not None:
+                _require(getattr(self, high) > getattr(self, low), f"rope_scaling.{high}",
+                         getattr(self, high), f"must be > {low} ({getattr(self, low)})")
+
+    def for_type(self, rope_type: str) -> "RopeScaling":
+        """This scaling with `rope_type`'s fields defaulted; fields of another type refused."""
+        for other, fields in ROPE_SCALING_FIELDS.items():
+            for name in fields:
+                value = getattr(self, name)
+                _require(other == rope_type or value is None, f"rope_scaling.{name}", value,
+                         f"applies only to rope_type {other!r}, not {rope_type!r}")
+        defaults = {name: default for name, default in ROPE_SCALING_FIELDS[rope_type].items()
+                    if getattr(self, name) is None}
+        return dataclasses.replace(self, **defaults)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields that apply (those of the other type are None)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaConfig:
+    """The `mla:` section of `attention: mla` (nn/mla.py): per token, the KV cache holds one
+    latent of width kv_lora_rank and one RoPE key of width qk_rope_head_dim shared by all heads;
+    each head's query and key have qk_nope_head_dim + qk_rope_head_dim features, its value
+    v_head_dim. Defaults: DeepSeek-V2-Lite's attention."""
+
+    q_lora_rank: int | None = None  # queries through a latent of this width; None: plain W_Q
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+
+    def __post_init__(self):
+        for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                     "v_head_dim"):
+            value = getattr(self, name)
+            _require((value is None and name == "q_lora_rank")
+                     or (isinstance(value, int) and not isinstance(value, bool) and value > 0),
+                     f"mla.{name}", value, "must be a positive integer"
+                     + (" (or null: a plain query projection)" if name == "q_lora_rank" else ""))
+        _require(self.qk_rope_head_dim % 2 == 0, "mla.qk_rope_head_dim", self.qk_rope_head_dim,
+                 "must be even: RoPE rotates pairs of features")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +215,9 @@ class ModelConfig:
     n_layers: int
     n_heads: int
     n_kv_heads: int | None = None  # None: equal to n_heads (MHA)
-    head_dim: int | None = None  # None: dim // n_heads
+    head_dim: int | None = None  # None: dim // n_heads (mla: qk_nope + qk_rope head dims)
+    attention: str = "gqa"  # gqa: MHA/GQA/MQA by n_kv_heads | mla: latent KV (Multi-head Latent)
+    mla: MlaConfig | None = None  # with attention: mla (None there: MlaConfig's defaults)
     ffn_dim: int | None = None  # None: `default_ffn_dim` for the MLP kind
     multiple_of: int = dataclasses.field(default=256, metadata=INIT)
     ffn_dim_multiplier: float | None = dataclasses.field(default=None, metadata=INIT)
@@ -182,6 +248,9 @@ class ModelConfig:
     # How MoE experts are dispatched (nn/moe.py): capacity (fixed per-expert buffers) |
     # dropless (sorted tokens, grouped matmuls) | auto (capacity with a capacity_factor).
     moe_dispatch: str = dataclasses.field(default="auto", metadata=EXECUTION)
+    # How MLA decodes one token (nn/mla.py): absorbed (scores against the cached latents) |
+    # expanded (per-head keys and values rebuilt from them at every step).
+    mla_decode: str = dataclasses.field(default="absorbed", metadata=EXECUTION)
     # ids that end generation by default (from the tokenizer)
     eos_ids: tuple[int, ...] = dataclasses.field(default=(), metadata=GENERATION)
 
@@ -195,9 +264,11 @@ class ModelConfig:
         for name, kinds in (("norm", NORMS), ("norm_position", NORM_POSITIONS),
                             ("positions", POSITIONS), ("mlp", MLPS),
                             ("attention_impl", ATTENTION_IMPLS),
-                            ("moe_dispatch", MOE_DISPATCHES)):
+                            ("moe_dispatch", MOE_DISPATCHES), ("attention", ATTENTIONS),
+                            ("mla_decode", MLA_DECODES)):
             _require(getattr(self, name) in kinds, name, getattr(self, name),
                      f"is not one of {kinds}")
+        self._check_mla()
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         _require(isinstance(self.n_kv_heads, int) and self.n_kv_heads > 0, "n_kv_heads",
@@ -254,16 +325,45 @@ class ModelConfig:
             object.__setattr__(self, "rope_theta", 10000.0)
         if self.rope_type is None:
             object.__setattr__(self, "rope_type", "default")
-        _require(self.head_dim % 2 == 0, "head_dim", self.head_dim,
-                 "must be even: RoPE rotates pairs of features")
+        if self.attention == "gqa":  # (MLA's RoPE dimension is checked by its section)
+            _require(self.head_dim % 2 == 0, "head_dim", self.head_dim,
+                     "must be even: RoPE rotates pairs of features")
         _require(self.rope_theta > 0, "rope_theta", self.rope_theta, "must be > 0")
         _require(self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling),
-                 "rope_scaling", self.rope_scaling, "must be a mapping of llama3 scaling fields")
+                 "rope_scaling", self.rope_scaling, "must be a mapping of scaling fields")
         _require(self.rope_type in ROPE_TYPES, "rope_type", self.rope_type,
                  f"is not one of {ROPE_TYPES}")
-        _require((self.rope_type == "llama3") == (self.rope_scaling is not None), "rope_scaling",
-                 self.rope_scaling, f"must be given exactly when rope_type is 'llama3' "
-                 f"(rope_type is {self.rope_type!r})")
+        scaled = self.rope_type in ROPE_SCALING_FIELDS
+        _require(scaled == (self.rope_scaling is not None), "rope_scaling",
+                 self.rope_scaling, f"must be given exactly when rope_type is one of "
+                 f"{tuple(ROPE_SCALING_FIELDS)} (rope_type is {self.rope_type!r})")
+        if scaled:
+            object.__setattr__(self, "rope_scaling", self.rope_scaling.for_type(self.rope_type))
+
+    def _check_mla(self) -> None:
+        """`mla:` belongs to `attention: mla` (which defaults it). MLA fixes the head layout:
+        every head has its own key and value (n_kv_heads = n_heads), queries and keys have
+        qk_nope + qk_rope features (head_dim), and its decoupled key needs RoPE."""
+        if self.attention != "mla":
+            if self.mla is not None:
+                raise ConfigError(f"mla: the section applies only to attention 'mla', not "
+                                  f"{self.attention!r}; remove it (or set attention: mla)")
+            return
+        if self.mla is None:
+            object.__setattr__(self, "mla", MlaConfig())
+        _require(isinstance(self.mla, MlaConfig), "mla", self.mla,
+                 "must be a mapping of MLA fields")
+        qk_head_dim = self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim
+        _require(self.n_kv_heads in (None, self.n_heads), "n_kv_heads", self.n_kv_heads,
+                 f"does not apply to attention 'mla' (each of the n_heads={self.n_heads} heads "
+                 "expands its own key and value from the shared latent); remove it")
+        _require(self.head_dim in (None, qk_head_dim), "head_dim", self.head_dim,
+                 f"is mla.qk_nope_head_dim + mla.qk_rope_head_dim ({qk_head_dim}) with "
+                 "attention 'mla'; remove it")
+        object.__setattr__(self, "head_dim", qk_head_dim)
+        _require(self.positions == "rope", "positions", self.positions,
+                 "must be 'rope' with attention 'mla' (its decoupled key is rotary)")
+        _require(not self.bias, "bias", self.bias, "is not supported with attention 'mla'")
 
     def _check_moe(self) -> None:
         """`moe:` belongs to `mlp: moe` (which defaults it); MoE experts have no biases."""
@@ -295,10 +395,25 @@ class ModelConfig:
         return self.moe.expert_ffn_dim or self.ffn_dim
 
     @property
+    def rope_dim(self) -> int:
+        """The features of a head RoPE rotates: all of them, or MLA's qk_rope_head_dim."""
+        return self.mla.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        """A head's value (and attention output) width: head_dim, or MLA's v_head_dim."""
+        return self.mla.v_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
     def dims(self) -> dict[str, int]:
-        """Sizes by dimension letter, for `TensorSpec` shapes (E, M, U: with mlp moe)."""
+        """Sizes by dimension letter, for `TensorSpec` shapes (E, M, U: with mlp moe; Q, C, A,
+        R, Y: with attention mla)."""
         dims = {"V": self.V, "D": self.D, "N": self.N, "K": self.K, "H": self.H, "F": self.F,
                 "P": self.max_seq_len}
+        if self.attention == "mla":
+            a = self.mla
+            dims.update(C=a.kv_lora_rank, A=a.qk_nope_head_dim, R=a.qk_rope_head_dim,
+                        Y=a.v_head_dim, **({"Q": a.q_lora_rank} if a.q_lora_rank else {}))
         if self.mlp == "moe":
             dims.update(E=self.moe.n_experts, M=self.expert_ffn_dim,
                         U=self.moe.n_shared_experts * self.expert_ffn_dim)
@@ -334,7 +449,8 @@ class ModelConfig:
     def from_dict(cls, fields: Mapping[str, Any], where: str = "model") -> "ModelConfig":
         """Builds a config from plain data (a YAML section); `where` prefixes error messages."""
         fields = dict(fields)
-        for name, section in (("rope_scaling", RopeScaling), ("moe", MoeConfig)):
+        for name, section in (("rope_scaling", RopeScaling), ("moe", MoeConfig),
+                              ("mla", MlaConfig)):
             if isinstance(fields.get(name), Mapping):  # its errors name `name.field` already
                 _check_keys(fields[name], section, f"{where}.{name}")
                 fields[name] = build_section(section, fields[name], where)
@@ -343,8 +459,11 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain data for a YAML file (tuples become lists)."""
         out = {**dataclasses.asdict(self), "eos_ids": list(self.eos_ids)}
-        if self.moe is None:
-            del out["moe"]  # a dense model's file has no MoE section
+        for section in ("moe", "mla"):  # a dense GQA model's file has neither section
+            if getattr(self, section) is None:
+                del out[section]
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = self.rope_scaling.to_dict()
         return out
 
 

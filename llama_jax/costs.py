@@ -3,11 +3,13 @@
 Every count comes from the parameter descriptions (`params.param_specs`), the same ones
 `init_params` builds arrays from, so a new component is counted without touching this module.
 
-FLOPs: training FLOPs per token = 6·P_mm + 6·L·T·N·H, where P_mm counts every weight used in a
-matmul — the blocks' projection matrices (their decayed tensors; gains and biases are not
+FLOPs: training FLOPs per token = 6·P_mm + 3·L·T·N·(H + Hv), where P_mm counts every weight used
+in a matmul — the blocks' projection matrices (their decayed tensors; gains and biases are not
 matrices) and the LM head, which counts even when tied — but not the gathered input-embedding
-or position tables; 6·L·T·N·H is causal attention (half of PaLM's non-causal 12·L·T·D; N·H = D
-for every LLaMA preset). With MoE, P_mm counts *active* weights: each routed expert matrix
+or position tables; 3·L·T·N·(H + Hv) is causal attention, scores over query/key head dims H and
+the weighted sum over value head dims Hv (6·L·T·N·H when they are equal: half of PaLM's
+non-causal 12·L·T·D; N·H = D for every LLaMA preset). MLA's up-projections of the latents are
+weights in P_mm (its training runs the expanded form). With MoE, P_mm counts *active* weights: each routed expert matrix
 times top_k/E (a token runs top_k of the E experts; `TensorSpec.used`), the router and
 shared experts whole. Capacity padding and dropped tokens are not counted (model FLOPs).
 """
@@ -23,8 +25,8 @@ from llama_jax.config import ModelConfig
 from llama_jax.nn.spec import TensorSpec, count, spec_leaves
 from llama_jax.params import param_specs
 
-TRAIN_FLOPS_FORMULA = ("6*P_mm + 6*L*T*N*H (P_mm: active matmul weights incl. LM head; causal "
-                       "attention)")
+TRAIN_FLOPS_FORMULA = ("6*P_mm + 3*L*T*N*(H+Hv) (P_mm: active matmul weights incl. LM head; "
+                       "causal attention)")
 DECODE_BYTES_FORMULA = ("weights read per step (all but the input-embedding table, which is "
                         "gathered, unless tied; of MoE experts, those B tokens are expected to "
                         "hit) + KV cache read for B x S tokens")
@@ -67,12 +69,21 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def kv_cache_bytes_per_token(config: ModelConfig, dtype: str = "bfloat16") -> int:
-    """2 (K and V) · L · K · H · bytes: the cache holds KV heads only, never repeated ones."""
-    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * dtype_bytes(dtype)
+    """GQA: 2 (K and V) · L · K · H · bytes: the cache holds KV heads only, never repeated
+    ones. MLA: L · (kv_lora_rank + qk_rope_head_dim) · bytes, the latent and the shared RoPE
+    key."""
+    return config.n_layers * kv_elements_per_layer(config) * dtype_bytes(dtype)
+
+
+def kv_elements_per_layer(config: ModelConfig) -> int:
+    """What one token caches per layer: 2·K·H, or MLA's kv_lora_rank + qk_rope_head_dim."""
+    if config.attention == "mla":
+        return config.mla.kv_lora_rank + config.mla.qk_rope_head_dim
+    return 2 * config.n_kv_heads * config.head_dim
 
 
 def train_flops_per_token(config: ModelConfig, seq_len: int) -> int:
-    attention = 6 * config.n_layers * seq_len * config.n_heads * config.head_dim
+    attention = 3 * config.n_layers * seq_len * config.n_heads * (config.H + config.v_head_dim)
     return 6 * param_counts(config).matmul + attention
 
 

@@ -37,6 +37,7 @@ def plan(config: ModelConfig, *, batch: int, seq: int, dtype: str,
     """Everything the planner reports, as plain data (the `--json` object)."""
     counts = costs.param_counts(config)
     kv_per_token = costs.kv_cache_bytes_per_token(config, dtype)
+    head_kv = config.H + config.v_head_dim  # one head's key and value
     step_bytes = costs.decode_bytes_per_step(config, batch, seq, dtype)
     floor_s = step_bytes / (bandwidth_gbps * 1e9)
     return {
@@ -46,7 +47,13 @@ def plan(config: ModelConfig, *, batch: int, seq: int, dtype: str,
                    "rope_type": config.rope_type, "positions": config.positions,
                    "mlp": config.mlp,
                    "moe": config.moe and {"E": config.moe.n_experts, "top_k": config.moe.top_k,
-                                          "M": config.expert_ffn_dim}},
+                                          "M": config.expert_ffn_dim},
+                   "attention": config.attention,
+                   "mla": config.mla and {"C": config.mla.kv_lora_rank,
+                                          "R": config.mla.qk_rope_head_dim,
+                                          "A": config.mla.qk_nope_head_dim,
+                                          "Y": config.mla.v_head_dim,
+                                          "Q": config.mla.q_lora_rank}},
         "n_params": counts.total,
         "n_params_embedding": counts.embedding,
         "n_params_lm_head": counts.lm_head,
@@ -58,6 +65,10 @@ def plan(config: ModelConfig, *, batch: int, seq: int, dtype: str,
         "seq": seq,
         "dtype": dtype,
         "kv_cache_bytes_per_token": kv_per_token,
+        # what multi-head (K = N) and multi-query (K = 1) attention with these head widths
+        # would cache, for comparison
+        "kv_cache_mha_bytes_per_token": config.L * config.N * head_kv * costs.dtype_bytes(dtype),
+        "kv_cache_mqa_bytes_per_token": config.L * head_kv * costs.dtype_bytes(dtype),
         "kv_cache_bytes": kv_per_token * batch * seq,
         "train_flops_per_token": costs.train_flops_per_token(config, seq),
         "train_flops_formula": costs.TRAIN_FLOPS_FORMULA,
@@ -145,7 +156,9 @@ def render(name: str, p: dict) -> str:
         + (f"rope_theta={c['rope_theta']:g} rope_type={c['rope_type']}"
            if c["positions"] == "rope" else f"positions={c['positions']}")
         + (f" mlp=moe E={c['moe']['E']} top_k={c['moe']['top_k']} M={c['moe']['M']}"
-           if c["moe"] else ""),
+           if c["moe"] else "")
+        + (" attention=mla " + " ".join(f"{k}={v}" for k, v in c["mla"].items() if v)
+           if c["mla"] else ""),
         f"parameters           {p['n_params']:>20,}",
         f"  embedding (V*D)    {p['n_params_embedding']:>20,}",
         f"  LM head (untied)   {p['n_params_lm_head']:>20,}",
@@ -155,7 +168,10 @@ def render(name: str, p: dict) -> str:
         f"  in matmuls (P_mm)  {p['n_params_matmul']:>20,}  (active)",
         "weight bytes         " + "  ".join(f"{d} {_bytes(b)}" for d, b in p["weight_bytes"].items()),
         f"KV cache ({p['dtype']})    {_bytes(p['kv_cache_bytes_per_token'])} per token "
-        f"(2*L*K*H*bytes); {_bytes(p['kv_cache_bytes'])} for B={p['batch']} x S={p['seq']}",
+        + ("(L*(C+R)*bytes: MLA's latent and RoPE key)" if c["mla"] else "(2*L*K*H*bytes)")
+        + f"; {_bytes(p['kv_cache_bytes'])} for B={p['batch']} x S={p['seq']}",
+        f"  vs these heads as  MHA {_bytes(p['kv_cache_mha_bytes_per_token'])}, MQA "
+        f"{_bytes(p['kv_cache_mqa_bytes_per_token'])} per token (GQA: K/N of MHA)",
         f"training FLOPs/token {p['train_flops_per_token']:,.4g} at T={p['seq']}  "
         f"[{p['train_flops_formula']}]",
         f"decode floor         {p['decode_floor_s_per_step'] * 1e3:.3f} ms/step, "

@@ -1,8 +1,8 @@
 """The KV cache of a decoding batch: each layer group's attention cache, and the slots in use.
 
-Each mixer owns its cache layout (nn/attention.py: `StackedKV` for scanned groups, a tuple of
-per-layer `MergedKV` for the unrolled decoder); this container holds one entry per layer group
-and the bookkeeping every layer shares.
+Each mixer owns its cache layout (nn/mixers.py; for GQA `StackedKV` for scanned groups and a
+tuple of per-layer `MergedKV` for the unrolled decoder, for MLA their latent counterparts);
+this container holds one entry per layer group and the bookkeeping every layer shares.
 
 Rows of a ragged batch are left-padded: row b's sequence occupies slots `start[b] .. end-1`, and
 every step writes all rows at the same slot `end`. Slots before `start[b]` are masked out of
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from llama_jax.config import ModelConfig, dtype_name
-from llama_jax.nn.attention import MergedKV, StackedKV
 from llama_jax.nn.dot_product import Mask
+from llama_jax.nn.mixers import mixer_of
 from llama_jax.params import layer_groups
 
 LAYOUTS = ("stacked", "per_layer")
@@ -26,7 +26,7 @@ LAYOUTS = ("stacked", "per_layer")
 
 @struct.dataclass
 class KVCache:
-    groups: tuple  # per layer group: StackedKV, or a tuple of per-layer MergedKV
+    groups: tuple  # per layer group: a stacked cache, or a tuple of per-layer ones
     start: jax.Array  # [B] int32: first slot of each row (left padding before it)
     end: jax.Array  # [] int32: the next slot to write, shared by all rows
     max_len: int = struct.field(pytree_node=False)  # S
@@ -54,9 +54,11 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None,
     dtype = dtype_name(config.compute_dtype if dtype is None else dtype, "cache_dtype")
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+    mixer = mixer_of(config)
     groups = tuple(
-        StackedKV.zeros(config, group.n_layers, batch, max_len, dtype) if layout == "stacked"
-        else tuple(MergedKV.zeros(config, batch, max_len, dtype) for _ in range(group.n_layers))
+        mixer.stacked_cache(config, group.n_layers, batch, max_len, dtype) if layout == "stacked"
+        else tuple(mixer.layer_cache(config, batch, max_len, dtype)
+                   for _ in range(group.n_layers))
         for group in layer_groups(config))
     start = jnp.zeros((batch,), jnp.int32) if start_B is None else start_B.astype(jnp.int32)
     return KVCache(groups=groups, start=start, end=jnp.zeros((), jnp.int32), max_len=max_len)

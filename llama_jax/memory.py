@@ -6,11 +6,12 @@ creates): parameters in `param_dtype`, gradients like them, AdamW's two moments 
 Activations saved for the backward pass, per layer and per token held by the device, in
 `compute_dtype` bytes b (fp32 where the code computes in fp32), under each remat policy:
 - none: block input, both norm outputs, q, k, v, attention output, residual, gate, up and
-  their product: b·(4D + 2·N·H + 2·K·H + 3F) (an MoE MLP: see `_mlp_memory`), plus
+  their product: b·(4D + 2·N·H + 2·K·H + 3F) (an MoE MLP: see `_mlp_memory`; MLA, or value
+  heads of another width: `_mixer_memory`), plus
   attention's own: the dense (`xla`) path
   keeps the fp32 softmax probabilities and scores for all T keys, 2·4·N·T; the blockwise ones
   (chunked, cuDNN, splash) their output again and one fp32 log-sum-exp per head,
-  b·N·H + 4·N; a plain MLP keeps 2F (up, activation);
+  b·N·Hv + 4·N; a plain MLP keeps 2F (up, activation);
 - dots: the outputs of every matmul (q, k, v, attention output, o, gate, up, down):
   b·(2·N·H + 2·K·H + 2D + 2F) (1F for a plain MLP), plus the dense path's fp32 scores, 4·N·T,
   or the blockwise paths' log-sum-exp, 4·N;
@@ -77,10 +78,9 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
     tokens = rows * seq
     b = costs.dtype_bytes(config.compute_dtype)
     D, V, T = config.D, config.V, seq
-    NH = config.N * config.H // _ways(rules, shape, "heads", config.N)
-    KH = config.K * config.H // _ways(rules, shape, "kv_heads", config.K)
-    N_local = config.N // _ways(rules, shape, "heads", config.N)
-    attn = _attention_memory(config, backend, T, b, NH, N_local)
+    heads = config.N // _ways(rules, shape, "heads", config.N)
+    attn = _attention_memory(config, backend, T, b, heads)
+    mixer = _mixer_memory(config, heads, config.K // _ways(rules, shape, "kv_heads", config.K))
     per_token, whole_layer, gathered = 0, 0, 0
     for group, group_specs in zip(layer_groups(config), specs["groups"]):
         mlp = _mlp_memory(config, group.moe, b, lambda width: width // _ways(
@@ -91,9 +91,9 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
             # (kept for the backward pass) and their gradient before it is reduce-scattered.
             gathered += 2 * param_bytes * count(group_specs["mlp"]["experts"])  # [L, E, ...]
         layer = {
-            "none": b * (4 * D + 2 * NH + 2 * KH) + mlp["none"] + attn.saved,
-            "dots": b * (2 * NH + 2 * KH + 2 * D) + mlp["dots"] + attn.saved_by_dots,
-            "dots_no_batch": b * (NH + 2 * KH + 2 * D) + mlp["dots_no_batch"],
+            "none": b * (4 * D + mixer["none"]) + mlp["none"] + attn.saved,
+            "dots": b * (2 * D + mixer["dots"]) + mlp["dots"] + attn.saved_by_dots,
+            "dots_no_batch": b * (2 * D + mixer["dots_no_batch"]) + mlp["dots_no_batch"],
             "full": b * D,
         }
         per_token += group.n_layers * layer[remat]
@@ -109,6 +109,27 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
                       gradients=state_elems * param_bytes, optimizer=2 * 4 * state_elems,
                       activations=tokens * (per_token + outside) + rows * attn.tiles + gathered,
                       kv_cache=kv)
+
+
+def _mixer_memory(config: ModelConfig, heads: int, kv_heads: int) -> dict[str, int]:
+    """Elements per token the attention projections keep under each remat policy (`heads`,
+    `kv_heads`: those a device holds). GQA: q and the attention output (N·H each), k and v
+    (K·H each); dots_no_batch drops the attention output. MLA (expanded, per-head k and v):
+    q and output N·(H + Hv), k and v N·(H + Hv), plus its latents before and after their
+    norms (2·(C + R + Q)) and the parts joined into q and k (2·N·H: the shared RoPE key is
+    broadcast to every head); the dots policies keep the latents' matmul outputs (C + R + Q)
+    and q's and k's parts instead of the joined q and k."""
+    H, Hv = config.H, config.v_head_dim
+    if config.attention != "mla":
+        return {"none": heads * (H + Hv) + kv_heads * (H + Hv),
+                "dots": heads * (H + Hv) + kv_heads * (H + Hv),
+                "dots_no_batch": heads * H + kv_heads * (H + Hv)}
+    a = config.mla
+    latents = a.kv_lora_rank + a.qk_rope_head_dim + (a.q_lora_rank or 0)
+    parts = 2 * heads * H
+    return {"none": 2 * heads * (H + Hv) + 2 * latents + parts,
+            "dots": 2 * heads * Hv + latents + parts,
+            "dots_no_batch": heads * Hv + latents + parts}
 
 
 def _mlp_memory(config: ModelConfig, moe: bool, b: int, local,
@@ -149,7 +170,7 @@ class _AttentionMemory:
     tiles: int  # working set per row
 
 
-def _attention_memory(config: ModelConfig, backend: str, T: int, b: int, NH: int,
+def _attention_memory(config: ModelConfig, backend: str, T: int, b: int,
                       N: int) -> _AttentionMemory:
     """What attention adds to the activations under the implementation `config` picks on
     `backend` (N: the heads a device holds)."""
@@ -159,5 +180,5 @@ def _attention_memory(config: ModelConfig, backend: str, T: int, b: int, NH: int
                                                          config.attention_block_kv)):
         return _AttentionMemory(saved=2 * 4 * N * T, saved_by_dots=4 * N * T, tiles=0)
     mask = b * T if impl == "cudnn" else 0
-    return _AttentionMemory(saved=b * NH + 4 * N + mask, saved_by_dots=4 * N + mask,
+    return _AttentionMemory(saved=b * N * config.v_head_dim + 4 * N + mask, saved_by_dots=4 * N + mask,
                             tiles=3 * 4 * N * block_q * block_kv)

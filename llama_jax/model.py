@@ -34,8 +34,9 @@ import jax.numpy as jnp
 
 from llama_jax.config import ModelConfig
 from llama_jax.kv_cache import KVCache
-from llama_jax.nn.attention import Context, apply_attention
+from llama_jax.nn.attention import Context
 from llama_jax.nn.dot_product import Mask
+from llama_jax.nn.mixers import mixer_of
 from llama_jax.nn.mlp import apply_mlp
 from llama_jax.nn.moe import apply_moe, moe_metrics, update_selection_bias
 from llama_jax.nn.norms import apply_norm
@@ -134,7 +135,7 @@ def block(config: ModelConfig, group: LayerGroup, p: Params, x_BTD: jax.Array,
     x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
     pre = config.norm_position == "pre"
     attn_in = apply_norm(config, p["attn_norm"], x_BTD) if pre else x_BTD
-    attn_BTD, kv = apply_attention(config, p["attn"], attn_in, context, kv)
+    attn_BTD, kv = mixer_of(config).apply(config, p["attn"], attn_in, context, kv)
     h_BTD = x_BTD + attn_BTD
     if not pre:
         h_BTD = apply_norm(config, p["attn_norm"], h_BTD)

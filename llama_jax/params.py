@@ -2,7 +2,7 @@
 
     {"embed": {"table": [V, D]},
      "positions": {"table": [P, D]},                        # learned positions only
-     "groups": ({"attn_norm": {...}, "attn": {"wq": [L, D, N, H], ...},
+     "groups": ({"attn_norm": {...}, "attn": {"wq": [L, D, N, H], ...},  # (MLA: nn/mla.py)
                  "mlp_norm": {...}, "mlp": {"w_up": [L, D, F], ...}}, ...),  # (MoE: nn/moe.py)
      "final_norm": {"scale": [D], ...},                     # pre-norm only
      "lm_head": {"w": [D, V]}}                              # untied only
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from llama_jax.config import ModelConfig
-from llama_jax.nn.attention import attention_specs
+from llama_jax.nn.mixers import mixer_of
 from llama_jax.nn.mlp import mlp_specs
 from llama_jax.nn.moe import moe_specs
 from llama_jax.nn.norms import norm_specs
@@ -56,10 +56,11 @@ def layer_groups(config: ModelConfig) -> tuple[LayerGroup, ...]:
 
 
 def block_specs(config: ModelConfig, group: LayerGroup) -> dict:
-    """One block's tensors (unstacked): a norm and attention, a norm and an MLP (or MoE)."""
+    """One block's tensors (unstacked): a norm and attention (GQA or MLA), a norm and an MLP
+    (or MoE)."""
     residual_out = 1 / math.sqrt(2 * config.n_layers)
     mlp = (moe_specs if group.moe else mlp_specs)(config, residual_out)
-    return {"attn_norm": norm_specs(config), "attn": attention_specs(config, residual_out),
+    return {"attn_norm": norm_specs(config), "attn": mixer_of(config).specs(config, residual_out),
             "mlp_norm": norm_specs(config), "mlp": mlp}
 
 

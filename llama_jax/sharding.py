@@ -39,21 +39,22 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert")
 # parallelism the MoE experts. Activations: the batch over data x fsdp x expert (outside the
 # experts, the expert axis is one more data-parallel axis), heads / FFN / vocab over tensor,
 # the experts' token buffers `[B, E, C, D]` over expert (E) and data x fsdp (B: expert_batch).
-# The KV cache: rows over data x fsdp x expert, KV heads over tensor. A config's `mesh:`
+# The KV cache: rows over data x fsdp x expert, KV heads over tensor. MLA's latent widths
+# ("latent") are replicated by default. A config's `mesh:`
 # section overrides entries.
 BATCH_AXES = ["data", "fsdp", "expert"]
 RULE_TABLES = {
     "weight_rules": ({"embed": "fsdp", "q_heads": "tensor", "kv_heads": "tensor",
                       "mlp": "tensor", "vocab": "tensor", "experts": "expert"},
                      ("layers", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "vocab",
-                      "norm", "positions", "experts")),
+                      "norm", "positions", "experts", "latent")),
     "activation_rules": ({"batch": BATCH_AXES, "heads": "tensor", "kv_heads": "tensor",
                           "mlp": "tensor", "vocab": "tensor", "experts": "expert",
                           "expert_batch": ["data", "fsdp"]},
                          ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
                           "vocab", "experts", "expert_batch")),
     "cache_rules": ({"batch": BATCH_AXES, "kv_heads": "tensor"},
-                    ("batch", "kv_heads", "seq", "head_dim")),
+                    ("batch", "kv_heads", "seq", "head_dim", "latent")),
 }
 
 

@@ -24,12 +24,15 @@ def silu(x):
 
 
 def meta_inv_freq(config):
-    """Meta's `precompute_freqs_cis` frequencies and `apply_scaling` loop, in float64."""
-    H = config.head_dim
+    """Meta's `precompute_freqs_cis` frequencies and `apply_scaling` loop, in float64 (YaRN's
+    by DeepSeek's `yarn_*` functions)."""
+    H = config.rope_dim
     freqs = 1.0 / config.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
     s = config.rope_scaling
     if s is None:
         return freqs
+    if config.rope_type == "yarn":
+        return yarn_inv_freq(freqs, s, config.rope_theta)
     old_context = s.original_max_position_embeddings
     low_freq_wavelen = old_context / s.low_freq_factor
     high_freq_wavelen = old_context / s.high_freq_factor
@@ -47,6 +50,42 @@ def meta_inv_freq(config):
     return np.array(new_freqs)
 
 
+def yarn_inv_freq(freqs, s, base):
+    """DeepSeek-V2's `DeepseekV2YarnRotaryEmbedding`: interpolated and extrapolated frequencies
+    mixed by a linear ramp over the dimensions between the correction range's ends."""
+    dim = 2 * len(freqs)
+
+    def correction_dim(rotations):
+        return (dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))
+                ) / (2 * math.log(base))
+    low = max(math.floor(correction_dim(s.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2) - low) / (high - low), 0, 1)
+    mask = 1 - ramp  # 1: extrapolate (keep θ)
+    return freqs / s.factor * (1 - mask) + freqs * mask
+
+
+def yarn_get_mscale(scale, mscale):
+    return 0.1 * mscale * math.log(scale) + 1.0 if scale > 1 else 1.0
+
+
+def rope_and_softmax_scales(config):
+    """(what cos/sin are multiplied by, the softmax scale), as transformers' DeepSeek models."""
+    scale = config.head_dim ** -0.5
+    s = config.rope_scaling
+    if config.rope_type != "yarn":
+        return 1.0, scale
+    if s.mscale and s.mscale_all_dim:
+        rope = yarn_get_mscale(s.factor, s.mscale) / yarn_get_mscale(s.factor, s.mscale_all_dim)
+    else:
+        rope = yarn_get_mscale(s.factor, 1.0)
+    if s.mscale_all_dim:
+        scale *= yarn_get_mscale(s.factor, s.mscale_all_dim) ** 2
+    return rope, scale
+
+
 def to_interleaved(x):
     """Half-split head features (i, i+H/2) → Meta's adjacent pairs (2i, 2i+1), last axis."""
     *lead, H = x.shape
@@ -62,16 +101,17 @@ def rope_meta(x_BTNH, positions_BT, inv_freq):
     return np.stack([out.real, out.imag], axis=-1).reshape(x.shape)
 
 
-def attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS):
+def attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale=None):
     """Per-row, per-head softmax attention with K/V repeated to N heads."""
     B, T, N, H = q_BTNH.shape
     G = N // k_BSKH.shape[2]
     k = np.repeat(np.asarray(k_BSKH, np.float64), G, axis=2)
     v = np.repeat(np.asarray(v_BSKH, np.float64), G, axis=2)
-    out = np.zeros((B, T, N, H))
+    out = np.zeros((B, T, N, v.shape[-1]))
+    scale = H ** -0.5 if scale is None else scale
     for b in range(B):
         for n in range(N):
-            scores = q_BTNH[b, :, n] @ k[b, :, n].T / np.sqrt(H)
+            scores = q_BTNH[b, :, n] @ k[b, :, n].T * scale
             scores = np.where(mask_BTS[b], scores, -np.inf)
             p = np.exp(scores - scores.max(-1, keepdims=True))
             out[b, :, n] = (p / p.sum(-1, keepdims=True)) @ v[b, :, n]
@@ -136,10 +176,13 @@ def forward(config, params, tokens_BT, positions_BT=None, segments_BT=None):
         y = np.einsum(equation, x, layer[w])
         return y + layer[b] if b in layer else y
 
+    rope_scale, softmax_scale = (rope_and_softmax_scales(config) if config.positions == "rope"
+                                 else (1.0, None))
+
     def rotate(x):
         if config.positions != "rope":
             return x
-        return rope_meta(to_interleaved(x), positions, meta_inv_freq(config))
+        return rope_scale * rope_meta(to_interleaved(x), positions, meta_inv_freq(config))
 
     x = p["embed/table"][tokens]
     if config.embed_scale:
@@ -151,10 +194,14 @@ def forward(config, params, tokens_BT, positions_BT=None, segments_BT=None):
     pre = config.norm_position == "pre"
     for layer in layers(params):
         h = norm(x, "attn_norm", layer) if pre else x
-        q = rotate(proj(h, "btd,dnh->btnh", "attn/wq", "attn/bq", layer))
-        k = rotate(proj(h, "btd,dkh->btkh", "attn/wk", "attn/bk", layer))
-        v = proj(h, "btd,dkh->btkh", "attn/wv", "attn/bv", layer)
-        x = x + proj(attention(q, k, v, mask), "btnh,nhd->btd", "attn/wo", "attn/bo", layer)
+        if config.attention == "mla":
+            q, k, v = mla_qkv(config, layer, h, rotate)
+        else:
+            q = rotate(proj(h, "btd,dnh->btnh", "attn/wq", "attn/bq", layer))
+            k = rotate(proj(h, "btd,dkh->btkh", "attn/wk", "attn/bk", layer))
+            v = proj(h, "btd,dkh->btkh", "attn/wv", "attn/bv", layer)
+        x = x + proj(attention(q, k, v, mask, softmax_scale), "btnh,nhd->btd", "attn/wo",
+                     "attn/bo", layer)
         if not pre:
             x = norm(x, "attn_norm", layer)
         h = norm(x, "mlp_norm", layer) if pre else x
@@ -166,6 +213,21 @@ def forward(config, params, tokens_BT, positions_BT=None, segments_BT=None):
         x = norm(x, "final_norm")
     head = p["embed/table"].T if config.tie_embeddings else p["lm_head/w"]
     return x @ head
+
+
+def mla_qkv(config, p, h, rotate):
+    """DeepSeek-V2's MLA in its expanded form (eq. 9-19): per-head q, k, v from the latents
+    c^Q = RMSNorm(h·W_DQ) (or h) and c^KV = RMSNorm(h·W_DKV), the shared key k^R rotated."""
+    eps = 1e-6
+    cq = rms_norm(h @ p["attn/wq_a"], p["attn/q_norm"], eps) if "attn/wq_a" in p else h
+    q_c = np.einsum("btq,qnh->btnh", cq, p["attn/wq_nope"])
+    q_r = rotate(np.einsum("btq,qnh->btnh", cq, p["attn/wq_rope"]))
+    c_kv = rms_norm(h @ p["attn/w_dkv"], p["attn/kv_norm"], eps)
+    k_c = np.einsum("btc,cnh->btnh", c_kv, p["attn/w_uk"])
+    k_r = rotate((h @ p["attn/w_kr"])[:, :, None, :])
+    v = np.einsum("btc,cnh->btnh", c_kv, p["attn/w_uv"])
+    k = np.concatenate([k_c, np.repeat(k_r, k_c.shape[2], axis=2)], axis=-1)
+    return np.concatenate([q_c, q_r], axis=-1), k, v
 
 
 def route(logits_XE, top_k, router, normalize, scaling, n_groups=1, top_k_groups=1, bias=None):

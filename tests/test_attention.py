@@ -216,7 +216,7 @@ def test_block_diagonal_decode_attention_matches_reference(N, K):
     valid[0, :4] = False  # left padding of row 0
     valid[:, 9:] = False  # slots after the current token
     out = decode_attention_block_diagonal(q, k.reshape(B, K * S, H), v.reshape(B, K * S, H),
-                                          valid)
+                                          valid, H ** -0.5)
     ref_out = ref.attention(q, np.swapaxes(k, 1, 2), np.swapaxes(v, 1, 2), valid[:, None, :])
     assert relative_error(out, ref_out) < 1e-6
 

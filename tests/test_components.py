@@ -16,7 +16,7 @@ import pytest
 
 import llama_jax
 from llama_jax import costs, sharding
-from llama_jax.config import ConfigError, MeshConfig, ModelConfig, MoeConfig
+from llama_jax.config import ConfigError, MeshConfig, MlaConfig, ModelConfig, MoeConfig, RopeScaling
 from llama_jax.kv_cache import init_cache
 from llama_jax.model import apply, lm_head, unstack_layers
 from llama_jax.nn.norms import layer_norm, rms_norm
@@ -57,6 +57,18 @@ KINDS = {
     "moe-deepseek": dict(mlp="moe", moe=MoeConfig(
         n_experts=8, top_k=3, expert_mlp="geglu", expert_ffn_dim=24, n_shared_experts=1,
         router="sigmoid", routed_scaling=2.5, n_groups=4, top_k_groups=2, first_dense_layers=1)),
+    # YaRN (its cos/sin temperature), past its original context of 8 positions.
+    "yarn": dict(rope_type="yarn", rope_scaling=RopeScaling(factor=4.0,
+                                                            original_max_position_embeddings=8)),
+    # MLA: the V2-Lite form (plain queries), and the V2/V3 form (a query latent) under YaRN
+    # with DeepSeek's mscale = mscale_all_dim (the softmax scale's mscale²); value heads
+    # narrower than query/key heads.
+    "mla": dict(attention="mla", n_kv_heads=None, head_dim=None, mla=MlaConfig(
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=10)),
+    "mla-qlora-yarn": dict(attention="mla", n_kv_heads=None, head_dim=None, mla=MlaConfig(
+        q_lora_rank=20, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10),
+        rope_type="yarn", rope_scaling=RopeScaling(factor=4.0, original_max_position_embeddings=8,
+                                                   mscale=0.707, mscale_all_dim=0.707)),
 }
 CONFIGS = {name: dataclasses.replace(BASE, **kw) for name, kw in KINDS.items()}
 forward = jax.jit(llama_jax.forward, static_argnums=0)
@@ -107,11 +119,15 @@ def test_forward_matches_the_float64_reference(name, attention_impl, params):
 
 
 @pytest.mark.parametrize("decode_impl", ["scan", "unrolled"])
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", [*CONFIGS, "mla-qlora-yarn:expanded"])
 def test_cached_decode_equals_the_full_forward(name, decode_impl, params):
     """Prefill a ragged (left-padded) batch, then decode one token per step: every position's
-    logits equal those of the full forward pass of that row alone."""
+    logits equal those of the full forward pass of that row alone (MLA: absorbed decode, and
+    with `:expanded` the expanded one, against the expanded forward)."""
+    name, _, mla_decode = name.partition(":")
     config, p = CONFIGS[name], params[name]
+    if mla_decode:
+        config = config.with_execution(mla_decode=mla_decode)
     lengths, T, steps = (9, 5), 9, 6
     rows = [tokens(config, 1, n + steps, seed=10 + n)[0] for n in lengths]
     layers, layout = ((p, "stacked") if decode_impl == "scan" else
@@ -137,7 +153,7 @@ cached = jax.jit(lambda c, p, toks, cache: apply(c, p, toks, cache=cache), stati
 
 
 @pytest.mark.parametrize("name", ["transformer", "gpt2", "mix-post-rms-geglu-learned",
-                                  "moe-deepseek"])
+                                  "moe-deepseek", "mla-qlora-yarn"])
 def test_greedy_generation_is_the_same_under_both_decode_implementations(name, params):
     config, p = CONFIGS[name], params[name]
     prompts = [tokens(config, 1, n, seed=n)[0].tolist() for n in (3, 11, 6)]
@@ -153,7 +169,8 @@ MESHES = {"dp8": MeshConfig(data=8), "fsdp8": MeshConfig(data=1, fsdp=8),
 SHARDED = ([(name, mesh) for name in ("transformer", "gpt2", "mix-ln-nope-swiglu-bias")
             for mesh in ("dp8", "fsdp8", "tp4-dp2")]
            + [("moe-mixtral", "fsdp8"), ("moe-mixtral-capacity", "ep4-dp2"),
-              ("moe-deepseek", "ep4-dp2"), ("moe-deepseek", "tp4-dp2")])
+              ("moe-deepseek", "ep4-dp2"), ("moe-deepseek", "tp4-dp2"),
+              ("mla-qlora-yarn", "tp4-dp2"), ("mla", "fsdp8")])
 
 
 @pytest.mark.parametrize("name, mesh_name", SHARDED)

@@ -118,7 +118,8 @@ def test_inheritance_overrides_key_by_key(tmp_path):
                                             "  rope_scaling: {factor: 16.0}\n")
     c = load_model_config(tmp_path / "ablation.yaml")
     assert c.n_layers == 4 and c.dim == 4096 and c.rope_theta == 500000.0
-    assert c.rope_scaling == RopeScaling(factor=16.0, original_max_position_embeddings=8192)
+    assert c.rope_scaling == RopeScaling(factor=16.0, original_max_position_embeddings=8192,
+                                         low_freq_factor=1.0, high_freq_factor=4.0)
     (tmp_path / "child.yaml").write_text("base: ablation.yaml\nmodel: {n_heads: 16}\n")
     assert load_model_config(tmp_path / "child.yaml").head_dim == 256
 

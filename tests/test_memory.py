@@ -7,14 +7,16 @@ import json
 import pytest
 
 from llama_jax import info, memory, sharding, trainer
-from llama_jax.config import (DataConfig, MeshConfig, ModelConfig, MoeConfig, RunConfig,
-                              TrainConfig)
+from llama_jax.config import (DataConfig, MeshConfig, MlaConfig, ModelConfig, MoeConfig,
+                              RunConfig, TrainConfig)
 
 MODEL = ModelConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
                     max_seq_len=256)
 # The same active parameters with 8 experts, top-2: capacity buffers, or dropless
 MOE = dataclasses.replace(MODEL, mlp="moe", ffn_dim=384, moe=MoeConfig(capacity_factor=1.25))
 DROPLESS = dataclasses.replace(MOE, moe=MoeConfig(), moe_dispatch="dropless")
+MLA = dataclasses.replace(MODEL, attention="mla", n_kv_heads=None, head_dim=None, mla=MlaConfig(
+    q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32))
 TRAIN = TrainConfig(seq_len=256, batch_size=16)
 
 
@@ -28,6 +30,8 @@ TRAIN = TrainConfig(seq_len=256, batch_size=16)
     (MeshConfig(data=1, fsdp=4, tensor=2), "dots", "chunked", MODEL),
     (MeshConfig(data=2, expert=4), "none", "chunked", MOE),
     (MeshConfig(data=1, fsdp=2, expert=4), "none", "chunked", DROPLESS),
+    (MeshConfig(data=2, fsdp=2, tensor=2), "none", "chunked", MLA),
+    (MeshConfig(data=8), "dots", "xla", MLA),
 ])
 def test_planned_memory_agrees_with_the_compiled_step(mesh, remat, attention, base):
     model = dataclasses.replace(base, remat=remat, attention_impl=attention,
@@ -40,7 +44,7 @@ def test_planned_memory_agrees_with_the_compiled_step(mesh, remat, attention, ba
     # Arguments: the state, exactly, plus this device's rows of the batch and a few scalars.
     assert 0 <= measured.argument_size_in_bytes - (plan.weights + plan.optimizer) < 16 << 10
     ratio = (measured.argument_size_in_bytes + measured.temp_size_in_bytes) / plan.training
-    assert 0.8 < ratio < 1.25, ratio  # measured 0.83-1.16 over these cases
+    assert 0.8 < ratio < 1.25, ratio  # measured 0.83-1.17 over these cases
 
 
 def test_planner_cli_prints_a_training_plan(capsys):

@@ -20,7 +20,7 @@ layouts, one per decode implementation (see model.py):
 - `MergedKV`: one layer's `[B, K·S, H]` (the same bytes as [B, K, S, H] with K and S merged),
   for the unrolled decoder over per-layer weights: no per-layer slice is copied, and a decode
   step attends with one matmul per row (`decode_attention_block_diagonal`). 16-bit values are
-  stored as their uint16 bits (see `_bits_type`).
+  stored as their uint16 bits (see `stored_type`).
 Rows of a ragged batch are left-padded; every step writes all rows at the same slot `end`, so
 an update is a single `dynamic_update_slice`.
 """
@@ -38,12 +38,13 @@ from llama_jax.nn.chunked import MASKED
 from llama_jax.nn.dot_product import Mask, dot_product_attention
 from llama_jax.nn.ops import einsum_f32, linear
 from llama_jax.nn.positions import Rotation
+from llama_jax.nn.rope import softmax_scale
 from llama_jax.nn.spec import bias, weight
 from llama_jax.sharding import constrain
 
 
 def decode_attention_block_diagonal(q_B1NH: jax.Array, k_BCH: jax.Array, v_BCH: jax.Array,
-                                    mask_BS: jax.Array) -> jax.Array:
+                                    mask_BS: jax.Array, scale: float) -> jax.Array:
     """Attention of one query per row over a per-layer cache `[B, C = K·S, H]`.
 
     Each row is one matmul over all K·S keys, with query/key pairs of different groups masked
@@ -52,10 +53,10 @@ def decode_attention_block_diagonal(q_B1NH: jax.Array, k_BCH: jax.Array, v_BCH: 
     B·K matmuls of G = N/K rows of the grouped form (measured: 2.2x on the attention alone,
     8.6 -> 6.1 ms for a batch-8 decode step of the benchmark model).
     """
-    B, _, N, H = q_B1NH.shape
+    N = q_B1NH.shape[2]
     C, S = k_BCH.shape[1], mask_BS.shape[1]
     K = C // S
-    logits_BNC = einsum_f32("BNH,BCH->BNC", q_B1NH[:, 0], k_BCH) * H ** -0.5
+    logits_BNC = einsum_f32("BNH,BCH->BNC", q_B1NH[:, 0], k_BCH) * scale
     same_group_NC = (jnp.arange(N) // (N // K))[:, None] == (jnp.arange(C) // S)[None, :]
     mask_BNC = same_group_NC[None] & jnp.tile(mask_BS, (1, K))[:, None, :]
     probs_BNC = jax.nn.softmax(jnp.where(mask_BNC, logits_BNC, MASKED), axis=-1)
@@ -106,15 +107,20 @@ def apply_attention(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Con
     q_BTNH = constrain(q_BTNH, ("batch", "seq", "heads", "head_dim"))
     k_BTKH = constrain(k_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
     v_BTKH = constrain(v_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
-    attend = functools.partial(dot_product_attention, impl=config.attention_impl,
-                               block_q=config.attention_block_q,
-                               block_kv=config.attention_block_kv)
     if kv is None:
-        out_BTNH = attend(q_BTNH, k_BTKH, v_BTKH, context.mask)
+        out_BTNH = attention_of(config)(q_BTNH, k_BTKH, v_BTKH, context.mask)
     else:
         kv = kv.write(k_BTKH, v_BTKH, context)
-        out_BTNH = kv.attend(attend, q_BTNH, context)
+        out_BTNH = kv.attend(config, q_BTNH, context)
     return linear("BTNH,NHD->BTD", out_BTNH, p["wo"], p.get("bo")), kv
+
+
+def attention_of(config: ModelConfig):
+    """`dot_product_attention` under the configured implementation, blocks and softmax scale
+    (1/√H, times YaRN's mscale²: rope.softmax_scale)."""
+    return functools.partial(dot_product_attention, impl=config.attention_impl,
+                             block_q=config.attention_block_q,
+                             block_kv=config.attention_block_kv, scale=softmax_scale(config))
 
 
 # ------------------------------------------------------------------------------- the KV cache
@@ -142,11 +148,10 @@ class StackedKV:
             return _constrain_stacked(cache_LBKSH)
         return self.replace(k=put(self.k, k_BTKH), v=put(self.v, v_BTKH))
 
-    def attend(self, attend, q_BTNH: jax.Array, context: Context) -> jax.Array:
-        """The queries against the layer's cache, by `attend` (`dot_product_attention` with
-        the chosen implementation)."""
+    def attend(self, config: ModelConfig, q_BTNH: jax.Array, context: Context) -> jax.Array:
+        """The queries against the layer's cache, under the configured implementation."""
         layer = context.layer
-        return attend(q_BTNH, self.k[layer].astype(q_BTNH.dtype),
+        return attention_of(config)(q_BTNH, self.k[layer].astype(q_BTNH.dtype),
                       self.v[layer].astype(q_BTNH.dtype), context.mask, kv_layout="BKSH")
 
 
@@ -161,7 +166,7 @@ class MergedKV:
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, max_len: int, dtype: str) -> "MergedKV":
-        stored = _bits_type(jnp.dtype(dtype))
+        stored = stored_type(jnp.dtype(dtype))
         k, v = (_constrain_merged(jnp.zeros((batch, config.K * max_len, config.H), stored))
                 for _ in range(2))
         return cls(k=k, v=v, max_len=max_len, dtype=jnp.dtype(dtype).name)
@@ -169,33 +174,24 @@ class MergedKV:
     def write(self, k_BTKH: jax.Array, v_BTKH: jax.Array, context: Context) -> "MergedKV":
         def put(cache_BCH, x_BTKH):
             for head in range(x_BTKH.shape[2]):
-                update = x_BTKH[:, :, head].astype(self.dtype)
-                if cache_BCH.dtype == jnp.uint16:
-                    update = jax.lax.bitcast_convert_type(update, jnp.uint16)
+                update = store(x_BTKH[:, :, head], self.dtype)
                 cache_BCH = jax.lax.dynamic_update_slice(
                     cache_BCH, update, (0, head * self.max_len + context.end, 0))
             return _constrain_merged(cache_BCH)
         return self.replace(k=put(self.k, k_BTKH), v=put(self.v, v_BTKH))
 
-    def attend(self, attend, q_BTNH: jax.Array, context: Context) -> jax.Array:
-        """A decode step by `decode_attention_block_diagonal`; longer inputs by `attend`."""
-        k_BCH, v_BCH = self._read(self.k, q_BTNH.dtype), self._read(self.v, q_BTNH.dtype)
+    def attend(self, config: ModelConfig, q_BTNH: jax.Array, context: Context) -> jax.Array:
+        """A decode step by `decode_attention_block_diagonal`; longer inputs under the
+        configured implementation."""
+        k_BCH, v_BCH = (load(x, self.dtype, q_BTNH.dtype) for x in (self.k, self.v))
         B, T, _, H = q_BTNH.shape
         if T == 1:
             return decode_attention_block_diagonal(q_BTNH, k_BCH, v_BCH,
-                                                   context.mask.dense()[:, 0])
+                                                   context.mask.dense()[:, 0],
+                                                   softmax_scale(config))
         K, S = k_BCH.shape[1] // self.max_len, self.max_len
-        return attend(q_BTNH, k_BCH.reshape(B, K, S, H), v_BCH.reshape(B, K, S, H),
-                      context.mask, kv_layout="BKSH")
-
-    def _read(self, cache_BCH: jax.Array, compute_dtype) -> jax.Array:
-        """The cached values in `compute_dtype`. bf16 bits widen to fp32 exactly by a shift."""
-        if cache_BCH.dtype != jnp.uint16:
-            return cache_BCH.astype(compute_dtype)
-        if self.dtype == "bfloat16":
-            widened = jax.lax.bitcast_convert_type(cache_BCH.astype(jnp.uint32) << 16, jnp.float32)
-            return widened.astype(compute_dtype)
-        return jax.lax.bitcast_convert_type(cache_BCH, self.dtype).astype(compute_dtype)
+        return attention_of(config)(q_BTNH, k_BCH.reshape(B, K, S, H),
+                                    v_BCH.reshape(B, K, S, H), context.mask, kv_layout="BKSH")
 
 
 # On a mesh (`sharding.use_mesh`) caches are laid out by the cache rules, when created and
@@ -209,8 +205,25 @@ def _constrain_merged(cache_BCH: jax.Array) -> jax.Array:
     return constrain(cache_BCH, ("batch", None, "head_dim"), "cache_rules")
 
 
-def _bits_type(dtype: jnp.dtype) -> jnp.dtype:
+def stored_type(dtype: jnp.dtype) -> jnp.dtype:
     """How a per-layer cache stores `dtype`: 16-bit floats as their uint16 bits. XLA:CPU upcasts
     a bf16 `dynamic_update_slice` to fp32 (rewriting the whole cache at every write), and even
     a bitcast view of a bf16 buffer made it copy the cache before each in-place update."""
     return jnp.dtype(jnp.uint16) if dtype.itemsize == 2 else dtype
+
+
+def store(x: jax.Array, dtype: str) -> jax.Array:
+    """Values for a per-layer cache of `dtype`, in its `stored_type`."""
+    x = x.astype(dtype)
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
+
+
+def load(cache: jax.Array, dtype: str, compute_dtype) -> jax.Array:
+    """A per-layer cache's values (of `dtype`) in `compute_dtype`. bf16 bits widen to fp32
+    exactly by a shift."""
+    if cache.dtype != jnp.uint16:
+        return cache.astype(compute_dtype)
+    if dtype == "bfloat16":
+        widened = jax.lax.bitcast_convert_type(cache.astype(jnp.uint32) << 16, jnp.float32)
+        return widened.astype(compute_dtype)
+    return jax.lax.bitcast_convert_type(cache, dtype).astype(compute_dtype)

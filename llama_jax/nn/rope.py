@@ -1,4 +1,4 @@
-"""Rotary position embeddings (Su et al. 2021) with LLaMA-3.1 "llama3" frequency scaling.
+"""Rotary position embeddings (Su et al. 2021) with LLaMA-3.1 "llama3" and YaRN frequency scaling.
 
 Layout: llama_jax uses the half-split ("rotate_half") layout of Hugging Face: feature i of a head
 is paired with feature i + H/2 and both rotate by angle m·θ_i, θ_i = base^(-2i/H). Meta's
@@ -10,6 +10,17 @@ what fp32 implementations get at long context. Here the frequencies are split on
 (float64) into chunks of 6 bits each, so that m·chunk is exact in fp32 for m < 2^18 and its
 fractional number of turns can be taken without rounding; the remainder term is tiny. The
 resulting angle, reduced to [-π, π], is accurate to ~1e-7 rad at any position below 2^18.
+
+RoPE rotates a head's `config.rope_dim` features — all of them, or with MLA the
+decoupled qk_rope_head_dim part (nn/mla.py) — so H below is that width.
+
+YaRN (Peng et al. 2023; `rope_type: yarn`, as DeepSeek-V2/V3 and transformers compute it):
+frequencies that turn more than beta_fast times over the original context keep their value,
+those that turn fewer than beta_slow times are divided by `factor`, with a linear ramp over
+the dimensions in between; cos and sin are multiplied by an attention temperature
+(`rotation_scale`), and the softmax scale by mscale(mscale_all_dim)² (`softmax_scale`), where
+mscale(m) = 0.1·m·ln(factor) + 1. DeepSeek sets mscale = mscale_all_dim, so that all of the
+temperature goes into the softmax scale, of every feature of the head.
 """
 
 from __future__ import annotations
@@ -27,11 +38,13 @@ _N_CHUNKS = 4  # 4 exact chunks + remainder: remainder < 2^-24 turns per positio
 
 
 def inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """θ_i = base^(-2i/H) for i < H/2, in float64, rescaled for rope_type "llama3"."""
-    exponents = np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
-    inv_freq = config.rope_theta ** -exponents
+    """θ_i = base^(-2i/H) for i < H/2, in float64, rescaled for rope_type "llama3" or "yarn"."""
+    H = config.rope_dim
+    inv_freq = config.rope_theta ** -(np.arange(0, H, 2, dtype=np.float64) / H)
     if config.rope_type == "llama3":
         inv_freq = llama3_scaled(inv_freq, config.rope_scaling)
+    if config.rope_type == "yarn":
+        inv_freq = yarn_scaled(inv_freq, config.rope_scaling, config.rope_theta)
     return inv_freq
 
 
@@ -49,6 +62,47 @@ def llama3_scaled(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
                     np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, interpolated))
 
 
+def yarn_scaled(inv_freq: np.ndarray, scaling: RopeScaling, base: float) -> np.ndarray:
+    """YaRN's "NTK-by-parts" frequencies: θ_i kept for i below the dimension where θ turns
+    beta_fast times over the original context, θ_i / factor above the one where it turns
+    beta_slow times (both rounded outwards), linear in i between."""
+    H = 2 * len(inv_freq)
+    context = scaling.original_max_position_embeddings
+
+    def dimension(turns: float) -> float:  # where θ_i turns `turns` times over the context
+        return H * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(dimension(scaling.beta_fast)), 0)
+    high = min(math.ceil(dimension(scaling.beta_slow)), H - 1)
+    ramp = np.clip((np.arange(H // 2) - low) / ((high - low) or 0.001), 0, 1)
+    return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def rotation_scale(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's attention temperature, mscale(mscale) /
+    mscale(mscale_all_dim) when both are set (1 for DeepSeek), else mscale(1); 1 otherwise."""
+    s = config.rope_scaling
+    if config.rope_type != "yarn":
+        return 1.0
+    if s.mscale and s.mscale_all_dim:
+        return yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
+    return yarn_mscale(s.factor)
+
+
+def softmax_scale(config: ModelConfig) -> float:
+    """The attention logits' scale: 1/√H of the query-key head dim (MLA's qk_nope +
+    qk_rope), times mscale(mscale_all_dim)² under YaRN when mscale_all_dim is set."""
+    scale = config.head_dim ** -0.5
+    if config.rope_type == "yarn" and config.rope_scaling.mscale_all_dim:
+        s = config.rope_scaling
+        scale *= yarn_mscale(s.factor, s.mscale_all_dim) ** 2
+    return scale
+
+
 def _turn_chunks(inv_freq: np.ndarray) -> np.ndarray:
     """Splits θ/2π (turns per position) into `_N_CHUNKS` fixed-point chunks of `_CHUNK_BITS`
     bits plus a remainder: [_N_CHUNKS + 1, H/2], each row exactly representable in fp32."""
@@ -64,8 +118,11 @@ def _turn_chunks(inv_freq: np.ndarray) -> np.ndarray:
 
 
 def rope_cos_sin(config: ModelConfig, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of the rotation angles, fp32 `[B, T, H/2]`, for integer positions."""
-    return cos_sin(inverse_frequencies(config), positions_BT)
+    """cos and sin of the rotation angles, fp32 `[B, T, H/2]`, for integer positions (times
+    YaRN's `rotation_scale`)."""
+    cos_BTh, sin_BTh = cos_sin(inverse_frequencies(config), positions_BT)
+    scale = rotation_scale(config)
+    return (cos_BTh, sin_BTh) if scale == 1.0 else (cos_BTh * scale, sin_BTh * scale)
 
 
 def cos_sin(inv_freq: np.ndarray, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:

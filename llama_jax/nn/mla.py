@@ -1,0 +1,196 @@
+"""Multi-head Latent Attention (`attention: mla`, the `mla:` config section; DeepSeek-AI 2024,
+"DeepSeek-V2"): the mixer whose KV cache holds one low-rank latent per token instead of keys
+and values per head.
+
+Letters besides the model's: C the KV latent width (kv_lora_rank), Q the query latent's
+(q_lora_rank), A a head's position-free query/key features (qk_nope_head_dim), R its rotary
+ones (qk_rope_head_dim), Y its value width (v_head_dim); H = A + R; W = C + R, what the cache
+holds per token and layer.
+
+Per token (eq. 9-19 of the paper; W_DKV, W_KR are one `kv_a_proj_with_mqa` in DeepSeek's
+checkpoints, split here):
+    c = RMSNorm(x·W_DKV)                  [C]     the latent (normalised, as DeepSeek does)
+    k_R = RoPE(x·W_KR)                    [R]     one rotary key shared by all heads
+    q = x·W_Q, or RMSNorm(x·W_DQ)·W_Q      [N, H]  q_C = [q_nope, RoPE(q_rope)] per head
+    k = [c·W_UK, k_R], v = c·W_UV          [N, H], [N, Y] per head
+    out = softmax(q·kᵀ · scale + mask)·v · W_O
+with scale = 1/√H (A + R, not the absorbed width C + R) times YaRN's mscale² (rope.py).
+
+Two ways to compute it, one function of the config and the mode (`apply_mla`):
+- expanded (training, prefill, and decode with `mla_decode: expanded`): per-head keys and
+  values are materialised from the latents and attended by `dot_product_attention` under the
+  configured implementation (q/k head dim H, value head dim Y).
+- absorbed (a decode step): q_nope·(c·W_UK)ᵀ = (q_nope·W_UKᵀ)·cᵀ, so each head's query is moved
+  into the latent space once and scores against the cached latents directly; softmax·v =
+  (softmax·c)·W_UV, so W_UV comes after the softmax. That is multi-query attention with one
+  "head" of width W = [c, k_R] (values: c) and N query heads: per step the cache is read once,
+  and nothing per head is built for the S cached tokens (expanded rebuilds N·(A + Y) values for
+  each of them).
+
+The cache is `[B, S, W]` per layer (`LatentKV`, the unrolled decoder's; 16-bit values stored as
+bits as in attention.py) or `[L, B, S, W]` per scanned group (`StackedLatentKV`): L·W values per
+token against GQA's 2·L·K·H (DeepSeek-V2: 576 against MHA's 32768 per layer).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from llama_jax.config import ModelConfig
+from llama_jax.nn.attention import Context, attention_of, load, store, stored_type
+from llama_jax.nn.dot_product import dense_attention
+from llama_jax.nn.norms import rms_norm
+from llama_jax.nn.ops import dense, einsum_f32
+from llama_jax.nn.rope import softmax_scale
+from llama_jax.nn.spec import gain, weight
+from llama_jax.sharding import constrain
+
+# DeepSeek's latent RMSNorms use their class default, not the model's rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+def mla_specs(config: ModelConfig, residual_scale: float) -> dict:
+    """`residual_scale` shrinks the init of W_O, which writes into the residual stream."""
+    dims = config.dims
+    lora = config.mla.q_lora_rank is not None
+    q_in, q_axis = ("Q", "latent") if lora else ("D", "embed")
+    specs = {}
+    if lora:
+        specs.update(wq_a=weight(dims, "DQ", ("embed", "latent")),
+                     q_norm=gain(dims, "Q", ("norm",)))
+    specs.update(
+        wq_nope=weight(dims, q_in + "NA", (q_axis, "q_heads", "head_dim")),
+        wq_rope=weight(dims, q_in + "NR", (q_axis, "q_heads", "head_dim")),
+        w_dkv=weight(dims, "DC", ("embed", "latent")),
+        w_kr=weight(dims, "DR", ("embed", "head_dim")),
+        kv_norm=gain(dims, "C", ("norm",)),
+        w_uk=weight(dims, "CNA", ("latent", "q_heads", "head_dim")),
+        w_uv=weight(dims, "CNY", ("latent", "q_heads", "head_dim")),
+        wo=weight(dims, "NYD", ("q_heads", "head_dim", "embed"), residual_scale))
+    return specs
+
+
+def apply_mla(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Context,
+              kv: "StackedLatentKV | LatentKV | None" = None):
+    """Self-attention of normed inputs `[B, T, D]`; returns `([B, T, D], kv)`. With a cache
+    the new tokens' latents are written at `context.end` first and the queries attend to the
+    whole cache: absorbed for one token (unless `mla_decode: expanded`), expanded otherwise."""
+    q_nope_BTNA, q_rope_BTNR = _queries(config, p, x_BTD, context)
+    c_BTC = rms_norm(dense("BTD,DC->BTC", x_BTD, p["w_dkv"]), p["kv_norm"], LATENT_NORM_EPS)
+    k_rope_BTR = context.rotation.apply(dense("BTD,DR->BTR", x_BTD, p["w_kr"])[:, :, None])[:, :, 0]
+    latent_BTW = jnp.concatenate([c_BTC, k_rope_BTR], axis=-1)
+    if kv is None:
+        out_BTNY = _expanded(config, p, q_nope_BTNA, q_rope_BTNR, latent_BTW, context)
+    else:
+        kv = kv.write(latent_BTW, context)
+        latent_BSW = kv.read(context, x_BTD.dtype)
+        absorbed = x_BTD.shape[1] == 1 and config.mla_decode == "absorbed"
+        out_BTNY = (_absorbed if absorbed else _expanded)(config, p, q_nope_BTNA, q_rope_BTNR,
+                                                         latent_BSW, context)
+    return dense("BTNY,NYD->BTD", out_BTNY, p["wo"]), kv
+
+
+def _queries(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Context):
+    """`(q_nope [B, T, N, A], RoPE(q_rope) [B, T, N, R])`, through the query latent if any."""
+    if "wq_a" in p:
+        x_BTQ = rms_norm(dense("BTD,DQ->BTQ", x_BTD, p["wq_a"]), p["q_norm"], LATENT_NORM_EPS)
+        q_nope_BTNA = dense("BTQ,QNA->BTNA", x_BTQ, p["wq_nope"])
+        q_rope_BTNR = dense("BTQ,QNR->BTNR", x_BTQ, p["wq_rope"])
+    else:
+        q_nope_BTNA = dense("BTD,DNA->BTNA", x_BTD, p["wq_nope"])
+        q_rope_BTNR = dense("BTD,DNR->BTNR", x_BTD, p["wq_rope"])
+    return q_nope_BTNA, context.rotation.apply(q_rope_BTNR)
+
+
+def _expanded(config: ModelConfig, p: dict, q_nope_BTNA, q_rope_BTNR, latent_BSW,
+              context: Context) -> jax.Array:
+    """Per-head keys `[c·W_UK, k_R]` and values `c·W_UV` of the S latents, then attention
+    under the configured implementation: `[B, T, N, Y]`."""
+    C = config.mla.kv_lora_rank
+    c_BSC, k_rope_BSR = latent_BSW[..., :C], latent_BSW[..., C:]
+    k_nope_BSNA = dense("BSC,CNA->BSNA", c_BSC, p["w_uk"])
+    v_BSNY = dense("BSC,CNY->BSNY", c_BSC, p["w_uv"])
+    k_rope_BSNR = jnp.broadcast_to(k_rope_BSR[:, :, None], (*k_nope_BSNA.shape[:3],
+                                                             k_rope_BSR.shape[-1]))
+    q_BTNH = jnp.concatenate([q_nope_BTNA, q_rope_BTNR], axis=-1)
+    k_BSNH = jnp.concatenate([k_nope_BSNA, k_rope_BSNR], axis=-1)
+    q_BTNH = constrain(q_BTNH, ("batch", "seq", "heads", "head_dim"))
+    k_BSNH = constrain(k_BSNH, ("batch", "seq", "heads", "head_dim"))
+    v_BSNY = constrain(v_BSNY, ("batch", "seq", "heads", "head_dim"))
+    return attention_of(config)(q_BTNH, k_BSNH, v_BSNY, context.mask)
+
+
+def _absorbed(config: ModelConfig, p: dict, q_nope_BTNA, q_rope_BTNR, latent_BSW,
+              context: Context) -> jax.Array:
+    """Attention over the latents themselves: queries `[q_nope·W_UKᵀ, q_rope]` of width W
+    against the cached `[c, k_R]` as one shared key head, values c, then W_UV: `[B, T, N, Y]`."""
+    C, dtype = config.mla.kv_lora_rank, q_nope_BTNA.dtype
+    q_latent_BTNC = einsum_f32("BTNA,CNA->BTNC", q_nope_BTNA, p["w_uk"].astype(dtype))
+    q_BTNW = jnp.concatenate([q_latent_BTNC.astype(dtype), q_rope_BTNR], axis=-1)
+    q_BTNW = constrain(q_BTNW, ("batch", "seq", "heads", None))
+    latent_BS1W = latent_BSW[:, :, None]
+    out_BTNC = dense_attention(q_BTNW, latent_BS1W, latent_BS1W[..., :C], context.mask.dense(),
+                               scale=softmax_scale(config))
+    out_BTNY = einsum_f32("BTNC,CNY->BTNY", out_BTNC, p["w_uv"].astype(dtype))
+    return out_BTNY.astype(dtype)
+
+
+# --------------------------------------------------------------------------- the latent cache
+
+@struct.dataclass
+class StackedLatentKV:
+    """A layer group's cache `[L, B, S, W]`, read and written at `context.layer`."""
+
+    latent: jax.Array
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, n_layers: int, batch: int, max_len: int,
+              dtype: str) -> "StackedLatentKV":
+        shape = (n_layers, batch, max_len, cache_width(config))
+        return cls(_constrain_stacked(jnp.zeros(shape, dtype)))
+
+    def write(self, latent_BTW: jax.Array, context: Context) -> "StackedLatentKV":
+        update = latent_BTW[None].astype(self.latent.dtype)
+        latent = jax.lax.dynamic_update_slice(self.latent, update, (context.layer, 0,
+                                                                    context.end, 0))
+        return self.replace(latent=_constrain_stacked(latent))
+
+    def read(self, context: Context, compute_dtype) -> jax.Array:
+        return self.latent[context.layer].astype(compute_dtype)
+
+
+@struct.dataclass
+class LatentKV:
+    """One layer's cache `[B, S, W]` (16-bit values as their bits: attention.stored_type)."""
+
+    latent: jax.Array
+    dtype: str = struct.field(pytree_node=False)  # of the cached values
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, batch: int, max_len: int, dtype: str) -> "LatentKV":
+        stored = stored_type(jnp.dtype(dtype))
+        latent = jnp.zeros((batch, max_len, cache_width(config)), stored)
+        return cls(_constrain_layer(latent), jnp.dtype(dtype).name)
+
+    def write(self, latent_BTW: jax.Array, context: Context) -> "LatentKV":
+        latent = jax.lax.dynamic_update_slice(self.latent, store(latent_BTW, self.dtype),
+                                              (0, context.end, 0))
+        return self.replace(latent=_constrain_layer(latent))
+
+    def read(self, context: Context, compute_dtype) -> jax.Array:
+        return load(self.latent, self.dtype, compute_dtype)
+
+
+def cache_width(config: ModelConfig) -> int:
+    """W = kv_lora_rank + qk_rope_head_dim: what one token caches per layer."""
+    return config.mla.kv_lora_rank + config.mla.qk_rope_head_dim
+
+
+def _constrain_stacked(latent_LBSW: jax.Array) -> jax.Array:
+    return constrain(latent_LBSW, (None, "batch", "seq", "latent"), "cache_rules")
+
+
+def _constrain_layer(latent_BSW: jax.Array) -> jax.Array:
+    return constrain(latent_BSW, ("batch", "seq", "latent"), "cache_rules")
