@@ -91,8 +91,8 @@ def _hf_state_from_meta(src: Path, config: ModelConfig) -> dict:
     for slot in slots(config):
         for meta_name, hf_name in zip(names(slot, meta=True), names(slot)):
             w = torch.from_numpy(meta.gather(shards, meta_name, torch_shape(slot), src)).float()
-            if slot.tensor.rope_heads:
-                heads = getattr(config, slot.tensor.rope_heads)
+            if slot.rope_heads:
+                heads = slot.rope_heads
                 rows, cols = w.shape
                 w = w.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
             state[hf_name] = w

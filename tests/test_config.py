@@ -90,6 +90,41 @@ def test_moe_fields_with_a_dense_mlp_are_refused(tmp_path):
         load_model_config(bad)
 
 
+@pytest.mark.parametrize("model, message", [
+    ("{attention: mla, mla: {kv_lora_rank: 0}}", r"model\.mla\.kv_lora_rank=0 must be a positive"),
+    ("{attention: mla, mla: {q_lora_rank: -8}}", r"model\.mla\.q_lora_rank=-8 must be a positive"),
+    ("{attention: mla, mla: {v_head_dim: 1.5}}", r"model\.mla\.v_head_dim=1\.5 must be a posit"),
+    ("{attention: mla, mla: {qk_rope_head_dim: 7}}",
+     r"model\.mla\.qk_rope_head_dim=7 must be even"),
+    ("{attention: mla, mla: {kv_rank: 8}}", r"model\.mla: unknown key 'kv_rank'"),
+    ("{attention: gqa, mla: {kv_lora_rank: 8}}",
+     r"model\.mla: the section applies only to attention 'mla', not 'gqa'"),
+    ("{mla: {kv_lora_rank: 8}}", r"model\.mla: the section applies only to attention 'mla'"),
+    ("{attention: mla, n_kv_heads: 2}", r"model\.n_kv_heads=2 does not apply to attention"),
+    ("{attention: mla, n_kv_heads: null, head_dim: 64}", r"model\.head_dim=64 is mla\.qk_nope_head_dim \+ mla"),
+    ("{attention: mla, n_kv_heads: null, positions: learned}", r"model\.positions='learned' must be 'rope'"),
+    ("{attention: latent}", r"model\.attention='latent' is not one of"),
+    ("{rope_type: llama3, rope_scaling: {factor: 8, beta_fast: 32}}",
+     r"model\.rope_scaling\.beta_fast=32\.0 applies only to rope_type 'yarn', not 'llama3'"),
+    ("{rope_type: yarn, rope_scaling: {factor: 4, low_freq_factor: 1}}",
+     r"model\.rope_scaling\.low_freq_factor=1\.0 applies only to rope_type 'llama3'"),
+    ("{rope_type: yarn, rope_scaling: {factor: 4, beta_fast: 1, beta_slow: 2}}",
+     r"model\.rope_scaling\.beta_fast=1\.0 must be > beta_slow"),
+    ("{rope_type: yarn}", r"model\.rope_scaling=None must be given exactly when rope_type"),
+])
+def test_bad_mla_and_yarn_fields_name_the_file_and_field(model, message, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"base: tiny\nmodel: {model}\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: " + message):
+        load_model_config(bad)
+
+
+def test_mla_fixes_the_head_layout():
+    c = ModelConfig(**TINY, attention="mla")
+    assert (c.K, c.H, c.v_head_dim, c.rope_dim) == (4, 128 + 64, 128, 64)
+    assert ModelConfig.from_dict(c.to_dict()) == c
+
+
 def test_yaml_numbers_without_dot_are_accepted():
     # YAML 1.1 reads `1e-5` as a string; the config turns it into a float.
     c = ModelConfig.from_dict({**TINY, "norm_eps": "1e-5", "rope_theta": 500000})

@@ -9,6 +9,18 @@ the model's architecture when writing:
   (`num_local_experts`, `num_experts_per_tok`, expert width `intermediate_size`). Its
   `router_aux_loss_coef` is a training setting of transformers' own loss (see nn/moe.py for how
   it relates to ours) and is not read; written as our weight / top_k · L.
+- DeepSeek-V2 / V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`): Multi-head Latent
+  Attention (`q_lora_rank` null: V2-Lite's plain query projection) with `default` or `yarn`
+  RoPE, and the first `first_k_dense_replace` layers dense (`intermediate_size`), the others
+  an MoE of `n_routed_experts` SwiGLU experts (`moe_intermediate_size`) plus
+  `n_shared_experts` shared ones. V2 routes by softmax, unnormalised (transformers ignores its
+  `norm_topk_prob`), `topk_method` greedy or group_limited_greedy (groups scored by their
+  best expert); V3 by sigmoid with the `e_score_correction_bias` selecting (our selection
+  bias), groups scored by their two best experts, `norm_topk_prob`; both times
+  `routed_scaling_factor`. `head_dim` in their config.json is the RoPE head dim (unused:
+  ours follows from the `mla` fields); YaRN takes the explicit `factor`. Written as V3 for
+  sigmoid routers and dense MLA models, as V2 for softmax routers; RoPE rows as DeepSeek
+  stores them (interleaved: layout.py).
 - GPT-2 (`GPT2LMHeadModel`, or a bare `GPT2Model` save, whose names lack `transformer.`).
   `activation_function` gelu_new / gelu_pytorch_tanh -> mlp gelu_tanh, gelu -> gelu (exact),
   relu -> relu; the MLP width is `n_inner` or 4·D. Written as `GPT2LMHeadModel`.
@@ -25,7 +37,7 @@ from typing import Any, Collection
 
 import numpy as np
 
-from llama_jax.config import ConfigError, ModelConfig, MoeConfig, RopeScaling
+from llama_jax.config import ConfigError, MlaConfig, ModelConfig, MoeConfig, RopeScaling
 from llama_jax.formats import CheckpointError
 from llama_jax.formats.layout import (Family, Placement, Slot, assemble, family_of,
                                       stored_tensors, torch_shape, torch_tensors, with_dtype)
@@ -55,9 +67,10 @@ def read_config(path: Path) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type not in CONFIG_READERS:
         raise CheckpointError(f"{file}: model_type {model_type!r} (architectures "
-                              f"{hf.get('architectures')}) is not a Llama, Mixtral or GPT-2 "
-                              "model; expected model_type 'llama' (no biases), 'mixtral' (no "
-                              "sliding window) or 'gpt2'")
+                              f"{hf.get('architectures')}) is not a Llama, Mixtral, GPT-2 or "
+                              "DeepSeek model; expected model_type 'llama' (no biases), "
+                              "'mixtral' (no sliding window), 'gpt2', 'deepseek_v2' or "
+                              "'deepseek_v3'")
     try:
         return CONFIG_READERS[model_type](file, hf, _eos_ids(path, hf))
     except KeyError as e:
@@ -73,7 +86,7 @@ def _llama_config(file: Path, hf: dict[str, Any], eos_ids: tuple[int, ...]) -> M
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"{file}: hidden_act {act!r}; Llama's SwiGLU uses 'silu'")
-    rope_theta, rope_type, scaling = _rope(hf)
+    rope_theta, rope_type, scaling = _rope(hf, ("default", "llama3"))
     return ModelConfig(
         vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
         n_heads=hf["num_attention_heads"],
@@ -114,8 +127,61 @@ def _gpt2_config(file: Path, hf: dict[str, Any], eos_ids: tuple[int, ...]) -> Mo
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)), eos_ids=eos_ids)
 
 
+def _deepseek_config(file: Path, hf: dict[str, Any], eos_ids: tuple[int, ...]) -> ModelConfig:
+    """DeepSeek-V2 or V3 (by model_type), optional fields defaulted as transformers does."""
+    v3 = hf["model_type"] == "deepseek_v3"
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise CheckpointError(f"{file}: {flag}=true is not supported (no biases)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{file}: hidden_act {hf['hidden_act']!r}; DeepSeek's MLPs use "
+                              "'silu'")
+    if v3 and not hf.get("rope_interleave", True):
+        raise CheckpointError(f"{file}: rope_interleave=false is not supported (released "
+                              "DeepSeek checkpoints store RoPE rows interleaved)")
+    if hf.get("moe_layer_freq", 1) != 1:
+        raise CheckpointError(f"{file}: moe_layer_freq={hf['moe_layer_freq']} is not "
+                              "supported (every layer after first_k_dense_replace is MoE)")
+    rope_theta, rope_type, scaling = _rope(hf, ("default", "yarn"))
+    mla = MlaConfig(q_lora_rank=hf.get("q_lora_rank", 1536),
+                    kv_lora_rank=hf.get("kv_lora_rank", 512),
+                    qk_nope_head_dim=hf.get("qk_nope_head_dim", 128),
+                    qk_rope_head_dim=hf.get("qk_rope_head_dim", 64),
+                    v_head_dim=hf.get("v_head_dim", 128))
+    config = ModelConfig(
+        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"], attention="mla", mla=mla,
+        ffn_dim=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta, rope_type=rope_type, rope_scaling=scaling,
+        max_seq_len=hf.get("max_position_embeddings", 4096 if v3 else 2048),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), eos_ids=eos_ids)
+    n_experts = hf.get("n_routed_experts", 256 if v3 else 64)
+    first_dense = hf.get("first_k_dense_replace", 3 if v3 else 0)
+    if n_experts is None or first_dense >= config.n_layers:
+        return config
+    if v3:
+        groups = (hf.get("n_group", 8) or 1, hf.get("topk_group", 4) or 1)
+    else:
+        method = hf.get("topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise CheckpointError(f"{file}: topk_method {method!r} is not supported by "
+                                  "deepseek_v2 (greedy or group_limited_greedy)")
+        groups = ((hf.get("n_group") or 1, hf.get("topk_group") or 1)
+                  if method == "group_limited_greedy" else (1, 1))
+    moe = MoeConfig(
+        n_experts=n_experts, top_k=hf.get("num_experts_per_tok") or (8 if v3 else 1),
+        expert_ffn_dim=hf.get("moe_intermediate_size", 2048 if v3 else 1407),
+        n_shared_experts=hf.get("n_shared_experts") or 0,
+        router="sigmoid" if v3 else "softmax",
+        normalize_top_k=bool(hf.get("norm_topk_prob", True)) if v3 else False,
+        routed_scaling=hf.get("routed_scaling_factor", 2.5 if v3 else 1.0),
+        n_groups=groups[0], top_k_groups=groups[1], first_dense_layers=first_dense)
+    return dataclasses.replace(config, mlp="moe", moe=moe)
+
+
 # by config.json's model_type
-CONFIG_READERS = {"llama": _llama_config, "mixtral": _mixtral_config, "gpt2": _gpt2_config}
+CONFIG_READERS = {"llama": _llama_config, "mixtral": _mixtral_config, "gpt2": _gpt2_config,
+                  "deepseek_v2": _deepseek_config, "deepseek_v3": _deepseek_config}
 
 
 def _eos_ids(path: Path, hf: dict[str, Any]) -> tuple[int, ...]:
@@ -132,19 +198,31 @@ def _eos_ids(path: Path, hf: dict[str, Any]) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (eos,)
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, str, RopeScaling | None]:
+def _rope(hf: dict[str, Any], types: tuple[str, ...]) -> tuple[float, str, RopeScaling | None]:
+    """rope_theta, rope_type and scaling from either config form (see the module docstring)."""
     params = hf.get("rope_parameters") or dict(hf.get("rope_scaling") or {})
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in types:
+        raise ConfigError(f"rope_type {rope_type!r} is not supported for this model_type "
+                          f"(expected one of {', '.join(map(repr, types))})")
     if rope_type == "default":
         return theta, "default", None
-    if rope_type != "llama3":
-        raise ConfigError(f"rope_type {rope_type!r} is not supported (Llama uses 'default' or "
-                          "'llama3')")
-    return theta, "llama3", RopeScaling(
-        factor=params["factor"], low_freq_factor=params["low_freq_factor"],
-        high_freq_factor=params["high_freq_factor"],
-        original_max_position_embeddings=params["original_max_position_embeddings"])
+    if rope_type == "llama3":
+        return theta, "llama3", RopeScaling(
+            factor=params["factor"], low_freq_factor=params["low_freq_factor"],
+            high_freq_factor=params["high_freq_factor"],
+            original_max_position_embeddings=params["original_max_position_embeddings"])
+    for name, plain in (("attention_factor", None), ("truncate", True),
+                        ("partial_rotary_factor", 1.0)):
+        if params.get(name, plain) != plain:
+            raise ConfigError(f"rope_scaling {name}={params[name]!r} is not supported")
+    return theta, "yarn", RopeScaling(
+        factor=params["factor"], beta_fast=params.get("beta_fast") or 32.0,
+        beta_slow=params.get("beta_slow") or 1.0, mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        original_max_position_embeddings=params.get("original_max_position_embeddings",
+                                                    hf.get("max_position_embeddings")))
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
@@ -234,12 +312,8 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
 
 def _llama_json(config: ModelConfig) -> dict[str, Any]:
     """The transformers 4.x form (also read by 5.x)."""
-    scaling = None
-    if config.rope_scaling is not None:
-        s = config.rope_scaling
-        scaling = {"rope_type": "llama3", "factor": s.factor,
-                   "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
-                   "original_max_position_embeddings": s.original_max_position_embeddings}
+    scaling = config.rope_scaling and {"rope_type": config.rope_type,
+                                       **config.rope_scaling.to_dict()}
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": config.vocab_size, "hidden_size": config.dim,
@@ -286,8 +360,35 @@ def _eos_token_id(config: ModelConfig) -> int | list[int] | None:
     return config.eos_ids[0] if len(config.eos_ids) == 1 else list(config.eos_ids)
 
 
+def _deepseek_json(config: ModelConfig) -> dict[str, Any]:
+    """The form of released DeepSeek checkpoints (rope_scaling + top-level rope_theta), which
+    transformers 4.x and 5.x both read."""
+    a, m, v3 = config.mla, config.moe, family_of(config).model_type == "deepseek_v3"
+    llama = {k: v for k, v in _llama_json(config).items() if k not in ("mlp_bias", "head_dim")}
+    scaling = llama["rope_scaling"] and {"type": config.rope_type, **llama["rope_scaling"]}
+    out = {**llama, "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+           "model_type": "deepseek_v3" if v3 else "deepseek_v2", "rope_scaling": scaling,
+           "num_key_value_heads": config.n_heads, "q_lora_rank": a.q_lora_rank,
+           "kv_lora_rank": a.kv_lora_rank, "qk_nope_head_dim": a.qk_nope_head_dim,
+           "qk_rope_head_dim": a.qk_rope_head_dim, "v_head_dim": a.v_head_dim,
+           "head_dim": a.qk_rope_head_dim}
+    if m is None:  # every layer dense
+        return {**out, "first_k_dense_replace": config.n_layers, "n_routed_experts": 8,
+                "num_experts_per_tok": 1, "n_shared_experts": 0, "n_group": 1, "topk_group": 1,
+                "moe_intermediate_size": config.ffn_dim}
+    out.update(first_k_dense_replace=m.first_dense_layers, n_routed_experts=m.n_experts,
+               num_experts_per_tok=m.top_k, moe_intermediate_size=config.expert_ffn_dim,
+               n_shared_experts=m.n_shared_experts, routed_scaling_factor=m.routed_scaling,
+               n_group=m.n_groups, topk_group=m.top_k_groups)
+    if v3:
+        return {**out, "norm_topk_prob": m.normalize_top_k, "rope_interleave": True}
+    return {**out, "mlp_bias": False, "norm_topk_prob": False,
+            "topk_method": "group_limited_greedy" if m.n_groups > 1 else "greedy"}
+
+
 # by the family's model_type
-CONFIG_WRITERS = {"llama": _llama_json, "mixtral": _mixtral_json, "gpt2": _gpt2_json}
+CONFIG_WRITERS = {"llama": _llama_json, "mixtral": _mixtral_json, "gpt2": _gpt2_json,
+                  "deepseek_v3": _deepseek_json, "deepseek_v2": _deepseek_json}
 
 
 def save(config: ModelConfig, params: Params, path: Path,

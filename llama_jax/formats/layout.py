@@ -51,8 +51,16 @@ class TorchTensor:
     meta: str | None = None  # Meta name; None: the family has no Meta checkpoints
     stored: str = "same"  # a key of OUT_AXIS
     in_axes: int = 0  # linear / conv1d: how many of our leading axes (after L) form `in`
-    rope_heads: str = ""  # "N" or "K": q/k rows in Meta's interleaved RoPE layout
-    part: tuple[int, int] = (0, 1)  # (i, n): the i-th of n equal slices along the out axis
+    # Rows of RoPE features stored interleaved (adjacent pairs) by the `interleaved` format:
+    # per head of this config attribute ("N", "K"; "1": one head).
+    rope_heads: str = ""
+    interleaved: str = "meta"  # "meta" (Meta's LLaMA checkpoints) or "hf" (DeepSeek's)
+    # A fused stored tensor holds several of ours side by side along its out axis: their
+    # widths by dimension letter, repeated per head of `fused_heads` ("" = once); ours is
+    # the `part`-th. GPT-2's c_attn: ("D", "D", "D"); DeepSeek's kv_b_proj: ("A", "Y") per "N".
+    fused: tuple[str, ...] = ()
+    fused_heads: str = ""
+    part: int = 0
     per_expert: bool = False  # our leading E axis is stored as one tensor per expert ("{e}")
 
 
@@ -97,14 +105,15 @@ MIXTRAL = {**{path: t for path, t in LLAMA.items() if not path.startswith("mlp/"
 MIXTRAL = {path: dataclasses.replace(t, meta=None) for path, t in MIXTRAL.items()}
 
 
-def _gpt2_layer(path: str, hf: str, stored: str = "same", in_axes: int = 0,
-                part: tuple[int, int] = (0, 1)):
-    return TorchTensor(path, "transformer.h.{i}." + hf, None, stored, in_axes, part=part)
+def _gpt2_layer(path: str, hf: str, stored: str = "same", in_axes: int = 0, part: int = 0,
+                fused: tuple[str, ...] = ()):
+    return TorchTensor(path, "transformer.h.{i}." + hf, None, stored, in_axes, part=part,
+                       fused=fused)
 
 
 def _fused(paths: tuple[str, ...], hf: str, stored: str, in_axes: int = 0):
-    """Our tensors `paths`, stored side by side in one tensor in that order."""
-    return [_gpt2_layer(path, hf, stored, in_axes, (i, len(paths)))
+    """Our tensors `paths`, stored side by side in one tensor in that order (N·H = D each)."""
+    return [_gpt2_layer(path, hf, stored, in_axes, i, ("D",) * len(paths))
             for i, path in enumerate(paths)]
 
 
@@ -130,6 +139,58 @@ GPT2 = {t.path: t for t in (
 )}
 
 
+def _deepseek_layer(path: str, hf: str, in_axes: int = 0, **fields):
+    return TorchTensor(path, "model.layers.{i}." + hf, None, "linear" if in_axes else "same",
+                       in_axes, **fields)
+
+
+def _deepseek_query(hf: str) -> list[TorchTensor]:
+    """Each head's query rows: position-free features, then RoPE features (interleaved)."""
+    fused = dict(fused=("A", "R"), fused_heads="N")
+    return [_deepseek_layer("attn/wq_nope", hf, 1, part=0, **fused),
+            _deepseek_layer("attn/wq_rope", hf, 1, part=1, rope_heads="N", interleaved="hf",
+                            **fused)]
+
+
+def _deepseek_experts(path: str, hf: str) -> TorchTensor:
+    return _deepseek_layer(f"mlp/experts/{path}", f"mlp.experts.{{e}}.{hf}.weight", 1,
+                           per_expert=True)
+
+
+# DeepSeek-V2/V3's tensors (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM; experts per expert as
+# saved): Llama's embeddings, norms and dense MLPs, MLA's projections (W_DKV and W_KR fused in
+# kv_a_proj_with_mqa, W_UK and W_UV per head in kv_b_proj; RoPE rows interleaved, as DeepSeek
+# trained them: transformers turns them to halves at run time), the MoE's router and its
+# selection bias (V3's e_score_correction_bias), routed and shared experts.
+DEEPSEEK = {**{path: dataclasses.replace(t, meta=None) for path, t in LLAMA.items()
+               if not path.startswith("attn/")}, **{t.path: t for t in (
+    _deepseek_layer("attn/wq_a", "self_attn.q_a_proj.weight", 1),
+    _deepseek_layer("attn/q_norm", "self_attn.q_a_layernorm.weight"),
+    *_deepseek_query("self_attn.q_b_proj.weight"),
+    _deepseek_layer("attn/w_dkv", "self_attn.kv_a_proj_with_mqa.weight", 1, part=0,
+                    fused=("C", "R")),
+    _deepseek_layer("attn/w_kr", "self_attn.kv_a_proj_with_mqa.weight", 1, part=1,
+                    fused=("C", "R"), rope_heads="1", interleaved="hf"),
+    _deepseek_layer("attn/kv_norm", "self_attn.kv_a_layernorm.weight"),
+    _deepseek_layer("attn/w_uk", "self_attn.kv_b_proj.weight", 1, part=0, fused=("A", "Y"),
+                    fused_heads="N"),
+    _deepseek_layer("attn/w_uv", "self_attn.kv_b_proj.weight", 1, part=1, fused=("A", "Y"),
+                    fused_heads="N"),
+    _deepseek_layer("attn/wo", "self_attn.o_proj.weight", 2),
+    _deepseek_layer("mlp/router", "mlp.gate.weight", 1),
+    _deepseek_layer("mlp/selection_bias", "mlp.gate.e_score_correction_bias"),
+    _deepseek_experts("w_gate", "gate_proj"),
+    _deepseek_experts("w_up", "up_proj"),
+    _deepseek_experts("w_down", "down_proj"),
+    _deepseek_layer("mlp/shared/w_gate", "mlp.shared_experts.gate_proj.weight", 1),
+    _deepseek_layer("mlp/shared/w_up", "mlp.shared_experts.up_proj.weight", 1),
+    _deepseek_layer("mlp/shared/w_down", "mlp.shared_experts.down_proj.weight", 1),
+)}}
+# V2-Lite's form: a plain query projection instead of the query latent
+DEEPSEEK_PLAIN_QUERY = {**DEEPSEEK,
+                        **{t.path: t for t in _deepseek_query("self_attn.q_proj.weight")}}
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """The models one name table stores: those whose architecture fields take the values
@@ -137,7 +198,7 @@ class Family:
 
     name: str
     model_type: str  # Hugging Face's config.json model_type
-    table: dict[str, TorchTensor]
+    table: Callable[[ModelConfig], dict[str, TorchTensor]]  # the names of config's tensors
     requires: Callable[[ModelConfig], dict[str, tuple]]
     base_prefix: str = ""  # what a save of the bare base model (GPT2Model) leaves off names
     buffers: tuple[str, ...] = ()  # name suffixes of non-parameter tensors some saves include
@@ -153,9 +214,10 @@ class Family:
                 if value(field) not in allowed]
 
 
-def _llama_like(mlp: str) -> dict[str, tuple]:
+def _llama_like(mlp: str, attention: str = "gqa") -> dict[str, tuple]:
     return {"norm": ("rmsnorm",), "norm_position": ("pre",), "positions": ("rope",),
-            "mlp": (mlp,), "bias": (False,), "embed_scale": (False,)}
+            "mlp": (mlp,), "bias": (False,), "embed_scale": (False,),
+            "attention": (attention,), "rope_type": ("default", "llama3")}
 
 
 def _mixtral(config: ModelConfig) -> dict[str, tuple]:
@@ -170,18 +232,39 @@ def _mixtral(config: ModelConfig) -> dict[str, tuple]:
             "moe.expert_ffn_dim": (None, config.ffn_dim)}
 
 
+def _deepseek(router: str):
+    """MLA with a dense SwiGLU MLP or an MoE of SwiGLU experts routed by `router`: softmax
+    scores unnormalised (DeepSeek-V2 ignores norm_topk_prob) or sigmoid scores (V3)."""
+    def requires(config: ModelConfig) -> dict[str, tuple]:
+        out = {**_llama_like("moe", "mla"), "mlp": ("swiglu", "moe"),
+               "rope_type": ("default", "yarn")}
+        if config.mlp == "moe":
+            out.update({"moe.expert_mlp": ("swiglu",), "moe.router": (router,)})
+            if router == "softmax":
+                out["moe.normalize_top_k"] = (False,)
+        return out
+    return requires
+
+
 FAMILIES = (
-    Family("Llama", "llama", LLAMA, lambda c: _llama_like("swiglu"),
+    Family("Llama", "llama", lambda c: LLAMA, lambda c: _llama_like("swiglu"),
            buffers=("rotary_emb.inv_freq",)),  # recomputed; some older exports saved it
-    Family("Mixtral", "mixtral", MIXTRAL, _mixtral, buffers=("rotary_emb.inv_freq",)),
+    Family("Mixtral", "mixtral", lambda c: MIXTRAL, _mixtral, buffers=("rotary_emb.inv_freq",)),
     # c_attn holds q, k, v as equal thirds of D: multi-head attention over the whole width.
-    Family("GPT-2", "gpt2", GPT2,
+    Family("GPT-2", "gpt2", lambda c: GPT2,
            lambda c: {"norm": ("layernorm",), "norm_position": ("pre",),
                       "positions": ("learned",), "mlp": ("gelu_tanh", "gelu", "relu"),
                       "bias": (True,), "embed_scale": (False,), "n_kv_heads": (c.n_heads,),
-                      "dim": (c.n_heads * c.head_dim,)},
+                      "dim": (c.n_heads * c.head_dim,), "attention": ("gqa",)},
            base_prefix="transformer.",
            buffers=(".attn.bias", ".attn.masked_bias")),  # causal masks of older saves
+    # V3 first: it also stores dense MLA models (every layer dense), and its sigmoid router
+    # is DeepSeek's current one.
+    *(Family(name, model_type,
+             lambda c: DEEPSEEK if c.mla and c.mla.q_lora_rank else DEEPSEEK_PLAIN_QUERY,
+             _deepseek(router), buffers=("rotary_emb.inv_freq",))
+      for name, model_type, router in (("DeepSeek-V3", "deepseek_v3", "sigmoid"),
+                                       ("DeepSeek-V2", "deepseek_v2", "softmax"))),
 )
 
 
@@ -207,6 +290,11 @@ class Slot:
     tensor: TorchTensor
     spec: TensorSpec
     layers: range  # checkpoint layer indices of a stacked leaf (empty for the others)
+    # the tensor's letters resolved for the config: the fused parts' widths, the heads they
+    # repeat over, and the heads of interleaved RoPE rows (0: none)
+    fused: tuple[int, ...] = ()
+    fused_heads: int = 1
+    rope_heads: int = 0
 
     @property
     def pieces(self) -> list[dict[str, int]]:
@@ -229,8 +317,9 @@ class Slot:
 def slots(config: ModelConfig) -> list[Slot]:
     """Every tensor of `config`'s parameter tree, matched with its description in the table of
     the model's family (`family_of`)."""
-    table = family_of(config).table
+    table = family_of(config).table(config)
     offsets = np.cumsum([0] + [g.n_layers for g in layer_groups(config)])
+    dims = {**config.dims, "1": 1}
     out = []
     for tree_path, spec in flat_paths(param_specs(config)).items():
         parts = tree_path.split("/")
@@ -238,7 +327,11 @@ def slots(config: ModelConfig) -> list[Slot]:
         key = "/".join(parts[2:]) if stacked else tree_path
         layers = (range(offsets[int(parts[1])], offsets[int(parts[1]) + 1]) if stacked
                   else range(0))
-        out.append(Slot(tree_path, table[key], spec, layers))
+        tensor = table[key]
+        out.append(Slot(tree_path, tensor, spec, layers,
+                        fused=tuple(dims[letter] for letter in tensor.fused),
+                        fused_heads=dims.get(tensor.fused_heads, 1),
+                        rope_heads=dims.get(tensor.rope_heads, 0)))
     return out
 
 
@@ -252,12 +345,14 @@ def torch_shape(slot: Slot) -> tuple[int, ...]:
     else:
         in_out = [math.prod(shape[:tensor.in_axes]), math.prod(shape[tensor.in_axes:])]
         stored = in_out[::-1] if tensor.stored == "linear" else in_out
-    stored[OUT_AXIS[tensor.stored]] *= tensor.part[1]
+    if slot.fused:
+        stored[OUT_AXIS[tensor.stored]] = (stored[OUT_AXIS[tensor.stored]]
+                                           // slot.fused[tensor.part] * sum(slot.fused))
     return tuple(stored)
 
 
 def interleaved_to_half(w: np.ndarray, heads: int) -> np.ndarray:
-    """Meta q/k rows (head, 2i + j) → half-split rows (head, j·H/2 + i)."""
+    """Interleaved RoPE rows (head, 2i + j) → half-split rows (head, j·H/2 + i)."""
     rows, cols = w.shape
     return w.reshape(heads, rows // heads // 2, 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols)
 
@@ -271,11 +366,10 @@ def from_torch(config: ModelConfig, slot: Slot, w: np.ndarray, meta: bool) -> np
     """One stored tensor (torch layout) → our layout for that leaf (one layer's slice); of a
     fused tensor, the slot's part."""
     tensor = slot.tensor
-    index, count = tensor.part
-    if count > 1:
-        w = np.split(w, count, axis=OUT_AXIS[tensor.stored])[index]
-    if meta and tensor.rope_heads:
-        w = interleaved_to_half(w, getattr(config, tensor.rope_heads))
+    if slot.fused:
+        w = _split_part(slot, w)
+    if slot.rope_heads and meta == (tensor.interleaved == "meta"):
+        w = interleaved_to_half(w, slot.rope_heads)
     if tensor.stored == "linear":
         w = w.T
     return w.reshape(slot.shape)
@@ -291,9 +385,28 @@ def to_torch(config: ModelConfig, slot: Slot, a: np.ndarray, meta: bool) -> np.n
         a = a.reshape(math.prod(a.shape[:tensor.in_axes]), -1)
         if tensor.stored == "linear":
             a = a.T
-    if meta and tensor.rope_heads:
-        a = half_to_interleaved(a, getattr(config, tensor.rope_heads))
+    if slot.rope_heads and meta == (tensor.interleaved == "meta"):
+        a = half_to_interleaved(a, slot.rope_heads)
     return np.ascontiguousarray(a)
+
+
+def _split_part(slot: Slot, w: np.ndarray) -> np.ndarray:
+    """The slot's part of a fused stored tensor: per head, its rows of the out axis."""
+    axis, widths = OUT_AXIS[slot.tensor.stored], slot.fused
+    rows = np.moveaxis(w, axis, 0)
+    per_head = rows.reshape(slot.fused_heads, sum(widths), *rows.shape[1:])
+    start = sum(widths[:slot.tensor.part])
+    part = per_head[:, start:start + widths[slot.tensor.part]]
+    return np.moveaxis(part.reshape(-1, *rows.shape[1:]), 0, axis)
+
+
+def _join_parts(slot: Slot, parts: list[np.ndarray]) -> np.ndarray:
+    """Inverse of `_split_part` over all the parts of a fused tensor, in order."""
+    axis = OUT_AXIS[slot.tensor.stored]
+    per_head = [np.moveaxis(p, axis, 0).reshape(slot.fused_heads, -1, *p.shape[:axis],
+                                                *p.shape[axis + 1:]) for p in parts]
+    rows = np.concatenate(per_head, axis=1)
+    return np.ascontiguousarray(np.moveaxis(rows.reshape(-1, *rows.shape[2:]), 0, axis))
 
 
 def names(slot: Slot, meta: bool = False) -> list[str]:
@@ -313,7 +426,7 @@ def stored_tensors(config: ModelConfig, meta: bool = False
     for slot in slots(config):
         for j, name in enumerate(names(slot, meta)):
             out.setdefault(name, []).append((slot, j))
-    return {name: sorted(parts, key=lambda part: part[0].tensor.part[0])
+    return {name: sorted(parts, key=lambda part: part[0].tensor.part)
             for name, parts in out.items()}
 
 
@@ -369,8 +482,7 @@ def torch_tensors(config: ModelConfig, params: Params, meta: bool = False
 
     for name, parts in stored_tensors(config, meta).items():
         tensors = [part(slot, j) for slot, j in parts]
-        yield name, (tensors[0] if len(tensors) == 1 else
-                     np.concatenate(tensors, axis=OUT_AXIS[parts[0][0].tensor.stored]))
+        yield name, tensors[0] if len(tensors) == 1 else _join_parts(parts[0][0], tensors)
 
 
 def placed_target(config: ModelConfig, placement: Placement | None) -> Params:
