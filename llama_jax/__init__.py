@@ -1,7 +1,8 @@
 """llama_jax: the LLaMA family (1, 2, 3, 3.1, 3.2) as small pure JAX functions.
 
 Public API:
-    ModelConfig, RopeScaling, ConfigError, load_model_config  -- model configuration
+    ModelConfig, MoeConfig, MlaConfig, RopeScaling, ConfigError, load_model_config
+                                                              -- model configuration
     RunConfig, TrainConfig, DataConfig, MeshConfig, load_run_config -- training runs
     Params, init_params, param_specs, abstract_params        -- the parameter tree
     forward, hidden_states, apply                            -- the model
@@ -13,8 +14,9 @@ Public API:
 """
 
 from llama_jax.checkpoint import export_hf, load_checkpoint, save_native
-from llama_jax.config import (ConfigError, DataConfig, MeshConfig, ModelConfig, RopeScaling,
-                              RunConfig, TrainConfig, load_model_config, load_run_config)
+from llama_jax.config import (ConfigError, DataConfig, MeshConfig, MlaConfig, ModelConfig,
+                              MoeConfig, RopeScaling, RunConfig, TrainConfig, load_model_config,
+                              load_run_config)
 from llama_jax.model import apply, forward, hidden_states
 from llama_jax.decoder import GenerateError, generate, stream
 from llama_jax.formats import CheckpointError
@@ -24,7 +26,7 @@ from llama_jax.tokenizer import load_tokenizer
 from llama_jax.trainer import TrainingError, train
 
 __all__ = [
-    "ConfigError", "ModelConfig", "RopeScaling", "load_model_config",
+    "ConfigError", "ModelConfig", "MoeConfig", "MlaConfig", "RopeScaling", "load_model_config",
     "Params", "init_params", "param_specs", "abstract_params",
     "forward", "hidden_states", "apply",
     "load_checkpoint", "export_hf", "save_native", "CheckpointError", "load_tokenizer",

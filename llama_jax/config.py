@@ -357,7 +357,9 @@ class ModelConfig:
         _require(self.n_kv_heads in (None, self.n_heads), "n_kv_heads", self.n_kv_heads,
                  f"does not apply to attention 'mla' (each of the n_heads={self.n_heads} heads "
                  "expands its own key and value from the shared latent); remove it")
-        _require(self.head_dim in (None, qk_head_dim), "head_dim", self.head_dim,
+        # dim // n_heads is the GQA default, which `dataclasses.replace` carries over: replaced
+        _require(self.head_dim in (None, qk_head_dim, self.dim // self.n_heads), "head_dim",
+                 self.head_dim,
                  f"is mla.qk_nope_head_dim + mla.qk_rope_head_dim ({qk_head_dim}) with "
                  "attention 'mla'; remove it")
         object.__setattr__(self, "head_dim", qk_head_dim)
@@ -406,13 +408,13 @@ class ModelConfig:
 
     @property
     def dims(self) -> dict[str, int]:
-        """Sizes by dimension letter, for `TensorSpec` shapes (E, M, U: with mlp moe; Q, C, A,
-        R, Y: with attention mla)."""
+        """Sizes by dimension letter, for `TensorSpec` shapes (E, M, U: with mlp moe; Z, Q, J,
+        I, Y: with attention mla)."""
         dims = {"V": self.V, "D": self.D, "N": self.N, "K": self.K, "H": self.H, "F": self.F,
                 "P": self.max_seq_len}
         if self.attention == "mla":
             a = self.mla
-            dims.update(C=a.kv_lora_rank, A=a.qk_nope_head_dim, R=a.qk_rope_head_dim,
+            dims.update(Z=a.kv_lora_rank, J=a.qk_nope_head_dim, I=a.qk_rope_head_dim,
                         Y=a.v_head_dim, **({"Q": a.q_lora_rank} if a.q_lora_rank else {}))
         if self.mlp == "moe":
             dims.update(E=self.moe.n_experts, M=self.expert_ffn_dim,

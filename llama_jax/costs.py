@@ -3,15 +3,15 @@
 Every count comes from the parameter descriptions (`params.param_specs`), the same ones
 `init_params` builds arrays from, so a new component is counted without touching this module.
 
-FLOPs: training FLOPs per token = 6·P_mm + 3·L·T·N·(H + Hv), where P_mm counts every weight used
-in a matmul — the blocks' projection matrices (their decayed tensors; gains and biases are not
-matrices) and the LM head, which counts even when tied — but not the gathered input-embedding
-or position tables; 3·L·T·N·(H + Hv) is causal attention, scores over query/key head dims H and
-the weighted sum over value head dims Hv (6·L·T·N·H when they are equal: half of PaLM's
-non-causal 12·L·T·D; N·H = D for every LLaMA preset). MLA's up-projections of the latents are
-weights in P_mm (its training runs the expanded form). With MoE, P_mm counts *active* weights: each routed expert matrix
-times top_k/E (a token runs top_k of the E experts; `TensorSpec.used`), the router and
-shared experts whole. Capacity padding and dropped tokens are not counted (model FLOPs).
+FLOPs: training FLOPs per token = 6·P_mm + 3·L·T·N·(H + Hv), where P_mm counts every weight used in
+a matmul — the blocks' projection matrices (their decayed tensors; gains and biases are not
+matrices) and the LM head, which counts even when tied — but not the gathered input-embedding or
+position tables; 3·L·T·N·(H + Hv) is causal attention, scores over query/key head dims H and the
+weighted sum over value head dims Hv (6·L·T·N·H when they are equal: half of PaLM's non-causal
+12·L·T·D; N·H = D for every LLaMA preset). MLA's up-projections of the latents are weights in P_mm
+(its training runs the expanded form). With MoE, P_mm counts *active* weights: each routed expert
+matrix times top_k/E (a token runs top_k of the E experts; `TensorSpec.used`), the router and shared
+experts whole. Capacity padding and dropped tokens are not counted (model FLOPs).
 """
 
 from __future__ import annotations

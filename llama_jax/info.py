@@ -49,9 +49,9 @@ def plan(config: ModelConfig, *, batch: int, seq: int, dtype: str,
                    "moe": config.moe and {"E": config.moe.n_experts, "top_k": config.moe.top_k,
                                           "M": config.expert_ffn_dim},
                    "attention": config.attention,
-                   "mla": config.mla and {"C": config.mla.kv_lora_rank,
-                                          "R": config.mla.qk_rope_head_dim,
-                                          "A": config.mla.qk_nope_head_dim,
+                   "mla": config.mla and {"Z": config.mla.kv_lora_rank,
+                                          "I": config.mla.qk_rope_head_dim,
+                                          "J": config.mla.qk_nope_head_dim,
                                           "Y": config.mla.v_head_dim,
                                           "Q": config.mla.q_lora_rank}},
         "n_params": counts.total,
@@ -168,7 +168,7 @@ def render(name: str, p: dict) -> str:
         f"  in matmuls (P_mm)  {p['n_params_matmul']:>20,}  (active)",
         "weight bytes         " + "  ".join(f"{d} {_bytes(b)}" for d, b in p["weight_bytes"].items()),
         f"KV cache ({p['dtype']})    {_bytes(p['kv_cache_bytes_per_token'])} per token "
-        + ("(L*(C+R)*bytes: MLA's latent and RoPE key)" if c["mla"] else "(2*L*K*H*bytes)")
+        + ("(L*(Z+I)*bytes: MLA's latent and RoPE key)" if c["mla"] else "(2*L*K*H*bytes)")
         + f"; {_bytes(p['kv_cache_bytes'])} for B={p['batch']} x S={p['seq']}",
         f"  vs these heads as  MHA {_bytes(p['kv_cache_mha_bytes_per_token'])}, MQA "
         f"{_bytes(p['kv_cache_mqa_bytes_per_token'])} per token (GQA: K/N of MHA)",

@@ -116,8 +116,8 @@ def _mixer_memory(config: ModelConfig, heads: int, kv_heads: int) -> dict[str, i
     `kv_heads`: those a device holds). GQA: q and the attention output (N·H each), k and v
     (K·H each); dots_no_batch drops the attention output. MLA (expanded, per-head k and v):
     q and output N·(H + Hv), k and v N·(H + Hv), plus its latents before and after their
-    norms (2·(C + R + Q)) and the parts joined into q and k (2·N·H: the shared RoPE key is
-    broadcast to every head); the dots policies keep the latents' matmul outputs (C + R + Q)
+    norms (2·(Z + I + Q)) and the parts joined into q and k (2·N·H: the shared RoPE key is
+    broadcast to every head); the dots policies keep the latents' matmul outputs (Z + I + Q)
     and q's and k's parts instead of the joined q and k."""
     H, Hv = config.H, config.v_head_dim
     if config.attention != "mla":
@@ -180,5 +180,6 @@ def _attention_memory(config: ModelConfig, backend: str, T: int, b: int,
                                                          config.attention_block_kv)):
         return _AttentionMemory(saved=2 * 4 * N * T, saved_by_dots=4 * N * T, tiles=0)
     mask = b * T if impl == "cudnn" else 0
-    return _AttentionMemory(saved=b * N * config.v_head_dim + 4 * N + mask, saved_by_dots=4 * N + mask,
+    return _AttentionMemory(saved=b * N * config.v_head_dim + 4 * N + mask,
+                            saved_by_dots=4 * N + mask,
                             tiles=3 * 4 * N * block_q * block_kv)

@@ -57,9 +57,9 @@ KINDS = {
     "moe-deepseek": dict(mlp="moe", moe=MoeConfig(
         n_experts=8, top_k=3, expert_mlp="geglu", expert_ffn_dim=24, n_shared_experts=1,
         router="sigmoid", routed_scaling=2.5, n_groups=4, top_k_groups=2, first_dense_layers=1)),
-    # YaRN (its cos/sin temperature), past its original context of 8 positions.
-    "yarn": dict(rope_type="yarn", rope_scaling=RopeScaling(factor=4.0,
-                                                            original_max_position_embeddings=8)),
+    # YaRN (its cos/sin temperature and softmax scale), past its original context of 8.
+    "yarn": dict(rope_type="yarn", rope_scaling=RopeScaling(
+        factor=4.0, original_max_position_embeddings=8, mscale_all_dim=0.5)),
     # MLA: the V2-Lite form (plain queries), and the V2/V3 form (a query latent) under YaRN
     # with DeepSeek's mscale = mscale_all_dim (the softmax scale's mscale²); value heads
     # narrower than query/key heads.

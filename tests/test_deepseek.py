@@ -3,6 +3,7 @@ latent) and DeepseekV3ForCausalLM checkpoints load with its logits — under YaR
 past the original context — and its greedy tokens under both decode implementations (absorbed
 MLA decoding), and export back to files it loads with the same logits."""
 
+import dataclasses
 import json
 import shutil
 
@@ -14,6 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
 import llama_jax
+from llama_jax.config import MlaConfig, RopeScaling
 from checkpoints import hf_logits
 from reference import relative_error
 
@@ -133,3 +135,65 @@ def test_export_loads_in_transformers_with_the_same_logits(name, models, tmp_pat
     kind = MODELS[name][0]
     back = getattr(transformers, kind + "ForCausalLM").from_pretrained(tmp_path / "out").eval()
     assert relative_error(hf_logits(back, TOKENS), hf_logits(model, TOKENS)) < 1e-6
+
+
+def test_a_dense_mla_model_exports_as_deepseek_v3(tmp_path):
+    """Ours → transformers: a dense MLA model (plain queries, YaRN with mscale_all_dim) is
+    written as DeepSeek-V3 with every layer dense, and computes the same logits there."""
+    import transformers
+
+    config = dataclasses.replace(
+        llama_jax.load_model_config("tiny"), attention="mla", n_kv_heads=None, init_std=0.1,
+        mla=MlaConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12),
+        rope_type="yarn", rope_scaling=RopeScaling(factor=2.0, original_max_position_embeddings=16,
+                                                   mscale=1.0, mscale_all_dim=1.0))
+    params = llama_jax.init_params(config, jax.random.key(3))
+    llama_jax.export_hf(config, params, tmp_path / "out")
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tokens = TOKENS * 3  # ids up to the tiny vocabulary
+    assert relative_error(hf_logits(model, tokens), forward(config, params, tokens)) <= 1e-4
+    assert llama_jax.load_checkpoint(tmp_path / "out")[0].architecture() == config.architecture()
+
+
+@pytest.mark.parametrize("preset, total, active", [
+    ("deepseek-v2-lite", 15_706_484_224, 2_661_150_208),  # published: 15.7B, 2.4B active
+    ("deepseek-v3", 671_026_419_200, 37_552_297_472),  # 671B, 37B (without the MTP module)
+])
+def test_deepseek_presets_match_transformers_parameter_count(preset, total, active):
+    """The presets written as config.json (our writer) build transformers models of exactly
+    our size (V3's e_score_correction_bias is a buffer there, our selection bias)."""
+    import torch
+    import transformers
+    from llama_jax import costs
+    from llama_jax.formats.hf import hf_config
+
+    config = llama_jax.load_model_config(preset)
+    counts = costs.param_counts(config)
+    assert (counts.total, counts.active) == (total, active)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**hf_config(config)))
+    theirs = sum(p.numel() for p in model.parameters()) + sum(
+        b.numel() for name, b in model.named_buffers() if "e_score_correction_bias" in name)
+    assert theirs == total
+
+
+def test_v3_multi_token_prediction_layers_are_skipped(models, tmp_path):
+    """V3's release stores its MTP module as layer n_layers (transformers skips it too); a
+    stray tensor inside the model's layers is still refused."""
+    from safetensors.numpy import load_file, save_file
+    from llama_jax.formats import CheckpointError
+
+    _, path = models["v3"]
+    for extra, ok in (("model.layers.3.eh_proj.weight", True), ("model.layers.1.eh_proj.weight",
+                                                                False)):
+        copy = tmp_path / extra
+        shutil.copytree(path, copy)
+        tensors = load_file(copy / "model.safetensors")
+        save_file({**tensors, extra: np.ones((4, 4), np.float32)}, copy / "model.safetensors",
+                  metadata={"format": "pt"})
+        if ok:
+            assert llama_jax.load_checkpoint(copy)[0] == llama_jax.load_checkpoint(path)[0]
+        else:
+            with pytest.raises(CheckpointError, match="model.layers.1.eh_proj.weight"):
+                llama_jax.load_checkpoint(copy)

@@ -228,6 +228,24 @@ def test_kv_cache_bytes_equal_the_formula():
     assert sum(a.k.nbytes + a.v.nbytes for a in per_layer) == cache.k.nbytes + cache.v.nbytes
 
 
+MLA_TINY = dataclasses.replace(TINY, attention="mla", n_kv_heads=None, mla=llama_jax.MlaConfig(
+    kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16))
+
+
+def test_mla_cache_bytes_equal_the_formula():
+    """L·(kv_lora_rank + qk_rope_head_dim) values per token, in both layouts (the per-layer one
+    stores bf16 as its bits, the same bytes)."""
+    L, W = MLA_TINY.n_layers, 24 + 8
+    stacked = init_cache(MLA_TINY, batch=3, max_len=48, dtype=jnp.bfloat16).groups[0]
+    assert stacked.latent.shape == (L, 3, 48, W) and stacked.latent.dtype == jnp.bfloat16
+    assert stacked.latent.nbytes == L * W * 2 * 3 * 48 == costs.kv_cache_bytes_per_token(
+        MLA_TINY) * 3 * 48
+    per_layer = init_cache(MLA_TINY, batch=3, max_len=48, dtype="bfloat16",
+                           layout="per_layer").groups[0]
+    assert [a.latent.shape for a in per_layer] == [(3, 48, W)] * L
+    assert sum(a.latent.nbytes for a in per_layer) == stacked.latent.nbytes
+
+
 def test_cache_dtype_defaults_to_the_compute_dtype():
     assert init_cache(TINY, 1, 8).groups[0].k.dtype == jnp.float32
     bf16 = TINY.with_execution(compute_dtype="bfloat16")
@@ -235,14 +253,15 @@ def test_cache_dtype_defaults_to_the_compute_dtype():
     assert init_cache(bf16, 1, 8, np.float32).groups[0].k.dtype == jnp.float32
 
 
-def test_decode_step_updates_the_cache_in_place(params):
-    config = dataclasses.replace(TINY, n_layers=8, max_seq_len=4096)
+@pytest.mark.parametrize("model", [TINY, MLA_TINY], ids=["gqa", "mla"])
+def test_decode_step_updates_the_cache_in_place(model):
+    config = dataclasses.replace(model, n_layers=8, max_seq_len=4096)
     p = llama_jax.init_params(config, jax.random.key(0))
     cache = init_cache(config, 4, 2048, "float32")
     step = jax.jit(lambda c, p, tokens, cache: apply(c, p, tokens, cache=cache).cache,
                    static_argnums=0, donate_argnums=3)
     memory = step.lower(config, p, np.zeros((4, 1), np.int32), cache).compile().memory_analysis()
-    cache_bytes = cache.groups[0].k.nbytes + cache.groups[0].v.nbytes
+    cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache.groups[0]))
     assert memory.alias_size_in_bytes >= cache_bytes  # the donated cache is the output buffer
     assert memory.temp_size_in_bytes < cache_bytes / 2  # no copy of the stacked cache
 

@@ -43,6 +43,19 @@ def test_kv_cache_bytes_per_token():
     assert costs.kv_cache_bytes_per_token(load_model_config("llama2-7b")) == 512 * 1024
     assert costs.kv_cache_bytes_per_token(load_model_config("llama3-8b")) == 128 * 1024
     assert costs.kv_cache_bytes_per_token(load_model_config("llama3-8b"), "float32") == 256 * 1024
+    # MLA: DeepSeek-V2-Lite caches 512 + 64 = 576 values per layer (MHA: 16 x (192 + 128))
+    assert costs.kv_cache_bytes_per_token(load_model_config("deepseek-v2-lite")) == 27 * 576 * 2
+
+
+def test_mla_info_prints_the_latent_cache_beside_mha_and_mqa(capsys):
+    assert info.main(["configs/mla-demo.yaml", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # 6 layers x (48 + 16) bf16 values; MHA with 4 heads of 64 + 64 would cache 8x that
+    assert out["kv_cache_bytes_per_token"] == 6 * 64 * 2
+    assert out["kv_cache_mha_bytes_per_token"] == 6 * 4 * 128 * 2 == 8 * 6 * 64 * 2
+    assert out["config"]["mla"] == {"Z": 48, "I": 16, "J": 48, "Y": 64, "Q": None}
+    assert info.main(["configs/mla-demo.yaml"]) == 0
+    assert "L*(Z+I)*bytes" in capsys.readouterr().out
 
 
 def test_train_flops_follow_the_stated_formula():

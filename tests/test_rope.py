@@ -63,6 +63,35 @@ def test_llama3_frequencies_match_meta_and_transformers(preset):
     np.testing.assert_allclose(ours, hf_inv_freq.double().numpy(), rtol=1e-6)  # HF is fp32
 
 
+@pytest.mark.parametrize("scaling", [
+    dict(factor=4.0, original_max_position_embeddings=64),  # temperature mscale(1) on cos/sin
+    dict(factor=40.0, original_max_position_embeddings=4096, mscale=0.707, mscale_all_dim=0.707),
+    dict(factor=8.0, original_max_position_embeddings=2048, beta_fast=16.0, beta_slow=2.0,
+         mscale=1.0, mscale_all_dim=0.5),
+], ids=["plain", "deepseek-v2", "uneven"])
+def test_yarn_matches_deepseek_and_transformers(scaling):
+    """Frequencies, cos/sin temperature and softmax scale of YaRN against DeepSeek's `yarn_*`
+    functions (tests/reference.py) and transformers' `_compute_yarn_parameters`."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+    from llama_jax.nn.rope import rotation_scale, softmax_scale
+
+    c = head_config(64, rope_theta=10000.0, rope_type="yarn",
+                    rope_scaling=RopeScaling(**scaling))
+    ours = inverse_frequencies(c)
+    np.testing.assert_allclose(ours, ref.meta_inv_freq(c), rtol=1e-14)
+    assert (rotation_scale(c), softmax_scale(c)) == pytest.approx(ref.rope_and_softmax_scales(c),
+                                                                  rel=1e-12)
+    hf = transformers.LlamaConfig(hidden_size=64, num_attention_heads=1, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, **scaling))
+    hf_inv_freq, hf_attention_factor = _compute_yarn_parameters(hf)
+    np.testing.assert_allclose(ours, hf_inv_freq.double().numpy(), rtol=1e-6)  # HF is fp32
+    assert rotation_scale(c) == pytest.approx(hf_attention_factor, rel=1e-12)
+    # the fastest frequency kept, the slowest (far below one turn per context) divided
+    assert ours[0] == 1.0 and ours[-1] == pytest.approx(10000.0 ** (-62 / 64) / scaling["factor"],
+                                                        rel=1e-12)
+
+
 @pytest.mark.parametrize("preset", ["llama3.1-8b", "llama2-7b"])
 def test_tables_exact_to_1e6_up_to_131072_positions(preset):
     c = load_model_config(preset)

@@ -261,7 +261,7 @@ def load(path: Path, dtype: str | None,
         raise CheckpointError(f"{path}: tensor(s) missing from the safetensors files: "
                               f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     unexpected = sorted(stored[n] for n in stored.keys() - expected.keys()
-                        if not n.endswith(family.buffers) and n != "lm_head.weight")
+                        if not family.skipped(n, config) and n != "lm_head.weight")
     if unexpected:
         raise CheckpointError(f"{path}: tensor(s) that are not {family.name} weights: "
                               f"{', '.join(unexpected[:5])}")

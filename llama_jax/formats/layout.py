@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Callable, Iterator
 
 import jax
@@ -57,7 +58,7 @@ class TorchTensor:
     interleaved: str = "meta"  # "meta" (Meta's LLaMA checkpoints) or "hf" (DeepSeek's)
     # A fused stored tensor holds several of ours side by side along its out axis: their
     # widths by dimension letter, repeated per head of `fused_heads` ("" = once); ours is
-    # the `part`-th. GPT-2's c_attn: ("D", "D", "D"); DeepSeek's kv_b_proj: ("A", "Y") per "N".
+    # the `part`-th. GPT-2's c_attn: ("D", "D", "D"); DeepSeek's kv_b_proj: ("J", "Y") per "N".
     fused: tuple[str, ...] = ()
     fused_heads: str = ""
     part: int = 0
@@ -146,7 +147,7 @@ def _deepseek_layer(path: str, hf: str, in_axes: int = 0, **fields):
 
 def _deepseek_query(hf: str) -> list[TorchTensor]:
     """Each head's query rows: position-free features, then RoPE features (interleaved)."""
-    fused = dict(fused=("A", "R"), fused_heads="N")
+    fused = dict(fused=("J", "I"), fused_heads="N")
     return [_deepseek_layer("attn/wq_nope", hf, 1, part=0, **fused),
             _deepseek_layer("attn/wq_rope", hf, 1, part=1, rope_heads="N", interleaved="hf",
                             **fused)]
@@ -168,13 +169,13 @@ DEEPSEEK = {**{path: dataclasses.replace(t, meta=None) for path, t in LLAMA.item
     _deepseek_layer("attn/q_norm", "self_attn.q_a_layernorm.weight"),
     *_deepseek_query("self_attn.q_b_proj.weight"),
     _deepseek_layer("attn/w_dkv", "self_attn.kv_a_proj_with_mqa.weight", 1, part=0,
-                    fused=("C", "R")),
+                    fused=("Z", "I")),
     _deepseek_layer("attn/w_kr", "self_attn.kv_a_proj_with_mqa.weight", 1, part=1,
-                    fused=("C", "R"), rope_heads="1", interleaved="hf"),
+                    fused=("Z", "I"), rope_heads="1", interleaved="hf"),
     _deepseek_layer("attn/kv_norm", "self_attn.kv_a_layernorm.weight"),
-    _deepseek_layer("attn/w_uk", "self_attn.kv_b_proj.weight", 1, part=0, fused=("A", "Y"),
+    _deepseek_layer("attn/w_uk", "self_attn.kv_b_proj.weight", 1, part=0, fused=("J", "Y"),
                     fused_heads="N"),
-    _deepseek_layer("attn/w_uv", "self_attn.kv_b_proj.weight", 1, part=1, fused=("A", "Y"),
+    _deepseek_layer("attn/w_uv", "self_attn.kv_b_proj.weight", 1, part=1, fused=("J", "Y"),
                     fused_heads="N"),
     _deepseek_layer("attn/wo", "self_attn.o_proj.weight", 2),
     _deepseek_layer("mlp/router", "mlp.gate.weight", 1),
@@ -202,6 +203,16 @@ class Family:
     requires: Callable[[ModelConfig], dict[str, tuple]]
     base_prefix: str = ""  # what a save of the bare base model (GPT2Model) leaves off names
     buffers: tuple[str, ...] = ()  # name suffixes of non-parameter tensors some saves include
+    # Layers numbered from n_layers on hold modules outside the model, which loading skips
+    # (DeepSeek-V3's release stores its multi-token-prediction module as layer 61).
+    extra_layers: bool = False
+
+    def skipped(self, name: str, config: ModelConfig) -> bool:
+        """Whether a stored tensor that is not one of the model's may be left unread."""
+        if name.endswith(self.buffers):
+            return True
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        return self.extra_layers and layer is not None and int(layer[1]) >= config.n_layers
 
     def mismatches(self, config: ModelConfig) -> list[str]:
         """The fields of `config` this family cannot store, each with what it would need
@@ -262,7 +273,7 @@ FAMILIES = (
     # is DeepSeek's current one.
     *(Family(name, model_type,
              lambda c: DEEPSEEK if c.mla and c.mla.q_lora_rank else DEEPSEEK_PLAIN_QUERY,
-             _deepseek(router), buffers=("rotary_emb.inv_freq",))
+             _deepseek(router), buffers=("rotary_emb.inv_freq",), extra_layers=True)
       for name, model_type, router in (("DeepSeek-V3", "deepseek_v3", "sigmoid"),
                                        ("DeepSeek-V2", "deepseek_v2", "softmax"))),
 )

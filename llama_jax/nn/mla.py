@@ -2,19 +2,19 @@
 "DeepSeek-V2"): the mixer whose KV cache holds one low-rank latent per token instead of keys
 and values per head.
 
-Letters besides the model's: C the KV latent width (kv_lora_rank), Q the query latent's
-(q_lora_rank), A a head's position-free query/key features (qk_nope_head_dim), R its rotary
-ones (qk_rope_head_dim), Y its value width (v_head_dim); H = A + R; W = C + R, what the cache
-holds per token and layer.
+Letters besides the model's (chosen apart from the MoE's): Z the KV latent width
+(kv_lora_rank), Q the query latent's (q_lora_rank), J a head's position-free query/key features
+(qk_nope_head_dim), I its rotary ones (qk_rope_head_dim), Y its value width (v_head_dim);
+H = J + I; W = Z + I, what the cache holds per token and layer.
 
 Per token (eq. 9-19 of the paper; W_DKV, W_KR are one `kv_a_proj_with_mqa` in DeepSeek's
 checkpoints, split here):
-    c = RMSNorm(x·W_DKV)                  [C]     the latent (normalised, as DeepSeek does)
-    k_R = RoPE(x·W_KR)                    [R]     one rotary key shared by all heads
-    q = x·W_Q, or RMSNorm(x·W_DQ)·W_Q      [N, H]  q_C = [q_nope, RoPE(q_rope)] per head
+    c = RMSNorm(x·W_DKV)                  [Z]     the latent (normalised, as DeepSeek does)
+    k_R = RoPE(x·W_KR)                    [I]     one rotary key shared by all heads
+    q = x·W_Q, or RMSNorm(x·W_DQ)·W_Q      [N, H]  q = [q_nope, RoPE(q_rope)] per head
     k = [c·W_UK, k_R], v = c·W_UV          [N, H], [N, Y] per head
     out = softmax(q·kᵀ · scale + mask)·v · W_O
-with scale = 1/√H (A + R, not the absorbed width C + R) times YaRN's mscale² (rope.py).
+with scale = 1/√H (J + I, not the absorbed width Z + I) times YaRN's mscale² (rope.py).
 
 Two ways to compute it, one function of the config and the mode (`apply_mla`):
 - expanded (training, prefill, and decode with `mla_decode: expanded`): per-head keys and
@@ -61,13 +61,13 @@ def mla_specs(config: ModelConfig, residual_scale: float) -> dict:
         specs.update(wq_a=weight(dims, "DQ", ("embed", "latent")),
                      q_norm=gain(dims, "Q", ("norm",)))
     specs.update(
-        wq_nope=weight(dims, q_in + "NA", (q_axis, "q_heads", "head_dim")),
-        wq_rope=weight(dims, q_in + "NR", (q_axis, "q_heads", "head_dim")),
-        w_dkv=weight(dims, "DC", ("embed", "latent")),
-        w_kr=weight(dims, "DR", ("embed", "head_dim")),
-        kv_norm=gain(dims, "C", ("norm",)),
-        w_uk=weight(dims, "CNA", ("latent", "q_heads", "head_dim")),
-        w_uv=weight(dims, "CNY", ("latent", "q_heads", "head_dim")),
+        wq_nope=weight(dims, q_in + "NJ", (q_axis, "q_heads", "head_dim")),
+        wq_rope=weight(dims, q_in + "NI", (q_axis, "q_heads", "head_dim")),
+        w_dkv=weight(dims, "DZ", ("embed", "latent")),
+        w_kr=weight(dims, "DI", ("embed", "head_dim")),
+        kv_norm=gain(dims, "Z", ("norm",)),
+        w_uk=weight(dims, "ZNJ", ("latent", "q_heads", "head_dim")),
+        w_uv=weight(dims, "ZNY", ("latent", "q_heads", "head_dim")),
         wo=weight(dims, "NYD", ("q_heads", "head_dim", "embed"), residual_scale))
     return specs
 
@@ -77,17 +77,17 @@ def apply_mla(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Context,
     """Self-attention of normed inputs `[B, T, D]`; returns `([B, T, D], kv)`. With a cache
     the new tokens' latents are written at `context.end` first and the queries attend to the
     whole cache: absorbed for one token (unless `mla_decode: expanded`), expanded otherwise."""
-    q_nope_BTNA, q_rope_BTNR = _queries(config, p, x_BTD, context)
-    c_BTC = rms_norm(dense("BTD,DC->BTC", x_BTD, p["w_dkv"]), p["kv_norm"], LATENT_NORM_EPS)
-    k_rope_BTR = context.rotation.apply(dense("BTD,DR->BTR", x_BTD, p["w_kr"])[:, :, None])[:, :, 0]
-    latent_BTW = jnp.concatenate([c_BTC, k_rope_BTR], axis=-1)
+    q_nope_BTNJ, q_rope_BTNI = _queries(config, p, x_BTD, context)
+    c_BTZ = rms_norm(dense("BTD,DZ->BTZ", x_BTD, p["w_dkv"]), p["kv_norm"], LATENT_NORM_EPS)
+    k_rope_BTI = context.rotation.apply(dense("BTD,DI->BTI", x_BTD, p["w_kr"])[:, :, None])[:, :, 0]
+    latent_BTW = jnp.concatenate([c_BTZ, k_rope_BTI], axis=-1)
     if kv is None:
-        out_BTNY = _expanded(config, p, q_nope_BTNA, q_rope_BTNR, latent_BTW, context)
+        out_BTNY = _expanded(config, p, q_nope_BTNJ, q_rope_BTNI, latent_BTW, context)
     else:
         kv = kv.write(latent_BTW, context)
         latent_BSW = kv.read(context, x_BTD.dtype)
         absorbed = x_BTD.shape[1] == 1 and config.mla_decode == "absorbed"
-        out_BTNY = (_absorbed if absorbed else _expanded)(config, p, q_nope_BTNA, q_rope_BTNR,
+        out_BTNY = (_absorbed if absorbed else _expanded)(config, p, q_nope_BTNJ, q_rope_BTNI,
                                                          latent_BSW, context)
     return dense("BTNY,NYD->BTD", out_BTNY, p["wo"]), kv
 
@@ -96,44 +96,44 @@ def _queries(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Context):
     """`(q_nope [B, T, N, A], RoPE(q_rope) [B, T, N, R])`, through the query latent if any."""
     if "wq_a" in p:
         x_BTQ = rms_norm(dense("BTD,DQ->BTQ", x_BTD, p["wq_a"]), p["q_norm"], LATENT_NORM_EPS)
-        q_nope_BTNA = dense("BTQ,QNA->BTNA", x_BTQ, p["wq_nope"])
-        q_rope_BTNR = dense("BTQ,QNR->BTNR", x_BTQ, p["wq_rope"])
+        q_nope_BTNJ = dense("BTQ,QNJ->BTNJ", x_BTQ, p["wq_nope"])
+        q_rope_BTNI = dense("BTQ,QNI->BTNI", x_BTQ, p["wq_rope"])
     else:
-        q_nope_BTNA = dense("BTD,DNA->BTNA", x_BTD, p["wq_nope"])
-        q_rope_BTNR = dense("BTD,DNR->BTNR", x_BTD, p["wq_rope"])
-    return q_nope_BTNA, context.rotation.apply(q_rope_BTNR)
+        q_nope_BTNJ = dense("BTD,DNJ->BTNJ", x_BTD, p["wq_nope"])
+        q_rope_BTNI = dense("BTD,DNI->BTNI", x_BTD, p["wq_rope"])
+    return q_nope_BTNJ, context.rotation.apply(q_rope_BTNI)
 
 
-def _expanded(config: ModelConfig, p: dict, q_nope_BTNA, q_rope_BTNR, latent_BSW,
+def _expanded(config: ModelConfig, p: dict, q_nope_BTNJ, q_rope_BTNI, latent_BSW,
               context: Context) -> jax.Array:
     """Per-head keys `[c·W_UK, k_R]` and values `c·W_UV` of the S latents, then attention
     under the configured implementation: `[B, T, N, Y]`."""
-    C = config.mla.kv_lora_rank
-    c_BSC, k_rope_BSR = latent_BSW[..., :C], latent_BSW[..., C:]
-    k_nope_BSNA = dense("BSC,CNA->BSNA", c_BSC, p["w_uk"])
-    v_BSNY = dense("BSC,CNY->BSNY", c_BSC, p["w_uv"])
-    k_rope_BSNR = jnp.broadcast_to(k_rope_BSR[:, :, None], (*k_nope_BSNA.shape[:3],
-                                                             k_rope_BSR.shape[-1]))
-    q_BTNH = jnp.concatenate([q_nope_BTNA, q_rope_BTNR], axis=-1)
-    k_BSNH = jnp.concatenate([k_nope_BSNA, k_rope_BSNR], axis=-1)
+    Z = config.mla.kv_lora_rank
+    c_BSZ, k_rope_BSI = latent_BSW[..., :Z], latent_BSW[..., Z:]
+    k_nope_BSNJ = dense("BSZ,ZNJ->BSNJ", c_BSZ, p["w_uk"])
+    v_BSNY = dense("BSZ,ZNY->BSNY", c_BSZ, p["w_uv"])
+    k_rope_BSNI = jnp.broadcast_to(k_rope_BSI[:, :, None], (*k_nope_BSNJ.shape[:3],
+                                                             k_rope_BSI.shape[-1]))
+    q_BTNH = jnp.concatenate([q_nope_BTNJ, q_rope_BTNI], axis=-1)
+    k_BSNH = jnp.concatenate([k_nope_BSNJ, k_rope_BSNI], axis=-1)
     q_BTNH = constrain(q_BTNH, ("batch", "seq", "heads", "head_dim"))
     k_BSNH = constrain(k_BSNH, ("batch", "seq", "heads", "head_dim"))
     v_BSNY = constrain(v_BSNY, ("batch", "seq", "heads", "head_dim"))
     return attention_of(config)(q_BTNH, k_BSNH, v_BSNY, context.mask)
 
 
-def _absorbed(config: ModelConfig, p: dict, q_nope_BTNA, q_rope_BTNR, latent_BSW,
+def _absorbed(config: ModelConfig, p: dict, q_nope_BTNJ, q_rope_BTNI, latent_BSW,
               context: Context) -> jax.Array:
     """Attention over the latents themselves: queries `[q_nope·W_UKᵀ, q_rope]` of width W
     against the cached `[c, k_R]` as one shared key head, values c, then W_UV: `[B, T, N, Y]`."""
-    C, dtype = config.mla.kv_lora_rank, q_nope_BTNA.dtype
-    q_latent_BTNC = einsum_f32("BTNA,CNA->BTNC", q_nope_BTNA, p["w_uk"].astype(dtype))
-    q_BTNW = jnp.concatenate([q_latent_BTNC.astype(dtype), q_rope_BTNR], axis=-1)
+    Z, dtype = config.mla.kv_lora_rank, q_nope_BTNJ.dtype
+    q_latent_BTNZ = einsum_f32("BTNJ,ZNJ->BTNZ", q_nope_BTNJ, p["w_uk"].astype(dtype))
+    q_BTNW = jnp.concatenate([q_latent_BTNZ.astype(dtype), q_rope_BTNI], axis=-1)
     q_BTNW = constrain(q_BTNW, ("batch", "seq", "heads", None))
     latent_BS1W = latent_BSW[:, :, None]
-    out_BTNC = dense_attention(q_BTNW, latent_BS1W, latent_BS1W[..., :C], context.mask.dense(),
+    out_BTNZ = dense_attention(q_BTNW, latent_BS1W, latent_BS1W[..., :Z], context.mask.dense(),
                                scale=softmax_scale(config))
-    out_BTNY = einsum_f32("BTNC,CNY->BTNY", out_BTNC, p["w_uv"].astype(dtype))
+    out_BTNY = einsum_f32("BTNZ,ZNY->BTNY", out_BTNZ, p["w_uv"].astype(dtype))
     return out_BTNY.astype(dtype)
 
 
