@@ -340,19 +340,26 @@ class ModelConfig:
         if scaled:
             object.__setattr__(self, "rope_scaling", self.rope_scaling.for_type(self.rope_type))
 
+    def _section(self, name: str, cls: type, field: str, kind: str) -> bool:
+        """Whether the section `name` (of type `cls`) applies: it belongs to `field: kind`,
+        which defaults it to `cls()`, and is refused with any other value of `field`."""
+        if getattr(self, field) != kind:
+            if getattr(self, name) is not None:
+                raise ConfigError(f"{name}: the section applies only to {field} {kind!r}, not "
+                                  f"{getattr(self, field)!r}; remove it (or set {field}: {kind})")
+            return False
+        if getattr(self, name) is None:
+            object.__setattr__(self, name, cls())
+        _require(isinstance(getattr(self, name), cls), name, getattr(self, name),
+                 f"must be a mapping of {name} fields")
+        return True
+
     def _check_mla(self) -> None:
         """`mla:` belongs to `attention: mla` (which defaults it). MLA fixes the head layout:
         every head has its own key and value (n_kv_heads = n_heads), queries and keys have
         qk_nope + qk_rope features (head_dim), and its decoupled key needs RoPE."""
-        if self.attention != "mla":
-            if self.mla is not None:
-                raise ConfigError(f"mla: the section applies only to attention 'mla', not "
-                                  f"{self.attention!r}; remove it (or set attention: mla)")
+        if not self._section("mla", MlaConfig, "attention", "mla"):
             return
-        if self.mla is None:
-            object.__setattr__(self, "mla", MlaConfig())
-        _require(isinstance(self.mla, MlaConfig), "mla", self.mla,
-                 "must be a mapping of MLA fields")
         qk_head_dim = self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim
         _require(self.n_kv_heads in (None, self.n_heads), "n_kv_heads", self.n_kv_heads,
                  f"does not apply to attention 'mla' (each of the n_heads={self.n_heads} heads "
@@ -369,15 +376,8 @@ class ModelConfig:
 
     def _check_moe(self) -> None:
         """`moe:` belongs to `mlp: moe` (which defaults it); MoE experts have no biases."""
-        if self.mlp != "moe":
-            if self.moe is not None:
-                raise ConfigError(f"moe: the section applies only to mlp 'moe', not "
-                                  f"{self.mlp!r}; remove it (or set mlp: moe)")
+        if not self._section("moe", MoeConfig, "mlp", "moe"):
             return
-        if self.moe is None:
-            object.__setattr__(self, "moe", MoeConfig())
-        _require(isinstance(self.moe, MoeConfig), "moe", self.moe,
-                 "must be a mapping of MoE fields")
         _require(not self.bias, "bias", self.bias, "is not supported with mlp 'moe'")
         _require(self.moe.first_dense_layers < self.n_layers, "moe.first_dense_layers",
                  self.moe.first_dense_layers, f"must be < n_layers ({self.n_layers})")

@@ -49,6 +49,36 @@ def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
         return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
 
 
+def enlarge_weights(model) -> None:
+    """Weights larger than transformers' init (in place): distinct logits and decisive MoE
+    routers (near-uniform router logits would let rounding flip top-k choices)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 1.0 if ".gate." in name else 0.1)
+
+
+def assert_greedy_tokens_equal_generate(model, config, params, prompts, new_tokens=20):
+    """Our greedy tokens under both decode implementations equal transformers' `generate`."""
+    import torch
+
+    import llama_jax
+
+    for impl in ("scan", "unrolled"):
+        ours = llama_jax.generate(config, params, prompts, new_tokens, stop_tokens=[],
+                                  cache_dtype="float32", decode_impl=impl)
+        for prompt, out in zip(prompts, ours):
+            ids = torch.tensor([prompt])
+            hf = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)
+            assert out == hf[0, len(prompt):].tolist(), impl
+
+
 def to_legacy_config(path: Path) -> None:
     """Rewrites a transformers 5 config.json in the 4.x form (rope_theta + rope_scaling)."""
     cfg = json.loads((path / "config.json").read_text())

@@ -61,24 +61,6 @@ def test_bad_rope_scaling_names_the_field():
         RopeScaling(low_freq_factor=4.0, high_freq_factor=1.0)
 
 
-@pytest.mark.parametrize("section, message", [
-    ("{top_k: 9}", r"model\.moe\.top_k=9 must be <= n_experts \(8\)"),
-    ("{n_groups: 3}", r"model\.moe\.n_groups=3 must divide n_experts \(8\)"),
-    ("{n_groups: 2, top_k_groups: 3}", r"model\.moe\.top_k_groups=3 must be <= n_groups"),
-    ("{capacity_factor: 0}", r"model\.moe\.capacity_factor=0\.0 must be > 0"),
-    ("{capacity_factor: -1.5}", r"model\.moe\.capacity_factor=-1\.5 must be > 0"),
-    ("{router: relu}", r"model\.moe\.router='relu' is not one of"),
-    ("{expert_mlp: moe}", r"model\.moe\.expert_mlp='moe' is not one of"),
-    ("{first_dense_layers: 2}", r"model\.moe\.first_dense_layers=2 must be < n_layers \(2\)"),
-    ("{n_expert: 4}", r"model\.moe: unknown key 'n_expert' \(did you mean 'n_experts'\?\)"),
-])
-def test_bad_moe_sections_name_the_file_and_field(section, message, tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(f"base: tiny\nmodel: {{mlp: moe, moe: {section}}}\n")
-    with pytest.raises(ConfigError, match=r"bad\.yaml: " + message):
-        load_model_config(bad)
-
-
 def test_moe_fields_with_a_dense_mlp_are_refused(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("base: tiny\nmodel: {mlp: swiglu, moe: {n_experts: 4}}\n")
@@ -91,6 +73,24 @@ def test_moe_fields_with_a_dense_mlp_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("model, message", [
+    ("{mlp: moe, moe: {top_k: 9}}",
+     r"model\.moe\.top_k=9 must be <= n_experts \(8\)"),
+    ("{mlp: moe, moe: {n_groups: 3}}",
+     r"model\.moe\.n_groups=3 must divide n_experts \(8\)"),
+    ("{mlp: moe, moe: {n_groups: 2, top_k_groups: 3}}",
+     r"model\.moe\.top_k_groups=3 must be <= n_groups"),
+    ("{mlp: moe, moe: {capacity_factor: 0}}",
+     r"model\.moe\.capacity_factor=0\.0 must be > 0"),
+    ("{mlp: moe, moe: {capacity_factor: -1.5}}",
+     r"model\.moe\.capacity_factor=-1\.5 must be > 0"),
+    ("{mlp: moe, moe: {router: relu}}",
+     r"model\.moe\.router='relu' is not one of"),
+    ("{mlp: moe, moe: {expert_mlp: moe}}",
+     r"model\.moe\.expert_mlp='moe' is not one of"),
+    ("{mlp: moe, moe: {first_dense_layers: 2}}",
+     r"model\.moe\.first_dense_layers=2 must be < n_layers \(2\)"),
+    ("{mlp: moe, moe: {n_expert: 4}}",
+     r"model\.moe: unknown key 'n_expert' \(did you mean 'n_experts'\?\)"),
     ("{attention: mla, mla: {kv_lora_rank: 0}}", r"model\.mla\.kv_lora_rank=0 must be a positive"),
     ("{attention: mla, mla: {q_lora_rank: -8}}", r"model\.mla\.q_lora_rank=-8 must be a positive"),
     ("{attention: mla, mla: {v_head_dim: 1.5}}", r"model\.mla\.v_head_dim=1\.5 must be a posit"),
@@ -114,7 +114,7 @@ def test_moe_fields_with_a_dense_mlp_are_refused(tmp_path):
      r"model\.rope_scaling\.beta_fast=1\.0 must be > beta_slow"),
     ("{rope_type: yarn}", r"model\.rope_scaling=None must be given exactly when rope_type"),
 ])
-def test_bad_mla_and_yarn_fields_name_the_file_and_field(model, message, tmp_path):
+def test_bad_moe_mla_and_yarn_fields_name_the_file_and_field(model, message, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"base: tiny\nmodel: {model}\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml: " + message):

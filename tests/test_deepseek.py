@@ -16,7 +16,7 @@ pytest.importorskip("torch")
 
 import llama_jax
 from llama_jax.config import MlaConfig, RopeScaling
-from checkpoints import hf_logits
+from checkpoints import assert_greedy_tokens_equal_generate, enlarge_weights, hf_logits
 from reference import relative_error
 
 forward = jax.jit(llama_jax.forward, static_argnums=0)
@@ -52,12 +52,8 @@ def deepseek(name: str, seed: int = 0):
     torch.manual_seed(seed)
     config = getattr(transformers, kind + "Config")(**COMMON, **fields)
     model = getattr(transformers, kind + "ForCausalLM")(config).eval()
-    with torch.no_grad():  # larger than HF's init: distinct logits and decisive routers
-        for param_name, p in model.named_parameters():
-            if "norm" in param_name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0, 1.0 if ".gate." in param_name else 0.1)
+    enlarge_weights(model)
+    with torch.no_grad():
         for buffer_name, b in model.named_buffers():
             if "e_score_correction_bias" in buffer_name:  # a selection bias that matters
                 b.copy_(0.3 * torch.randn_like(b))
@@ -89,19 +85,10 @@ def test_deepseek_checkpoint_matches_transformers(name, models):
 
 @pytest.mark.parametrize("name", ["v2", "v3"])
 def test_greedy_tokens_equal_transformers_generate(name, models):
-    import torch
-
     model, path = models[name]
     config, params = llama_jax.load_checkpoint(path)
-    prompts = [TOKENS[0, :7].tolist(), TOKENS[1, :12].tolist()]
-    for impl in ("scan", "unrolled"):
-        ours = llama_jax.generate(config, params, prompts, 20, stop_tokens=[],
-                                  cache_dtype="float32", decode_impl=impl)
-        for prompt, out in zip(prompts, ours):
-            ids = torch.tensor([prompt])
-            hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
-                                do_sample=False, eos_token_id=None, pad_token_id=0)
-            assert out == hf[0, len(prompt):].tolist(), impl
+    assert_greedy_tokens_equal_generate(model, config, params,
+                                        [TOKENS[0, :7].tolist(), TOKENS[1, :12].tolist()])
 
 
 def test_released_config_form_reads_the_same(models, tmp_path):

@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 import llama_jax
 from llama_jax.config import MoeConfig
 from llama_jax.formats import CheckpointError
-from checkpoints import hf_logits
+from checkpoints import assert_greedy_tokens_equal_generate, enlarge_weights, hf_logits
 from reference import relative_error
 
 forward = jax.jit(llama_jax.forward, static_argnums=0)
@@ -33,12 +33,7 @@ def mixtral(seed: int = 0):
         num_experts_per_tok=2, max_position_embeddings=128, rope_parameters=dict(
             rope_type="default", rope_theta=1e6))
     model = transformers.MixtralForCausalLM(config).eval()
-    with torch.no_grad():  # larger than HF's init: distinct logits and decisive routers
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0, 1.0 if ".gate." in name else 0.1)
+    enlarge_weights(model)
     return model
 
 
@@ -65,18 +60,9 @@ def test_mixtral_checkpoint_matches_transformers(dispatch, model, hf_dir):
 
 
 def test_greedy_tokens_equal_transformers_generate(model, hf_dir):
-    import torch
-
     config, params = llama_jax.load_checkpoint(hf_dir)
-    prompts = [TOKENS[0, :7].tolist(), TOKENS[1, :12].tolist()]
-    for impl in ("scan", "unrolled"):
-        ours = llama_jax.generate(config, params, prompts, 20, stop_tokens=[],
-                                  cache_dtype="float32", decode_impl=impl)
-        for prompt, out in zip(prompts, ours):
-            ids = torch.tensor([prompt])
-            hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
-                                do_sample=False, eos_token_id=None, pad_token_id=0)
-            assert out == hf[0, len(prompt):].tolist(), impl
+    assert_greedy_tokens_equal_generate(model, config, params,
+                                        [TOKENS[0, :7].tolist(), TOKENS[1, :12].tolist()])
 
 
 def test_export_loads_in_transformers_with_the_same_logits(model, hf_dir, tmp_path):
