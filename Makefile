@@ -51,6 +51,7 @@ bench: install
 	$(PY) bench/attention.py
 	$(PY) bench/attention.py --fit
 	$(PY) bench/moe.py
+	$(PY) bench/mla.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -12,11 +12,15 @@ import pytest
 import llama_jax
 from llama_jax import sharding, trainer
 from llama_jax.checkpoint import load_checkpoint
-from llama_jax.config import (ConfigError, DataConfig, MeshConfig, ModelConfig, MoeConfig,
-                              RunConfig, TrainConfig)
+from llama_jax.config import (ConfigError, DataConfig, MeshConfig, MlaConfig, ModelConfig,
+                              MoeConfig, RunConfig, TrainConfig)
 from reference import relative_error
 
 MODELS = {  # K divisible by tensor=8, and MQA (K=1: the KV heads cannot be split)
+    "mla": ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=8, ffn_dim=128,
+                       max_seq_len=64, attention="mla", mla=MlaConfig(
+                           q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+                           qk_rope_head_dim=4, v_head_dim=8)),
     "gqa": ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=8, n_kv_heads=8, head_dim=8,
                        ffn_dim=128, max_seq_len=64),
     "mqa": ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=8, n_kv_heads=1, head_dim=8,
@@ -91,7 +95,7 @@ def _decisive_routers(state):
 # experts meet the expert axis (and under FSDP x TP, for the dropless grouped matmuls).
 CASES = ([("gqa", m) for m in MESHES if "ep" not in m] + [("mqa", m) for m in MESHES if "tp" in m]
          + [("moe-capacity", "ep8"), ("moe-capacity", "fsdp2-ep4"),
-            ("moe-dropless", "fsdp2-ep4")])
+            ("moe-dropless", "fsdp2-ep4"), ("mla", "dp2-fsdp2-tp2")])
 
 
 @pytest.mark.parametrize("model_name, mesh_name", CASES)
@@ -131,9 +135,11 @@ def test_mqa_keeps_its_single_kv_head_whole_under_tensor_parallelism(caplog):
 
 
 @pytest.mark.parametrize("decode_impl", ["scan", "unrolled"])
-@pytest.mark.parametrize("mesh_name", ["tp8", "dp2-fsdp2-tp2"])
-def test_sharded_greedy_decode_equals_unsharded(mesh_name, decode_impl):
-    model = MODELS["gqa"]
+@pytest.mark.parametrize("model_name, mesh_name", [("gqa", "tp8"), ("gqa", "dp2-fsdp2-tp2"),
+                                                   ("mla", "dp2-fsdp2-tp2")])
+def test_sharded_greedy_decode_equals_unsharded(model_name, mesh_name, decode_impl):
+    """MLA: heads over tensor in the absorbed decode, the latent cache's rows over data x fsdp."""
+    model = MODELS[model_name]
     params = llama_jax.init_params(model, jax.random.key(3))
     prompts = [list(np.random.default_rng(i).integers(3, 512, n)) for i, n in
                enumerate((5, 11, 3, 8))]
