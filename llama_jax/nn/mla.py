@@ -24,7 +24,7 @@ Two ways to compute it, one function of the config and the mode (`apply_mla`):
   into the latent space once and scores against the cached latents directly; softmax·v =
   (softmax·c)·W_UV, so W_UV comes after the softmax. That is multi-query attention with one
   "head" of width W = [c, k_R] (values: c) and N query heads: per step the cache is read once,
-  and nothing per head is built for the S cached tokens (expanded rebuilds N·(A + Y) values for
+  and nothing per head is built for the S cached tokens (expanded rebuilds N·(J + Y) values for
   each of them).
 
 The cache is `[B, S, W]` per layer (`LatentKV`, the unrolled decoder's; 16-bit values stored as
@@ -93,7 +93,7 @@ def apply_mla(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Context,
 
 
 def _queries(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Context):
-    """`(q_nope [B, T, N, A], RoPE(q_rope) [B, T, N, R])`, through the query latent if any."""
+    """`(q_nope [B, T, N, J], RoPE(q_rope) [B, T, N, I])`, through the query latent if any."""
     if "wq_a" in p:
         x_BTQ = rms_norm(dense("BTD,DQ->BTQ", x_BTD, p["wq_a"]), p["q_norm"], LATENT_NORM_EPS)
         q_nope_BTNJ = dense("BTQ,QNJ->BTNJ", x_BTQ, p["wq_nope"])

@@ -3,11 +3,11 @@ initialiser and whether weight decay applies. Everything about parameters is der
 of these: initialisation, abstract shapes, shardings, the weight-decay mask, parameter counts,
 memory plans and checkpoint layouts.
 
-Dimension letters: V vocab, D model width, F MLP width, N query heads, K KV heads, H head dim,
-P position-table rows (max_seq_len), L layers of a group; with MoE, E experts, M an expert's
-MLP width, U the shared experts' width; with MLA, Z the KV latent, Q the query latent, J and I a
-head's position-free and rotary query/key features, Y its value width. Logical axis names are what the
-sharding rules map to mesh axes.
+Dimension letters: V vocab, D model width, F MLP width, N query heads, K KV heads, H head dim, P
+position-table rows (max_seq_len), L layers of a group; with MoE, E experts, M an expert's MLP
+width, U the shared experts' width; with MLA, Z the KV latent, Q the query latent, J and I a
+head's position-free and rotary query/key features, Y its value width. Logical axis names are
+what the sharding rules map to mesh axes.
 """
 
 from __future__ import annotations
