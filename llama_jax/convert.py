@@ -8,9 +8,9 @@ temporary directory beside DST, loaded back, and moved to DST only if:
 1. our float32 forward on the written model gives the same logits as on the loaded source
    (a fixed random batch), and the architecture read back equals the source's;
 2. for HF and Meta sources, when transformers is installed, our logits on the source match
-   transformers' (`AutoModelForCausalLM` on HF sources: Llama or GPT-2; `LlamaForCausalLM`
-   on Meta sources, fed by a torch re-implementation of the q/k row permutation, independent
-   of ours) within the tolerance of the target dtype.
+   transformers' (`AutoModelForCausalLM` on HF sources: Llama, Mixtral, GPT-2, DeepSeek;
+   `LlamaForCausalLM` on Meta sources, fed by a torch re-implementation of the q/k row
+   permutation, independent of ours) within the tolerance of the target dtype.
 
 Otherwise nothing is left behind and the exit status is non-zero. An existing DST is never
 overwritten. Tokenizer files next to the source weights are copied along.

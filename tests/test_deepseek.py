@@ -184,3 +184,11 @@ def test_v3_multi_token_prediction_layers_are_skipped(models, tmp_path):
         else:
             with pytest.raises(CheckpointError, match="model.layers.1.eh_proj.weight"):
                 llama_jax.load_checkpoint(copy)
+
+
+def test_the_converter_gate_passes_a_deepseek_checkpoint(models, tmp_path):
+    from llama_jax import convert
+
+    report = convert.convert(models["v3"][1], tmp_path / "native")
+    assert report["vs_transformers"] < 1e-4 and report["round_trip"] <= 1e-6
+    assert llama_jax.load_checkpoint(tmp_path / "native")[0].attention == "mla"
