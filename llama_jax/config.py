@@ -55,7 +55,8 @@ class ConfigError(ValueError):
 # original_max_position_embeddings are common to both).
 ROPE_SCALING_FIELDS = {
     "llama3": {"low_freq_factor": 1.0, "high_freq_factor": 4.0},
-    "yarn": {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0},
+    # yarn: an mscale of 0 counts as unset (transformers' reading): see nn/rope.py
+    "yarn": {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.0, "mscale_all_dim": 0.0},
 }
 
 
@@ -72,8 +73,8 @@ class RopeScaling:
     high_freq_factor: float | None = None  # llama3
     beta_fast: float | None = None  # yarn: rotations per context above which nothing changes
     beta_slow: float | None = None  # yarn: ... below which frequencies are divided by factor
-    mscale: float | None = None  # yarn: the attention temperature of cos/sin (see nn/rope.py)
-    mscale_all_dim: float | None = None  # yarn: ... and of the softmax scale (DeepSeek)
+    mscale: float | None = None  # yarn: the temperature of cos/sin (nn/rope.py); 0: unset
+    mscale_all_dim: float | None = None  # yarn: ... and of the softmax scale (DeepSeek); 0: unset
 
     def __post_init__(self):
         for name in ("factor", *(n for fields in ROPE_SCALING_FIELDS.values() for n in fields)):
@@ -89,10 +90,14 @@ class RopeScaling:
         for name in ("mscale", "mscale_all_dim"):
             value = getattr(self, name)
             _require(value is None or value >= 0, f"rope_scaling.{name}", value, "must be >= 0")
-        for low, high in (("low_freq_factor", "high_freq_factor"), ("beta_slow", "beta_fast")):
+        # llama3 divides by high - low; YaRN's ramp has a floor for an empty range
+        for low, high, strict in (("low_freq_factor", "high_freq_factor", True),
+                                  ("beta_slow", "beta_fast", False)):
             if getattr(self, low) is not None and getattr(self, high) is not None:
-                _require(getattr(self, high) > getattr(self, low), f"rope_scaling.{high}",
-                         getattr(self, high), f"must be > {low} ({getattr(self, low)})")
+                ok = (getattr(self, high) > getattr(self, low) if strict
+                      else getattr(self, high) >= getattr(self, low))
+                _require(ok, f"rope_scaling.{high}", getattr(self, high),
+                         f"must be {'>' if strict else '>='} {low} ({getattr(self, low)})")
 
     def for_type(self, rope_type: str) -> "RopeScaling":
         """This scaling with `rope_type`'s fields defaulted; fields of another type refused."""
@@ -364,11 +369,9 @@ class ModelConfig:
         _require(self.n_kv_heads in (None, self.n_heads), "n_kv_heads", self.n_kv_heads,
                  f"does not apply to attention 'mla' (each of the n_heads={self.n_heads} heads "
                  "expands its own key and value from the shared latent); remove it")
-        # dim // n_heads is the GQA default, which `dataclasses.replace` carries over: replaced
-        _require(self.head_dim in (None, qk_head_dim, self.dim // self.n_heads), "head_dim",
-                 self.head_dim,
+        _require(self.head_dim in (None, qk_head_dim), "head_dim", self.head_dim,
                  f"is mla.qk_nope_head_dim + mla.qk_rope_head_dim ({qk_head_dim}) with "
-                 "attention 'mla'; remove it")
+                 "attention 'mla'; remove it (or set it to null)")
         object.__setattr__(self, "head_dim", qk_head_dim)
         _require(self.positions == "rope", "positions", self.positions,
                  "must be 'rope' with attention 'mla' (its decoupled key is rotary)")

@@ -22,6 +22,7 @@ import functools
 import jax.numpy as jnp
 
 from llama_jax.config import ModelConfig
+from llama_jax.nn.mla import cache_width
 from llama_jax.nn.spec import TensorSpec, count, spec_leaves
 from llama_jax.params import param_specs
 
@@ -78,7 +79,7 @@ def kv_cache_bytes_per_token(config: ModelConfig, dtype: str = "bfloat16") -> in
 def kv_elements_per_layer(config: ModelConfig) -> int:
     """What one token caches per layer: 2·K·H, or MLA's kv_lora_rank + qk_rope_head_dim."""
     if config.attention == "mla":
-        return config.mla.kv_lora_rank + config.mla.qk_rope_head_dim
+        return cache_width(config)
     return 2 * config.n_kv_heads * config.head_dim
 
 

@@ -103,8 +103,12 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
     outside = whole_layer + 3 * 4 * V // _ways(rules, shape, "vocab", V) + b * D
     kv_seq = seq if kv_seq is None else kv_seq
     cache = mesh.cache_rules
+    # GQA's cache splits its KV heads by the cache rules, MLA's its latent width (replicated
+    # by default)
+    split = (_ways(cache, shape, "latent", costs.kv_elements_per_layer(config))
+             if config.attention == "mla" else _ways(cache, shape, "kv_heads", config.K))
     kv = (costs.kv_cache_bytes_per_token(config, kv_dtype) * kv_batch * kv_seq
-          // _ways(cache, shape, "batch", kv_batch) // _ways(cache, shape, "kv_heads", config.K))
+          // _ways(cache, shape, "batch", kv_batch) // split)
     return MemoryPlan(mesh=shape, weights=state_elems * param_bytes,
                       gradients=state_elems * param_bytes, optimizer=2 * 4 * state_elems,
                       activations=tokens * (per_token + outside) + rows * attn.tiles + gathered,

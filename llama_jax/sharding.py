@@ -34,18 +34,19 @@ log = logging.getLogger(__name__)
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
-# Logical axis -> mesh axes. Weights: FSDP shards the model width of every matrix, tensor
+# Logical axis -> mesh axes. Weights: FSDP shards the model width of every matrix (MLA's
+# up-projections, which have none, their latent width), tensor
 # parallelism the heads, the FFN width and the vocabulary (Megatron's split), expert
 # parallelism the MoE experts. Activations: the batch over data x fsdp x expert (outside the
 # experts, the expert axis is one more data-parallel axis), heads / FFN / vocab over tensor,
 # the experts' token buffers `[B, E, C, D]` over expert (E) and data x fsdp (B: expert_batch).
-# The KV cache: rows over data x fsdp x expert, KV heads over tensor. MLA's latent widths
-# ("latent") are replicated by default. A config's `mesh:`
+# The KV cache: rows over data x fsdp x expert, KV heads over tensor; MLA's latent cache is
+# replicated over tensor (its one shared "head" cannot be split). A config's `mesh:`
 # section overrides entries.
 BATCH_AXES = ["data", "fsdp", "expert"]
 RULE_TABLES = {
     "weight_rules": ({"embed": "fsdp", "q_heads": "tensor", "kv_heads": "tensor",
-                      "mlp": "tensor", "vocab": "tensor", "experts": "expert"},
+                      "mlp": "tensor", "vocab": "tensor", "experts": "expert", "latent": "fsdp"},
                      ("layers", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "vocab",
                       "norm", "positions", "experts", "latent")),
     "activation_rules": ({"batch": BATCH_AXES, "heads": "tensor", "kv_heads": "tensor",

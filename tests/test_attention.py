@@ -257,6 +257,8 @@ def test_auto_runs_on_cpu_and_picks_chunked():
     assert resolve_attention_impl("auto", "gpu", "bfloat16") == "cudnn"
     assert resolve_attention_impl("auto", "gpu", "float32") == "chunked"  # cuDNN has no fp32
     assert resolve_attention_impl("auto", "tpu") == "splash"
+    # jax.nn.dot_product_attention needs values as wide as keys (MLA's may differ)
+    assert resolve_attention_impl("auto", "gpu", "bfloat16", 96, v_head_dim=64) == "chunked"
     config = dataclasses.replace(LONG, max_seq_len=64, attention_block_q=16,
                                  attention_block_kv=16)
     params = llama_jax.init_params(config, jax.random.key(0))
@@ -290,6 +292,8 @@ def test_bad_attention_settings_name_the_field(fields, message):
 def test_kernel_settings_the_kernel_cannot_use_are_refused():
     with pytest.raises(ConfigError, match="compute_dtype bfloat16 or float16"):
         resolve_attention_impl("cudnn", "gpu", "float32")
+    with pytest.raises(ConfigError, match="head_dim=96, value head dim 64"):
+        resolve_attention_impl("cudnn", "gpu", "bfloat16", 96, v_head_dim=64)
     with pytest.raises(ConfigError, match="attention_block_q=100: splash attention needs"):
         resolve_attention_impl("splash", "tpu", block_q=100)
 

@@ -111,7 +111,7 @@ def test_moe_fields_with_a_dense_mlp_are_refused(tmp_path):
     ("{rope_type: yarn, rope_scaling: {factor: 4, low_freq_factor: 1}}",
      r"model\.rope_scaling\.low_freq_factor=1\.0 applies only to rope_type 'llama3'"),
     ("{rope_type: yarn, rope_scaling: {factor: 4, beta_fast: 1, beta_slow: 2}}",
-     r"model\.rope_scaling\.beta_fast=1\.0 must be > beta_slow"),
+     r"model\.rope_scaling\.beta_fast=1\.0 must be >= beta_slow"),
     ("{rope_type: yarn}", r"model\.rope_scaling=None must be given exactly when rope_type"),
 ])
 def test_bad_moe_mla_and_yarn_fields_name_the_file_and_field(model, message, tmp_path):

@@ -130,7 +130,8 @@ def test_a_dense_mla_model_exports_as_deepseek_v3(tmp_path):
     import transformers
 
     config = dataclasses.replace(
-        llama_jax.load_model_config("tiny"), attention="mla", n_kv_heads=None, init_std=0.1,
+        llama_jax.load_model_config("tiny"), attention="mla", n_kv_heads=None, head_dim=None,
+        init_std=0.1,
         mla=MlaConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12),
         rope_type="yarn", rope_scaling=RopeScaling(factor=2.0, original_max_position_embeddings=16,
                                                    mscale=1.0, mscale_all_dim=1.0))
@@ -163,6 +164,22 @@ def test_deepseek_presets_match_transformers_parameter_count(preset, total, acti
     theirs = sum(p.numel() for p in model.parameters()) + sum(
         b.numel() for name, b in model.named_buffers() if "e_score_correction_bias" in name)
     assert theirs == total
+
+
+@pytest.mark.parametrize("edit, message", [
+    (dict(quantization_config={"quant_method": "fp8"}), "quantized weights .*'fp8'"),
+    (dict(rope_interleave=False), "rope_interleave=false is not supported"),
+    (dict(topk_method="noaux_tc", model_type="deepseek_v2"), "topk_method 'noaux_tc'"),
+])
+def test_unsupported_deepseek_configs_are_refused(edit, message, models, tmp_path):
+    from llama_jax.formats import CheckpointError
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(models["v3"][1], path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **edit}))
+    with pytest.raises(CheckpointError, match=message):
+        llama_jax.load_checkpoint(path)
 
 
 def test_v3_multi_token_prediction_layers_are_skipped(models, tmp_path):

@@ -228,7 +228,8 @@ def test_kv_cache_bytes_equal_the_formula():
     assert sum(a.k.nbytes + a.v.nbytes for a in per_layer) == cache.k.nbytes + cache.v.nbytes
 
 
-MLA_TINY = dataclasses.replace(TINY, attention="mla", n_kv_heads=None, mla=llama_jax.MlaConfig(
+MLA_TINY = dataclasses.replace(TINY, attention="mla", n_kv_heads=None, head_dim=None,
+                               mla=llama_jax.MlaConfig(
     kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16))
 
 

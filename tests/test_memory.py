@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from llama_jax import info, memory, sharding, trainer
+from llama_jax import costs, info, memory, sharding, trainer
 from llama_jax.config import (DataConfig, MeshConfig, MlaConfig, ModelConfig, MoeConfig,
                               RunConfig, TrainConfig)
 
@@ -45,6 +45,14 @@ def test_planned_memory_agrees_with_the_compiled_step(mesh, remat, attention, ba
     assert 0 <= measured.argument_size_in_bytes - (plan.weights + plan.optimizer) < 16 << 10
     ratio = (measured.argument_size_in_bytes + measured.temp_size_in_bytes) / plan.training
     assert 0.8 < ratio < 1.25, ratio  # measured 0.83-1.17 over these cases
+
+
+def test_the_mla_cache_is_split_over_rows_not_over_tensor():
+    """MLA's latent cache has no KV heads to split: rows over data x fsdp, replicated over
+    tensor (the cache rules)."""
+    plan = memory.plan_memory(MLA, MeshConfig(data=2, fsdp=2, tensor=2), 8, batch=16, seq=256,
+                              remat="none", kv_batch=4, kv_seq=1024)
+    assert plan.kv_cache == costs.kv_cache_bytes_per_token(MLA) * 4 * 1024 // 4
 
 
 def test_planner_cli_prints_a_training_plan(capsys):

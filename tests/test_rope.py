@@ -65,10 +65,11 @@ def test_llama3_frequencies_match_meta_and_transformers(preset):
 
 @pytest.mark.parametrize("scaling", [
     dict(factor=4.0, original_max_position_embeddings=64),  # temperature mscale(1) on cos/sin
+    dict(factor=4.0, original_max_position_embeddings=64, mscale_all_dim=1.0),  # mscale unset
     dict(factor=40.0, original_max_position_embeddings=4096, mscale=0.707, mscale_all_dim=0.707),
     dict(factor=8.0, original_max_position_embeddings=2048, beta_fast=16.0, beta_slow=2.0,
          mscale=1.0, mscale_all_dim=0.5),
-], ids=["plain", "deepseek-v2", "uneven"])
+], ids=["plain", "all-dim-only", "deepseek-v2", "uneven"])
 def test_yarn_matches_deepseek_and_transformers(scaling):
     """Frequencies, cos/sin temperature and softmax scale of YaRN against DeepSeek's `yarn_*`
     functions (tests/reference.py) and transformers' `_compute_yarn_parameters`."""

@@ -65,6 +65,11 @@ def read_config(path: Path) -> ModelConfig:
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{file}: cannot read: {e}") from None
     model_type = hf.get("model_type")
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "?")
+        raise CheckpointError(f"{file}: quantized weights (quantization_config: {method!r}, "
+                              "e.g. DeepSeek-V3's fp8 release) are not supported; load a "
+                              "bf16/fp16/fp32 copy (dequantized)")
     if model_type not in CONFIG_READERS:
         raise CheckpointError(f"{file}: model_type {model_type!r} (architectures "
                               f"{hf.get('architectures')}) is not a Llama, Mixtral, GPT-2 or "
@@ -156,7 +161,7 @@ def _deepseek_config(file: Path, hf: dict[str, Any], eos_ids: tuple[int, ...]) -
         max_seq_len=hf.get("max_position_embeddings", 4096 if v3 else 2048),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), eos_ids=eos_ids)
     n_experts = hf.get("n_routed_experts", 256 if v3 else 64)
-    first_dense = hf.get("first_k_dense_replace", 3 if v3 else 0)
+    first_dense = hf.get("first_k_dense_replace", 3 if v3 else 0) or 0
     if n_experts is None or first_dense >= config.n_layers:
         return config
     if v3:
@@ -171,7 +176,7 @@ def _deepseek_config(file: Path, hf: dict[str, Any], eos_ids: tuple[int, ...]) -
     moe = MoeConfig(
         n_experts=n_experts, top_k=hf.get("num_experts_per_tok") or (8 if v3 else 1),
         expert_ffn_dim=hf.get("moe_intermediate_size", 2048 if v3 else 1407),
-        n_shared_experts=hf.get("n_shared_experts") or 0,
+        n_shared_experts=hf.get("n_shared_experts", 1 if v3 else 2) or 0,
         router="sigmoid" if v3 else "softmax",
         normalize_top_k=bool(hf.get("norm_topk_prob", True)) if v3 else False,
         routed_scaling=hf.get("routed_scaling_factor", 2.5 if v3 else 1.0),

@@ -1,5 +1,7 @@
 """The attention mixer: causal dot-product attention with one code path for MHA, GQA and MQA,
-its parameters, and its KV cache.
+its parameters, and its KV cache; and what every attention mixer (mla.py too) shares: the
+`Context` of a forward pass, `attention_of` (the configured implementation and softmax scale)
+and the 16-bit storage of per-layer caches (`stored_type`, `store`, `load`).
 
 N query heads share K key/value heads (K = N: MHA, K = 1: MQA, otherwise GQA; Ainslie et al.
 2023). The dot product itself runs under the configured implementation (dot_product.py: dense,

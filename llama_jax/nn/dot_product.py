@@ -71,12 +71,17 @@ def one_block(T: int, S: int, block_q: int, block_kv: int) -> bool:
 
 def resolve_attention_impl(impl: str, backend: str | None = None,
                            compute_dtype: str = "float32", head_dim: int = 128,
-                           block_q: int = 512, block_kv: int = 512) -> str:
+                           block_q: int = 512, block_kv: int = 512,
+                           v_head_dim: int | None = None) -> str:
     """The implementation `impl` stands for on `backend` (default: JAX's): "auto" picks, and an
-    explicit choice the backend or the settings cannot run is a `ConfigError`."""
+    explicit choice the backend or the settings cannot run is a `ConfigError`. `v_head_dim`
+    (default: head_dim) is the values' head dim, which `jax.nn.dot_product_attention` (cuDNN)
+    needs equal to the keys'."""
     backend = backend or jax.default_backend()
     dtype = dtype_name(compute_dtype, "compute_dtype")
-    cudnn_ok = dtype in _CUDNN_DTYPES and head_dim <= 128 and head_dim % 8 == 0
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    cudnn_ok = (dtype in _CUDNN_DTYPES and head_dim <= 128 and head_dim % 8 == 0
+                and v_head_dim == head_dim)
     if impl not in ATTENTION_IMPLS:
         raise ConfigError(f"attention_impl={impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
     if impl == "auto":
@@ -89,8 +94,9 @@ def resolve_attention_impl(impl: str, backend: str | None = None,
                               f"is {backend!r}; use auto, chunked or xla")
         if not cudnn_ok:
             raise ConfigError(f"attention_impl='cudnn' needs compute_dtype bfloat16 or float16 "
-                              f"and a head dim <= 128 divisible by 8 (compute_dtype={dtype}, "
-                              f"head_dim={head_dim}); use auto or chunked")
+                              f"and a head dim <= 128 divisible by 8, the same for values "
+                              f"(compute_dtype={dtype}, head_dim={head_dim}, value head dim "
+                              f"{v_head_dim}); use auto or chunked")
     if impl == "splash":
         if backend != "tpu":
             raise ConfigError(f"attention_impl='splash' needs a TPU; the backend is "
@@ -103,7 +109,8 @@ def chosen_attention(config: ModelConfig, backend: str | None = None) -> str:
     """The implementation `config` runs attention with on `backend` (a `ConfigError` if it
     cannot): what a run checks before compiling."""
     return resolve_attention_impl(config.attention_impl, backend, config.compute_dtype, config.H,
-                                  config.attention_block_q, config.attention_block_kv)
+                                  config.attention_block_q, config.attention_block_kv,
+                                  config.v_head_dim)
 
 
 def describe_attention(config: ModelConfig, seq_len: int, backend: str | None = None) -> str:
@@ -138,6 +145,7 @@ def dot_product_attention(q_BTNH: jax.Array, k: jax.Array, v: jax.Array, mask: M
     B, T, N, H = q_BTNH.shape
     scale = H ** -0.5 if scale is None else scale
     impl = resolve_attention_impl(impl, compute_dtype=q_BTNH.dtype, head_dim=H,
+                                  v_head_dim=v.shape[-1],
                                   block_q=block_q, block_kv=block_kv)
     S = k.shape[kv_layout.index("S")]
     if T == 1 or impl == "xla" or (impl == "chunked" and one_block(T, S, block_q, block_kv)):

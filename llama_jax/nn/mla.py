@@ -29,7 +29,8 @@ Two ways to compute it, one function of the config and the mode (`apply_mla`):
 
 The cache is `[B, S, W]` per layer (`LatentKV`, the unrolled decoder's; 16-bit values stored as
 bits as in attention.py) or `[L, B, S, W]` per scanned group (`StackedLatentKV`): L·W values per
-token against GQA's 2·L·K·H (DeepSeek-V2: 576 against MHA's 32768 per layer).
+token against GQA's 2·L·K·H (DeepSeek-V2: 576 per layer, where the paper's MHA baseline, 128
+heads of 128, caches 32768).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from llama_jax.nn.attention import Context, attention_of, load, store, stored_ty
 from llama_jax.nn.dot_product import dense_attention
 from llama_jax.nn.norms import rms_norm
 from llama_jax.nn.ops import dense, einsum_f32
+from llama_jax.nn.positions import Rotation
 from llama_jax.nn.rope import softmax_scale
 from llama_jax.nn.spec import gain, weight
 from llama_jax.sharding import constrain
@@ -77,7 +79,7 @@ def apply_mla(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Context,
     """Self-attention of normed inputs `[B, T, D]`; returns `([B, T, D], kv)`. With a cache
     the new tokens' latents are written at `context.end` first and the queries attend to the
     whole cache: absorbed for one token (unless `mla_decode: expanded`), expanded otherwise."""
-    q_nope_BTNJ, q_rope_BTNI = _queries(config, p, x_BTD, context)
+    q_nope_BTNJ, q_rope_BTNI = _queries(config, p, x_BTD, context.rotation)
     c_BTZ = rms_norm(dense("BTD,DZ->BTZ", x_BTD, p["w_dkv"]), p["kv_norm"], LATENT_NORM_EPS)
     k_rope_BTI = context.rotation.apply(dense("BTD,DI->BTI", x_BTD, p["w_kr"])[:, :, None])[:, :, 0]
     latent_BTW = jnp.concatenate([c_BTZ, k_rope_BTI], axis=-1)
@@ -92,16 +94,16 @@ def apply_mla(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Context,
     return dense("BTNY,NYD->BTD", out_BTNY, p["wo"]), kv
 
 
-def _queries(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Context):
+def _queries(config: ModelConfig, p: dict, x_BTD: jax.Array, rotation: Rotation):
     """`(q_nope [B, T, N, J], RoPE(q_rope) [B, T, N, I])`, through the query latent if any."""
-    if "wq_a" in p:
+    if config.mla.q_lora_rank is not None:
         x_BTQ = rms_norm(dense("BTD,DQ->BTQ", x_BTD, p["wq_a"]), p["q_norm"], LATENT_NORM_EPS)
         q_nope_BTNJ = dense("BTQ,QNJ->BTNJ", x_BTQ, p["wq_nope"])
         q_rope_BTNI = dense("BTQ,QNI->BTNI", x_BTQ, p["wq_rope"])
     else:
         q_nope_BTNJ = dense("BTD,DNJ->BTNJ", x_BTD, p["wq_nope"])
         q_rope_BTNI = dense("BTD,DNI->BTNI", x_BTD, p["wq_rope"])
-    return q_nope_BTNJ, context.rotation.apply(q_rope_BTNI)
+    return q_nope_BTNJ, rotation.apply(q_rope_BTNI)
 
 
 def _expanded(config: ModelConfig, p: dict, q_nope_BTNJ, q_rope_BTNI, latent_BSW,

@@ -84,7 +84,8 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 def rotation_scale(config: ModelConfig) -> float:
     """What cos and sin are multiplied by: YaRN's attention temperature, mscale(mscale) /
-    mscale(mscale_all_dim) when both are set (1 for DeepSeek), else mscale(1); 1 otherwise."""
+    mscale(mscale_all_dim) when both are non-zero (1 for DeepSeek), else mscale(1), as
+    transformers computes it; 1 without YaRN."""
     s = config.rope_scaling
     if config.rope_type != "yarn":
         return 1.0
@@ -95,7 +96,8 @@ def rotation_scale(config: ModelConfig) -> float:
 
 def softmax_scale(config: ModelConfig) -> float:
     """The attention logits' scale: 1/√H of the query-key head dim (MLA's qk_nope +
-    qk_rope), times mscale(mscale_all_dim)² under YaRN when mscale_all_dim is set."""
+    qk_rope), times mscale(mscale_all_dim)² under YaRN when mscale_all_dim is non-zero. An
+    attention concern that lives here because only the RoPE scaling changes it."""
     scale = config.head_dim ** -0.5
     if config.rope_type == "yarn" and config.rope_scaling.mscale_all_dim:
         s = config.rope_scaling
