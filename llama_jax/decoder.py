@@ -18,6 +18,7 @@ temperature and filters) for the chosen tokens.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -150,7 +151,11 @@ def _decode_steps(config, params, state, n_steps, strategy) -> DecodeState:
     return state
 
 
-_EXECUTABLES: dict = {}
+# Compiled prefill/decode programs by signature, least recently used first. Bounded: every
+# executable holds its machine code (on CPU, memory mappings of its own, of which a process may
+# have vm.max_map_count), and a long-lived process decoding many shapes would keep them all.
+_EXECUTABLES: collections.OrderedDict = collections.OrderedDict()
+_MAX_EXECUTABLES = 64
 _UNSTACKED: dict = {}  # ids of the arrays -> (weakrefs to them, unstacked copy); one entry
 
 
@@ -205,6 +210,9 @@ def _compiled(fn, stats: GenerationStats, mesh_config: MeshConfig | None, *args,
         start = time.perf_counter()
         _EXECUTABLES[key] = fn.lower(*args, **static).compile()
         stats.compile_s += time.perf_counter() - start
+        if len(_EXECUTABLES) > _MAX_EXECUTABLES:
+            _EXECUTABLES.popitem(last=False)
+    _EXECUTABLES.move_to_end(key)
     return _EXECUTABLES[key]
 
 

@@ -13,6 +13,9 @@ from pathlib import Path
 # The entry points (train.py, sample.py) live at the repository root.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import gc  # noqa: E402
+
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from corpus import make_corpus  # noqa: E402
@@ -22,6 +25,16 @@ from corpus import make_corpus  # noqa: E402
 def token_cache(tmp_path_factory):
     """Token caches of this test session go to a temporary directory."""
     os.environ["LLAMA_JAX_CACHE"] = str(tmp_path_factory.mktemp("llama_jax_cache"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_compilation_caches():
+    """Each test module leaves its compiled programs behind: XLA:CPU maps memory for every
+    executable, and the whole suite's in one process would pass vm.max_map_count (65530
+    mappings) and segfault while compiling."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
