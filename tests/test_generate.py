@@ -289,6 +289,22 @@ def test_bad_requests_fail_before_compiling(kwargs, message, params):
     assert len(_EXECUTABLES) == compiled_before
 
 
+def test_compiled_programs_are_kept_least_recently_used_first(params, monkeypatch):
+    """A long-lived process decoding many shapes keeps a bounded number of programs, and the
+    one in use stays compiled."""
+    from llama_jax import decoder
+
+    monkeypatch.setattr(decoder, "_MAX_EXECUTABLES", 2)
+    decoder._EXECUTABLES.clear()
+    for n in (3, 40, 3):  # two prompt buckets, then the first again
+        stats = GenerationStats()
+        generate(TINY, params["gqa"], prompts([n]), 2, stop_tokens=[], stats=stats)
+    assert len(decoder._EXECUTABLES) == 2
+    again = GenerationStats()
+    generate(TINY, params["gqa"], prompts([3]), 2, stop_tokens=[], stats=again)
+    assert again.compile_s == 0  # still compiled: used last
+
+
 def test_bf16_model_decodes_batches(params):
     """bf16 weights and compute: batched decode runs (XLA:CPU lacks some bf16 dot kernels) and
     each row still matches its single-row run."""
