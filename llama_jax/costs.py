@@ -22,7 +22,7 @@ import functools
 import jax.numpy as jnp
 
 from llama_jax.config import ModelConfig
-from llama_jax.nn.mla import cache_width
+from llama_jax.nn.mixers import mixer_of
 from llama_jax.nn.spec import TensorSpec, count, spec_leaves
 from llama_jax.params import param_specs
 
@@ -73,14 +73,7 @@ def kv_cache_bytes_per_token(config: ModelConfig, dtype: str = "bfloat16") -> in
     """GQA: 2 (K and V) · L · K · H · bytes: the cache holds KV heads only, never repeated
     ones. MLA: L · (kv_lora_rank + qk_rope_head_dim) · bytes, the latent and the shared RoPE
     key."""
-    return config.n_layers * kv_elements_per_layer(config) * dtype_bytes(dtype)
-
-
-def kv_elements_per_layer(config: ModelConfig) -> int:
-    """What one token caches per layer: 2·K·H, or MLA's kv_lora_rank + qk_rope_head_dim."""
-    if config.attention == "mla":
-        return cache_width(config)
-    return 2 * config.n_kv_heads * config.head_dim
+    return config.n_layers * mixer_of(config).cache_elements(config) * dtype_bytes(dtype)
 
 
 def train_flops_per_token(config: ModelConfig, seq_len: int) -> int:

@@ -37,6 +37,7 @@ from llama_jax import costs, sharding
 from llama_jax.config import MeshConfig, ModelConfig
 from llama_jax.sharding import MESH_AXES
 from llama_jax.nn.dot_product import chosen_attention, one_block
+from llama_jax.nn.mixers import mixer_of
 from llama_jax.nn.moe import dispatch_of
 from llama_jax.nn.spec import count, spec_leaves
 from llama_jax.params import layer_groups, param_specs
@@ -103,12 +104,9 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
     outside = whole_layer + 3 * 4 * V // _ways(rules, shape, "vocab", V) + b * D
     kv_seq = seq if kv_seq is None else kv_seq
     cache = mesh.cache_rules
-    # GQA's cache splits its KV heads by the cache rules, MLA's its latent width (replicated
-    # by default)
-    split = (_ways(cache, shape, "latent", costs.kv_elements_per_layer(config))
-             if config.attention == "mla" else _ways(cache, shape, "kv_heads", config.K))
     kv = (costs.kv_cache_bytes_per_token(config, kv_dtype) * kv_batch * kv_seq
-          // _ways(cache, shape, "batch", kv_batch) // split)
+          // _ways(cache, shape, "batch", kv_batch)
+          // _ways(cache, shape, *mixer_of(config).cache_split(config)))
     return MemoryPlan(mesh=shape, weights=state_elems * param_bytes,
                       gradients=state_elems * param_bytes, optimizer=2 * 4 * state_elems,
                       activations=tokens * (per_token + outside) + rows * attn.tiles + gathered,
@@ -125,9 +123,8 @@ def _mixer_memory(config: ModelConfig, heads: int, kv_heads: int) -> dict[str, i
     and q's and k's parts instead of the joined q and k."""
     H, Hv = config.H, config.v_head_dim
     if config.attention != "mla":
-        return {"none": heads * (H + Hv) + kv_heads * (H + Hv),
-                "dots": heads * (H + Hv) + kv_heads * (H + Hv),
-                "dots_no_batch": heads * H + kv_heads * (H + Hv)}
+        q_out_k_v = (heads + kv_heads) * (H + Hv)
+        return {"none": q_out_k_v, "dots": q_out_k_v, "dots_no_batch": q_out_k_v - heads * Hv}
     a = config.mla
     latents = a.kv_lora_rank + a.qk_rope_head_dim + (a.q_lora_rank or 0)
     parts = 2 * heads * H

@@ -84,13 +84,18 @@ def read_config(path: Path) -> ModelConfig:
         raise CheckpointError(f"{file}: {e}") from None
 
 
-def _llama_config(file: Path, hf: dict[str, Any], eos_ids: tuple[int, ...]) -> ModelConfig:
+def _refuse_biases_and_other_activations(file: Path, hf: dict[str, Any], family: str) -> None:
+    """Llama-like families have no biases and SiLU-gated MLPs."""
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
-            raise CheckpointError(f"{file}: {flag}=true is not part of the Llama architecture")
+            raise CheckpointError(f"{file}: {flag}=true is not part of the {family} architecture")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
-        raise CheckpointError(f"{file}: hidden_act {act!r}; Llama's SwiGLU uses 'silu'")
+        raise CheckpointError(f"{file}: hidden_act {act!r}; {family}'s SwiGLU uses 'silu'")
+
+
+def _llama_config(file: Path, hf: dict[str, Any], eos_ids: tuple[int, ...]) -> ModelConfig:
+    _refuse_biases_and_other_activations(file, hf, "Llama")
     rope_theta, rope_type, scaling = _rope(hf, ("default", "llama3"))
     return ModelConfig(
         vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
@@ -135,12 +140,7 @@ def _gpt2_config(file: Path, hf: dict[str, Any], eos_ids: tuple[int, ...]) -> Mo
 def _deepseek_config(file: Path, hf: dict[str, Any], eos_ids: tuple[int, ...]) -> ModelConfig:
     """DeepSeek-V2 or V3 (by model_type), optional fields defaulted as transformers does."""
     v3 = hf["model_type"] == "deepseek_v3"
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            raise CheckpointError(f"{file}: {flag}=true is not supported (no biases)")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{file}: hidden_act {hf['hidden_act']!r}; DeepSeek's MLPs use "
-                              "'silu'")
+    _refuse_biases_and_other_activations(file, hf, "DeepSeek")
     if v3 and not hf.get("rope_interleave", True):
         raise CheckpointError(f"{file}: rope_interleave=false is not supported (released "
                               "DeepSeek checkpoints store RoPE rows interleaved)")

@@ -307,6 +307,11 @@ class Slot:
     fused_heads: int = 1
     rope_heads: int = 0
 
+    def rope_interleaved(self, meta: bool) -> bool:
+        """Whether the format (Meta's when `meta`, else HF's) stores this tensor's RoPE rows
+        interleaved."""
+        return bool(self.rope_heads) and meta == (self.tensor.interleaved == "meta")
+
     @property
     def pieces(self) -> list[dict[str, int]]:
         """The stored tensors that make up the leaf, as the indices their names are formatted
@@ -379,7 +384,7 @@ def from_torch(config: ModelConfig, slot: Slot, w: np.ndarray, meta: bool) -> np
     tensor = slot.tensor
     if slot.fused:
         w = _split_part(slot, w)
-    if slot.rope_heads and meta == (tensor.interleaved == "meta"):
+    if slot.rope_interleaved(meta):
         w = interleaved_to_half(w, slot.rope_heads)
     if tensor.stored == "linear":
         w = w.T
@@ -396,7 +401,7 @@ def to_torch(config: ModelConfig, slot: Slot, a: np.ndarray, meta: bool) -> np.n
         a = a.reshape(math.prod(a.shape[:tensor.in_axes]), -1)
         if tensor.stored == "linear":
             a = a.T
-    if slot.rope_heads and meta == (tensor.interleaved == "meta"):
+    if slot.rope_interleaved(meta):
         a = half_to_interleaved(a, slot.rope_heads)
     return np.ascontiguousarray(a)
 

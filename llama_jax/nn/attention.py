@@ -154,7 +154,8 @@ class StackedKV:
         """The queries against the layer's cache, under the configured implementation."""
         layer = context.layer
         return attention_of(config)(q_BTNH, self.k[layer].astype(q_BTNH.dtype),
-                      self.v[layer].astype(q_BTNH.dtype), context.mask, kv_layout="BKSH")
+                                    self.v[layer].astype(q_BTNH.dtype), context.mask,
+                                    kv_layout="BKSH")
 
 
 @struct.dataclass
@@ -194,6 +195,16 @@ class MergedKV:
         K, S = k_BCH.shape[1] // self.max_len, self.max_len
         return attention_of(config)(q_BTNH, k_BCH.reshape(B, K, S, H),
                                     v_BCH.reshape(B, K, S, H), context.mask, kv_layout="BKSH")
+
+
+def kv_cache_elements(config: ModelConfig) -> int:
+    """2·K·H: what one token caches per layer, keys and values of the KV heads only."""
+    return 2 * config.K * config.H
+
+
+def kv_cache_split(config: ModelConfig) -> tuple[str, int]:
+    """The cache dimension the cache rules may split besides the rows: the KV heads."""
+    return "kv_heads", config.K
 
 
 # On a mesh (`sharding.use_mesh`) caches are laid out by the cache rules, when created and

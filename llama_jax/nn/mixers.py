@@ -12,8 +12,10 @@ import dataclasses
 from typing import Callable
 
 from llama_jax.config import ModelConfig
-from llama_jax.nn.attention import MergedKV, StackedKV, apply_attention, attention_specs
-from llama_jax.nn.mla import LatentKV, StackedLatentKV, apply_mla, mla_specs
+from llama_jax.nn.attention import (MergedKV, StackedKV, apply_attention, attention_specs,
+                                    kv_cache_elements, kv_cache_split)
+from llama_jax.nn.mla import (LatentKV, StackedLatentKV, apply_mla, cache_width,
+                              latent_cache_split, mla_specs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,10 +24,16 @@ class Mixer:
     apply: Callable  # (config, p, x_BTD, context, kv) -> (y_BTD, kv)
     stacked_cache: Callable  # (config, n_layers, batch, max_len, dtype) -> a group's cache
     layer_cache: Callable  # (config, batch, max_len, dtype) -> one layer's cache
+    # (config) -> (logical axis, size) of the cache dimension the cache rules may split besides
+    # the rows, and the values one token caches per layer
+    cache_split: Callable
+    cache_elements: Callable
 
 
-MIXERS = {"gqa": Mixer(attention_specs, apply_attention, StackedKV.zeros, MergedKV.zeros),
-          "mla": Mixer(mla_specs, apply_mla, StackedLatentKV.zeros, LatentKV.zeros)}
+MIXERS = {"gqa": Mixer(attention_specs, apply_attention, StackedKV.zeros, MergedKV.zeros,
+                       kv_cache_split, kv_cache_elements),
+          "mla": Mixer(mla_specs, apply_mla, StackedLatentKV.zeros, LatentKV.zeros,
+                       latent_cache_split, cache_width)}
 
 
 def mixer_of(config: ModelConfig) -> Mixer:

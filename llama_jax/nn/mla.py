@@ -190,6 +190,12 @@ def cache_width(config: ModelConfig) -> int:
     return config.mla.kv_lora_rank + config.mla.qk_rope_head_dim
 
 
+def latent_cache_split(config: ModelConfig) -> tuple[str, int]:
+    """The cache dimension the cache rules may split besides the rows: the latent width
+    (replicated by default)."""
+    return "latent", cache_width(config)
+
+
 def _constrain_stacked(latent_LBSW: jax.Array) -> jax.Array:
     return constrain(latent_LBSW, (None, "batch", "seq", "latent"), "cache_rules")
 
