@@ -1,0 +1,244 @@
+"""Ablation studies: a study file names a base run config, variants of it (a few `--set`-style
+overrides each) and seeds; every variant x seed is an ordinary training run.
+
+    python -m llama_jax.ablate STUDY.yaml [--workdir DIR] [--steps N] [--seeds N] [--dry-run]
+
+A study file (`configs/ablations/NAME.yaml`):
+
+    base: ../demo.yaml             # a run config or preset (relative to the study file)
+    seeds: [0, 1]                  # or a count: 2 -> [0, 1]
+    match: params                  # optional: params | active_params | flops
+    match_field: model.ffn_dim     # the width field adjusted to match the first variant
+    variants:                      # the first is the baseline the others are compared with
+      rmsnorm: {}
+      layernorm: {model.norm: layernorm}
+
+What must stay equal across variants — the data (corpus, tokenizer, split) and the token budget
+(steps x batch x sequence length) — is checked: a variant that would change it is refused
+before anything trains, naming the variant, as is an unknown field or value, or a variant the
+model's own validation refuses. With `match`, each variant's `match_field` (an integer field of the
+model section, such as ffn_dim) is bisected for the value whose parameter count (total or
+active) or training FLOPs per token is closest to the baseline's, and the study says what it
+chose.
+
+This module resolves studies (this step of the issue: `--dry-run` prints the resolved variants
+with their parameter / active-parameter counts, FLOPs per token and KV bytes per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llama_jax import costs
+from llama_jax.cli import user_errors_exit
+from llama_jax.config import ConfigError, RunConfig, load_run_config, resolve_config_path
+
+MATCHES = ("params", "active_params", "flops")
+# Fields a variant may not override: they define the data and the token budget every variant
+# shares.
+FIXED_SECTIONS = ("data",)
+FIXED_TRAIN = ("seq_len", "batch_size", "steps")
+STUDY_KEYS = ("base", "seeds", "match", "match_field", "variants")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    overrides: tuple[str, ...]  # SECTION.KEY=VALUE, the study's and the matching's
+    run: RunConfig  # resolved, seed 0 of the study's seeds applied by `for_seed`
+    matched: str | None = None  # what matching changed, for the report
+
+    def for_seed(self, seed: int) -> RunConfig:
+        return dataclasses.replace(self.run, train=dataclasses.replace(self.run.train,
+                                                                      seed=seed))
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+    path: Path
+    base: Path
+    seeds: tuple[int, ...]
+    variants: tuple[Variant, ...]
+    match: str | None = None
+
+    def run_name(self, variant: Variant, seed: int) -> str:
+        """`{variant}-s{seed}-{hash}`: the hash of the resolved config, so an edited variant
+        gets a new run directory and an unchanged one is found again."""
+        resolved = json.dumps(variant.for_seed(seed).to_dict(), sort_keys=True, default=str)
+        return f"{variant.name}-s{seed}-{hashlib.sha256(resolved.encode()).hexdigest()[:8]}"
+
+
+def load_study(path: str | Path, steps: int | None = None, seeds: int | None = None) -> Study:
+    """Reads and resolves a study file; every refusal names the file and the variant."""
+    path = Path(path)
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: cannot read study: {e}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: expected a mapping with keys {', '.join(STUDY_KEYS)}")
+    unknown = [k for k in tree if k not in STUDY_KEYS]
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {unknown}; a study has {', '.join(STUDY_KEYS)}")
+    if "base" not in tree or not isinstance(tree.get("variants"), dict) or not tree["variants"]:
+        raise ConfigError(f"{path}: a study needs `base:` (a run config) and `variants:` (a "
+                          "mapping of names to overrides, the first being the baseline)")
+    base = resolve_config_path(tree["base"], path.parent)
+    seed_list = _seeds(path, tree.get("seeds", 1) if seeds is None else seeds)
+    match, field = tree.get("match"), tree.get("match_field")
+    if match is not None and match not in MATCHES:
+        raise ConfigError(f"{path}: match={match!r} is not one of {', '.join(MATCHES)}")
+    if (match is None) != (field is None):
+        raise ConfigError(f"{path}: `match` and `match_field` go together (the width field "
+                          "adjusted so that variants match the baseline)")
+    common = [f"train.steps={steps}"] if steps is not None else []
+    variants = [_variant(path, base, name, overrides, common)
+                for name, overrides in tree["variants"].items()]
+    _check_shared(path, variants)
+    if match is not None:
+        section, _, key = field.partition(".")
+        value = getattr(variants[0].run.model, key, None) if section == "model" else None
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{path}: match_field {field} must be an integer field of the "
+                              f"model section (the baseline's value: {value!r})")
+        target = _measure(variants[0].run, match)
+        variants = [variants[0]] + [_matched(path, v, match, field, target)
+                                    for v in variants[1:]]
+    return Study(path, base, seed_list, tuple(variants), match)
+
+
+def _seeds(path: Path, seeds: Any) -> tuple[int, ...]:
+    if isinstance(seeds, int) and not isinstance(seeds, bool) and seeds > 0:
+        return tuple(range(seeds))
+    if (isinstance(seeds, list) and seeds and len(set(seeds)) == len(seeds)
+            and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)):
+        return tuple(seeds)
+    raise ConfigError(f"{path}: seeds={seeds!r} must be a positive count or a list of distinct "
+                      "non-negative integers")
+
+
+def _variant(path: Path, base: Path, name: str, overrides: Any,
+             common: list[str]) -> Variant:
+    where = f"{path}: variant {name!r}"
+    if overrides is None:
+        overrides = {}
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"{where}: expected a mapping of SECTION.KEY: VALUE overrides, got "
+                          f"{overrides!r}")
+    sets = []
+    for key, value in overrides.items():
+        section, _, field = str(key).partition(".")
+        if section in FIXED_SECTIONS or (section == "train" and field in FIXED_TRAIN):
+            raise ConfigError(f"{where}: {key} is shared by every variant of a study (the data "
+                              "and the token budget); set it in the base config")
+        sets.append(f"{key}={json.dumps(value)}")
+    return Variant(name, tuple(common + sets), _resolve(where, base, common + sets))
+
+
+def _resolve(where: str, base: Path, overrides: list[str]) -> RunConfig:
+    try:
+        return load_run_config(base, overrides)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _check_shared(path: Path, variants: list[Variant]) -> None:
+    """The data and token budget of every resolved variant equal the baseline's (catches
+    changes that come in through other fields)."""
+    first = variants[0].run
+    for v in variants[1:]:
+        if v.run.data != first.data:
+            raise ConfigError(f"{path}: variant {v.name!r} changes the data section")
+        budget = [getattr(v.run.train, f) for f in FIXED_TRAIN]
+        if budget != [getattr(first.train, f) for f in FIXED_TRAIN]:
+            raise ConfigError(f"{path}: variant {v.name!r} changes the token budget")
+
+
+def _measure(run: RunConfig, match: str) -> float:
+    if match == "flops":
+        return costs.train_flops_per_token(run.model, run.train.seq_len)
+    counts = costs.param_counts(run.model)
+    return counts.total if match == "params" else counts.active
+
+
+def _matched(path: Path, variant: Variant, match: str, field: str, target: float) -> Variant:
+    """The variant with the model field `field` set to the value whose measure is closest to
+    `target`. Every measure grows with a width, so a bisection finds it."""
+    where = f"{path}: variant {variant.name!r}"
+    key = field.partition(".")[2]
+    start = getattr(variant.run.model, key)
+
+    def run_with(value: int) -> RunConfig | None:
+        try:
+            model = dataclasses.replace(variant.run.model, **{key: value})
+        except ConfigError:
+            return None
+        return dataclasses.replace(variant.run, model=model)
+
+    low, high = 1, max(2 * start, 2)
+    while (run := run_with(high)) is not None and _measure(run, match) < target:
+        low, high = high, 2 * high
+    while high - low > 1:  # the measure at low is below target, at high not (or invalid)
+        mid = (low + high) // 2
+        run = run_with(mid)
+        if run is not None and _measure(run, match) < target:
+            low = mid
+        else:
+            high = mid
+    candidates = [(abs(_measure(r, match) - target), v, r)
+                  for v in (low, high) if (r := run_with(v)) is not None]
+    if not candidates:
+        raise ConfigError(f"{where}: no value of {field} gives a valid model")
+    _, value, run = min(candidates, key=lambda c: c[:2])
+    note = (f"{field} {start} -> {value} ({match} {_measure(run, match):,.0f} vs the "
+            f"baseline's {target:,.0f})")
+    return Variant(variant.name, variant.overrides + (f"{field}={value}",), run, note)
+
+
+def describe(study: Study) -> str:
+    """The `--dry-run` table: one row per variant."""
+    rows = ["| variant | params | active | FLOPs/token | KV bytes/token | overrides |",
+            "|---|---|---|---|---|---|"]
+    for v in study.variants:
+        model, counts = v.run.model, costs.param_counts(v.run.model)
+        flops = costs.train_flops_per_token(model, v.run.train.seq_len)
+        sets = ", ".join(v.overrides) or "(baseline)"
+        if v.matched:
+            sets += f"; matched: {v.matched}"
+        rows.append(f"| {v.name} | {counts.total:,} | {counts.active:,} | {flops:,.3g} | "
+                    f"{costs.kv_cache_bytes_per_token(model)} | {sets} |")
+    return "\n".join(rows)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m llama_jax.ablate",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("study", help="a study file (configs/ablations/NAME.yaml)")
+    parser.add_argument("--steps", type=int, help="train.steps for every run")
+    parser.add_argument("--seeds", type=int, help="use seeds 0..N-1 instead of the file's")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the resolved variants and their costs; train nothing")
+    return parser.parse_args(argv)
+
+
+@user_errors_exit
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    study = load_study(args.study, steps=args.steps, seeds=args.seeds)
+    print(f"study {study.path}: base {study.base}, seeds {list(study.seeds)}"
+          + (f", matched on {study.match}" if study.match else ""))
+    print(describe(study))
+    if not args.dry_run:
+        raise ConfigError("training a study is not implemented yet; use --dry-run")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,80 @@
+"""Ablation studies: study files resolve into variants (overrides of a base run config), what
+must stay equal is enforced before anything trains, and equal-parameter matching."""
+
+import pytest
+
+from llama_jax import ablate, costs
+from llama_jax.config import ConfigError
+
+BASE = """
+model: {vocab_size: 256, dim: 64, n_layers: 2, n_heads: 4, n_kv_heads: 2, multiple_of: 32}
+train: {seq_len: 32, batch_size: 4, steps: 6}
+data: {corpus: unused}
+"""
+
+
+def study(tmp_path, body: str):
+    (tmp_path / "base.yaml").write_text(BASE)
+    path = tmp_path / "study.yaml"
+    path.write_text("base: base.yaml\n" + body)
+    return path
+
+
+def test_variants_resolve_as_overrides_of_the_base(tmp_path, capsys):
+    path = study(tmp_path, "seeds: [3, 5]\nvariants:\n  rms: {}\n"
+                           "  ln: {model.norm: layernorm, train.learning_rate: 1.0e-3}\n")
+    s = ablate.load_study(path)
+    assert s.seeds == (3, 5) and [v.name for v in s.variants] == ["rms", "ln"]
+    rms, ln = s.variants
+    assert (rms.run.model.norm, ln.run.model.norm) == ("rmsnorm", "layernorm")
+    assert ln.run.train.learning_rate == 1e-3 and ln.for_seed(5).train.seed == 5
+    # run names: stable for an unchanged variant, new for an edited one or another seed
+    assert s.run_name(ln, 3) == ablate.load_study(path).run_name(ln, 3)
+    assert len({s.run_name(ln, 3), s.run_name(ln, 5), s.run_name(rms, 3)}) == 3
+    assert ablate.main([str(path), "--dry-run", "--seeds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "seeds [0]" in out and "| ln |" in out and 'model.norm="layernorm"' in out
+
+
+@pytest.mark.parametrize("match", ["params", "active_params", "flops"])
+def test_equal_parameter_matching_is_within_one_percent(match, tmp_path):
+    path = study(tmp_path, f"match: {match}\nmatch_field: model.ffn_dim\nvariants:\n"
+                           "  swiglu: {}\n  gelu: {model.mlp: gelu}\n  relu: {model.mlp: relu}\n"
+                           "  wide: {model.dim: 96, model.n_heads: 6, model.n_kv_heads: 3}\n")
+    s = ablate.load_study(path)
+    measure = {"params": lambda r: costs.param_counts(r.model).total,
+               "active_params": lambda r: costs.param_counts(r.model).active,
+               "flops": lambda r: costs.train_flops_per_token(r.model, r.train.seq_len)}[match]
+    target = measure(s.variants[0].run)
+    for v in s.variants[1:]:
+        assert abs(measure(v.run) / target - 1) < 0.01, (v.name, v.matched)
+        assert v.matched.startswith("model.ffn_dim ")
+    assert s.variants[1].run.model.ffn_dim > s.variants[0].run.model.ffn_dim  # 2 matrices
+
+
+@pytest.mark.parametrize("body, message", [
+    ("variants:\n  a: {}\n  b: {data.val_fraction: 0.1}\n",
+     r"variant 'b': data\.val_fraction is shared by every variant"),
+    ("variants:\n  a: {}\n  b: {train.steps: 100}\n", r"variant 'b': train\.steps is shared"),
+    ("variants:\n  a: {}\n  b: {train.seq_len: 64}\n", r"variant 'b': train\.seq_len is shared"),
+    ("variants:\n  a: {}\n  b: {model.nrom: layernorm}\n",
+     r"variant 'b': .*unknown key 'nrom' \(did you mean 'norm'\?\)"),
+    ("variants:\n  a: {}\n  b: {model.norm: batchnorm}\n",
+     r"variant 'b': .*norm='batchnorm' is not one of"),
+    ("variants:\n  a: {}\n  b: {model.n_kv_heads: 3}\n", r"variant 'b': .*n_kv_heads=3"),
+    ("variants:\n  a: {}\n  b: [model.norm]\n", r"variant 'b': expected a mapping"),
+    ("seeds: 0\nvariants: {a: {}}\n", r"seeds=0 must be a positive count"),
+    ("match: params\nvariants: {a: {}}\n", r"`match` and `match_field` go together"),
+    ("match: loss\nmatch_field: model.dim\nvariants: {a: {}}\n", r"match='loss' is not one of"),
+    ("match: params\nmatch_field: train.seed\nvariants: {a: {}, b: {}}\n",
+     r"match_field train\.seed must be an integer field of the model"),
+    ("variants: {}\n", r"a study needs `base:`"),
+    ("varients: {a: {}}\n", r"unknown key\(s\) \['varients'\]"),
+])
+def test_bad_studies_are_refused_naming_the_variant(body, message, tmp_path, capsys):
+    path = study(tmp_path, body)
+    with pytest.raises(ConfigError, match=r"study\.yaml: " + message):
+        ablate.load_study(path)
+    assert ablate.main([str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
