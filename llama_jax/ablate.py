@@ -21,24 +21,31 @@ model section, such as ffn_dim) is bisected for the value whose parameter count 
 active) or training FLOPs per token is closest to the baseline's, and the study says what it
 chose.
 
-This module resolves studies (this step of the issue: `--dry-run` prints the resolved variants
-with their parameter / active-parameter counts, FLOPs per token and KV bytes per token).
+Running (`run_study`): the study's workdir holds one tokenizer (trained once on the base
+config's corpus, then given to every run as `data.tokenizer`) and one ordinary train.py workdir
+per variant x seed, named `{variant}-s{seed}-{hash of the resolved config}`, so a rerun finds
+its runs: finished ones are skipped, an interrupted one resumes from its last checkpoint.
+`results.csv` / `results.md` summarise the runs' metrics.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import hashlib
 import json
+import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
-from llama_jax import costs
+from llama_jax import costs, data
+from llama_jax import workdir as run_dir
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import ConfigError, RunConfig, load_run_config, resolve_config_path
+from llama_jax.tokenizer import TOKENIZER_FILE
 
 MATCHES = ("params", "active_params", "flops")
 # Fields a variant may not override: they define the data and the token budget every variant
@@ -70,8 +77,11 @@ class Study:
 
     def run_name(self, variant: Variant, seed: int) -> str:
         """`{variant}-s{seed}-{hash}`: the hash of the resolved config, so an edited variant
-        gets a new run directory and an unchanged one is found again."""
-        resolved = json.dumps(variant.for_seed(seed).to_dict(), sort_keys=True, default=str)
+        gets a new run directory and an unchanged one is found again (the study's shared
+        tokenizer file, which lives in the study's directory, is not part of it)."""
+        config = variant.for_seed(seed).to_dict()
+        config["data"]["tokenizer"] = None
+        resolved = json.dumps(config, sort_keys=True, default=str)
         return f"{variant.name}-s{seed}-{hashlib.sha256(resolved.encode()).hexdigest()[:8]}"
 
 
@@ -202,6 +212,99 @@ def _matched(path: Path, variant: Variant, match: str, field: str, target: float
     return Variant(variant.name, variant.overrides + (f"{field}={value}",), run, note)
 
 
+def with_tokenizer(study: Study, tokenizer: Path) -> Study:
+    """Every variant reading the study's one tokenizer."""
+    def given(v: Variant) -> Variant:
+        run = dataclasses.replace(v.run, data=dataclasses.replace(v.run.data,
+                                                                 tokenizer=str(tokenizer)))
+        return dataclasses.replace(v, run=run)
+    return dataclasses.replace(study, variants=tuple(given(v) for v in study.variants))
+
+
+def run_study(study: Study, workdir: Path, log: Callable[[str], None] = print) -> Path:
+    """Trains every variant x seed not finished yet (see the module docstring); returns the
+    path of results.csv."""
+    from llama_jax.trainer import train
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    base = study.variants[0].run
+    corpus = data.find_corpus(base.data.corpus, base.data.val_fraction)
+    data.prepare_tokenizer(base.data, corpus, base.model.vocab_size, workdir, log)
+    study = with_tokenizer(study, workdir / TOKENIZER_FILE)
+    runs = [(v, seed) for v in study.variants for seed in study.seeds]
+    for i, (v, seed) in enumerate(runs, 1):
+        run, path = v.for_seed(seed), workdir / study.run_name(v, seed)
+        done = _finished(path, run)
+        log(f"[{i}/{len(runs)}] {path.name}: " + ("finished, skipped" if done else "training"))
+        if not done:
+            outcome = train(run, path, log=lambda _: None, progress=False)
+            log(f"[{i}/{len(runs)}] {path.name}: val_loss {outcome.val_loss:.4f}, "
+                f"{outcome.tokens_per_s:,.0f} tokens/s")
+    return write_results(study, workdir)
+
+
+def _finished(path: Path, run: RunConfig) -> bool:
+    """Its last step is checkpointed and evaluated (a run missing its last checkpoint resumes
+    from the one before)."""
+    rows = _metrics(path)
+    return ((path / run_dir.CHECKPOINTS / str(run.train.steps)).is_dir() and bool(rows)
+            and rows[-1].get("step") == run.train.steps and "val_loss" in rows[-1])
+
+
+def _metrics(path: Path) -> list[dict]:
+    file = path / run_dir.METRICS
+    if not file.is_file():
+        return []
+    return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+
+
+def write_results(study: Study, workdir: Path) -> Path:
+    """results.csv (one row per variant: costs, final validation loss mean/std over seeds,
+    difference from the baseline, tokens/s) and results.md, from the runs' metrics."""
+    rows = []
+    for v in study.variants:
+        finals = [m for seed in study.seeds
+                  if (m := _metrics(workdir / study.run_name(v, seed)))
+                  and "val_loss" in m[-1]]
+        losses = [m[-1]["val_loss"] for m in finals]
+        speeds = [r["tokens_per_s"] for m in finals for r in m if "tokens_per_s" in r]
+        counts = costs.param_counts(v.run.model)
+        rows.append({
+            "variant": v.name, "params": counts.total, "active_params": counts.active,
+            "flops_per_token": costs.train_flops_per_token(v.run.model, v.run.train.seq_len),
+            "kv_bytes_per_token": costs.kv_cache_bytes_per_token(v.run.model),
+            "seeds": len(losses),
+            "val_loss": statistics.mean(losses) if losses else None,
+            "val_loss_std": statistics.stdev(losses) if len(losses) > 1 else None,
+            "tokens_per_s": statistics.median(speeds) if speeds else None,
+        })
+    base = rows[0]["val_loss"]
+    for row in rows:
+        row["delta_vs_base"] = (None if row["val_loss"] is None or base is None
+                                else row["val_loss"] - base)
+    path = workdir / "results.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (workdir / "results.md").write_text(_markdown(rows) + "\n")
+    return path
+
+
+def _markdown(rows: list[dict]) -> str:
+    def number(x, fmt):
+        return "—" if x is None else format(x, fmt)
+    lines = ["| variant | params | active | val loss (± std) | vs base | seeds | tokens/s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        loss = number(r["val_loss"], ".4f") + (f" ± {r['val_loss_std']:.4f}"
+                                               if r["val_loss_std"] is not None else "")
+        lines.append(f"| {r['variant']} | {r['params']:,} | {r['active_params']:,} | {loss} | "
+                     f"{number(r['delta_vs_base'], '+.4f')} | {r['seeds']} | "
+                     f"{number(r['tokens_per_s'], ',.0f')} |")
+    return "\n".join(lines)
+
+
 def describe(study: Study) -> str:
     """The `--dry-run` table: one row per variant."""
     rows = ["| variant | params | active | FLOPs/token | KV bytes/token | overrides |",
@@ -221,6 +324,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m llama_jax.ablate",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("study", help="a study file (configs/ablations/NAME.yaml)")
+    parser.add_argument("--workdir", help="the study's directory (default: runs/ablations/NAME)")
     parser.add_argument("--steps", type=int, help="train.steps for every run")
     parser.add_argument("--seeds", type=int, help="use seeds 0..N-1 instead of the file's")
     parser.add_argument("--dry-run", action="store_true",
@@ -235,8 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"study {study.path}: base {study.base}, seeds {list(study.seeds)}"
           + (f", matched on {study.match}" if study.match else ""))
     print(describe(study))
-    if not args.dry_run:
-        raise ConfigError("training a study is not implemented yet; use --dry-run")
+    if args.dry_run:
+        return 0
+    workdir = Path(args.workdir or Path("runs") / "ablations" / study.path.stem)
+    results = run_study(study, workdir)
+    print((results.parent / "results.md").read_text())
     return 0
 
 

@@ -78,3 +78,45 @@ def test_bad_studies_are_refused_naming_the_variant(body, message, tmp_path, cap
     assert ablate.main([str(path), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
+
+
+def test_a_tiny_study_runs_and_reruns_nothing(corpus_dir, tmp_path):
+    """2 variants x 2 seeds, a few steps each: one workdir per run, results that agree with
+    the runs' metrics, a rerun that trains nothing, and a run without its last checkpoint
+    resumed alone."""
+    import json
+    import shutil
+
+    (tmp_path / "base.yaml").write_text(f"""
+model: {{vocab_size: 512, dim: 64, n_layers: 2, n_heads: 4, n_kv_heads: 2, multiple_of: 32,
+        max_seq_len: 64}}
+train: {{seq_len: 32, batch_size: 8, steps: 4, warmup_steps: 1, log_every: 2, eval_every: 2,
+        eval_batches: 1, checkpoint_every: 2}}
+data: {{corpus: {corpus_dir}}}
+""")
+    path = tmp_path / "study.yaml"
+    path.write_text("base: base.yaml\nseeds: 2\nvariants:\n  rms: {}\n"
+                    "  ln: {model.norm: layernorm}\n")
+    study, workdir, logs = ablate.load_study(path), tmp_path / "out", []
+    results = ablate.run_study(study, workdir, log=logs.append)
+    names = sorted(p.name for p in workdir.iterdir() if p.is_dir())
+    assert len(names) == 4 and {n.split("-s")[0] for n in names} == {"rms", "ln"}
+    rows = {r["variant"]: r for r in __import__("csv").DictReader(results.open())}
+    for v in study.variants:
+        finals = [json.loads((workdir / study.run_name(v, s) / "metrics.jsonl").read_text()
+                             .splitlines()[-1])["val_loss"] for s in study.seeds]
+        assert float(rows[v.name]["val_loss"]) == pytest.approx(sum(finals) / 2, rel=1e-9)
+        assert int(rows[v.name]["seeds"]) == 2
+    assert "| ln |" in (workdir / "results.md").read_text()
+    # the same tokenizer for every run
+    tokenizers = {(workdir / n / "tokenizer.model").read_bytes() for n in names}
+    assert len(tokenizers) == 1
+
+    logs.clear()
+    ablate.run_study(ablate.load_study(path), workdir, log=logs.append)
+    assert sum("finished, skipped" in line for line in logs) == 4
+    shutil.rmtree(workdir / study.run_name(study.variants[1], 0) / "checkpoints" / "4")
+    logs.clear()
+    ablate.run_study(ablate.load_study(path), workdir, log=logs.append)
+    trained = [line for line in logs if line.endswith("training")]
+    assert len(trained) == 1 and study.run_name(study.variants[1], 0) in trained[0]
