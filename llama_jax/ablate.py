@@ -25,7 +25,9 @@ Running (`run_study`): the study's workdir holds one tokenizer (trained once on 
 config's corpus, then given to every run as `data.tokenizer`) and one ordinary train.py workdir
 per variant x seed, named `{variant}-s{seed}-{hash of the resolved config}`, so a rerun finds
 its runs: finished ones are skipped, an interrupted one resumes from its last checkpoint.
-`results.csv` / `results.md` summarise the runs' metrics.jsonl.
+`results.csv` / `results.md` summarise the runs' metrics.jsonl, and two PNG plots show the
+validation loss against training tokens and against training wall-clock (evaluation and
+checkpointing excluded), one line per variant (the mean over seeds, their range shaded).
 """
 
 from __future__ import annotations
@@ -240,6 +242,7 @@ def run_study(study: Study, workdir: Path, log: Callable[[str], None] = print) -
             outcome = train(run, path, log=lambda _: None, progress=False)
             log(f"[{i}/{len(runs)}] {path.name}: val_loss {outcome.val_loss:.4f}, "
                 f"{outcome.tokens_per_s:,.0f} tokens/s")
+    plot_results(study, workdir)
     return write_results(study, workdir)
 
 
@@ -289,6 +292,56 @@ def write_results(study: Study, workdir: Path) -> Path:
         writer.writerows(rows)
     (workdir / "results.md").write_text(_markdown(rows) + "\n")
     return path
+
+
+def validation_curve(rows: list[dict], tokens_per_step: int) -> list[tuple[int, float, float]]:
+    """`(tokens, training seconds, val_loss)` at each evaluation of a run's metrics; seconds
+    summed from the logged tokens/s of each window."""
+    curve, seconds, last_logged = [], 0.0, 0
+    for row in rows:
+        if "tokens_per_s" in row:
+            seconds += (row["step"] - last_logged) * tokens_per_step / row["tokens_per_s"]
+            last_logged = row["step"]
+        if "val_loss" in row:
+            curve.append((row["step"] * tokens_per_step, seconds, row["val_loss"]))
+    return curve
+
+
+def plot_results(study: Study, workdir: Path) -> list[Path]:
+    """loss_vs_tokens.png and loss_vs_time.png in `workdir`."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    paths = []
+    for axis, label, name in ((0, "training tokens", "loss_vs_tokens.png"),
+                              (1, "training time (s)", "loss_vs_time.png")):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for v in study.variants:
+            tokens_per_step = v.run.train.batch_size * v.run.train.seq_len
+            curves = [validation_curve(_metrics(workdir / study.run_name(v, seed)),
+                                       tokens_per_step) for seed in study.seeds]
+            curves = [c for c in curves if c]
+            if not curves:
+                continue
+            n = min(len(c) for c in curves)
+            x = np.mean([[p[axis] for p in c[:n]] for c in curves], axis=0)
+            loss = np.array([[p[2] for p in c[:n]] for c in curves])
+            (line,) = ax.plot(x, loss.mean(0), marker="o", markersize=3, label=v.name)
+            if len(curves) > 1:
+                ax.fill_between(x, loss.min(0), loss.max(0), color=line.get_color(), alpha=0.2)
+        ax.set_xlabel(label)
+        ax.set_ylabel("validation loss (nats/token)")
+        ax.set_title(study.path.stem)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(workdir / name, dpi=120)
+        plt.close(fig)
+        paths.append(workdir / name)
+    return paths
 
 
 def _markdown(rows: list[dict]) -> str:

@@ -36,6 +36,13 @@ def test_variants_resolve_as_overrides_of_the_base(tmp_path, capsys):
     assert "seeds [0]" in out and "| ln |" in out and 'model.norm="layernorm"' in out
 
 
+def test_validation_curves_sum_training_time_from_the_logged_windows():
+    rows = [{"step": 2, "tokens_per_s": 100.0}, {"step": 3, "val_loss": 5.0},
+            {"step": 4, "tokens_per_s": 50.0, "val_loss": 4.0}]
+    # 2 steps of 10 tokens at 100/s, then 2 more at 50/s
+    assert ablate.validation_curve(rows, 10) == [(30, 0.2, 5.0), (40, 0.6000000000000001, 4.0)]
+
+
 @pytest.mark.parametrize("match", ["params", "active_params", "flops"])
 def test_equal_parameter_matching_is_within_one_percent(match, tmp_path):
     path = study(tmp_path, f"match: {match}\nmatch_field: model.ffn_dim\nvariants:\n"
@@ -108,6 +115,8 @@ data: {{corpus: {corpus_dir}}}
         assert float(rows[v.name]["val_loss"]) == pytest.approx(sum(finals) / 2, rel=1e-9)
         assert int(rows[v.name]["seeds"]) == 2
     assert "| ln |" in (workdir / "results.md").read_text()
+    for plot in ("loss_vs_tokens.png", "loss_vs_time.png"):
+        assert (workdir / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the same tokenizer for every run
     tokenizers = {(workdir / n / "tokenizer.model").read_bytes() for n in names}
     assert len(tokenizers) == 1
