@@ -47,14 +47,14 @@ from llama_jax import costs, data
 from llama_jax import workdir as run_dir
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import ConfigError, RunConfig, load_run_config, resolve_config_path
-from llama_jax.tokenizer import TOKENIZER_FILE
+from llama_jax.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 MATCHES = ("params", "active_params", "flops")
 # Fields a variant may not override: they define the data and the token budget every variant
 # shares.
 FIXED_SECTIONS = ("data",)
 FIXED_TRAIN = ("seq_len", "batch_size", "steps")
-STUDY_KEYS = ("base", "seeds", "match", "match_field", "variants")
+STUDY_KEYS = ("base", "seeds", "match", "match_field", "variants", "eval_seq_lens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +76,7 @@ class Study:
     seeds: tuple[int, ...]
     variants: tuple[Variant, ...]
     match: str | None = None
+    eval_seq_lens: tuple[int, ...] = ()  # extra evaluations at these lengths (e.g. 2 x T)
 
     def run_name(self, variant: Variant, seed: int) -> str:
         """`{variant}-s{seed}-{hash}`: the hash of the resolved config, so an edited variant
@@ -123,7 +124,14 @@ def load_study(path: str | Path, steps: int | None = None, seeds: int | None = N
         target = _measure(variants[0].run, match)
         variants = [variants[0]] + [_matched(path, v, match, field, target)
                                     for v in variants[1:]]
-    return Study(path, base, seed_list, tuple(variants), match)
+    eval_seq_lens = tuple(tree.get("eval_seq_lens") or ())
+    for length in eval_seq_lens:
+        for v in variants:
+            if not isinstance(length, int) or not 0 < length <= v.run.model.max_seq_len:
+                raise ConfigError(f"{path}: eval_seq_lens {length!r} must be a positive integer "
+                                  f"<= model.max_seq_len ({v.run.model.max_seq_len} in variant "
+                                  f"{v.name!r})")
+    return Study(path, base, seed_list, tuple(variants), match, eval_seq_lens)
 
 
 def _seeds(path: Path, seeds: Any) -> tuple[int, ...]:
@@ -242,8 +250,37 @@ def run_study(study: Study, workdir: Path, log: Callable[[str], None] = print) -
             outcome = train(run, path, log=lambda _: None, progress=False)
             log(f"[{i}/{len(runs)}] {path.name}: val_loss {outcome.val_loss:.4f}, "
                 f"{outcome.tokens_per_s:,.0f} tokens/s")
+    if study.eval_seq_lens:
+        tokenizer = load_tokenizer(workdir / TOKENIZER_FILE)
+        tokens = data.tokenize_corpus(corpus, tokenizer, data.cache_root(), log)
+        for v, seed in runs:
+            path = workdir / study.run_name(v, seed)
+            for length in study.eval_seq_lens:
+                extra = path / f"val_loss_at_{length}.json"
+                if not extra.is_file():
+                    loss = validation_loss(path, tokens.val, length, v.run.train.batch_size,
+                                           v.run.train.eval_batches, tokenizer.bos_id)
+                    extra.write_text(json.dumps({"seq_len": length, "val_loss": loss}))
     plot_results(study, workdir)
     return write_results(study, workdir)
+
+
+def validation_loss(run_path: Path, val_tokens, seq_len: int, batch_size: int,
+                    n_batches: int, bos_id: int) -> float:
+    """Mean validation cross-entropy of a finished run's parameters on windows of `seq_len`
+    tokens (as the trainer evaluates: packed documents, positions restarting at each)."""
+    import jax
+
+    from llama_jax.checkpoint import load_checkpoint
+    from llama_jax.training import eval_sums
+
+    config, params = load_checkpoint(run_path)
+    evaluate = jax.jit(lambda p, w: eval_sums(config, bos_id, p, w)[:2])
+    total = count = 0.0
+    for window in data.val_batches(val_tokens, seq_len, batch_size, n_batches):
+        ce, n = evaluate(params, window)
+        total, count = total + float(ce), count + float(n)
+    return total / count
 
 
 def _finished(path: Path, run: RunConfig) -> bool:
@@ -280,6 +317,8 @@ def write_results(study: Study, workdir: Path) -> Path:
             "val_loss": statistics.mean(losses) if losses else None,
             "val_loss_std": statistics.stdev(losses) if len(losses) > 1 else None,
             "tokens_per_s": statistics.median(speeds) if speeds else None,
+            **{f"val_loss_at_{length}": _mean_at(workdir, study, v, length)
+               for length in study.eval_seq_lens},
         })
     base = rows[0]["val_loss"]
     for row in rows:
@@ -344,17 +383,27 @@ def plot_results(study: Study, workdir: Path) -> list[Path]:
     return paths
 
 
+def _mean_at(workdir: Path, study: Study, v: Variant, length: int) -> float | None:
+    values = [json.loads(f.read_text())["val_loss"] for seed in study.seeds
+              if (f := workdir / study.run_name(v, seed) / f"val_loss_at_{length}.json")
+              .is_file()]
+    return statistics.mean(values) if values else None
+
+
 def _markdown(rows: list[dict]) -> str:
     def number(x, fmt):
         return "—" if x is None else format(x, fmt)
-    lines = ["| variant | params | active | val loss (± std) | vs base | seeds | tokens/s |",
-             "|---|---|---|---|---|---|---|"]
+    extra = [k for k in rows[0] if k.startswith("val_loss_at_")]
+    lines = ["| variant | params | active | val loss (± std) | vs base | seeds | tokens/s |"
+             + "".join(f" val loss at {k.rpartition('_')[2]} |" for k in extra),
+             "|---|---|---|---|---|---|---|" + "---|" * len(extra)]
     for r in rows:
         loss = number(r["val_loss"], ".4f") + (f" ± {r['val_loss_std']:.4f}"
                                                if r["val_loss_std"] is not None else "")
         lines.append(f"| {r['variant']} | {r['params']:,} | {r['active_params']:,} | {loss} | "
                      f"{number(r['delta_vs_base'], '+.4f')} | {r['seeds']} | "
-                     f"{number(r['tokens_per_s'], ',.0f')} |")
+                     f"{number(r['tokens_per_s'], ',.0f')} |"
+                     + "".join(f" {number(r[k], '.4f')} |" for k in extra))
     return "\n".join(lines)
 
 

@@ -1,6 +1,8 @@
 """Ablation studies: study files resolve into variants (overrides of a base run config), what
 must stay equal is enforced before anything trains, and equal-parameter matching."""
 
+import math
+
 import pytest
 
 from llama_jax import ablate, costs
@@ -102,8 +104,8 @@ train: {{seq_len: 32, batch_size: 8, steps: 4, warmup_steps: 1, log_every: 2, ev
 data: {{corpus: {corpus_dir}}}
 """)
     path = tmp_path / "study.yaml"
-    path.write_text("base: base.yaml\nseeds: 2\nvariants:\n  rms: {}\n"
-                    "  ln: {model.norm: layernorm}\n")
+    path.write_text("base: base.yaml\nseeds: 2\neval_seq_lens: [32, 64]\nvariants:\n"
+                    "  rms: {}\n  ln: {model.norm: layernorm}\n")
     study, workdir, logs = ablate.load_study(path), tmp_path / "out", []
     results = ablate.run_study(study, workdir, log=logs.append)
     names = sorted(p.name for p in workdir.iterdir() if p.is_dir())
@@ -113,6 +115,10 @@ data: {{corpus: {corpus_dir}}}
         finals = [json.loads((workdir / study.run_name(v, s) / "metrics.jsonl").read_text()
                              .splitlines()[-1])["val_loss"] for s in study.seeds]
         assert float(rows[v.name]["val_loss"]) == pytest.approx(sum(finals) / 2, rel=1e-9)
+        # evaluated again at the training length: the trainer's number; at 2x: another
+        assert float(rows[v.name]["val_loss_at_32"]) == pytest.approx(sum(finals) / 2,
+                                                                        rel=1e-5)
+        assert 0 < float(rows[v.name]["val_loss_at_64"]) < 2 * math.log(512)
         assert int(rows[v.name]["seeds"]) == 2
     assert "| ln |" in (workdir / "results.md").read_text()
     for plot in ("loss_vs_tokens.png", "loss_vs_time.png"):
