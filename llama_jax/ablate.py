@@ -2,6 +2,7 @@
 overrides each) and seeds; every variant x seed is an ordinary training run.
 
     python -m llama_jax.ablate STUDY.yaml [--workdir DIR] [--steps N] [--seeds N] [--dry-run]
+    python -m llama_jax.ablate report DIR     # results and plots again, from DIR's runs
 
 A study file (`configs/ablations/NAME.yaml`):
 
@@ -38,6 +39,7 @@ import dataclasses
 import hashlib
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,6 +57,7 @@ MATCHES = ("params", "active_params", "flops")
 FIXED_SECTIONS = ("data",)
 FIXED_TRAIN = ("seq_len", "batch_size", "steps")
 STUDY_KEYS = ("base", "seeds", "match", "match_field", "variants", "eval_seq_lens")
+STUDY_RECORD = "study.json"  # in a study's workdir: which study file, seeds and steps it ran
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +240,9 @@ def run_study(study: Study, workdir: Path, log: Callable[[str], None] = print) -
     from llama_jax.trainer import train
 
     workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / STUDY_RECORD).write_text(json.dumps({
+        "study": str(study.path.resolve()), "seeds": list(study.seeds),
+        "steps": study.variants[0].run.train.steps}, indent=2))
     base = study.variants[0].run
     corpus = data.find_corpus(base.data.corpus, base.data.val_fraction)
     data.prepare_tokenizer(base.data, corpus, base.model.vocab_size, workdir, log)
@@ -434,8 +440,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def report(workdir: Path) -> Path:
+    """Rebuilds results.csv, results.md and the plots of a study's workdir from its runs."""
+    record = workdir / STUDY_RECORD
+    if not record.is_file():
+        raise ConfigError(f"{workdir}: no {STUDY_RECORD}; not the workdir of a study run")
+    ran = json.loads(record.read_text())
+    study = load_study(ran["study"], steps=ran["steps"], seeds=len(ran["seeds"]))
+    study = dataclasses.replace(study, seeds=tuple(ran["seeds"]))
+    plot_results(study, workdir)
+    return write_results(study, workdir)
+
+
 @user_errors_exit
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["report"]:
+        if len(argv) != 2:
+            raise ConfigError("usage: python -m llama_jax.ablate report DIR")
+        results = report(Path(argv[1]))
+        print((results.parent / "results.md").read_text())
+        return 0
     args = parse_args(argv)
     study = load_study(args.study, steps=args.steps, seeds=args.seeds)
     print(f"study {study.path}: base {study.base}, seeds {list(study.seeds)}"

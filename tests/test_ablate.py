@@ -127,6 +127,13 @@ data: {{corpus: {corpus_dir}}}
     tokenizers = {(workdir / n / "tokenizer.model").read_bytes() for n in names}
     assert len(tokenizers) == 1
 
+    # the runs are ordinary workdirs; the results can be rebuilt from them
+    import llama_jax
+    assert llama_jax.load_checkpoint(workdir / names[0])[0].n_layers == 2
+    csv_text = results.read_text()
+    results.unlink()
+    assert ablate.main(["report", str(workdir)]) == 0 and results.read_text() == csv_text
+
     logs.clear()
     ablate.run_study(ablate.load_study(path), workdir, log=logs.append)
     assert sum("finished, skipped" in line for line in logs) == 4
