@@ -13,6 +13,7 @@ A study file (`configs/ablations/NAME.yaml`):
     variants:                      # the first is the baseline the others are compared with
       rmsnorm: {}
       layernorm: {model.norm: layernorm}
+      moe: {model.mlp: moe, ..., match: false}   # not matched: sized as written
 
 What must stay equal across variants — the data (corpus, tokenizer, split) and the token budget
 (steps x batch x sequence length) — is checked: a variant that would change it is refused
@@ -66,6 +67,7 @@ class Variant:
     overrides: tuple[str, ...]  # SECTION.KEY=VALUE, the study's and the matching's
     run: RunConfig  # resolved, seed 0 of the study's seeds applied by `for_seed`
     matched: str | None = None  # what matching changed, for the report
+    match: bool = True  # False: kept as written under the study's `match` (`match: false`)
 
     def for_seed(self, seed: int) -> RunConfig:
         return dataclasses.replace(self.run, train=dataclasses.replace(self.run.train,
@@ -125,7 +127,7 @@ def load_study(path: str | Path, steps: int | None = None, seeds: int | None = N
             raise ConfigError(f"{path}: match_field {field} must be an integer field of the "
                               f"model section (the baseline's value: {value!r})")
         target = _measure(variants[0].run, match)
-        variants = [variants[0]] + [_matched(path, v, match, field, target)
+        variants = [variants[0]] + [_matched(path, v, match, field, target) if v.match else v
                                     for v in variants[1:]]
     eval_seq_lens = tuple(tree.get("eval_seq_lens") or ())
     for length in eval_seq_lens:
@@ -155,6 +157,12 @@ def _variant(path: Path, base: Path, name: str, overrides: Any,
     if not isinstance(overrides, dict):
         raise ConfigError(f"{where}: expected a mapping of SECTION.KEY: VALUE overrides, got "
                           f"{overrides!r}")
+    overrides = dict(overrides)
+    match = overrides.pop("match", True)
+    if not isinstance(match, bool):
+        raise ConfigError(f"{where}: match={match!r} must be true or false (false: keep this "
+                          "variant's widths as written, e.g. an MoE sized for equal active "
+                          "parameters by construction)")
     sets = []
     for key, value in overrides.items():
         section, _, field = str(key).partition(".")
@@ -162,7 +170,8 @@ def _variant(path: Path, base: Path, name: str, overrides: Any,
             raise ConfigError(f"{where}: {key} is shared by every variant of a study (the data "
                               "and the token budget); set it in the base config")
         sets.append(f"{key}={json.dumps(value)}")
-    return Variant(name, tuple(common + sets), _resolve(where, base, common + sets))
+    return Variant(name, tuple(common + sets), _resolve(where, base, common + sets),
+                   match=match)
 
 
 def _resolve(where: str, base: Path, overrides: list[str]) -> RunConfig:

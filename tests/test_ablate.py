@@ -61,6 +61,19 @@ def test_equal_parameter_matching_is_within_one_percent(match, tmp_path):
     assert s.variants[1].run.model.ffn_dim > s.variants[0].run.model.ffn_dim  # 2 matrices
 
 
+def test_a_variant_can_keep_its_widths_under_matching(tmp_path):
+    """An MoE sized for equal active parameters by construction is not matched on totals."""
+    path = study(tmp_path, "match: params\nmatch_field: model.ffn_dim\nvariants:\n"
+                           "  dense: {}\n  moe: {model.mlp: moe, match: false, model.moe: "
+                           "{n_experts: 4, top_k: 2, expert_ffn_dim: 96}}\n")
+    dense, moe = ablate.load_study(path).variants
+    assert moe.matched is None and moe.run.model.ffn_dim == dense.run.model.ffn_dim
+    moe_counts, dense_counts = (costs.param_counts(v.run.model) for v in (moe, dense))
+    assert dense.run.model.ffn_dim == 2 * 96  # so equal active parameters, but for routers
+    assert moe_counts.total > 1.5 * dense_counts.total
+    assert moe_counts.active - dense_counts.active == 2 * 64 * 4  # the routers [D, E]
+
+
 @pytest.mark.parametrize("body, message", [
     ("variants:\n  a: {}\n  b: {data.val_fraction: 0.1}\n",
      r"variant 'b': data\.val_fraction is shared by every variant"),
@@ -79,6 +92,7 @@ def test_equal_parameter_matching_is_within_one_percent(match, tmp_path):
      r"match_field train\.seed must be an integer field of the model"),
     ("variants: {}\n", r"a study needs `base:`"),
     ("varients: {a: {}}\n", r"unknown key\(s\) \['varients'\]"),
+    ("variants:\n  a: {}\n  b: {match: 3}\n", r"variant 'b': match=3 must be"),
 ])
 def test_bad_studies_are_refused_naming_the_variant(body, message, tmp_path, capsys):
     path = study(tmp_path, body)
