@@ -39,6 +39,7 @@ import csv
 import dataclasses
 import hashlib
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -263,8 +264,10 @@ def run_study(study: Study, workdir: Path, log: Callable[[str], None] = print) -
         log(f"[{i}/{len(runs)}] {path.name}: " + ("finished, skipped" if done else "training"))
         if not done:
             outcome = train(run, path, log=lambda _: None, progress=False)
+            memory = ("" if outcome.peak_memory_bytes is None
+                      else f", {outcome.peak_memory_bytes / 2**20:,.0f} MiB peak")
             log(f"[{i}/{len(runs)}] {path.name}: val_loss {outcome.val_loss:.4f}, "
-                f"{outcome.tokens_per_s:,.0f} tokens/s")
+                f"{outcome.tokens_per_s:,.0f} tokens/s" + memory)
     if study.eval_seq_lens:
         tokenizer = load_tokenizer(workdir / TOKENIZER_FILE)
         tokens = data.tokenize_corpus(corpus, tokenizer, data.cache_root(), log)
@@ -314,31 +317,34 @@ def _metrics(path: Path) -> list[dict]:
 
 
 def write_results(study: Study, workdir: Path) -> Path:
-    """results.csv (one row per variant: costs, final validation loss mean/std over seeds,
-    difference from the baseline, tokens/s) and results.md, from the runs' metrics."""
-    rows = []
+    """results.csv (one row per variant: costs, final validation loss and perplexity mean/std
+    over seeds, difference from the baseline with its significance, tokens/s, peak memory) and
+    results.md, from the runs' metrics."""
+    rows, finals = [], {}
     for v in study.variants:
-        finals = [m for seed in study.seeds
-                  if (m := _metrics(workdir / study.run_name(v, seed)))
-                  and "val_loss" in m[-1]]
-        losses = [m[-1]["val_loss"] for m in finals]
-        speeds = [r["tokens_per_s"] for m in finals for r in m if "tokens_per_s" in r]
+        finals[v.name] = {seed: m for seed in study.seeds
+                          if (m := _metrics(workdir / study.run_name(v, seed)))
+                          and "val_loss" in m[-1]}
+        runs = finals[v.name].values()
+        losses = [m[-1]["val_loss"] for m in runs]
+        speeds = [r["tokens_per_s"] for m in runs for r in m if "tokens_per_s" in r]
+        memory = [r["peak_memory_bytes"] for m in runs for r in m if "peak_memory_bytes" in r]
         counts = costs.param_counts(v.run.model)
         rows.append({
             "variant": v.name, "params": counts.total, "active_params": counts.active,
             "flops_per_token": costs.train_flops_per_token(v.run.model, v.run.train.seq_len),
             "kv_bytes_per_token": costs.kv_cache_bytes_per_token(v.run.model),
             "seeds": len(losses),
-            "val_loss": statistics.mean(losses) if losses else None,
-            "val_loss_std": statistics.stdev(losses) if len(losses) > 1 else None,
+            **_spread("val_loss", losses),
+            **_spread("val_ppl", [math.exp(x) for x in losses]),
             "tokens_per_s": statistics.median(speeds) if speeds else None,
+            "peak_memory_bytes": int(max(memory)) if memory else None,
             **{f"val_loss_at_{length}": _mean_at(workdir, study, v, length)
                for length in study.eval_seq_lens},
         })
-    base = rows[0]["val_loss"]
-    for row in rows:
-        row["delta_vs_base"] = (None if row["val_loss"] is None or base is None
-                                else row["val_loss"] - base)
+    base = study.variants[0].name
+    for v, row in zip(study.variants, rows):
+        row.update(compare(_final_losses(finals[v.name]), _final_losses(finals[base])))
     path = workdir / "results.csv"
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -346,6 +352,39 @@ def write_results(study: Study, workdir: Path) -> Path:
         writer.writerows(rows)
     (workdir / "results.md").write_text(_markdown(rows) + "\n")
     return path
+
+
+def _spread(name: str, values: list[float]) -> dict[str, float | None]:
+    return {name: statistics.mean(values) if values else None,
+            f"{name}_std": statistics.stdev(values) if len(values) > 1 else None}
+
+
+def _final_losses(runs: dict[int, list[dict]]) -> dict[int, float]:
+    return {seed: rows[-1]["val_loss"] for seed, rows in runs.items()}
+
+
+def compare(losses: dict[int, float], base: dict[int, float]) -> dict[str, Any]:
+    """A variant's final validation losses against the baseline's, both by seed.
+
+    `delta_vs_base` is the difference of the means. Runs with the same seed see the same
+    batches in the same order, so the difference is taken per seed (paired) where both have the
+    seed, and `delta_se` is the standard error of that mean difference (std / sqrt(n)); its
+    noise is the seed-to-seed change of the *difference*, not of each loss. `significance`:
+    "clear" when |delta| is more than twice its standard error and every seed's difference has
+    the same sign, "within noise" otherwise, None with fewer than two shared seeds (or for the
+    baseline itself).
+    """
+    if not losses or not base:
+        return {"delta_vs_base": None, "delta_se": None, "significance": None}
+    delta = statistics.mean(losses.values()) - statistics.mean(base.values())
+    paired = [losses[s] - base[s] for s in losses if s in base]
+    if len(paired) < 2 or losses == base:
+        return {"delta_vs_base": delta, "delta_se": None, "significance": None}
+    se = statistics.stdev(paired) / math.sqrt(len(paired))
+    same_sign = all(d > 0 for d in paired) or all(d < 0 for d in paired)
+    clear = same_sign and abs(delta) > 2 * se
+    return {"delta_vs_base": delta, "delta_se": se,
+            "significance": "clear" if clear else "within noise"}
 
 
 def validation_curve(rows: list[dict], tokens_per_step: int) -> list[tuple[int, float, float]]:
@@ -408,17 +447,28 @@ def _mean_at(workdir: Path, study: Study, v: Variant, length: int) -> float | No
 def _markdown(rows: list[dict]) -> str:
     def number(x, fmt):
         return "—" if x is None else format(x, fmt)
+
+    def spread(r, name, fmt):
+        std = r[f"{name}_std"]
+        return number(r[name], fmt) + ("" if std is None else f" ± {std:{fmt}}")
+
     extra = [k for k in rows[0] if k.startswith("val_loss_at_")]
-    lines = ["| variant | params | active | val loss (± std) | vs base | seeds | tokens/s |"
+    lines = ["| variant | params | active | FLOPs/token | KV bytes/token | val loss (± std) | "
+             "val ppl | vs base (± SE) | significance | seeds | tokens/s | peak memory |"
              + "".join(f" val loss at {k.rpartition('_')[2]} |" for k in extra),
-             "|---|---|---|---|---|---|---|" + "---|" * len(extra)]
+             "|---|" + "---:|" * 11 + "---:|" * len(extra)]
     for r in rows:
-        loss = number(r["val_loss"], ".4f") + (f" ± {r['val_loss_std']:.4f}"
-                                               if r["val_loss_std"] is not None else "")
-        lines.append(f"| {r['variant']} | {r['params']:,} | {r['active_params']:,} | {loss} | "
-                     f"{number(r['delta_vs_base'], '+.4f')} | {r['seeds']} | "
-                     f"{number(r['tokens_per_s'], ',.0f')} |"
-                     + "".join(f" {number(r[k], '.4f')} |" for k in extra))
+        delta = number(r["delta_vs_base"], "+.4f") + (
+            "" if r["delta_se"] is None else f" ± {r['delta_se']:.4f}")
+        memory = ("—" if r["peak_memory_bytes"] is None
+                  else f"{r['peak_memory_bytes'] / 2**20:,.0f} MiB")
+        lines.append(
+            f"| {r['variant']} | {r['params']:,} | {r['active_params']:,} | "
+            f"{r['flops_per_token']:,.3g} | {r['kv_bytes_per_token']:,} | "
+            f"{spread(r, 'val_loss', '.4f')} | {spread(r, 'val_ppl', '.1f')} | {delta} | "
+            f"{r['significance'] or '—'} | {r['seeds']} | {number(r['tokens_per_s'], ',.0f')} | "
+            f"{memory} |" + "".join(f" {number(r[k], '.4f')} |"
+                                                  for k in extra))
     return "\n".join(lines)
 
 

@@ -56,6 +56,7 @@ class Outcome:
     val_unigram_entropy: float = 0.0  # nats/token: the validation loss of a context-free model
     compile_s: float = 0.0
     tokens_per_s: float = 0.0  # over the whole run, compile excluded
+    peak_memory_bytes: int | None = None  # per device: see `_peak_memory`
 
 
 def check_run(run: RunConfig, mesh: jax.sharding.Mesh) -> None:
@@ -131,7 +132,8 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
     metrics = MetricsLog(workdir / run_dir.METRICS, workdir / run_dir.TENSORBOARD, start)
     outcome = Outcome(step=start, compile_s=compile_s,
                       val_unigram_entropy=data.unigram_entropy(tokens.val, tokens.bos_id))
-    log(f"step compiled in {compile_s:.1f} s; training steps {start + 1}..{end} of "
+    log(f"step compiled in {compile_s:.1f} s ({_mib(programs.step_bytes)} per device); "
+        f"training steps {start + 1}..{end} of "
         f"{train_cfg.steps} on {len(devices)} {devices[0].platform} device(s), mesh "
         f"{dict(mesh.shape)}")
 
@@ -169,6 +171,7 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
                         tokens_per_s=window_steps * tokens_per_step / elapsed,
                         mfu=window_steps * flops_per_step / elapsed / peak,
                         nonfinite_total=values["nonfinite_total"],
+                        **_memory_record(_peak_memory(devices[0], programs.step_bytes)),
                         **{k: v for k, v in values.items() if k.startswith("moe_")})
                     bar.set_postfix(loss=f"{values['loss']:.3f}",
                                     tok_s=f"{record['tokens_per_s']:.0f}",
@@ -197,6 +200,7 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
                     break
         outcome.tokens_per_s = (outcome.step - start) * tokens_per_step / (
             time.perf_counter() - run_start)
+        outcome.peak_memory_bytes = _peak_memory(devices[0], programs.step_bytes)
     finally:
         bar.close()
         checkpoints.close()
@@ -212,6 +216,32 @@ class _Programs:
     evaluate: Callable  # (params, batch) -> (cross-entropy sum, token count, aux), compiled
     compile_s: float
     batch_sharding: NamedSharding
+    step_bytes: int | None  # XLA's footprint of the step per device; None if not reported
+
+
+def _footprint(compiled) -> int | None:
+    """Bytes a compiled program holds at once per device: its arguments, the outputs that do
+    not reuse an argument's buffer (the state is donated), and its temporaries."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    return (stats.argument_size_in_bytes + stats.output_size_in_bytes
+            - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+
+
+def _peak_memory(device, step_bytes: int | None) -> int | None:
+    """The allocator's peak so far where the backend counts it (GPU, TPU: everything the
+    process holds on the device), else (CPU) the compiled step's footprint."""
+    stats = device.memory_stats() or {}
+    return stats.get("peak_bytes_in_use", step_bytes)
+
+
+def _memory_record(peak: int | None) -> dict[str, int]:
+    return {} if peak is None else {"peak_memory_bytes": peak}
+
+
+def _mib(size: int | None) -> str:
+    return "size not reported" if size is None else f"{size / 2**20:,.1f} MiB"
 
 
 @functools.lru_cache(maxsize=4)
@@ -242,7 +272,8 @@ def _programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh) -> _Programs
         compile_s = time.perf_counter() - start
         evaluate = evaluate.lower(abstract.params, batch).compile()
     return _Programs(init=init, abstract=abstract, step=compiled, evaluate=evaluate,
-                     compile_s=compile_s, batch_sharding=batch_sharding)
+                     compile_s=compile_s, batch_sharding=batch_sharding,
+                     step_bytes=_footprint(compiled))
 
 
 @jax.jit

@@ -103,6 +103,27 @@ def test_bad_studies_are_refused_naming_the_variant(body, message, tmp_path, cap
     assert err.startswith("error: ") and "Traceback" not in err
 
 
+@pytest.mark.parametrize("variant, base, expected", [
+    # paired by seed: the differences 0.10 and 0.12 -> mean 0.11, SE = 0.01
+    ({0: 3.10, 1: 3.32}, {0: 3.00, 1: 3.20}, (0.11, 0.01, "clear")),
+    # a mean difference of 0.01 against per-seed differences of +0.1 and -0.08
+    ({0: 3.10, 1: 3.12}, {0: 3.00, 1: 3.20}, (0.01, 0.09, "within noise")),
+    # large, but one seed points the other way
+    ({0: 3.50, 1: 3.19}, {0: 3.00, 1: 3.20}, (0.245, 0.255, "within noise")),
+    # one seed: no spread to judge by
+    ({0: 3.10}, {0: 3.00}, (0.10, None, None)),
+])
+def test_differences_from_the_base_are_paired_by_seed(variant, base, expected):
+    got = ablate.compare(variant, base)
+    delta, se, note = expected
+    assert got["delta_vs_base"] == pytest.approx(delta)
+    assert (got["delta_se"] is None) == (se is None)
+    if se is not None:
+        assert got["delta_se"] == pytest.approx(se)
+    assert got["significance"] == note
+    assert ablate.compare(base, base)["significance"] is None
+
+
 def test_a_tiny_study_runs_and_reruns_nothing(corpus_dir, tmp_path):
     """2 variants x 2 seeds, a few steps each: one workdir per run, results that agree with
     the runs' metrics, a rerun that trains nothing, and a run without its last checkpoint
@@ -134,6 +155,20 @@ data: {{corpus: {corpus_dir}}}
                                                                         rel=1e-5)
         assert 0 < float(rows[v.name]["val_loss_at_64"]) < 2 * math.log(512)
         assert int(rows[v.name]["seeds"]) == 2
+        assert float(rows[v.name]["val_ppl"]) == pytest.approx(
+            sum(math.exp(x) for x in finals) / 2, rel=1e-9)
+        # peak memory (CPU: the compiled step's footprint) holds at least the state: the
+        # float32 parameters and AdamW's two moments
+        peak = int(rows[v.name]["peak_memory_bytes"])
+        assert peak >= 3 * 4 * costs.param_counts(v.run.model).total
+    base_losses, ln_losses = (
+        {s: json.loads((workdir / study.run_name(v, s) / "metrics.jsonl").read_text()
+                       .splitlines()[-1])["val_loss"] for s in study.seeds}
+        for v in study.variants)
+    assert float(rows["ln"]["delta_vs_base"]) == pytest.approx(
+        ablate.compare(ln_losses, base_losses)["delta_vs_base"], rel=1e-9)
+    assert rows["rms"]["significance"] == "" and rows["ln"]["significance"] in (
+        "clear", "within noise")
     assert "| ln |" in (workdir / "results.md").read_text()
     for plot in ("loss_vs_tokens.png", "loss_vs_time.png"):
         assert (workdir / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
