@@ -244,9 +244,11 @@ def with_tokenizer(study: Study, tokenizer: Path) -> Study:
     return dataclasses.replace(study, variants=tuple(given(v) for v in study.variants))
 
 
-def run_study(study: Study, workdir: Path, log: Callable[[str], None] = print) -> Path:
+def run_study(study: Study, workdir: Path,
+              log: Callable[[str], None] = print) -> Path | None:
     """Trains every variant x seed not finished yet (see the module docstring); returns the
-    path of results.csv."""
+    path of results.csv, or None when a signal (SIGINT, SIGTERM) stopped a run: the study stops
+    there too, the run checkpointed where it stood."""
     from llama_jax.trainer import train
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -264,6 +266,11 @@ def run_study(study: Study, workdir: Path, log: Callable[[str], None] = print) -
         log(f"[{i}/{len(runs)}] {path.name}: " + ("finished, skipped" if done else "training"))
         if not done:
             outcome = train(run, path, log=lambda _: None, progress=False)
+            if outcome.stopped_by:
+                log(f"[{i}/{len(runs)}] {path.name}: stopped by {outcome.stopped_by} at step "
+                    f"{outcome.step} (checkpoint saved); rerun the same command to resume "
+                    "the study")
+                return None
             memory = ("" if outcome.peak_memory_bytes is None
                       else f", {outcome.peak_memory_bytes / 2**20:,.0f} MiB peak")
             log(f"[{i}/{len(runs)}] {path.name}: val_loss {outcome.val_loss:.4f}, "
@@ -529,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     workdir = Path(args.workdir or Path("runs") / "ablations" / study.path.stem)
     results = run_study(study, workdir)
+    if results is None:
+        return 1
     print((results.parent / "results.md").read_text())
     return 0
 

@@ -191,3 +191,26 @@ data: {{corpus: {corpus_dir}}}
     ablate.run_study(ablate.load_study(path), workdir, log=logs.append)
     trained = [line for line in logs if line.endswith("training")]
     assert len(trained) == 1 and study.run_name(study.variants[1], 0) in trained[0]
+
+
+def test_a_signal_stops_the_study_not_just_its_run(tmp_path, corpus_dir, monkeypatch):
+    """SIGINT/SIGTERM stop the trainer at a checkpoint; the study must not go on to the next
+    run (the user asked to stop) nor write results."""
+    from llama_jax import trainer
+
+    trained = []
+
+    def interrupted(run, path, **_):
+        trained.append(path.name)
+        return trainer.Outcome(step=1, stopped_by="SIGTERM")
+
+    monkeypatch.setattr(trainer, "train", interrupted)
+    (tmp_path / "base.yaml").write_text(BASE.replace("corpus: unused", f"corpus: {corpus_dir}")
+                                        .replace("vocab_size: 256", "vocab_size: 512"))
+    path = tmp_path / "study.yaml"
+    path.write_text("base: base.yaml\nseeds: 2\nvariants:\n  rms: {}\n"
+                    "  ln: {model.norm: layernorm}\n")
+    logs = []
+    assert ablate.run_study(ablate.load_study(path), tmp_path / "out", log=logs.append) is None
+    assert len(trained) == 1 and "stopped by SIGTERM" in logs[-1]
+    assert not (tmp_path / "out" / "results.csv").exists()
