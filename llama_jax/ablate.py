@@ -1,7 +1,8 @@
 """Ablation studies: a study file names a base run config, variants of it (a few `--set`-style
 overrides each) and seeds; every variant x seed is an ordinary training run.
 
-    python -m llama_jax.ablate STUDY.yaml [--workdir DIR] [--steps N] [--seeds N] [--dry-run]
+    python -m llama_jax.ablate STUDY.yaml [--workdir DIR] [--steps N] [--seeds N] [--corpus DIR]
+                                          [--dry-run]
     python -m llama_jax.ablate report DIR     # results and plots again, from DIR's runs
 
 A study file (`configs/ablations/NAME.yaml`):
@@ -94,8 +95,10 @@ class Study:
         return f"{variant.name}-s{seed}-{hashlib.sha256(resolved.encode()).hexdigest()[:8]}"
 
 
-def load_study(path: str | Path, steps: int | None = None, seeds: int | None = None) -> Study:
-    """Reads and resolves a study file; every refusal names the file and the variant."""
+def load_study(path: str | Path, steps: int | None = None, seeds: int | None = None,
+               corpus: str | None = None) -> Study:
+    """Reads and resolves a study file; every refusal names the file and the variant. `steps`,
+    `seeds` and `corpus` replace the file's (and its base config's) for every variant."""
     path = Path(path)
     try:
         tree = yaml.safe_load(path.read_text()) or {}
@@ -117,7 +120,8 @@ def load_study(path: str | Path, steps: int | None = None, seeds: int | None = N
     if (match is None) != (field is None):
         raise ConfigError(f"{path}: `match` and `match_field` go together (the width field "
                           "adjusted so that variants match the baseline)")
-    common = [f"train.steps={steps}"] if steps is not None else []
+    common = ([f"train.steps={steps}"] if steps is not None else []) + (
+        [f"data.corpus={json.dumps(corpus)}"] if corpus is not None else [])
     variants = [_variant(path, base, name, overrides, common)
                 for name, overrides in tree["variants"].items()]
     _check_shared(path, variants)
@@ -254,7 +258,8 @@ def run_study(study: Study, workdir: Path,
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / STUDY_RECORD).write_text(json.dumps({
         "study": str(study.path.resolve()), "seeds": list(study.seeds),
-        "steps": study.variants[0].run.train.steps}, indent=2))
+        "steps": study.variants[0].run.train.steps,
+        "corpus": study.variants[0].run.data.corpus}, indent=2))
     base = study.variants[0].run
     corpus = data.find_corpus(base.data.corpus, base.data.val_fraction)
     data.prepare_tokenizer(base.data, corpus, base.model.vocab_size, workdir, log)
@@ -408,40 +413,74 @@ def validation_curve(rows: list[dict], tokens_per_step: int) -> list[tuple[int, 
 
 
 def plot_results(study: Study, workdir: Path) -> list[Path]:
-    """loss_vs_tokens.png and loss_vs_time.png in `workdir`."""
+    """loss_vs_tokens.png and loss_vs_time.png in `workdir`, and loss_vs_kv_bytes.png (final
+    validation loss against KV-cache bytes per token) when the variants cache different
+    amounts."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
+
+    curves = {}
+    for v in study.variants:
+        tokens_per_step = v.run.train.batch_size * v.run.train.seq_len
+        runs = [validation_curve(_metrics(workdir / study.run_name(v, seed)), tokens_per_step)
+                for seed in study.seeds]
+        if runs := [c for c in runs if c]:
+            curves[v.name] = runs
+    paths = [_plot_curves(plt, study.path.stem, curves, axis, label, workdir / name)
+             for axis, label, name in ((0, "training tokens", "loss_vs_tokens.png"),
+                                       (1, "training time (s)", "loss_vs_time.png"))]
+    kv_bytes = {v.name: costs.kv_cache_bytes_per_token(v.run.model) for v in study.variants}
+    if len(set(kv_bytes.values())) > 1:
+        finals = {name: [c[-1][2] for c in runs] for name, runs in curves.items()}
+        paths.append(_plot_kv_bytes(plt, study.path.stem, finals, kv_bytes,
+                                    workdir / "loss_vs_kv_bytes.png"))
+    return paths
+
+
+def _plot_curves(plt, title: str, curves: dict[str, list], axis: int, label: str,
+                 path: Path) -> Path:
+    """One line per variant: the mean over seeds of the validation loss at each evaluation,
+    against tokens (axis 0) or seconds (axis 1); the seeds' range shaded."""
     import numpy as np
 
-    paths = []
-    for axis, label, name in ((0, "training tokens", "loss_vs_tokens.png"),
-                              (1, "training time (s)", "loss_vs_time.png")):
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for v in study.variants:
-            tokens_per_step = v.run.train.batch_size * v.run.train.seq_len
-            curves = [validation_curve(_metrics(workdir / study.run_name(v, seed)),
-                                       tokens_per_step) for seed in study.seeds]
-            curves = [c for c in curves if c]
-            if not curves:
-                continue
-            n = min(len(c) for c in curves)
-            x = np.mean([[p[axis] for p in c[:n]] for c in curves], axis=0)
-            loss = np.array([[p[2] for p in c[:n]] for c in curves])
-            (line,) = ax.plot(x, loss.mean(0), marker="o", markersize=3, label=v.name)
-            if len(curves) > 1:
-                ax.fill_between(x, loss.min(0), loss.max(0), color=line.get_color(), alpha=0.2)
-        ax.set_xlabel(label)
-        ax.set_ylabel("validation loss (nats/token)")
-        ax.set_title(study.path.stem)
-        ax.grid(alpha=0.3)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, runs in curves.items():
+        n = min(len(c) for c in runs)
+        x = np.mean([[p[axis] for p in c[:n]] for c in runs], axis=0)
+        loss = np.array([[p[2] for p in c[:n]] for c in runs])
+        (line,) = ax.plot(x, loss.mean(0), marker="o", markersize=3, label=name)
+        if len(runs) > 1:
+            ax.fill_between(x, loss.min(0), loss.max(0), color=line.get_color(), alpha=0.2)
+    ax.set_xlabel(label)
+    return _finish(plt, fig, ax, title, path)
+
+
+def _plot_kv_bytes(plt, title: str, finals: dict[str, list[float]], kv_bytes: dict[str, int],
+                   path: Path) -> Path:
+    """Each variant's final validation loss (mean, the seeds' range as the error bar) at its
+    KV-cache bytes per token."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, losses in finals.items():
+        mean = statistics.mean(losses)
+        ax.errorbar([kv_bytes[name]], [mean], yerr=[[mean - min(losses)], [max(losses) - mean]],
+                    fmt="o", capsize=3, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV-cache bytes per token (all layers)")
+    return _finish(plt, fig, ax, title, path)
+
+
+def _finish(plt, fig, ax, title: str, path: Path) -> Path:
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:  # no runs finished yet: an empty plot, no legend
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(workdir / name, dpi=120)
-        plt.close(fig)
-        paths.append(workdir / name)
-    return paths
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def _mean_at(workdir: Path, study: Study, v: Variant, length: int) -> float | None:
@@ -501,6 +540,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workdir", help="the study's directory (default: runs/ablations/NAME)")
     parser.add_argument("--steps", type=int, help="train.steps for every run")
     parser.add_argument("--seeds", type=int, help="use seeds 0..N-1 instead of the file's")
+    parser.add_argument("--corpus", help="data.corpus for every run (a directory or glob of "
+                        "text files; default: the base config's)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the resolved variants and their costs; train nothing")
     return parser.parse_args(argv)
@@ -512,7 +553,8 @@ def report(workdir: Path) -> Path:
     if not record.is_file():
         raise ConfigError(f"{workdir}: no {STUDY_RECORD}; not the workdir of a study run")
     ran = json.loads(record.read_text())
-    study = load_study(ran["study"], steps=ran["steps"], seeds=len(ran["seeds"]))
+    study = load_study(ran["study"], steps=ran["steps"], seeds=len(ran["seeds"]),
+                       corpus=ran["corpus"])
     study = dataclasses.replace(study, seeds=tuple(ran["seeds"]))
     plot_results(study, workdir)
     return write_results(study, workdir)
@@ -528,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         print((results.parent / "results.md").read_text())
         return 0
     args = parse_args(argv)
-    study = load_study(args.study, steps=args.steps, seeds=args.seeds)
+    study = load_study(args.study, steps=args.steps, seeds=args.seeds, corpus=args.corpus)
     print(f"study {study.path}: base {study.base}, seeds {list(study.seeds)}"
           + (f", matched on {study.match}" if study.match else ""))
     print(describe(study))

@@ -103,6 +103,43 @@ def test_bad_studies_are_refused_naming_the_variant(body, message, tmp_path, cap
     assert err.startswith("error: ") and "Traceback" not in err
 
 
+def test_results_and_plots_come_from_the_runs_metrics(tmp_path):
+    """Fabricated metrics in each run's directory: the table's means, perplexities, speeds and
+    memory are theirs, and the KV-bytes plot appears only when the variants differ in it."""
+    import csv
+    import json
+
+    path = study(tmp_path, "seeds: 2\nvariants:\n  gqa: {}\n  mqa: {model.n_kv_heads: 1}\n")
+    s, workdir = ablate.load_study(path), tmp_path / "out"
+    finals = {("gqa", 0): 5.0, ("gqa", 1): 5.2, ("mqa", 0): 5.3, ("mqa", 1): 5.6}
+    for v in s.variants:
+        for seed in s.seeds:
+            run = workdir / s.run_name(v, seed)
+            run.mkdir(parents=True)
+            rows = [{"step": 3, "loss": 6.0, "tokens_per_s": 100.0 + seed,
+                     "peak_memory_bytes": 1000.0 + seed, "val_loss": 6.0},
+                    {"step": 6, "loss": 5.0, "tokens_per_s": 300.0,
+                     "peak_memory_bytes": 900.0, "val_loss": finals[v.name, seed]}]
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = {r["variant"]: r for r in csv.DictReader(ablate.write_results(s, workdir).open())}
+    assert float(rows["mqa"]["val_loss"]) == pytest.approx(5.45)
+    assert float(rows["mqa"]["val_ppl"]) == pytest.approx((math.exp(5.3) + math.exp(5.6)) / 2)
+    assert float(rows["mqa"]["delta_vs_base"]) == pytest.approx(0.35)
+    assert float(rows["mqa"]["delta_se"]) == pytest.approx(0.05)  # per-seed 0.3 and 0.4
+    assert rows["mqa"]["significance"] == "clear"
+    assert float(rows["gqa"]["tokens_per_s"]) == pytest.approx(200.5)  # the median of windows
+    assert int(rows["gqa"]["peak_memory_bytes"]) == 1001
+    assert int(rows["mqa"]["kv_bytes_per_token"]) * 2 == int(rows["gqa"]["kv_bytes_per_token"])
+    plots = ablate.plot_results(s, workdir)
+    assert [p.name for p in plots] == ["loss_vs_tokens.png", "loss_vs_time.png",
+                                       "loss_vs_kv_bytes.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in plots)
+    (tmp_path / "same").mkdir()
+    same = ablate.load_study(study(tmp_path / "same",
+                                   "variants:\n  a: {}\n  b: {model.norm: layernorm}\n"))
+    assert "loss_vs_kv_bytes.png" not in [p.name for p in ablate.plot_results(same, workdir)]
+
+
 @pytest.mark.parametrize("variant, base, expected", [
     # paired by seed: the differences 0.10 and 0.12 -> mean 0.11, SE = 0.01
     ({0: 3.10, 1: 3.32}, {0: 3.00, 1: 3.20}, (0.11, 0.01, "clear")),
@@ -124,24 +161,25 @@ def test_differences_from_the_base_are_paired_by_seed(variant, base, expected):
     assert ablate.compare(base, base)["significance"] is None
 
 
-def test_a_tiny_study_runs_and_reruns_nothing(corpus_dir, tmp_path):
+def test_a_tiny_study_runs_and_reruns_nothing(corpus_dir, tmp_path, capsys):
     """2 variants x 2 seeds, a few steps each: one workdir per run, results that agree with
     the runs' metrics, a rerun that trains nothing, and a run without its last checkpoint
     resumed alone."""
     import json
     import shutil
 
-    (tmp_path / "base.yaml").write_text(f"""
-model: {{vocab_size: 512, dim: 64, n_layers: 2, n_heads: 4, n_kv_heads: 2, multiple_of: 32,
-        max_seq_len: 64}}
-train: {{seq_len: 32, batch_size: 8, steps: 4, warmup_steps: 1, log_every: 2, eval_every: 2,
-        eval_batches: 1, checkpoint_every: 2}}
-data: {{corpus: {corpus_dir}}}
-""")
+    (tmp_path / "base.yaml").write_text("""
+model: {vocab_size: 512, dim: 64, n_layers: 2, n_heads: 4, n_kv_heads: 2, multiple_of: 32,
+        max_seq_len: 64}
+train: {seq_len: 32, batch_size: 8, steps: 4, warmup_steps: 1, log_every: 2, eval_every: 2,
+        eval_batches: 1, checkpoint_every: 2}
+data: {corpus: unused}
+""")  # the corpus comes from the command line (--corpus), as every run's data.corpus
     path = tmp_path / "study.yaml"
     path.write_text("base: base.yaml\nseeds: 2\neval_seq_lens: [32, 64]\nvariants:\n"
                     "  rms: {}\n  ln: {model.norm: layernorm}\n")
-    study, workdir, logs = ablate.load_study(path), tmp_path / "out", []
+    corpus = str(corpus_dir)
+    study, workdir, logs = ablate.load_study(path, corpus=corpus), tmp_path / "out", []
     results = ablate.run_study(study, workdir, log=logs.append)
     names = sorted(p.name for p in workdir.iterdir() if p.is_dir())
     assert len(names) == 4 and {n.split("-s")[0] for n in names} == {"rms", "ln"}
@@ -176,19 +214,29 @@ data: {{corpus: {corpus_dir}}}
     tokenizers = {(workdir / n / "tokenizer.model").read_bytes() for n in names}
     assert len(tokenizers) == 1
 
-    # the runs are ordinary workdirs; the results can be rebuilt from them
+    # the runs are ordinary workdirs (load_checkpoint, sample.py); results rebuild from them
     import llama_jax
-    assert llama_jax.load_checkpoint(workdir / names[0])[0].n_layers == 2
+    import sample
+    from llama_jax.decoder import generate
+
+    run = workdir / names[0]
+    config, params = llama_jax.load_checkpoint(run)
+    assert config.n_layers == 2
+    assert sample.main(["--checkpoint", str(run), "--prompt", "The", "--temperature", "0",
+                        "--max-new-tokens", "5"]) == 0
+    tokenizer = llama_jax.load_tokenizer(run)
+    greedy = generate(config, params, [tokenizer.encode("The")], 5)[0]
+    assert capsys.readouterr().out == "The" + tokenizer.decode(greedy) + "\n"
     csv_text = results.read_text()
     results.unlink()
     assert ablate.main(["report", str(workdir)]) == 0 and results.read_text() == csv_text
 
     logs.clear()
-    ablate.run_study(ablate.load_study(path), workdir, log=logs.append)
+    ablate.run_study(ablate.load_study(path, corpus=corpus), workdir, log=logs.append)
     assert sum("finished, skipped" in line for line in logs) == 4
     shutil.rmtree(workdir / study.run_name(study.variants[1], 0) / "checkpoints" / "4")
     logs.clear()
-    ablate.run_study(ablate.load_study(path), workdir, log=logs.append)
+    ablate.run_study(ablate.load_study(path, corpus=corpus), workdir, log=logs.append)
     trained = [line for line in logs if line.endswith("training")]
     assert len(trained) == 1 and study.run_name(study.variants[1], 0) in trained[0]
 
