@@ -27,10 +27,13 @@ chose.
 Running (`run_study`): the study's workdir holds one tokenizer (trained once on the base
 config's corpus, then given to every run as `data.tokenizer`) and one ordinary train.py workdir
 per variant x seed, named `{variant}-s{seed}-{hash of the resolved config}`, so a rerun finds
-its runs: finished ones are skipped, an interrupted one resumes from its last checkpoint.
-`results.csv` / `results.md` summarise the runs' metrics.jsonl, and two PNG plots show the
-validation loss against training tokens and against training wall-clock (evaluation and
-checkpointing excluded), one line per variant (the mean over seeds, their range shaded).
+its runs: finished ones are skipped, an interrupted one resumes from its last checkpoint (a
+signal that stops a run stops the study). `results.csv` / `results.md` summarise the runs'
+metrics.jsonl (the difference from the baseline is paired by seed: `compare`), and PNG plots
+show the validation loss against training tokens and against training wall-clock (evaluation
+and checkpointing excluded), one line per variant (the mean over seeds, their range shaded),
+and, when the variants cache different amounts, the final loss against KV-cache bytes per
+token.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -86,13 +90,18 @@ class Study:
     eval_seq_lens: tuple[int, ...] = ()  # extra evaluations at these lengths (e.g. 2 x T)
 
     def run_name(self, variant: Variant, seed: int) -> str:
-        """`{variant}-s{seed}-{hash}`: the hash of the resolved config, so an edited variant
-        gets a new run directory and an unchanged one is found again (the study's shared
-        tokenizer file, which lives in the study's directory, is not part of it)."""
-        config = variant.for_seed(seed).to_dict()
-        config["data"]["tokenizer"] = None
-        resolved = json.dumps(config, sort_keys=True, default=str)
-        return f"{variant.name}-s{seed}-{hashlib.sha256(resolved.encode()).hexdigest()[:8]}"
+        """`{variant}-{run_key}`: an edited variant gets a new run directory and an unchanged
+        one is found again."""
+        return f"{variant.name}-{run_key(variant, seed)}"
+
+
+def run_key(variant: Variant, seed: int) -> str:
+    """`s{seed}-{hash}`, the hash of the resolved config (without the study's shared tokenizer
+    file, which lives in the study's directory): equal keys train the same run."""
+    config = variant.for_seed(seed).to_dict()
+    config["data"]["tokenizer"] = None
+    resolved = json.dumps(config, sort_keys=True, default=str)
+    return f"s{seed}-{hashlib.sha256(resolved.encode()).hexdigest()[:8]}"
 
 
 def load_study(path: str | Path, steps: int | None = None, seeds: int | None = None,
@@ -268,6 +277,11 @@ def run_study(study: Study, workdir: Path,
     for i, (v, seed) in enumerate(runs, 1):
         run, path = v.for_seed(seed), workdir / study.run_name(v, seed)
         done = _finished(path, run)
+        if not (done or os.path.lexists(path)) and (
+                same := _same_run(workdir, run_key(v, seed), run)):
+            path.symlink_to(Path("..") / same.parent.name / same.name)
+            log(f"[{i}/{len(runs)}] {path.name}: the same run as {same}, linked")
+            continue
         log(f"[{i}/{len(runs)}] {path.name}: " + ("finished, skipped" if done else "training"))
         if not done:
             outcome = train(run, path, log=lambda _: None, progress=False)
@@ -311,6 +325,19 @@ def validation_loss(run_path: Path, val_tokens, seq_len: int, batch_size: int,
         ce, n = evaluate(params, window)
         total, count = total + float(ce), count + float(n)
     return total / count
+
+
+def _same_run(workdir: Path, key: str, run: RunConfig) -> Path | None:
+    """A finished run of another study beside this one (in the same parent directory) with the
+    same resolved config and the same tokenizer file: the shipped studies share their baseline,
+    which then trains once. Training is deterministic given both, so it is the same run."""
+    tokenizer = (workdir / TOKENIZER_FILE).read_bytes()
+    for other in sorted(workdir.parent.glob(f"*/*-{key}")):
+        if (other.parent != workdir and not other.is_symlink() and _finished(other, run)
+                and (other / TOKENIZER_FILE).is_file()
+                and (other / TOKENIZER_FILE).read_bytes() == tokenizer):
+            return other
+    return None
 
 
 def _finished(path: Path, run: RunConfig) -> bool:
@@ -554,7 +581,7 @@ def report(workdir: Path) -> Path:
         raise ConfigError(f"{workdir}: no {STUDY_RECORD}; not the workdir of a study run")
     ran = json.loads(record.read_text())
     study = load_study(ran["study"], steps=ran["steps"], seeds=len(ran["seeds"]),
-                       corpus=ran["corpus"])
+                       corpus=ran.get("corpus"))  # None: the base config's
     study = dataclasses.replace(study, seeds=tuple(ran["seeds"]))
     plot_results(study, workdir)
     return write_results(study, workdir)

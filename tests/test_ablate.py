@@ -234,6 +234,16 @@ data: {corpus: unused}
     logs.clear()
     ablate.run_study(ablate.load_study(path, corpus=corpus), workdir, log=logs.append)
     assert sum("finished, skipped" in line for line in logs) == 4
+    # another study beside it with the same baseline: linked, not trained again
+    other = tmp_path / "other.yaml"
+    other.write_text("base: base.yaml\nseeds: [1]\nvariants:\n  same-as-rms: {}\n")
+    logs.clear()
+    ablate.run_study(ablate.load_study(other, corpus=corpus), tmp_path / "other", log=logs.append)
+    linked = tmp_path / "other" / f"same-as-rms-{ablate.run_key(study.variants[0], 1)}"
+    assert linked.resolve() == (workdir / study.run_name(study.variants[0], 1)).resolve()
+    assert [line for line in logs if line.startswith("[1/1]")] == [
+        f"[1/1] {linked.name}: the same run as {workdir / study.run_name(study.variants[0], 1)}"
+        ", linked"]
     shutil.rmtree(workdir / study.run_name(study.variants[1], 0) / "checkpoints" / "4")
     logs.clear()
     ablate.run_study(ablate.load_study(path, corpus=corpus), workdir, log=logs.append)
