@@ -8,14 +8,15 @@ child has the whole GPU), and children that are timed against each other run one
 `--tiny` shrinks every size for a dry run on CPU (cuDNN rows then report that they need a GPU).
 
 Correctness (relative error ‖out − ref‖/‖ref‖ on random inputs, PASS when ≤ the tolerance;
-float32 checks run under `jax.default_matmul_precision("highest")`, bf16 ones at the default):
+everything at JAX's default matmul precision: an fp32 model's full precision is the library's
+own doing, `llama_jax.nn.ops.matmul_precision`):
 - attention: `dot_product_attention` under each implementation (xla and chunked in fp32 and
   bf16, cudnn in bf16) on causal and packed-document (segment ids) masks, GQA, forward output
   and the gradients of q, k, v for a random cotangent, against a float64 numpy reference on the
   same (bf16-representable) inputs;
 - the model forward on a packed batch (restarting positions, segment ids) against the CPU
   forward of the same random parameters, computed by a child with JAX_PLATFORMS=cpu: fp32
-  (xla, chunked; and the default matmul precision, for information) and bf16 compute with fp32
+  (xla, chunked, auto) and bf16 compute with fp32
   master weights (xla, chunked, cudnn) against the CPU's bf16 and fp32 logits;
 - cached decode (`apply` with a KV cache: a left-padded ragged prefill, then one token per
   step) against the full forward of each row alone, under both decode implementations (scan
@@ -135,11 +136,6 @@ TOL_BF16_VS_FP32 = 5e-2  # bf16 compute against the fp32 model: bf16's rounding,
 def relative_error(out, ref) -> float:
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-
-
-def precision(dtype: str):
-    """fp32 checks at full fp32 matmul precision; bf16 at the default."""
-    return jax.default_matmul_precision("highest" if dtype == FP32 else "default")
 
 
 def packed_documents(B: int, T: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -292,9 +288,8 @@ def attention_checks(plan: Plan) -> list[dict]:
                             ("chunked", BF16), ("cudnn", BF16)):
             if not runs_here(impl):
                 continue
-            with precision(dtype):
-                q, k, v, cot = (jnp.asarray(x[n], dtype) for n in ("q", "k", "v", "cot"))
-                out, grads = attention_vjp(q, k, v, mask, cot, impl=impl)
+            q, k, v, cot = (jnp.asarray(x[n], dtype) for n in ("q", "k", "v", "cot"))
+            out, grads = attention_vjp(q, k, v, mask, cot, impl=impl)
             errors = {"out": relative_error(out, ref_out)}
             errors |= {f"d{n}": relative_error(g, r) for n, g, r in zip("qkv", grads, ref_grads)}
             rows.append(row(f"attention {impl} {dtype} {mask_name} vs float64 numpy", errors,
@@ -306,24 +301,22 @@ def forward_checks(plan: Plan, name: str, config, params, refs) -> list[dict]:
     """The device's forward against the CPU's on a packed batch."""
     tokens_BT, positions_BT, segments_BT = model_inputs(plan, config)
     q_block, kv_block = plan.check_blocks
-    cases = [(FP32, "xla", "highest"), (FP32, "chunked", "highest"), (FP32, "auto", "default"),
-             (BF16, "xla", "default"), (BF16, "chunked", "default"), (BF16, "cudnn", "default")]
+    cases = [(FP32, "xla"), (FP32, "chunked"), (FP32, "auto"),
+             (BF16, "xla"), (BF16, "chunked"), (BF16, "cudnn")]
     rows = []
-    for dtype, impl, matmul_precision in cases:
+    for dtype, impl in cases:
         if not runs_here(impl):
             continue
         run = config.with_execution(compute_dtype=dtype, attention_impl=impl,
                                     attention_block_q=q_block, attention_block_kv=kv_block)
-        with jax.default_matmul_precision(matmul_precision):
-            logits = forward(run, params, tokens_BT, positions_BT=positions_BT,
-                             segment_ids_BT=segments_BT)
+        logits = forward(run, params, tokens_BT, positions_BT=positions_BT,
+                         segment_ids_BT=segments_BT)
         errors = {f"vs CPU {dtype}": relative_error(logits, refs[f"{name}.{dtype}"])}
         tol = TOL[dtype]
         if dtype == BF16:
             errors["vs CPU fp32"] = relative_error(logits, refs[f"{name}.{FP32}"])
             tol = TOL_BF16_VS_FP32
-        rows.append(row(f"{name} forward {dtype} {impl} ({matmul_precision} precision)", errors,
-                        tol))
+        rows.append(row(f"{name} forward {dtype} {impl}", errors, tol))
     return rows
 
 
@@ -363,8 +356,7 @@ def cache_checks(plan: Plan, name: str, config, params) -> list[dict]:
         run = config.with_execution(compute_dtype=dtype, **({"mla_decode": mla_decode}
                                                             if mla_decode else {}))
         for impl in ("scan", "unrolled"):
-            with precision(dtype):
-                got, full = decoded_and_full_logits(plan, run, params, impl)
+            got, full = decoded_and_full_logits(plan, run, params, impl)
             decoded[mla_decode, impl] = got
             errors = {f"row {b}": relative_error(got[b], f) for b, f in enumerate(full)}
             label = f" {mla_decode}" if mla_decode else ""
@@ -382,10 +374,9 @@ def generate_checks(plan: Plan, name: str, config, params, refs) -> list[dict]:
     CPU's: tokens identical (the error is the fraction that differ), log-probabilities."""
     rows = []
     for impl in ("scan", "unrolled"):
-        with precision(FP32):
-            tokens, logprobs = llama_jax.generate(config, params, check_prompts(plan, config),
-                                                  plan.check_new, stop_tokens=[],
-                                                  decode_impl=impl, return_logprobs=True)
+        tokens, logprobs = llama_jax.generate(config, params, check_prompts(plan, config),
+                                              plan.check_new, stop_tokens=[],
+                                              decode_impl=impl, return_logprobs=True)
         differ = float(np.mean(np.array(tokens) != refs[f"{name}.tokens"]))
         rows.append(row(f"{name} generate {impl}: greedy tokens == CPU", {"differ": differ}, 0))
         rows.append(row(f"{name} generate {impl}: log-probs vs CPU",
@@ -645,9 +636,10 @@ def decoding(plan: Plan, tiny: bool, peak: dict, tmp: str) -> dict:
 
 def print_header(results: dict, plan: Plan) -> None:
     peak = results.get("peak", {})
-    print(f"\n### {peak.get('device') or results.get('correctness', {}).get('device')}: "
-          f"jax {peak.get('jax')}, torch {peak.get('torch')}, "
-          f"transformers {peak.get('transformers')}")
+    versions = ", ".join(f"{name} {peak[name]}" for name in ("jax", "torch", "transformers")
+                         if peak.get(name))  # known once a timed section ran
+    print(f"\n### {peak.get('device') or results.get('correctness', {}).get('device')}"
+          + (f": {versions}" if versions else ""))
     if "bf16_matmul_flops" in peak:
         print(f"bf16 {plan.matmul_n}³ matmul {peak['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s; "
               f"copy {peak['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write)")
@@ -750,6 +742,7 @@ def main() -> None:
     print_header(results, plan)
     for name in args.sections:
         PRINTERS[name](results[name], plan)
+
 
 if __name__ == "__main__":
     main()

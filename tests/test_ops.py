@@ -53,3 +53,44 @@ def test_dense_accumulates_in_fp32():
     x = jnp.full((1, 1, 4096), 0.125, jnp.bfloat16)
     w = jnp.full((4096, 1), 0.125, jnp.bfloat16)
     assert float(dense("BTD,DF->BTF", x, w)[0, 0, 0]) == 64.0
+
+
+TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+            max_seq_len=16)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "moe-capacity", "moe-dropless", "mla"])
+def test_fp32_models_multiply_at_full_precision(kind):
+    """An fp32 model computes in fp32 on every backend: each matmul of its training gradient
+    asks for HIGHEST precision (at DEFAULT, GPUs run fp32 matmuls as TF32, TPUs as one bf16
+    pass). Under bf16 compute the blocks' matmuls stay at DEFAULT. Read from the lowered
+    program, since CPU computes fp32 at full precision either way."""
+    import dataclasses
+
+    from llama_jax import ModelConfig, init_params
+    from llama_jax.config import MlaConfig, MoeConfig
+    from llama_jax.training import loss_sums
+
+    config = ModelConfig(**TINY)
+    if kind.startswith("moe"):
+        config = dataclasses.replace(config, mlp="moe", moe=MoeConfig(n_experts=4, top_k=2),
+                                     moe_dispatch=kind.split("-")[1])
+    if kind == "mla":
+        config = dataclasses.replace(config, attention="mla", n_kv_heads=None, head_dim=None,
+                                     mla=MlaConfig(
+                                         kv_lora_rank=16, qk_nope_head_dim=8,
+                                         qk_rope_head_dim=8, v_head_dim=8))
+    params = init_params(config, jax.random.key(0))
+    window = jax.random.randint(jax.random.key(1), (2, 9), 0, config.vocab_size)
+
+    def dots(compute_dtype):
+        c = config.with_execution(compute_dtype=compute_dtype)
+        grad = jax.grad(lambda p: loss_sums(c, p, window, 1, 0.0)[0])
+        text = jax.jit(grad).lower(params).as_text()
+        return [line for line in text.splitlines()
+                if "dot_general" in line or "ragged_dot" in line]
+
+    fp32 = dots("float32")
+    assert fp32 and all("precision = [HIGHEST, HIGHEST]" in line for line in fp32), [
+        line for line in fp32 if "HIGHEST" not in line][:3]
+    assert any("HIGHEST" not in line for line in dots("bfloat16"))

@@ -63,7 +63,7 @@ from flax import struct
 
 from llama_jax.config import ModelConfig
 from llama_jax.nn.mlp import apply_mlp, ffn, ffn_specs
-from llama_jax.nn.ops import einsum_f32, grouped_f32
+from llama_jax.nn.ops import einsum_f32, grouped_f32, matmul_precision
 from llama_jax.nn.spec import bias, map_specs, weight
 from llama_jax.sharding import constrain, per_shard
 
@@ -188,7 +188,8 @@ def _capacity_experts(p, x_BTD, slot_BTR, weights_BTR, mlp, E, slots):
     out_rows = jnp.concatenate([out_BECD.reshape(B, E * slots, D),
                                 jnp.zeros((B, 1, D), out_BECD.dtype)], axis=1)
     gathered_BTRD = out_rows.reshape(-1, D)[flat_BTR]
-    return jnp.einsum("BTRD,BTR->BTD", gathered_BTRD, weights_BTR)
+    return jnp.einsum("BTRD,BTR->BTD", gathered_BTRD, weights_BTR,
+                      precision=matmul_precision(gathered_BTRD, weights_BTR))
 
 
 def _dropless_experts(*arrays, names: tuple[str, ...], mlp: str):
@@ -207,7 +208,8 @@ def _dropless_experts(*arrays, names: tuple[str, ...], mlp: str):
         return grouped_f32(rows, w, sizes_E)
     out_AD = ffn(mlp, p, rows_AD, grouped, grouped)
     unsorted_BTRD = jnp.zeros_like(out_AD).at[order_A].set(out_AD).reshape(B, T, R, -1)
-    return jnp.einsum("BTRD,BTR->BTD", unsorted_BTRD, weights_BTR)
+    return jnp.einsum("BTRD,BTR->BTD", unsorted_BTRD, weights_BTR,
+                      precision=matmul_precision(unsorted_BTRD, weights_BTR))
 
 
 def moe_specs(config: ModelConfig, residual_scale: float) -> dict:
