@@ -295,18 +295,34 @@ def run_study(study: Study, workdir: Path,
             log(f"[{i}/{len(runs)}] {path.name}: val_loss {outcome.val_loss:.4f}, "
                 f"{outcome.tokens_per_s:,.0f} tokens/s" + memory)
     if study.eval_seq_lens:
-        tokenizer = load_tokenizer(workdir / TOKENIZER_FILE)
-        tokens = data.tokenize_corpus(corpus, tokenizer, data.cache_root(), log)
-        for v, seed in runs:
-            path = workdir / study.run_name(v, seed)
-            for length in study.eval_seq_lens:
-                extra = path / f"val_loss_at_{length}.json"
-                if not extra.is_file():
-                    loss = validation_loss(path, tokens.val, length, v.run.train.batch_size,
-                                           v.run.train.eval_batches, tokenizer.bos_id)
-                    extra.write_text(json.dumps({"seq_len": length, "val_loss": loss}))
+        _evaluate_lengths(study, workdir, corpus, log)
     plot_results(study, workdir)
     return write_results(study, workdir)
+
+
+def _evaluate_lengths(study: Study, workdir: Path, corpus: data.Corpus,
+                      log: Callable[[str], None]) -> None:
+    """`val_loss_at_{L}.json` in each run for each of the study's `eval_seq_lens`: the
+    validation tokens the trainer evaluates, cut into windows of L tokens (`length_batches`),
+    so that lengths differ only in how much context each token sees."""
+    tokenizer = load_tokenizer(workdir / TOKENIZER_FILE)
+    tokens = data.tokenize_corpus(corpus, tokenizer, data.cache_root(), log)
+    for v in study.variants:
+        for seed, length in ((s, n) for s in study.seeds for n in study.eval_seq_lens):
+            path, batches = workdir / study.run_name(v, seed), length_batches(v.run, length)
+            extra = path / f"val_loss_at_{length}.json"
+            if extra.is_file() and json.loads(extra.read_text()).get("batches") == batches:
+                continue
+            loss = validation_loss(path, tokens.val, length, v.run.train.batch_size, batches,
+                                   tokenizer.bos_id)
+            extra.write_text(json.dumps({"seq_len": length, "batches": batches,
+                                         "val_loss": loss}))
+
+
+def length_batches(run: RunConfig, length: int) -> int:
+    """Batches of `length`-token windows over the trainer's validation tokens (train.eval_batches
+    batches of train.seq_len)."""
+    return max(1, run.train.eval_batches * run.train.seq_len // length)
 
 
 def validation_loss(run_path: Path, val_tokens, seq_len: int, batch_size: int,

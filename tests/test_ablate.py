@@ -199,6 +199,8 @@ data: {corpus: unused}
         # float32 parameters and AdamW's two moments
         peak = int(rows[v.name]["peak_memory_bytes"])
         assert peak >= 3 * 4 * costs.param_counts(v.run.model).total
+    # other lengths see the same validation tokens: 1 batch of 32-token windows = 2 of 16
+    assert [ablate.length_batches(study.variants[0].run, n) for n in (16, 32, 64)] == [2, 1, 1]
     base_losses, ln_losses = (
         {s: json.loads((workdir / study.run_name(v, s) / "metrics.jsonl").read_text()
                        .splitlines()[-1])["val_loss"] for s in study.seeds}
