@@ -488,7 +488,7 @@ def _plot_curves(plt, title: str, curves: dict[str, list], axis: int, label: str
     against tokens (axis 0) or seconds (axis 1); the seeds' range shaded."""
     import numpy as np
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = _axes(plt, len(curves))
     for name, runs in curves.items():
         n = min(len(c) for c in runs)
         x = np.mean([[p[axis] for p in c[:n]] for c in runs], axis=0)
@@ -504,7 +504,7 @@ def _plot_kv_bytes(plt, title: str, finals: dict[str, list[float]], kv_bytes: di
                    path: Path) -> Path:
     """Each variant's final validation loss (mean, the seeds' range as the error bar) at its
     KV-cache bytes per token."""
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = _axes(plt, len(finals))
     for name, losses in finals.items():
         mean = statistics.mean(losses)
         ax.errorbar([kv_bytes[name]], [mean], yerr=[[mean - min(losses)], [max(losses) - mean]],
@@ -514,14 +514,21 @@ def _plot_kv_bytes(plt, title: str, finals: dict[str, list[float]], kv_bytes: di
     return _finish(plt, fig, ax, title, path)
 
 
+def _axes(plt, n_variants: int):
+    """A figure whose colours stay distinct up to 20 variants (the default cycle repeats
+    after 10)."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.set_prop_cycle(color=plt.get_cmap("tab10" if n_variants <= 10 else "tab20").colors)
+    return fig, ax
+
+
 def _finish(plt, fig, ax, title: str, path: Path) -> Path:
     ax.set_ylabel("validation loss (nats/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:  # no runs finished yet: an empty plot, no legend
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 
