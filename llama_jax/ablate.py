@@ -262,8 +262,6 @@ def run_study(study: Study, workdir: Path,
     """Trains every variant x seed not finished yet (see the module docstring); returns the
     path of results.csv, or None when a signal (SIGINT, SIGTERM) stopped a run: the study stops
     there too, the run checkpointed where it stood."""
-    from llama_jax.trainer import train
-
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / STUDY_RECORD).write_text(json.dumps({
         "study": str(study.path.resolve()), "seeds": list(study.seeds),
@@ -275,29 +273,39 @@ def run_study(study: Study, workdir: Path,
     study = with_tokenizer(study, workdir / TOKENIZER_FILE)
     runs = [(v, seed) for v in study.variants for seed in study.seeds]
     for i, (v, seed) in enumerate(runs, 1):
-        run, path = v.for_seed(seed), workdir / study.run_name(v, seed)
-        done = _finished(path, run)
-        if not (done or os.path.lexists(path)) and (
-                same := _same_run(workdir, run_key(v, seed), run)):
-            path.symlink_to(Path("..") / same.parent.name / same.name)
-            log(f"[{i}/{len(runs)}] {path.name}: the same run as {same}, linked")
-            continue
-        log(f"[{i}/{len(runs)}] {path.name}: " + ("finished, skipped" if done else "training"))
-        if not done:
-            outcome = train(run, path, log=lambda _: None, progress=False)
-            if outcome.stopped_by:
-                log(f"[{i}/{len(runs)}] {path.name}: stopped by {outcome.stopped_by} at step "
-                    f"{outcome.step} (checkpoint saved); rerun the same command to resume "
-                    "the study")
-                return None
-            memory = ("" if outcome.peak_memory_bytes is None
-                      else f", {outcome.peak_memory_bytes / 2**20:,.0f} MiB peak")
-            log(f"[{i}/{len(runs)}] {path.name}: val_loss {outcome.val_loss:.4f}, "
-                f"{outcome.tokens_per_s:,.0f} tokens/s" + memory)
+        if not _run_one(v, seed, workdir / study.run_name(v, seed), f"[{i}/{len(runs)}]", log):
+            return None
     if study.eval_seq_lens:
         _evaluate_lengths(study, workdir, corpus, log)
     plot_results(study, workdir)
     return write_results(study, workdir)
+
+
+def _run_one(v: Variant, seed: int, path: Path, counter: str,
+             log: Callable[[str], None]) -> bool:
+    """Trains (or resumes, or links, or skips) one run; False when a signal stopped it."""
+    from llama_jax.trainer import train
+
+    run = v.for_seed(seed)
+    done = _finished(path, run)
+    if not (done or os.path.lexists(path)) and (
+            same := _same_run(path.parent, run_key(v, seed), run)):
+        path.symlink_to(Path("..") / same.parent.name / same.name)
+        log(f"{counter} {path.name}: the same run as {same}, linked")
+        return True
+    log(f"{counter} {path.name}: " + ("finished, skipped" if done else "training"))
+    if done:
+        return True
+    outcome = train(run, path, log=lambda _: None, progress=False)
+    if outcome.stopped_by:
+        log(f"{counter} {path.name}: stopped by {outcome.stopped_by} at step {outcome.step} "
+            "(checkpoint saved); rerun the same command to resume the study")
+        return False
+    memory = ("" if outcome.peak_memory_bytes is None
+              else f", {outcome.peak_memory_bytes / 2**20:,.0f} MiB peak")
+    log(f"{counter} {path.name}: val_loss {outcome.val_loss:.4f}, "
+        f"{outcome.tokens_per_s:,.0f} tokens/s" + memory)
+    return True
 
 
 def _evaluate_lengths(study: Study, workdir: Path, corpus: data.Corpus,

@@ -80,6 +80,7 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
     """Trains (or resumes) the run in `workdir` up to `train.steps` (or `stop_at`)."""
     model, train_cfg = run.model, run.train
     devices = jax.devices()
+    local = jax.local_devices()[0]  # memory statistics: another process's device has none here
     mesh = sharding.make_mesh(run.mesh, devices)
     check_run(run, mesh)
     run_dir.claim(workdir, run)
@@ -171,7 +172,7 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
                         tokens_per_s=window_steps * tokens_per_step / elapsed,
                         mfu=window_steps * flops_per_step / elapsed / peak,
                         nonfinite_total=values["nonfinite_total"],
-                        **_memory_record(_peak_memory(devices[0], programs.step_bytes)),
+                        **_memory_record(_peak_memory(local, programs.step_bytes)),
                         **{k: v for k, v in values.items() if k.startswith("moe_")})
                     bar.set_postfix(loss=f"{values['loss']:.3f}",
                                     tok_s=f"{record['tokens_per_s']:.0f}",
@@ -200,7 +201,7 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
                     break
         outcome.tokens_per_s = (outcome.step - start) * tokens_per_step / (
             time.perf_counter() - run_start)
-        outcome.peak_memory_bytes = _peak_memory(devices[0], programs.step_bytes)
+        outcome.peak_memory_bytes = _peak_memory(local, programs.step_bytes)
     finally:
         bar.close()
         checkpoints.close()

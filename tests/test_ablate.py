@@ -147,6 +147,9 @@ def test_results_and_plots_come_from_the_runs_metrics(tmp_path):
     ({0: 3.10, 1: 3.12}, {0: 3.00, 1: 3.20}, (0.01, 0.09, "within noise")),
     # large, but one seed points the other way
     ({0: 3.50, 1: 3.19}, {0: 3.00, 1: 3.20}, (0.245, 0.255, "within noise")),
+    # beyond 2 SE (differences 0.4, 0.4, 0.4, -0.01), but one seed points the other way
+    ({0: 3.4, 1: 3.4, 2: 3.4, 3: 2.99}, {0: 3.0, 1: 3.0, 2: 3.0, 3: 3.0},
+     (0.2975, 0.1025, "within noise")),
     # one seed: no spread to judge by
     ({0: 3.10}, {0: 3.00}, (0.10, None, None)),
 ])
