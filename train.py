@@ -1,8 +1,11 @@
 """Pretrain a LLaMA on a text corpus (by default the Python documentation from Debian's
-python3.11-doc package).
+python3.11-doc package), or fine-tune one on a downstream task.
 
     python train.py --config configs/demo.yaml [--set train.learning_rate=1e-3 ...]
                     [--workdir runs/demo] [--steps N] [--corpus DIR_OR_GLOB]
+
+A config with a `task:` section and `init_from: CHECKPOINT` fine-tunes that checkpoint with a
+task head (llama_jax/finetune.py); `--set init_from=DIR` overrides the checkpoint.
 
 Several processes (one per host) form one run with `--coordinator HOST:PORT --num-processes N
 --process-id I` (auto-detected on TPU pods and under SLURM); each reads only its share of every
@@ -24,7 +27,7 @@ import jax
 
 from llama_jax import distributed
 from llama_jax.cli import user_errors_exit
-from llama_jax.config import load_run_config
+from llama_jax.finetune import load_run_config
 from llama_jax.trainer import train
 
 
@@ -60,13 +63,20 @@ def main(argv: list[str] | None = None) -> int:
             print(message, file=sys.stderr)
 
     outcome = train(run, workdir, log=log, progress=not args.no_progress)
-    if outcome.val_loss is not None:
-        log(f"validation loss {outcome.val_loss:.4f} nats/token (perplexity "
-            f"{math.exp(outcome.val_loss):.2f}); unigram entropy of the validation set "
-            f"{outcome.val_unigram_entropy:.4f}")
+    if run.task is not None:
+        if outcome.val_metrics:
+            log("validation " + ", ".join(f"{name[4:]} {value:.4f}"
+                                          for name, value in outcome.val_metrics.items()))
+        next_step = f"Predict with: python -m llama_jax.predict --checkpoint {workdir} " \
+                    "--input FILE.jsonl"
+    else:
+        if outcome.val_loss is not None:
+            log(f"validation loss {outcome.val_loss:.4f} nats/token (perplexity "
+                f"{math.exp(outcome.val_loss):.2f}); unigram entropy of the validation set "
+                f"{outcome.val_unigram_entropy:.4f}")
+        next_step = f"Sample with: python sample.py --checkpoint {workdir} --prompt 'The'"
     if outcome.stopped_by is None:
-        log(f"done: step {outcome.step}, {outcome.tokens_per_s:,.0f} tokens/s. Sample with: "
-            f"python sample.py --checkpoint {workdir} --prompt 'The'")
+        log(f"done: step {outcome.step}, {outcome.tokens_per_s:,.0f} tokens/s. {next_step}")
     return 0
 
 

@@ -75,7 +75,8 @@ from llama_jax import costs
 from llama_jax.config import TrainConfig
 from llama_jax.decoder import GenerationStats
 from llama_jax.kv_cache import init_cache
-from llama_jax.model import apply, lm_head, unstack_layers
+from llama_jax.model import apply, unstack_layers
+from llama_jax.nn.heads import lm_head
 from llama_jax.nn.dot_product import Mask, dot_product_attention
 from llama_jax.optim import make_optimizer
 from llama_jax.training import init_state, train_step

@@ -32,7 +32,8 @@ import numpy as np
 import llama_jax
 from llama_jax import costs
 from llama_jax.kv_cache import init_cache
-from llama_jax.model import apply, lm_head, unstack_layers
+from llama_jax.model import apply, unstack_layers
+from llama_jax.nn.heads import lm_head
 
 from common import run_child
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jax
 
-from llama_jax.config import ConfigError, MeshConfig, ModelConfig, dtype_name
+from llama_jax.config import ConfigError, MeshConfig, ModelConfig, dtype_name, load_model_config
 from llama_jax.files import atomic_directory
 from llama_jax.formats import CheckpointError, hf, meta, native, run
 from llama_jax.formats.layout import family_of
@@ -80,3 +80,18 @@ def save_native(config: ModelConfig, params: Params, path: str | Path) -> None:
     an empty directory."""
     with atomic_directory(path) as tmp:
         native.save(config, params, tmp)
+
+
+def checkpoint_config(path: str | Path) -> ModelConfig:
+    """The model config of any checkpoint `load_checkpoint` reads, without its weights (Meta's
+    is read with its shards memory-mapped: whether the head is tied shows in them)."""
+    path = Path(path)
+    fmt = detect_format(path)
+    if fmt == "hf":
+        return hf.read_config(path)
+    if fmt == "meta":
+        return meta.read_config(path, meta.open_shards(path))
+    try:  # native and training runs keep a config.yaml
+        return load_model_config(path / native.CONFIG)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None

@@ -39,12 +39,16 @@ GATED_MLPS = ("swiglu", "geglu")
 ROUTERS = ("softmax", "sigmoid")
 MOE_DISPATCHES = ("auto", "capacity", "dropless")  # see nn/moe.py
 ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "splash")  # see nn/dot_product.py
+HEADS = ("lm", "sequence_classification", "token_classification", "regression")  # nn/heads.py
+POOLED_HEADS = ("sequence_classification", "regression")  # one output row per sequence
+POOLINGS = ("last", "mean")
 # Field roles: "architecture" fields change the function the model computes; "execution" fields
 # only change how it runs (a run may resume, a checkpoint may load, under other values);
 # "generation" fields are defaults for sampling.
 # "init" fields only size or initialise the parameters (ffn_dim is resolved from them), so a
-# checkpoint does not carry them.
+# checkpoint does not carry them; "names" fields only name the head's outputs.
 EXECUTION, GENERATION, INIT = {"role": "execution"}, {"role": "generation"}, {"role": "init"}
+NAMES = {"role": "names"}
 
 
 class ConfigError(ValueError):
@@ -239,6 +243,13 @@ class ModelConfig:
     embed_scale: bool = False  # token embeddings times √D (Vaswani et al.), before positions
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    # What the final hidden states feed (nn/heads.py): the LM head, or a task head of n_labels
+    # outputs (classes, or regression targets) that replaces it.
+    head: str = "lm"  # lm | sequence_classification | token_classification | regression
+    n_labels: int | None = None  # task heads: classes, or regression targets
+    pooling: str | None = None  # pooled heads: last (non-padding token) | mean; None: last
+    pad_id: int | None = None  # task heads: the id that pads batches; None: no padding
+    label_names: tuple[str, ...] | None = dataclasses.field(default=None, metadata=NAMES)
     init_std: float = dataclasses.field(default=0.02, metadata=INIT)
     param_dtype: str = dataclasses.field(default="float32", metadata=EXECUTION)
     compute_dtype: str = dataclasses.field(default="float32", metadata=EXECUTION)
@@ -289,6 +300,7 @@ class ModelConfig:
                  "must be a positive integer")
         self._check_positions()
         self._check_moe()
+        self._check_head()
         if self.ffn_dim_multiplier is not None:
             _require(self.ffn_dim_multiplier > 0, "ffn_dim_multiplier", self.ffn_dim_multiplier,
                      "must be > 0")
@@ -385,6 +397,43 @@ class ModelConfig:
         _require(self.moe.first_dense_layers < self.n_layers, "moe.first_dense_layers",
                  self.moe.first_dense_layers, f"must be < n_layers ({self.n_layers})")
 
+    def _check_head(self) -> None:
+        """Task-head fields are refused with the LM head (their values, carried over by
+        `dataclasses.replace` from a task model, are cleared instead when at their defaults);
+        a task head needs its output count, and pooling belongs to the pooled heads."""
+        _require(self.head in HEADS, "head", self.head, f"is not one of {HEADS}")
+        if self.head == "lm":
+            for name in ("n_labels", "pooling", "pad_id", "label_names"):
+                _require(getattr(self, name) is None, name, getattr(self, name),
+                         "applies only to task heads, not head 'lm'; remove it")
+            return
+        least = 2 if self.head != "regression" else 1
+        _require(isinstance(self.n_labels, int) and not isinstance(self.n_labels, bool)
+                 and self.n_labels >= least, "n_labels", self.n_labels,
+                 f"must be an integer >= {least} with head {self.head!r}")
+        if self.head in POOLED_HEADS:
+            object.__setattr__(self, "pooling", self.pooling or "last")
+            _require(self.pooling in POOLINGS, "pooling", self.pooling,
+                     f"is not one of {POOLINGS}")
+        else:
+            _require(self.pooling is None, "pooling", self.pooling,
+                     f"applies only to heads {POOLED_HEADS}; remove it")
+        _require(self.pad_id is None or (isinstance(self.pad_id, int)
+                                         and 0 <= self.pad_id < self.vocab_size),
+                 "pad_id", self.pad_id, f"must be a token id in [0, vocab_size={self.vocab_size})")
+        if self.label_names is not None:
+            _require(isinstance(self.label_names, (list, tuple))
+                     and len(self.label_names) == self.n_labels
+                     and all(isinstance(n, str) and n for n in self.label_names)
+                     and len(set(self.label_names)) == len(self.label_names), "label_names",
+                     self.label_names, f"must be {self.n_labels} distinct non-empty names")
+            object.__setattr__(self, "label_names", tuple(self.label_names))
+
+    @property
+    def names_of_labels(self) -> tuple[str, ...]:
+        """The head's output names: `label_names`, or LABEL_0.. as transformers names them."""
+        return self.label_names or tuple(f"LABEL_{i}" for i in range(self.n_labels or 0))
+
     @property
     def dense_mlp(self) -> str:
         """The kind of every dense MLP: `mlp`, or the MoE experts' kind (which its dense first
@@ -412,9 +461,9 @@ class ModelConfig:
     @property
     def dims(self) -> dict[str, int]:
         """Sizes by dimension letter, for `TensorSpec` shapes (E, M, U: with mlp moe; Z, Q, J,
-        I, Y: with attention mla)."""
+        I, Y: with attention mla; C: with a task head)."""
         dims = {"V": self.V, "D": self.D, "N": self.N, "K": self.K, "H": self.H, "F": self.F,
-                "P": self.max_seq_len}
+                "P": self.max_seq_len, **({"C": self.n_labels} if self.n_labels else {})}
         if self.attention == "mla":
             a = self.mla
             dims.update(Z=a.kv_lora_rank, J=a.qk_nope_head_dim, I=a.qk_rope_head_dim,
@@ -467,12 +516,18 @@ class ModelConfig:
         for section in ("moe", "mla"):  # a dense GQA model's file has neither section
             if getattr(self, section) is None:
                 del out[section]
+        if self.head == "lm":  # nor a language model's the task-head fields
+            for name in ("head", "n_labels", "pooling", "pad_id", "label_names"):
+                del out[name]
+        elif self.label_names is not None:
+            out["label_names"] = list(self.label_names)
         if self.rope_scaling is not None:
             out["rope_scaling"] = self.rope_scaling.to_dict()
         return out
 
 
 SCHEDULES = ("cosine", "wsd", "constant")
+FREEZES = ("none", "backbone")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,6 +557,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     max_nonfinite: int = 5  # stop after this many non-finite steps in a row
     peak_flops: float | None = None  # per device, for MFU; None: known table or measured
+    freeze: str = "none"  # none | backbone: fine-tune the task head only (finetune.py)
 
     # Fields that only change bookkeeping: a run may resume with different values.
     RESUMABLE_CHANGES = ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every",
@@ -535,6 +591,7 @@ class TrainConfig:
                      "must be >= 0")
         _require(self.peak_flops is None or self.peak_flops > 0, "peak_flops",
                  self.peak_flops, "must be > 0 (or null to measure)")
+        _require(self.freeze in FREEZES, "freeze", self.freeze, f"is not one of {FREEZES}")
 
 
 DEFAULT_CORPUS = "/usr/share/doc/python3.11/html/_sources"
@@ -560,6 +617,61 @@ class DataConfig:
         _require(isinstance(self.max_tokenizer_chars, int) and self.max_tokenizer_chars > 0,
                  "max_tokenizer_chars", self.max_tokenizer_chars,
                  "must be a positive integer")
+
+
+TASKS = ("sequence_classification", "token_classification", "regression")  # = the task heads
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    """A downstream task (the `task:` section; tasks.py, task_data.py): the head it puts on
+    the model, and the JSONL files it reads — one example per line, with `text` and `label`
+    (sequence_classification), `labels` per word (token_classification) or `target`
+    (regression)."""
+
+    kind: str  # sequence_classification | token_classification | regression
+    train: str  # a JSONL file
+    val: str | None = None  # a JSONL file; None: hold out val_fraction of train by hash
+    val_fraction: float = 0.1
+    # classification: the class names (a label is a name or its index) or their count;
+    # regression: the target names or their count
+    labels: Any = 1
+    pooling: str = "last"  # sequence_classification and regression: last | mean
+
+    def __post_init__(self):
+        object.__setattr__(self, "val_fraction", _as_float("val_fraction", self.val_fraction))
+        _require(self.kind in TASKS, "kind", self.kind, f"is not one of {TASKS}")
+        for name in ("train", "val"):
+            value = getattr(self, name)
+            _require((value is None and name == "val") or (isinstance(value, str) and value),
+                     name, value, "must be a path to a JSONL file")
+        _require(0 < self.val_fraction < 1, "val_fraction", self.val_fraction,
+                 "must be in (0, 1)")
+        names = self.labels
+        if isinstance(names, (list, tuple)):
+            _require(all(isinstance(n, str) and n for n in names) and len(set(names)) == len(
+                names), "labels", names, "must be distinct non-empty names (or a count)")
+            object.__setattr__(self, "labels", tuple(names))
+        else:
+            _require(isinstance(names, int) and not isinstance(names, bool) and names > 0,
+                     "labels", names, "must be a list of names or a positive count")
+        least = 1 if self.kind == "regression" else 2
+        _require(self.n_labels >= least, "labels", self.labels,
+                 f"must name at least {least} output(s) for kind {self.kind!r}")
+        _require(self.pooling in POOLINGS, "pooling", self.pooling, f"is not one of {POOLINGS}")
+
+    @property
+    def n_labels(self) -> int:
+        return len(self.labels) if isinstance(self.labels, tuple) else self.labels
+
+    @property
+    def label_names(self) -> tuple[str, ...] | None:
+        return self.labels if isinstance(self.labels, tuple) else None
+
+    def head_fields(self) -> dict[str, Any]:
+        """The model fields of this task's head."""
+        return {"head": self.kind, "n_labels": self.n_labels, "label_names": self.label_names,
+                "pooling": None if self.kind == "token_classification" else self.pooling}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -697,7 +809,8 @@ def _check_keys(fields: Mapping[str, Any], cls: type, where: str) -> None:
 
 # ----------------------------------------------------------------------------------- YAML files
 
-SECTIONS = ("model", "train", "data", "mesh")
+SECTIONS = ("model", "train", "data", "mesh", "task")
+SCALARS = ("init_from",)  # top-level keys that are values, not sections
 
 
 def resolve_config_path(name_or_path: str | Path, relative_to: Path | None = None) -> Path:
@@ -728,10 +841,10 @@ def load_config_tree(name_or_path: str | Path, _seen: tuple[Path, ...] = ()) -> 
         raise ConfigError(f"{path}: cannot read config: {e}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(tree).__name__}")
-    unknown = [k for k in tree if k not in (*SECTIONS, "base")]
+    unknown = [k for k in tree if k not in (*SECTIONS, *SCALARS, "base")]
     if unknown:
-        raise ConfigError(f"{path}: unknown top-level key(s) {unknown}; expected base and "
-                          f"sections {list(SECTIONS)}")
+        raise ConfigError(f"{path}: unknown top-level key(s) {unknown}; expected base, "
+                          f"{', '.join(SCALARS)} and sections {list(SECTIONS)}")
     base = tree.pop("base", None)
     if base is None:
         return tree
@@ -756,37 +869,82 @@ class RunConfig:
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
     mesh: MeshConfig = MeshConfig()
+    task: TaskConfig | None = None  # a downstream task; None: language modelling on data
+    init_from: str | None = None  # a checkpoint the parameters start from (finetune.py)
+
+    def __post_init__(self):
+        if self.task is not None:
+            for name, value in self.task.head_fields().items():
+                _require(getattr(self.model, name) == value, f"model.{name}",
+                         getattr(self.model, name), f"is set by the task section ({value!r})")
+        _require(self.init_from is None or (isinstance(self.init_from, str) and self.init_from),
+                 "init_from", self.init_from, "must be a checkpoint directory")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model.to_dict(), "train": dataclasses.asdict(self.train),
-                "data": dataclasses.asdict(self.data), "mesh": self.mesh.to_dict()}
+        out = {"model": self.model.to_dict(), "train": dataclasses.asdict(self.train),
+               "data": dataclasses.asdict(self.data), "mesh": self.mesh.to_dict()}
+        if self.train.freeze == "none":  # a pretraining run's file is as before fine-tuning
+            del out["train"]["freeze"]
+        if self.task is not None:
+            out["task"] = dataclasses.asdict(self.task)
+            if isinstance(self.task.labels, tuple):
+                out["task"]["labels"] = list(self.task.labels)
+        if self.init_from is not None:
+            out["init_from"] = self.init_from
+        return out
 
     @classmethod
     def from_tree(cls, tree: Mapping[str, Any], where: str) -> "RunConfig":
-        """From a merged YAML tree; `where` (the file) prefixes error messages."""
+        """From a merged YAML tree; `where` (the file) prefixes error messages. With a `task:`
+        section, the model's head fields come from the task."""
         if "model" not in tree:
             raise ConfigError(f"{where}: no `model:` section (directly or through `base:`)")
         sections = {}
-        for name, build in (("model", ModelConfig.from_dict),
+        for name, build in (("task", functools.partial(build_section, TaskConfig)),
+                            ("model", ModelConfig.from_dict),
                             ("train", functools.partial(build_section, TrainConfig)),
                             ("data", functools.partial(build_section, DataConfig)),
                             ("mesh", functools.partial(build_section, MeshConfig))):
             fields = tree.get(name) or {}
             if not isinstance(fields, Mapping):
                 raise ConfigError(f"{where}: `{name}:` must be a mapping, got {fields!r}")
+            if name == "task" and not fields:
+                continue
+            if name == "model" and "task" in sections:
+                fields = with_task_head(fields, sections["task"])
             try:
                 sections[name] = build(fields, where=name)
             except ConfigError as e:
                 raise ConfigError(f"{where}: {e}") from None
-        return cls(**sections)
+        try:
+            return cls(**sections, init_from=tree.get("init_from"))
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
 
 
-def load_run_config(name_or_path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
-    """A config file or preset with `SECTION.KEY=VALUE` overrides (values parsed as YAML)."""
+def with_task_head(model: Mapping[str, Any], task: TaskConfig) -> dict[str, Any]:
+    """A model section with the task's head; head fields the section sets differently are
+    refused (the task section owns them)."""
+    head = task.head_fields()
+    for name, value in model.items():
+        if name in head and value != head[name] and not (
+                name == "label_names" and list(value or ()) == list(head[name] or ())):
+            raise ConfigError(f"model.{name}={value!r}: the task section sets it "
+                              f"({head[name]!r}); remove it from `model:`")
+    return {**model, **head}
+
+
+def load_run_tree(name_or_path: str | Path, overrides: Sequence[str] = ()
+                  ) -> tuple[dict[str, Any], Path]:
+    """The merged tree of a config file or preset with `SECTION.KEY=VALUE` overrides (values
+    parsed as YAML; `init_from=PATH` for the top-level key), and the file's path."""
     path = resolve_config_path(name_or_path)
     tree = load_config_tree(path)
     for item in overrides:
         key, sep, value = item.partition("=")
+        if sep and key in SCALARS:
+            tree[key] = yaml.safe_load(value)
+            continue
         *parents, leaf = key.split(".")
         if not sep or not parents or parents[0] not in SECTIONS:
             raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE with SECTION one of "
@@ -799,6 +957,14 @@ def load_run_config(name_or_path: str | Path, overrides: Sequence[str] = ()) -> 
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {item!r}: {name} is {node!r} in {path}, not a mapping")
         node[leaf] = yaml.safe_load(value)
+    return tree, path
+
+
+def load_run_config(name_or_path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+    """A config file or preset with `SECTION.KEY=VALUE` overrides (values parsed as YAML). A
+    fine-tuning config whose model comes from its `init_from` checkpoint is read by
+    `finetune.load_run_config`."""
+    tree, path = load_run_tree(name_or_path, overrides)
     return RunConfig.from_tree(tree, str(path))
 
 

@@ -22,6 +22,7 @@ import functools
 import jax.numpy as jnp
 
 from llama_jax.config import ModelConfig
+from llama_jax.nn.heads import head_matmul_size
 from llama_jax.nn.mixers import mixer_of
 from llama_jax.nn.spec import TensorSpec, count, spec_leaves
 from llama_jax.params import param_specs
@@ -38,7 +39,7 @@ class ParamCounts:
     total: int
     embedding: int  # the input token-embedding table, V·D
     lm_head: int  # the untied LM head, D·V; 0 when tied to the embedding
-    matmul: int  # P_mm: active block matrices + the LM head's V·D (even when tied)
+    matmul: int  # P_mm: active block matrices + the head's (the LM head's V·D even when tied)
     active: int  # what one token uses: total less the routed experts it skips (= total dense)
 
     @property
@@ -55,7 +56,7 @@ def param_counts(config: ModelConfig) -> ParamCounts:
         total=count(specs),
         embedding=count(specs["embed"]),
         lm_head=count(specs.get("lm_head", {})),
-        matmul=block_matrices + config.vocab_size * config.dim,
+        matmul=block_matrices + head_matmul_size(config),
         active=sum(_active(s) for s in spec_leaves(specs)),
     )
 

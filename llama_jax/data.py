@@ -74,13 +74,13 @@ def find_corpus(spec: str, val_fraction: float) -> Corpus:
     if len(files) < 2:
         raise DataError(f"corpus {spec!r}: found {len(files)} file(s); need at least two "
                         "documents (one file each) to hold one out for validation")
-    ranked = sorted(files, key=lambda f: _unit_hash(f.relative_to(root).as_posix()))
-    n_val = max(1, sum(_unit_hash(f.relative_to(root).as_posix()) < val_fraction for f in files))
+    ranked = sorted(files, key=lambda f: unit_hash(f.relative_to(root).as_posix()))
+    n_val = max(1, sum(unit_hash(f.relative_to(root).as_posix()) < val_fraction for f in files))
     n_val = min(n_val, len(files) - 1)
     return Corpus(root=root, train=tuple(sorted(ranked[n_val:])), val=tuple(sorted(ranked[:n_val])))
 
 
-def _unit_hash(name: str) -> float:
+def unit_hash(name: str) -> float:
     """A stable pseudo-random number in [0, 1) for a document name."""
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") / 2 ** 64
 
@@ -105,8 +105,7 @@ def prepare_tokenizer(data: DataConfig, corpus: Corpus, vocab_size: int, workdir
             source = source / TOKENIZER_FILE
         if not source.is_file():
             raise DataError(f"data.tokenizer {data.tokenizer!r}: no such file")
-        if not kept.is_file() or kept.read_bytes() != source.read_bytes():
-            write_atomically(kept, source.read_bytes())
+        keep_tokenizer(source, workdir)
     elif not kept.is_file():
         log(f"training a {vocab_size}-token SentencePiece BPE tokenizer on "
             f"{len(corpus.train)} documents")
@@ -124,6 +123,14 @@ def prepare_tokenizer(data: DataConfig, corpus: Corpus, vocab_size: int, workdir
         raise DataError(f"tokenizer {kept} has {tokenizer.vocab_size} tokens, more than "
                         f"model.vocab_size={vocab_size}")
     return tokenizer
+
+
+def keep_tokenizer(source: Path, workdir: Path) -> None:
+    """A copy of the tokenizer file `source` in the workdir, where sample.py, predict and
+    load_tokenizer(workdir) find it."""
+    kept = workdir / TOKENIZER_FILE
+    if not kept.is_file() or kept.read_bytes() != source.read_bytes():
+        write_atomically(kept, source.read_bytes())
 
 
 def _limit_chars(texts: Iterator[str], limit: int) -> Iterator[str]:

@@ -35,7 +35,8 @@ from flax import struct
 from llama_jax import sharding
 from llama_jax.config import ConfigError, MeshConfig, ModelConfig, dtype_name
 from llama_jax.kv_cache import KVCache, init_cache
-from llama_jax.model import apply, lm_head, unstack_layers
+from llama_jax.model import apply, unstack_layers
+from llama_jax.nn.heads import lm_head
 from llama_jax.params import Params
 from llama_jax.sampling import SamplingParams, Strategy, sample
 

@@ -5,7 +5,7 @@ token embedding → L pre-norm blocks `h = x + Attn(RMSNorm(x)); out = h + SwiGL
 → final RMSNorm → LM head (untied, or tied to the embedding as in LLaMA 3.2 1B/3B), RoPE on q
 and k. The config swaps components (nn/): LayerNorm, post-norm blocks `x = Norm(x + f(x))` with
 no final norm (Vaswani et al. 2017), absolute positions added to the embedding, plain or gated
-MLPs, biases.
+MLPs, biases, and a task head in place of the LM head (nn/heads.py).
 
 `block` is the one block function: it serves the training forward, prefill and decode (the KV
 cache is an optional input and output) and returns auxiliary outputs: a dict with the weighted
@@ -36,11 +36,11 @@ from llama_jax.config import ModelConfig
 from llama_jax.kv_cache import KVCache
 from llama_jax.nn.attention import Context
 from llama_jax.nn.dot_product import Mask
+from llama_jax.nn.heads import apply_head, padding_layout
 from llama_jax.nn.mixers import mixer_of
 from llama_jax.nn.mlp import apply_mlp
 from llama_jax.nn.moe import apply_moe, moe_metrics, update_selection_bias
 from llama_jax.nn.norms import apply_norm
-from llama_jax.nn.ops import einsum_f32
 from llama_jax.nn.positions import add_positions, rotation
 from llama_jax.params import LayerGroup, Params, layer_groups
 from llama_jax.sharding import constrain
@@ -61,14 +61,19 @@ class Output(NamedTuple):
 def forward(config: ModelConfig, params: Params, tokens_BT: jax.Array, *,
             positions_BT: jax.Array | None = None,
             segment_ids_BT: jax.Array | None = None) -> jax.Array:
-    """Next-token logits `[B, T, V]` in fp32 for int32 tokens `[B, T]`.
+    """The head's fp32 outputs for int32 tokens `[B, T]`: next-token logits `[B, T, V]`, or a
+    task head's (`[B, C]` pooled, `[B, T, C]` per token; nn/heads.py).
 
     positions default to 0..T-1 per row; with `segment_ids_BT` (packed documents) tokens attend
-    only within their own segment, and positions should restart at each document.
+    only within their own segment, and positions should restart at each document. A task
+    head's rows may be padded with `config.pad_id` (on either side): by default its padding is
+    kept apart (`heads.padding_layout`).
     """
+    if config.head != "lm" and positions_BT is None and segment_ids_BT is None:
+        positions_BT, segment_ids_BT = padding_layout(config, tokens_BT)
     out = apply(config, params, tokens_BT, positions_BT=positions_BT,
                 segment_ids_BT=segment_ids_BT)
-    return lm_head(config, params, out.hidden_BTD)
+    return apply_head(config, params, out.hidden_BTD, tokens_BT)
 
 
 def hidden_states(config: ModelConfig, params: Params, tokens_BT: jax.Array, *,
@@ -113,16 +118,6 @@ def embed(config: ModelConfig, params: Params, tokens_BT: jax.Array,
     if config.embed_scale:
         x_BTD = x_BTD * jnp.asarray(config.dim ** 0.5, x_BTD.dtype)
     return add_positions(config, params.get("positions", {}), x_BTD, positions_BT)
-
-
-def lm_head(config: ModelConfig, params: Params, h_BTD: jax.Array) -> jax.Array:
-    """fp32 logits: the loss and sampling want them in full precision."""
-    if config.tie_embeddings:
-        table_VD = params["embed"]["table"].astype(h_BTD.dtype)
-        logits_BTV = einsum_f32("BTD,VD->BTV", h_BTD, table_VD)
-    else:
-        logits_BTV = einsum_f32("BTD,DV->BTV", h_BTD, params["lm_head"]["w"].astype(h_BTD.dtype))
-    return constrain(logits_BTV, ("batch", "seq", "vocab"))
 
 
 def block(config: ModelConfig, group: LayerGroup, p: Params, x_BTD: jax.Array,

@@ -8,6 +8,9 @@ Schedules (all warm up linearly from 0 over `warmup_steps`):
   checkpoint taken before the decay;
 - constant: warmup, then the peak.
 
+With `train.freeze: backbone` (fine-tuning, finetune.py) the chain applies to the task head
+alone (`optax.multi_transform`); every other tensor gets a zero update and keeps no moments.
+
 `optax.apply_if_finite` wraps the chain: a step whose gradients hold a NaN or Inf leaves the
 parameters and the optimizer state (moments, schedule count) untouched and counts it; the
 training loop stops after `max_nonfinite` such steps in a row, before optax's own limit would
@@ -16,10 +19,11 @@ let a non-finite update through.
 
 from __future__ import annotations
 
+import jax
 import optax
 
 from llama_jax.config import ModelConfig, TrainConfig
-from llama_jax.nn.spec import map_specs
+from llama_jax.nn.spec import is_spec, map_specs
 from llama_jax.params import Params, param_specs
 
 # apply_if_finite applies updates anyway after this many non-finite steps in a row; the loop
@@ -50,9 +54,21 @@ def weight_decay_mask(config: ModelConfig) -> Params:
     return map_specs(lambda spec: spec.decay, param_specs(config))
 
 
+def trainable(config: ModelConfig, freeze: str) -> Params:
+    """"train" or "frozen" per tensor: with `freeze: backbone`, everything but the task head
+    is frozen."""
+    def label(path, spec) -> str:
+        return "train" if freeze == "none" or path[0].key == "head" else "frozen"
+    return jax.tree_util.tree_map_with_path(label, param_specs(config), is_leaf=is_spec)
+
+
 def make_optimizer(config: ModelConfig, train: TrainConfig) -> optax.GradientTransformation:
     chain = [optax.clip_by_global_norm(train.clip_norm)] if train.clip_norm > 0 else []
     chain.append(optax.adamw(learning_rate_schedule(train), b1=train.b1, b2=train.b2,
                              eps=train.eps, weight_decay=train.weight_decay,
                              mask=weight_decay_mask(config)))
-    return optax.apply_if_finite(optax.chain(*chain), max_consecutive_errors=_NEVER)
+    optimizer = optax.chain(*chain)
+    if train.freeze != "none":  # frozen tensors get zero updates and no optimizer state
+        optimizer = optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()},
+                                          trainable(config, train.freeze))
+    return optax.apply_if_finite(optimizer, max_consecutive_errors=_NEVER)

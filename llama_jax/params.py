@@ -5,7 +5,8 @@
      "groups": ({"attn_norm": {...}, "attn": {"wq": [L, D, N, H], ...},  # (MLA: nn/mla.py)
                  "mlp_norm": {...}, "mlp": {"w_up": [L, D, F], ...}}, ...),  # (MoE: nn/moe.py)
      "final_norm": {"scale": [D], ...},                     # pre-norm only
-     "lm_head": {"w": [D, V]}}                              # untied only
+     "lm_head": {"w": [D, V]},                              # untied LM head only
+     "head": {"w": [D, C], "b": [C]}}                       # or a task head (nn/heads.py)
 
 A model is a sequence of layer groups (`layer_groups`); the blocks of one group share their
 structure, so their weights are stacked along a leading L axis and run by one `lax.scan`.
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from llama_jax.config import ModelConfig
+from llama_jax.nn.heads import head_specs
 from llama_jax.nn.mixers import mixer_of
 from llama_jax.nn.mlp import mlp_specs
 from llama_jax.nn.moe import moe_specs
@@ -76,15 +78,18 @@ def param_specs(config: ModelConfig) -> Params:
                             for group in layer_groups(config))
     if config.norm_position == "pre":
         specs["final_norm"] = norm_specs(config)
-    if not config.tie_embeddings:
-        specs["lm_head"] = {"w": weight(dims, "DV", ("embed", "vocab"))}
-    return specs
+    return {**specs, **head_specs(config)}
 
 
 def init_params(config: ModelConfig, key: jax.Array) -> Params:
     """Random parameters in `config.param_dtype` (jit it with out_shardings to create them
     sharded; `jax.eval_shape` it to get shapes without allocating)."""
-    specs = param_specs(config)
+    return init_tensors(config, param_specs(config), key)
+
+
+def init_tensors(config: ModelConfig, specs, key: jax.Array):
+    """Random arrays for a tree of `TensorSpec`s (a part of the parameter tree), as
+    `init_params` makes them."""
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     keys = jax.random.split(key, len(leaves))
     dtype = jnp.dtype(config.param_dtype)

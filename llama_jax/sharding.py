@@ -48,7 +48,7 @@ RULE_TABLES = {
     "weight_rules": ({"embed": "fsdp", "q_heads": "tensor", "kv_heads": "tensor",
                       "mlp": "tensor", "vocab": "tensor", "experts": "expert", "latent": "fsdp"},
                      ("layers", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "vocab",
-                      "norm", "positions", "experts", "latent")),
+                      "norm", "positions", "experts", "latent", "labels")),
     "activation_rules": ({"batch": BATCH_AXES, "heads": "tensor", "kv_heads": "tensor",
                           "mlp": "tensor", "vocab": "tensor", "experts": "expert",
                           "expert_batch": ["data", "fsdp"]},
@@ -177,9 +177,12 @@ def optimizer_state_shardings(optimizer, abstract_params, params_sharding,
     """The optimizer state laid out like the parameters it mirrors (moments), scalars
     replicated. Explicit, because `jit(optimizer.init)` on an Auto mesh may replicate it."""
     state = jax.eval_shape(optimizer.init, abstract_params)
+    # A frozen tensor has no state (`optax.multi_transform` leaves an empty MaskedNode).
+    masked = optax.transforms.MaskedNode
     return optax.tree_utils.tree_map_params(
-        optimizer, lambda _, s: s, state, params_sharding,
-        transform_non_params=lambda _: replicated(mesh))
+        optimizer, lambda leaf, s: leaf if isinstance(leaf, masked) else s, state,
+        params_sharding, transform_non_params=lambda _: replicated(mesh),
+        is_leaf=lambda x: isinstance(x, masked))
 
 
 def per_shard(fn: Callable, in_axes: Sequence[Sequence[str | None]],

@@ -38,6 +38,7 @@ _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]+=* \d+\r?$")
 
 
 class Tokenizer(Protocol):
+    path: Path  # the tokenizer.model it was read from
     vocab_size: int
     bos_id: int
     eos_ids: tuple[int, ...]  # every id that ends generation

@@ -33,7 +33,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from tqdm import tqdm
 
-from llama_jax import costs, data, hardware, sharding, workdir as run_dir
+from llama_jax import costs, data, finetune, hardware, sharding, task_data, tasks
+from llama_jax import workdir as run_dir
 from llama_jax.config import ConfigError, RunConfig
 from llama_jax.formats.legacy import is_legacy
 from llama_jax.params import abstract_params, param_specs
@@ -41,7 +42,9 @@ from llama_jax.metrics import MetricsLog
 from llama_jax.nn.dot_product import chosen_attention, describe_attention
 from llama_jax.optim import learning_rate_schedule, make_optimizer
 from llama_jax.model import aux_metrics
-from llama_jax.training import TrainState, eval_sums, init_state, train_step
+from llama_jax.training import TrainState, eval_sums, init_state, objective, train_step
+
+TASK_METRICS = ("val_accuracy", "val_macro_f1", "val_rmse")  # printed with val_loss
 
 
 class TrainingError(RuntimeError):
@@ -57,11 +60,18 @@ class Outcome:
     compile_s: float = 0.0
     tokens_per_s: float = 0.0  # over the whole run, compile excluded
     peak_memory_bytes: int | None = None  # per device: see `_peak_memory`
+    val_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the last eval
 
 
 def check_run(run: RunConfig, mesh: jax.sharding.Mesh) -> None:
     """Config errors that only show against the mesh, the backend or across sections."""
     model, train = run.model, run.train
+    if run.task is None and model.head != "lm":
+        raise ConfigError(f"model.head={model.head!r} needs a `task:` section (language "
+                          "modelling trains the LM head)")
+    if run.task is None and train.freeze != "none":
+        raise ConfigError(f"train.freeze={train.freeze!r} needs a `task:` section (it trains "
+                          "a task head alone)")
     chosen_attention(model)
     if train.seq_len > model.max_seq_len:
         raise ConfigError(f"train.seq_len={train.seq_len} exceeds the model's context "
@@ -86,16 +96,8 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
     run_dir.claim(workdir, run)
     log(describe_attention(model, train_cfg.seq_len))
 
-    corpus = data.find_corpus(run.data.corpus, run.data.val_fraction)
-    tokenizer = data.prepare_tokenizer(run.data, corpus, model.vocab_size, workdir, log)
-    tokens = data.tokenize_corpus(corpus, tokenizer, data.cache_root(), log)
-    log(f"corpus {corpus.root}: {len(corpus.train)} training documents "
-        f"({len(tokens.train):,} tokens), {len(corpus.val)} validation ({len(tokens.val):,})")
-    processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
-    iterator = data.train_batches(tokens.train, train_cfg.seq_len, train_cfg.batch_size,
-                                  train_cfg.seed, **processes)
-    val = data.val_batches(tokens.val, train_cfg.seq_len, train_cfg.batch_size,
-                           train_cfg.eval_batches, **processes)
+    source = (_corpus_data if run.task is None else _task_data)(run, workdir, log)
+    iterator, val = source.train, source.val
 
     checkpoints = run_dir.Checkpoints(workdir, train_cfg)
     start = checkpoints.latest_step() or 0
@@ -113,7 +115,7 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
             f"`python -m llama_jax.convert {workdir} NEW_DIR` and start a new run, or resume "
             "with llama_jax 0.1")
 
-    programs = _programs(run, tokens.bos_id, mesh)
+    programs = _programs(run, source.bos_id, mesh)
     batch_sharding, abstract, compile_s = (programs.batch_sharding, programs.abstract,
                                            programs.compile_s)
     if start:
@@ -124,6 +126,8 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
         log(f"resumed from {workdir / run_dir.CHECKPOINTS / str(start)}")
     else:
         state = programs.init(jax.random.key(train_cfg.seed))
+        if run.init_from is not None:
+            log(f"initialised from {run.init_from}")
 
     tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
     flops_per_step = costs.train_flops_per_token(model, train_cfg.seq_len) * tokens_per_step
@@ -132,7 +136,7 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
     schedule = learning_rate_schedule(train_cfg)
     metrics = MetricsLog(workdir / run_dir.METRICS, workdir / run_dir.TENSORBOARD, start)
     outcome = Outcome(step=start, compile_s=compile_s,
-                      val_unigram_entropy=data.unigram_entropy(tokens.val, tokens.bos_id))
+                      val_unigram_entropy=source.val_unigram_entropy)
     log(f"step compiled in {compile_s:.1f} s ({_mib(programs.step_bytes)} per device); "
         f"training steps {start + 1}..{end} of "
         f"{train_cfg.steps} on {len(devices)} {devices[0].platform} device(s), mesh "
@@ -152,7 +156,7 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
     try:
         with _stop_signals() as received:
             for step in range(start + 1, end + 1):
-                batch = jax.make_array_from_process_local_data(batch_sharding, next(iterator))
+                batch = _on_devices(batch_sharding, next(iterator))
                 state, step_metrics = programs.step(state, batch)
                 values = jax.device_get(step_metrics)
                 window_steps += 1
@@ -180,13 +184,14 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
                     window_start, window_steps, window_paused = time.perf_counter(), 0, 0.0
                 paused_from = time.perf_counter()
                 if step % train_cfg.eval_every == 0 or step == train_cfg.steps:
-                    outcome.val_loss, val_aux = _validation_loss(programs.evaluate, state.params,
-                                                                 val, batch_sharding)
-                    record.update(val_loss=outcome.val_loss,
-                                  val_ppl=math.exp(min(outcome.val_loss, 700)),
-                                  **{f"val_{k}": v for k, v in val_aux.items()})
-                    say(f"step {step}: val_loss {outcome.val_loss:.4f} "
-                        f"val_ppl {record['val_ppl']:.2f}")
+                    val_metrics = _validation(programs.evaluate, state.params, val,
+                                              batch_sharding, run.task is not None)
+                    outcome.val_loss = val_metrics["val_loss"]
+                    outcome.val_metrics = val_metrics
+                    record.update(val_metrics)
+                    say(f"step {step}: " + " ".join(
+                        f"{k} {v:.4f}" for k, v in val_metrics.items()
+                        if k in ("val_loss", "val_ppl", *TASK_METRICS)))
                 metrics.write(step, record)
                 bar.update(1)
                 outcome.step = step
@@ -214,7 +219,7 @@ class _Programs:
     init: Callable  # seed key -> TrainState, created sharded
     abstract: TrainState  # shapes, dtypes and shardings of the state
     step: Callable  # (state, batch) -> (state, metrics), compiled ahead of time, state donated
-    evaluate: Callable  # (params, batch) -> (cross-entropy sum, token count, aux), compiled
+    evaluate: Callable  # (params, batch) -> (sums: loss_sum, count, ...; aux), compiled
     compile_s: float
     batch_sharding: NamedSharding
     step_bytes: int | None  # XLA's footprint of the step per device; None if not reported
@@ -256,16 +261,24 @@ def _programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh) -> _Programs
         step=replicated, params=params_sharding,
         opt_state=sharding.optimizer_state_shardings(optimizer, abstract_params(run.model),
                                                      params_sharding, mesh))
-    batch_sharding = sharding.batch_sharding(mesh, run.mesh)
-    init = jax.jit(functools.partial(init_state, run.model, optimizer),
-                   out_shardings=state_sharding)
-    abstract = jax.eval_shape(init, jax.random.key(0))
-    batch = jax.ShapeDtypeStruct((run.train.batch_size, run.train.seq_len + 1), jnp.int32,
-                                 sharding=batch_sharding)
-    step = jax.jit(functools.partial(train_step, run.model, run.train, optimizer, bos_id),
+    batch_sharding = sharding.batch_sharding(mesh, run.mesh, ndim=1)  # rows of every leaf
+    if run.task is None:
+        init = jax.jit(functools.partial(init_state, run.model, optimizer),
+                       out_shardings=state_sharding)
+        batch = jax.ShapeDtypeStruct((run.train.batch_size, run.train.seq_len + 1), jnp.int32)
+    else:
+        init = functools.partial(_init_task_state, run, optimizer, params_sharding,
+                                 state_sharding, mesh)
+        batch = tasks.abstract_batch(run)
+    abstract = jax.eval_shape(jax.jit(functools.partial(init_state, run.model, optimizer),
+                                      out_shardings=state_sharding), jax.random.key(0))
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                        sharding=batch_sharding), batch)
+    loss_fn = objective(run, bos_id)
+    step = jax.jit(functools.partial(train_step, run.model, run.train, optimizer, loss_fn),
                    in_shardings=(state_sharding, batch_sharding),
                    out_shardings=(state_sharding, replicated), donate_argnums=0)
-    evaluate = jax.jit(functools.partial(eval_sums, run.model, bos_id),
+    evaluate = jax.jit(functools.partial(eval_sums, loss_fn),
                        in_shardings=(params_sharding, batch_sharding), out_shardings=replicated)
     with sharding.use_mesh(mesh, run.mesh):  # activation constraints are traced in
         start = time.perf_counter()
@@ -277,23 +290,94 @@ def _programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh) -> _Programs
                      step_bytes=_footprint(compiled))
 
 
+def _init_task_state(run: RunConfig, optimizer, params_sharding, state_sharding,
+                     mesh: jax.sharding.Mesh, key: jax.Array) -> TrainState:
+    """A task run's first state: its init_from checkpoint's parameters with a fresh head
+    (finetune.py), and the optimizer's state for them."""
+    params = finetune.initial_params(run, key, params_sharding, mesh)
+    start = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p,
+                                         opt_state=optimizer.init(p)),
+                    out_shardings=state_sharding)
+    return start(params)
+
+
 @jax.jit
 def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-def _validation_loss(evaluate, params, batches: list[np.ndarray],
-                     sharding: NamedSharding) -> tuple[float, dict[str, float]]:
-    """The mean validation cross-entropy, and the blocks' statistics over the same batches
-    (`model.aux_metrics`: the MoE's drops, loads and router entropy)."""
-    total = count = 0.0
-    aux = None
+def _on_devices(batch_sharding: NamedSharding, batch):
+    """A batch (an array, or a task's dict of arrays) from this process's rows, sharded."""
+    return jax.tree.map(lambda rows: jax.make_array_from_process_local_data(batch_sharding,
+                                                                           rows), batch)
+
+
+def _validation(evaluate, params, batches: list, sharding: NamedSharding,
+                task: bool) -> dict[str, float]:
+    """Validation metrics (`val_` names) from the loss's sums over the batches: the mean loss
+    and perplexity (language modelling: with the blocks' statistics, `model.aux_metrics`, the
+    MoE's drops, loads and router entropy), or the task's metrics (tasks.py)."""
+    sums = aux = None
     for batch in batches:
-        ce_sum, n, batch_aux = jax.device_get(evaluate(
-            params, jax.make_array_from_process_local_data(sharding, batch)))
-        total, count = total + float(ce_sum), count + float(n)
+        batch_sums, batch_aux = jax.device_get(evaluate(params, _on_devices(sharding, batch)))
+        sums = batch_sums if sums is None else jax.tree.map(np.add, sums, batch_sums)
         aux = batch_aux if aux is None else jax.tree.map(np.add, aux, batch_aux)
-    return total / max(count, 1.0), {k: float(v) for k, v in aux_metrics(aux or ()).items()}
+    if task:
+        return {f"val_{k}": v for k, v in tasks.metrics(sums).items()}
+    loss = float(sums["loss_sum"]) / max(float(sums["count"]), 1.0)
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700)),
+            **{f"val_{k}": float(v) for k, v in aux_metrics(aux or ()).items()}}
+
+
+@dataclasses.dataclass
+class _Source:
+    """What a run reads: endless training batches (checkpointed with the run), the
+    validation batches, and the tokenizer's BOS id."""
+
+    train: Iterator
+    val: list
+    bos_id: int
+    val_unigram_entropy: float = 0.0  # language modelling: see `Outcome`
+
+
+def _corpus_data(run: RunConfig, workdir: Path, log: Callable[[str], None]) -> _Source:
+    """Language modelling: the corpus, tokenized, in packed windows (data.py)."""
+    train_cfg = run.train
+    corpus = data.find_corpus(run.data.corpus, run.data.val_fraction)
+    tokenizer = data.prepare_tokenizer(run.data, corpus, run.model.vocab_size, workdir, log)
+    tokens = data.tokenize_corpus(corpus, tokenizer, data.cache_root(), log)
+    log(f"corpus {corpus.root}: {len(corpus.train)} training documents "
+        f"({len(tokens.train):,} tokens), {len(corpus.val)} validation ({len(tokens.val):,})")
+    processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    return _Source(
+        train=data.train_batches(tokens.train, train_cfg.seq_len, train_cfg.batch_size,
+                                 train_cfg.seed, **processes),
+        val=data.val_batches(tokens.val, train_cfg.seq_len, train_cfg.batch_size,
+                             train_cfg.eval_batches, **processes),
+        bos_id=tokens.bos_id, val_unigram_entropy=data.unigram_entropy(tokens.val,
+                                                                       tokens.bos_id))
+
+
+def _task_data(run: RunConfig, workdir: Path, log: Callable[[str], None]) -> _Source:
+    """A downstream task: its JSONL files, tokenized with the run's tokenizer (kept in the
+    workdir), padded (task_data.py). Validation covers every held-out example."""
+    task, train_cfg, model = run.task, run.train, run.model
+    tokenizer = finetune.run_tokenizer(dataclasses.asdict(run.data), run.init_from, "task run")
+    data.keep_tokenizer(tokenizer.path, workdir)
+    read = functools.partial(task_data.read_examples, task=task, model=model,
+                             tokenizer=tokenizer, seq_len=train_cfg.seq_len)
+    examples = read(task.train)
+    if task.val is None:
+        train_examples, val_examples = task_data.split(examples, task.val_fraction)
+    else:
+        train_examples, val_examples = examples, read(task.val)
+    log(f"task {task.kind}: {len(train_examples)} training examples, {len(val_examples)} "
+        f"validation ({task.val or f'held out of {task.train}'})")
+    processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    shape = dict(kind=task.kind, seq_len=train_cfg.seq_len, pad_id=model.pad_id,
+                 batch_size=train_cfg.batch_size, **processes)
+    return _Source(train=task_data.train_batches(train_examples, seed=train_cfg.seed, **shape),
+                   val=task_data.val_batches(val_examples, **shape), bos_id=tokenizer.bos_id)
 
 
 @contextlib.contextmanager

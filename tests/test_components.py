@@ -18,7 +18,8 @@ import llama_jax
 from llama_jax import costs, sharding
 from llama_jax.config import ConfigError, MeshConfig, MlaConfig, ModelConfig, MoeConfig, RopeScaling
 from llama_jax.kv_cache import init_cache
-from llama_jax.model import apply, lm_head, unstack_layers
+from llama_jax.model import apply, unstack_layers
+from llama_jax.nn.heads import lm_head
 from llama_jax.nn.norms import layer_norm, rms_norm
 from llama_jax.nn.positions import sinusoids
 from llama_jax.nn.spec import spec_leaves

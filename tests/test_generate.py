@@ -12,7 +12,8 @@ import llama_jax
 from llama_jax import costs
 from llama_jax.decoder import GenerateError, GenerationStats, _EXECUTABLES, generate, stream
 from llama_jax.kv_cache import init_cache
-from llama_jax.model import apply, lm_head, unstack_layers
+from llama_jax.model import apply, unstack_layers
+from llama_jax.nn.heads import lm_head
 from llama_jax.sampling import SamplingParams, Strategy, argmax, filter_logits, sample
 from reference import relative_error
 

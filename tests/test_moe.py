@@ -194,12 +194,14 @@ def _one_step(config, seed=0):
 
     from llama_jax.config import TrainConfig
     from llama_jax.optim import make_optimizer
-    from llama_jax.training import init_state, train_step
+    from llama_jax.config import RunConfig
+    from llama_jax.training import init_state, objective, train_step
 
     train = TrainConfig(seq_len=16, batch_size=4, learning_rate=1e-2, warmup_steps=0)
     optimizer = make_optimizer(config, train)
     state = init_state(config, optimizer, jax.random.key(seed))
-    step = jax.jit(functools.partial(train_step, config, train, optimizer, 1))
+    loss_fn = objective(RunConfig(config, train), 1)
+    step = jax.jit(functools.partial(train_step, config, train, optimizer, loss_fn))
     new_state, metrics = step(state, _window(seed))
     return state, new_state, metrics
 
@@ -243,8 +245,9 @@ def test_the_aux_losses_enter_the_training_loss_with_their_weights():
 
     config = _moe_model(n_experts=4, top_k=2, aux_loss_weight=0.5, router_z_loss_weight=0.25)
     params = llama_jax.init_params(config, jax.random.key(0))
-    total, (ce_sum, count, aux) = jax.jit(loss_sums, static_argnums=(0, 3, 4))(
+    total, (sums, aux) = jax.jit(loss_sums, static_argnums=(0, 3, 4))(
         config, params, _window(0), 1, 0.0)
+    ce_sum, count = sums["loss_sum"], sums["count"]
     stats = aux[0]["moe"]  # one MoE group, [L, ...]
     balance_L, z_L = stats["balance"] / stats["tokens"], stats["z"] / stats["tokens"]
     expected = float(ce_sum) + float(count) * float(jnp.sum(0.5 * balance_L + 0.25 * z_L))

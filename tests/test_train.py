@@ -25,7 +25,7 @@ from llama_jax.config import (ConfigError, DataConfig, ModelConfig, MoeConfig, R
 from llama_jax.data import DataError
 from llama_jax.optim import learning_rate_schedule, make_optimizer
 from llama_jax.params import flat_paths
-from llama_jax.training import init_state, train_step
+from llama_jax.training import init_state, objective, train_step
 from reference import relative_error
 
 REPO = Path(__file__).resolve().parent.parent
@@ -76,7 +76,8 @@ def _batch(seed: int, batch: int = 8, length: int = 33) -> jnp.ndarray:
 def _step_fn(train: TrainConfig, model: ModelConfig = MODEL):
     optimizer = make_optimizer(model, train)
     state = init_state(model, optimizer, jax.random.key(0))
-    return state, jax.jit(functools.partial(train_step, model, train, optimizer, 1))
+    loss_fn = objective(RunConfig(model, train), 1)
+    return state, jax.jit(functools.partial(train_step, model, train, optimizer, loss_fn))
 
 
 # An MoE whose sigmoid router's selection bias moves by a rule after every (finite) step.
@@ -330,8 +331,9 @@ def test_loss_on_packed_documents_with_z_loss_matches_an_independent_cross_entro
 
     params = llama_jax_init(MODEL)
     window = np.asarray(_batch(4, batch=2, length=33))
-    total, (ce_sum, count, _) = jax.jit(loss_sums, static_argnums=(0, 3, 4))(
+    total, (sums, _) = jax.jit(loss_sums, static_argnums=(0, 3, 4))(
         MODEL, params, window, 1, 1e-2)
+    ce_sum, count = sums["loss_sum"], sums["count"]
     want_ce, want_z, n = 0.0, 0.0, 0
     for row in window:
         starts = [i for i, t in enumerate(row[:-1]) if t == 1] + [len(row) - 1]

@@ -46,6 +46,10 @@ from llama_jax.params import Params
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+# transformers' Llama architectures with a task head -> our head (regression is a
+# LlamaForSequenceClassification with problem_type regression)
+HF_HEADS = {"LlamaForSequenceClassification": "sequence_classification",
+            "LlamaForTokenClassification": "token_classification"}
 # GPT2Config.activation_function -> our mlp, and the name each mlp is written with.
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
                     "relu": "relu"}
@@ -97,14 +101,38 @@ def _refuse_biases_and_other_activations(file: Path, hf: dict[str, Any], family:
 def _llama_config(file: Path, hf: dict[str, Any], eos_ids: tuple[int, ...]) -> ModelConfig:
     _refuse_biases_and_other_activations(file, hf, "Llama")
     rope_theta, rope_type, scaling = _rope(hf, ("default", "llama3"))
-    return ModelConfig(
+    return _head(file, hf, ModelConfig(
         vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
         n_heads=hf["num_attention_heads"],
         n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         head_dim=hf.get("head_dim"), ffn_dim=hf["intermediate_size"],
         norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope_theta, rope_type=rope_type,
         rope_scaling=scaling, max_seq_len=hf.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), eos_ids=eos_ids)
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), eos_ids=eos_ids))
+
+
+def _head(file: Path, hf: dict[str, Any], config: ModelConfig) -> ModelConfig:
+    """The task head of `LlamaForSequenceClassification` (`problem_type` regression: our
+    regression head) or `LlamaForTokenClassification`, by `architectures`; outputs named by
+    `id2label` (its LABEL_i defaults are not kept) and padding by `pad_token_id`."""
+    architecture = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+    if architecture not in HF_HEADS:
+        return config
+    if architecture == "LlamaForSequenceClassification":
+        problem = hf.get("problem_type")
+        if problem not in (None, "single_label_classification", "regression"):
+            raise CheckpointError(f"{file}: problem_type {problem!r} is not supported "
+                                  "(single_label_classification or regression)")
+        head = "regression" if problem == "regression" else "sequence_classification"
+    else:
+        head = HF_HEADS[architecture]
+    names = [name for _, name in sorted((int(i), n) for i, n in
+                                        (hf.get("id2label") or {}).items())]
+    n_labels = len(names) or hf.get("num_labels", 2)
+    default_names = names == [f"LABEL_{i}" for i in range(len(names))]
+    return dataclasses.replace(config, head=head, n_labels=n_labels,
+                               pad_id=hf.get("pad_token_id"),
+                               label_names=None if default_names else tuple(names))
 
 
 def _mixtral_config(file: Path, hf: dict[str, Any], eos_ids: tuple[int, ...]) -> ModelConfig:
@@ -329,8 +357,23 @@ def _llama_json(config: ModelConfig) -> dict[str, Any]:
         "rope_theta": config.rope_theta, "rope_scaling": scaling,
         "tie_word_embeddings": config.tie_embeddings, "attention_bias": False,
         "mlp_bias": False, "torch_dtype": config.param_dtype,
-        "eos_token_id": _eos_token_id(config),
+        "eos_token_id": _eos_token_id(config), **_head_json(config),
     }
+
+
+def _head_json(config: ModelConfig) -> dict[str, Any]:
+    """A task head's architecture, outputs and padding (nothing for the LM head)."""
+    if config.head == "lm":
+        return {}
+    out = {"architectures": [{v: k for k, v in HF_HEADS.items()}.get(
+               config.head, "LlamaForSequenceClassification")],
+           "id2label": dict(enumerate(config.names_of_labels)),
+           "label2id": {name: i for i, name in enumerate(config.names_of_labels)},
+           "pad_token_id": config.pad_id}
+    if config.head != "token_classification":
+        out["problem_type"] = ("regression" if config.head == "regression"
+                               else "single_label_classification")
+    return out
 
 
 def _mixtral_json(config: ModelConfig) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 import jax
 import numpy as np
 
-from llama_jax.config import ModelConfig
+from llama_jax.config import HEADS, ModelConfig
 from llama_jax.formats import CheckpointError
 from llama_jax.nn.spec import TensorSpec
 from llama_jax.params import Params, abstract_params, flat_paths, layer_groups, param_specs
@@ -84,6 +84,11 @@ LLAMA = {t.path: t for t in (
     _llama_layer("mlp/w_gate", "mlp.gate_proj.weight", "feed_forward.w1.weight", 1),
     _llama_layer("mlp/w_up", "mlp.up_proj.weight", "feed_forward.w3.weight", 1),
     _llama_layer("mlp/w_down", "mlp.down_proj.weight", "feed_forward.w2.weight", 1),
+    # A task head in place of the LM head (LlamaForSequenceClassification and
+    # LlamaForTokenClassification call it `score`; only the latter has a bias). Meta's format
+    # has language models only.
+    TorchTensor("head/w", "score.weight", None, "linear", 1),
+    TorchTensor("head/b", "score.bias"),
 )}
 
 
@@ -225,10 +230,10 @@ class Family:
                 if value(field) not in allowed]
 
 
-def _llama_like(mlp: str, attention: str = "gqa") -> dict[str, tuple]:
+def _llama_like(mlp: str, attention: str = "gqa", heads: tuple = ("lm",)) -> dict[str, tuple]:
     return {"norm": ("rmsnorm",), "norm_position": ("pre",), "positions": ("rope",),
             "mlp": (mlp,), "bias": (False,), "embed_scale": (False,),
-            "attention": (attention,), "rope_type": ("default", "llama3")}
+            "attention": (attention,), "rope_type": ("default", "llama3"), "head": heads}
 
 
 def _mixtral(config: ModelConfig) -> dict[str, tuple]:
@@ -258,7 +263,9 @@ def _deepseek(router: str):
 
 
 FAMILIES = (
-    Family("Llama", "llama", lambda c: LLAMA, lambda c: _llama_like("swiglu"),
+    # Llama stores the task heads too (transformers' Llama*Classification); the others the LM
+    # head only.
+    Family("Llama", "llama", lambda c: LLAMA, lambda c: _llama_like("swiglu", heads=HEADS),
            buffers=("rotary_emb.inv_freq",)),  # recomputed; some older exports saved it
     Family("Mixtral", "mixtral", lambda c: MIXTRAL, _mixtral, buffers=("rotary_emb.inv_freq",)),
     # c_attn holds q, k, v as equal thirds of D: multi-head attention over the whole width.
@@ -266,7 +273,8 @@ FAMILIES = (
            lambda c: {"norm": ("layernorm",), "norm_position": ("pre",),
                       "positions": ("learned",), "mlp": ("gelu_tanh", "gelu", "relu"),
                       "bias": (True,), "embed_scale": (False,), "n_kv_heads": (c.n_heads,),
-                      "dim": (c.n_heads * c.head_dim,), "attention": ("gqa",)},
+                      "dim": (c.n_heads * c.head_dim,), "attention": ("gqa",),
+                      "head": ("lm",)},
            base_prefix="transformer.",
            buffers=(".attn.bias", ".attn.masked_bias")),  # causal masks of older saves
     # V3 first: it also stores dense MLA models (every layer dense), and its sigmoid router

@@ -1,0 +1,133 @@
+"""Predict with a fine-tuned task model: one JSON line per input line.
+
+    python -m llama_jax.predict --checkpoint DIR --input file.jsonl [--batch-size 32]
+                                [--dtype float32] [--tokenizer tokenizer.model]
+
+The checkpoint is any directory `load_checkpoint` reads whose model has a task head (a
+fine-tuning run's workdir, a native checkpoint, an HF `LlamaForSequenceClassification` /
+`LlamaForTokenClassification`); the input is JSONL with `text` (labels may be present and are
+then scored). Output, per line:
+- sequence_classification: `{"label": NAME, "probabilities": {NAME: p, ...}}`;
+- token_classification: `{"labels": [NAME per word], "probabilities": [[p per label] per
+  word]}` (each word's prediction is its first token's);
+- regression: `{"target": [value per output]}`.
+When every input line carries the task's target field, the metrics (accuracy and macro-F1, or
+RMSE) over the file go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llama_jax import tasks, task_data
+from llama_jax.checkpoint import load_checkpoint
+from llama_jax.cli import user_errors_exit
+from llama_jax.config import DTYPES, ConfigError, ModelConfig, TaskConfig
+from llama_jax.decoder import bucket
+from llama_jax.model import forward
+from llama_jax.tokenizer import load_tokenizer
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint with a task head")
+    parser.add_argument("--input", required=True, help="a JSONL file with `text` per line")
+    parser.add_argument("--tokenizer", help="tokenizer.model (default: the checkpoint's)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="parameter and compute dtype (default: as stored)")
+    return parser.parse_args(argv)
+
+
+def task_of(config: ModelConfig, input_path: str) -> TaskConfig:
+    """The task a model's head serves, reading `input_path`."""
+    if config.head == "lm":
+        raise ConfigError("the checkpoint has the LM head, not a task head: sample from it "
+                          "with sample.py, or fine-tune it on a task (train.py with `task:`)")
+    return TaskConfig(kind=config.head, train=input_path,
+                      labels=config.label_names or config.n_labels,
+                      pooling=config.pooling or "last")
+
+
+def predict(config: ModelConfig, params, examples: list[dict[str, Any]],
+            batch_size: int) -> list[np.ndarray]:
+    """The head's fp32 outputs per example (`[C]`, or `[T, C]` over its tokens), in batches
+    padded to a power-of-two length (few compiled shapes)."""
+    run = jax.jit(functools.partial(forward, config))
+    pad_id = config.pad_id if config.pad_id is not None else 0
+    outputs = []
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start:start + batch_size]
+        T = min(bucket(max(len(e["tokens"]) for e in chunk)), config.max_seq_len)
+        tokens_BT = np.full((batch_size, T), pad_id, np.int32)
+        for i, e in enumerate(chunk):
+            tokens_BT[i, :len(e["tokens"])] = e["tokens"]
+        out = np.asarray(run(params, jnp.asarray(tokens_BT)))
+        outputs += [out[i] if out.ndim == 2 else out[i, :len(e["tokens"])]
+                    for i, e in enumerate(chunk)]
+    return outputs
+
+
+def describe(config: ModelConfig, example: dict[str, Any], output: np.ndarray) -> dict:
+    """One output line (see the module docstring)."""
+    names = config.names_of_labels
+    if config.head == "regression":
+        return {"target": [float(v) for v in output]}
+    probabilities = np.asarray(jax.nn.softmax(output, axis=-1))
+    if config.head == "sequence_classification":
+        return {"label": names[int(np.argmax(output))],
+                "probabilities": {n: round(float(p), 6) for n, p in zip(names, probabilities)}}
+    first = [i for i in example["first_token"] if i < len(output)]  # words past truncation
+    return {"labels": [names[int(np.argmax(output[i]))] for i in first],
+            "probabilities": [[round(float(p), 6) for p in probabilities[i]] for i in first]}
+
+
+def scores(config: ModelConfig, examples: list[dict[str, Any]],
+           outputs: list[np.ndarray]) -> dict[str, float]:
+    """The task's metrics of the predictions (tasks.metrics over one batch of everything)."""
+    field = task_data.TARGET_FIELD[config.head]
+    if config.head == "regression":
+        target = np.stack([e[field] for e in examples])
+        squared = (np.stack(outputs) - target) ** 2
+        return tasks.metrics({"loss_sum": squared.mean(axis=1).sum(), "count": len(examples),
+                              "squared_error_C": squared.sum(axis=0)})
+    confusion = np.zeros((config.n_labels,) * 2)
+    for example, output in zip(examples, outputs):
+        labels = np.atleast_1d(example[field])
+        predicted = np.atleast_1d(np.argmax(output, axis=-1))[:len(labels)]
+        for true, guess in zip(labels, predicted):
+            if true >= 0:
+                confusion[true, guess] += 1
+    return {k: v for k, v in tasks.metrics({"loss_sum": 0.0, "count": 1.0,
+                                            "confusion_CC": confusion}).items() if k != "loss"}
+
+
+@user_errors_exit
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size {args.batch_size}: must be a positive integer")
+    config, params = load_checkpoint(args.checkpoint, args.dtype)
+    task = task_of(config, args.input)
+    tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
+    examples = task_data.read_examples(args.input, task, config, tokenizer,
+                                       config.max_seq_len, targets=False)
+    outputs = predict(config, params, examples, args.batch_size)
+    for example, output in zip(examples, outputs):
+        print(json.dumps(describe(config, example, output)))
+    if all(task_data.TARGET_FIELD[config.head] in e for e in examples):
+        print(" ".join(f"{k} {v:.4f}" for k, v in scores(config, examples, outputs).items()),
+              f"({len(examples)} examples)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
