@@ -225,6 +225,9 @@ def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
 def _validate(config: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
               temperature: float, top_k: int, top_p: float, min_p: float,
               stop_tokens: Sequence[int] | None) -> None:
+    if config.head != "lm":
+        raise GenerateError(f"the model has a task head ({config.head!r}), not the LM head: "
+                            "it cannot generate (predict with `python -m llama_jax.predict`)")
     if not prompts:
         raise GenerateError("prompts is empty: give at least one prompt (a list of token ids)")
     for i, prompt in enumerate(prompts):

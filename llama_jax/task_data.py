@@ -41,7 +41,7 @@ IGNORED = -1  # a token or row label that is not scored
 
 def read_examples(path: str | Path, task: TaskConfig, model: ModelConfig, tokenizer: Tokenizer,
                   seq_len: int, targets: bool = True) -> list[dict[str, Any]]:
-    """Every line of a JSONL file as `{tokens, <target>, group}` (unpadded; without
+    """Every line of a JSONL file as `{tokens, <target>, group, truncated}` (unpadded; without
     `targets`, the target only where a line has one, and `words` for token classification);
     an error naming the file, line and field for the first bad one."""
     path = Path(path)
@@ -87,6 +87,7 @@ def _example(record: Any, where: str, task: TaskConfig, model: ModelConfig,
             example[field] = (_label(record[field], where, field, task)
                               if task.kind != "regression"
                               else _target(record[field], where, task))
+    example["truncated"] = len(tokens) > seq_len
     tokens = np.asarray(tokens[:seq_len], np.int32)
     if model.pad_id is not None and np.any(tokens == model.pad_id):
         raise DataError(f"{where}: the text encodes to the pad id {model.pad_id}, which would "

@@ -371,8 +371,10 @@ def _task_data(run: RunConfig, workdir: Path, log: Callable[[str], None]) -> _So
         train_examples, val_examples = task_data.split(examples, task.val_fraction)
     else:
         train_examples, val_examples = examples, read(task.val)
+    truncated = sum(e["truncated"] for e in train_examples + val_examples)
     log(f"task {task.kind}: {len(train_examples)} training examples, {len(val_examples)} "
-        f"validation ({task.val or f'held out of {task.train}'})")
+        f"validation ({task.val or f'held out of {task.train}'}); {truncated} cut to "
+        f"train.seq_len={train_cfg.seq_len} tokens")
     processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
     shape = dict(kind=task.kind, seq_len=train_cfg.seq_len, pad_id=model.pad_id,
                  batch_size=train_cfg.batch_size, **processes)

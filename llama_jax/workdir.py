@@ -69,11 +69,15 @@ def config_differences(stored: RunConfig, new: RunConfig) -> list[str]:
     out = []
     old_tree, new_tree = stored.to_dict(), new.to_dict()
     old_tree["model"], new_tree["model"] = stored.model.architecture(), new.model.architecture()
-    for section, fields in new_tree.items():
-        if section == "mesh":
+    for section in dict.fromkeys([*old_tree, *new_tree]):
+        old, new_value = old_tree.get(section), new_tree.get(section)
+        if section == "mesh" or old == new_value:
             continue
-        for name, value in fields.items():
-            before = old_tree[section].get(name)
+        if not isinstance(old, dict) or not isinstance(new_value, dict):  # init_from, task
+            out.append(f"{section}: {old!r} -> {new_value!r}")
+            continue
+        for name in dict.fromkeys([*old, *new_value]):
+            before, value = old.get(name), new_value.get(name)
             if before != value and not (section == "train"
                                         and name in TrainConfig.RESUMABLE_CHANGES):
                 out.append(f"{section}.{name}: {before!r} -> {value!r}")
