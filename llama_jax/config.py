@@ -461,9 +461,9 @@ class ModelConfig:
     @property
     def dims(self) -> dict[str, int]:
         """Sizes by dimension letter, for `TensorSpec` shapes (E, M, U: with mlp moe; Z, Q, J,
-        I, Y: with attention mla; C: with a task head)."""
+        I, Y: with attention mla; O: with a task head)."""
         dims = {"V": self.V, "D": self.D, "N": self.N, "K": self.K, "H": self.H, "F": self.F,
-                "P": self.max_seq_len, **({"C": self.n_labels} if self.n_labels else {})}
+                "P": self.max_seq_len, **({"O": self.n_labels} if self.n_labels else {})}
         if self.attention == "mla":
             a = self.mla
             dims.update(Z=a.kv_lora_rank, J=a.qk_nope_head_dim, I=a.qk_rope_head_dim,

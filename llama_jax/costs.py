@@ -77,8 +77,14 @@ def kv_cache_bytes_per_token(config: ModelConfig, dtype: str = "bfloat16") -> in
     return config.n_layers * mixer_of(config).cache_elements(config) * dtype_bytes(dtype)
 
 
-def train_flops_per_token(config: ModelConfig, seq_len: int) -> int:
+def train_flops_per_token(config: ModelConfig, seq_len: int, frozen_backbone: bool = False
+                          ) -> int:
+    """6·P_mm + attention (module docstring). With a frozen backbone (a task head trained
+    alone) only the head has a backward pass: 2·P_mm + 4·(the head's matmul weights) + the
+    attention's forward third."""
     attention = 3 * config.n_layers * seq_len * config.n_heads * (config.H + config.v_head_dim)
+    if frozen_backbone:
+        return 2 * param_counts(config).matmul + 4 * head_matmul_size(config) + attention // 3
     return 6 * param_counts(config).matmul + attention
 
 

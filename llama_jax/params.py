@@ -6,7 +6,7 @@
                  "mlp_norm": {...}, "mlp": {"w_up": [L, D, F], ...}}, ...),  # (MoE: nn/moe.py)
      "final_norm": {"scale": [D], ...},                     # pre-norm only
      "lm_head": {"w": [D, V]},                              # untied LM head only
-     "head": {"w": [D, C], "b": [C]}}                       # or a task head (nn/heads.py)
+     "head": {"w": [D, O], "b": [O]}}                       # or a task head (nn/heads.py)
 
 A model is a sequence of layer groups (`layer_groups`); the blocks of one group share their
 structure, so their weights are stacked along a leading L axis and run by one `lax.scan`.

@@ -59,7 +59,7 @@ def task_of(config: ModelConfig, input_path: str) -> TaskConfig:
 
 def predict(config: ModelConfig, params, examples: list[dict[str, Any]],
             batch_size: int) -> list[np.ndarray]:
-    """The head's fp32 outputs per example (`[C]`, or `[T, C]` over its tokens), in batches
+    """The head's fp32 outputs per example (`[O]`, or `[T, O]` over its tokens), in batches
     padded to a power-of-two length (few compiled shapes)."""
     run = jax.jit(functools.partial(forward, config))
     pad_id = config.pad_id if config.pad_id is not None else 0
@@ -98,7 +98,7 @@ def scores(config: ModelConfig, examples: list[dict[str, Any]],
         target = np.stack([e[field] for e in examples])
         squared = (np.stack(outputs) - target) ** 2
         return tasks.metrics({"loss_sum": squared.mean(axis=1).sum(), "count": len(examples),
-                              "squared_error_C": squared.sum(axis=0)})
+                              "squared_error_O": squared.sum(axis=0)})
     confusion = np.zeros((config.n_labels,) * 2)
     for example, output in zip(examples, outputs):
         labels = np.atleast_1d(example[field])
@@ -107,7 +107,7 @@ def scores(config: ModelConfig, examples: list[dict[str, Any]],
             if true >= 0:
                 confusion[true, guess] += 1
     return {k: v for k, v in tasks.metrics({"loss_sum": 0.0, "count": 1.0,
-                                            "confusion_CC": confusion}).items() if k != "loss"}
+                                            "confusion_OO": confusion}).items() if k != "loss"}
 
 
 @user_errors_exit

@@ -14,7 +14,7 @@ and, say, paragraphs of one document never straddle it.
 Every example is tokenized with BOS, truncated to `train.seq_len` tokens and padded on the
 right with the model's pad id, so every batch has one shape (one compiled step). Batches are
 dicts of arrays: `tokens [B, T]`, the targets (`label [B]`, `labels [B, T]` with -1 where not
-scored, `target [B, C]`) and `weight [B]` (0 for the rows that fill the last validation
+scored, `target [B, O]`) and `weight [B]` (0 for the rows that fill the last validation
 batch). Training order is grain's, shuffled by seed and checkpointed with the run, as for
 pretraining (data.py).
 """

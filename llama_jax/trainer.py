@@ -130,7 +130,8 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
             log(f"initialised from {run.init_from}")
 
     tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
-    flops_per_step = costs.train_flops_per_token(model, train_cfg.seq_len) * tokens_per_step
+    flops_per_step = tokens_per_step * costs.train_flops_per_token(
+        model, train_cfg.seq_len, frozen_backbone=train_cfg.freeze == "backbone")
     peak = (train_cfg.peak_flops or hardware.peak_flops_per_device(model.compute_dtype)) \
         * len(devices)
     schedule = learning_rate_schedule(train_cfg)

@@ -11,23 +11,21 @@ import sys
 from pathlib import Path
 
 import jax
+import lm_eval  # the dev extra installs it
 import numpy as np
 import pytest
 import yaml
+from lm_eval.api.instance import Instance
+from lm_eval.tasks import TaskManager
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 import llama_jax
 import reference
 from llama_jax.decoder import generate
 from llama_jax.tokenizer import train_sentencepiece
-
-lm_eval = pytest.importorskip("lm_eval")
-from lm_eval.api.instance import Instance  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
-
-from llama_jax.eval import harness  # noqa: E402
-from llama_jax.eval.harness import LlamaJaxLM  # noqa: E402
-from llama_jax.eval.scoring import score  # noqa: E402
+from llama_jax.eval import harness
+from llama_jax.eval.harness import LlamaJaxLM
+from llama_jax.eval.scoring import score
 
 REPO = Path(__file__).resolve().parent.parent
 TASK_DIR = REPO / "tests" / "lm_eval_task"

@@ -16,10 +16,9 @@ import pytest
 import yaml
 
 import llama_jax
-from llama_jax import finetune, sharding, task_data, tasks, trainer
+from llama_jax import costs, finetune, sharding, task_data, tasks, trainer
 from llama_jax.checkpoint import load_checkpoint
 from llama_jax.config import ConfigError, ModelConfig, TaskConfig
-from llama_jax.costs import param_counts
 from llama_jax.data import DataError
 from llama_jax.model import hidden_states
 from llama_jax.nn.spec import spec_leaves
@@ -108,10 +107,10 @@ def test_pooling_picks_the_last_real_token_not_the_last_position():
 def test_spec_counts_equal_the_real_leaves(name):
     config = HEADS[name]
     params = llama_jax.init_params(config, jax.random.key(0))
-    assert param_counts(config).total == sum(a.size for a in jax.tree.leaves(params))
+    assert costs.param_counts(config).total == sum(a.size for a in jax.tree.leaves(params))
     assert [s.shape for s in spec_leaves(param_specs(config))] == [
         a.shape for a in jax.tree.leaves(params)]
-    assert "lm_head" not in params and param_counts(config).lm_head == 0
+    assert "lm_head" not in params and costs.param_counts(config).lm_head == 0
 
 
 def test_head_config_refusals():
@@ -224,7 +223,7 @@ def test_metrics_equal_scikit_learn():
     np.add.at(confusion, (true, guess), 1)
     assert tasks.accuracy(confusion) == pytest.approx(accuracy_score(true, guess))
     assert tasks.macro_f1(confusion) == pytest.approx(f1_score(true, guess, average="macro"))
-    sums = {"loss_sum": 6.0, "count": 3.0, "squared_error_C": np.array([1.0, 2.0])}
+    sums = {"loss_sum": 6.0, "count": 3.0, "squared_error_O": np.array([1.0, 2.0])}
     assert tasks.metrics(sums) == {"loss": 2.0, "rmse": pytest.approx(np.sqrt(3 / 6))}
 
 
@@ -333,6 +332,23 @@ def test_a_sharded_task_step_equals_the_single_device_step(finetuned):
     assert loss8 == pytest.approx(loss1, rel=1e-5)
     for a, b in zip(jax.tree.leaves(multi), jax.tree.leaves(single)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_frozen_backbone_has_no_backward_pass(finetuned):
+    """XLA's FLOP count of the compiled head-only step is about a third of the full step's
+    (the forward pass alone), as `costs.train_flops_per_token` says."""
+    flops = {}
+    for name in ("full", "head"):
+        run = dataclasses.replace(finetuned[name][0], init_from=None)
+        mesh = sharding.make_mesh(run.mesh, jax.devices()[:1])
+        flops[name] = trainer._programs(run, 1, mesh).step.cost_analysis()["flops"]
+    run = finetuned["head"][0]
+    formula = {name: costs.train_flops_per_token(run.model, run.train.seq_len,
+                                                 frozen_backbone=name == "head")
+               for name in flops}
+    assert flops["head"] / flops["full"] == pytest.approx(formula["head"] / formula["full"],
+                                                          abs=0.1)
+    assert flops["head"] / flops["full"] < 0.45
 
 
 def test_predict_prints_the_models_probabilities(finetuned, task_files):

@@ -123,7 +123,7 @@ class LlamaJaxLM(TemplateLM):
                 owners.append(i)
         totals = [0.0] * len(requests)
         for i, s in zip(owners, score(self.config, self.params, contexts, continuations,
-                                      batch_size=self.batch_size)):
+                                      batch_size=self.batch_size, max_len=self.max_length)):
             totals[i] += s.logprob
         return totals
 

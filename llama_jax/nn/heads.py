@@ -1,11 +1,11 @@
 """Heads: what the final hidden states feed, selected by `config.head`.
 
 - lm: next-token logits `[B, T, V]`, through the untied `lm_head` or the embedding table (tied).
-- sequence_classification: `[B, C]` class logits of one pooled hidden state per sequence, as
+- sequence_classification: `[B, O]` class logits of one pooled hidden state per sequence, as
   transformers' `LlamaForSequenceClassification` (a Linear without bias, called `score`).
-- regression: the same pooled head with C real-valued targets (transformers: the same model with
+- regression: the same pooled head with O real-valued targets (transformers: the same model with
   `problem_type: regression`).
-- token_classification: `[B, T, C]` logits per token, with a bias (`LlamaForTokenClassification`).
+- token_classification: `[B, T, O]` logits per token, with a bias (`LlamaForTokenClassification`).
 
 A task head replaces the LM head. Its batches are padded with `config.pad_id`: padding tokens
 form a segment of their own and real tokens take positions 0, 1, ... from their first one
@@ -27,35 +27,35 @@ from llama_jax.sharding import constrain
 
 def head_specs(config: ModelConfig) -> dict:
     """The head's top-level entries of the parameter tree: `lm_head` (untied LM head), or
-    `head` (a task head's `w: [D, C]`, and `b: [C]` for token classification)."""
+    `head` (a task head's `w: [D, O]`, and `b: [O]` for token classification)."""
     dims = config.dims
     if config.head == "lm":
         return {} if config.tie_embeddings else {
             "lm_head": {"w": weight(dims, "DV", ("embed", "vocab"))}}
-    head = {"w": weight(dims, "DC", ("embed", "labels"))}
+    head = {"w": weight(dims, "DO", ("embed", "labels"))}
     if config.head == "token_classification":
-        head["b"] = bias(dims, "C", ("labels",))
+        head["b"] = bias(dims, "O", ("labels",))
     return {"head": head}
 
 
 def head_matmul_size(config: ModelConfig) -> int:
     """Elements of the head's matrix each token multiplies (the LM head's V·D even when tied;
-    a pooled head's D·C is used once per sequence and counted as per token, an upper bound)."""
+    a pooled head's D·O is used once per sequence and counted as per token, an upper bound)."""
     return config.dim * (config.vocab_size if config.head == "lm" else config.n_labels)
 
 
 def apply_head(config: ModelConfig, params: dict, h_BTD: jax.Array,
                tokens_BT: jax.Array) -> jax.Array:
-    """The head's fp32 outputs: `[B, T, V]` (lm), `[B, T, C]` (token classification) or
-    `[B, C]` (pooled heads); `tokens_BT` locate the padding."""
+    """The head's fp32 outputs: `[B, T, V]` (lm), `[B, T, O]` (token classification) or
+    `[B, O]` (pooled heads); `tokens_BT` locate the padding."""
     if config.head == "lm":
         return lm_head(config, params, h_BTD)
     p = params["head"]
     if config.head in POOLED_HEADS:
         pooled_BD = pool(config, h_BTD, real_tokens(config, tokens_BT))
-        return einsum_f32("BD,DC->BC", pooled_BD, p["w"].astype(h_BTD.dtype))
-    logits_BTC = einsum_f32("BTD,DC->BTC", h_BTD, p["w"].astype(h_BTD.dtype))
-    return logits_BTC + p["b"].astype(jnp.float32)
+        return einsum_f32("BD,DO->BO", pooled_BD, p["w"].astype(h_BTD.dtype))
+    logits_BTO = einsum_f32("BTD,DO->BTO", h_BTD, p["w"].astype(h_BTD.dtype))
+    return logits_BTO + p["b"].astype(jnp.float32)
 
 
 def lm_head(config: ModelConfig, params: dict, h_BTD: jax.Array) -> jax.Array:

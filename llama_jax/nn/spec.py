@@ -6,7 +6,7 @@ memory plans and checkpoint layouts.
 Dimension letters: V vocab, D model width, F MLP width, N query heads, K KV heads, H head dim, P
 position-table rows (max_seq_len), L layers of a group; with MoE, E experts, M an expert's MLP
 width, U the shared experts' width; with MLA, Z the KV latent, Q the query latent, J and I a
-head's position-free and rotary query/key features, Y its value width; with a task head, C its
+head's position-free and rotary query/key features, Y its value width; with a task head, O its
 outputs (classes or regression targets). Logical axis names are what the sharding rules map to
 mesh axes.
 """
