@@ -8,7 +8,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_PROMPTS := --prompt "The json module" --prompt "To open a file, use" \
 	--prompt "A list comprehension"
 
-.PHONY: test demo corpus bench install clean
+.PHONY: test demo doc-task corpus bench install clean
 
 install: $(VENV)/.installed
 
@@ -27,6 +27,16 @@ test: install
 demo: install corpus
 	$(PY) train.py --config configs/demo.yaml --workdir runs/demo
 	$(PY) sample.py --checkpoint runs/demo --max-new-tokens 80 --temperature 0.7 $(DEMO_PROMPTS)
+
+# The demo downstream task (README, "Downstream tasks"): the demo model (trained first, or
+# resumed) fine-tuned to tell which part of the Python docs a paragraph comes from, head only
+# and in full, next to a majority-class and a bag-of-words baseline.
+doc-task: install corpus
+	$(PY) train.py --config configs/demo.yaml --workdir runs/demo
+	$(PY) -m llama_jax.doc_task build
+	$(PY) -m llama_jax.doc_task baselines
+	$(PY) train.py --config configs/doc-task-head.yaml --workdir runs/doc_task/head
+	$(PY) train.py --config configs/doc-task.yaml --workdir runs/doc_task/full
 
 corpus:
 	@if [ ! -d $(CORPUS) ]; then \
@@ -52,6 +62,7 @@ bench: install
 	$(PY) bench/attention.py --fit
 	$(PY) bench/moe.py
 	$(PY) bench/mla.py
+	$(PY) bench/score.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

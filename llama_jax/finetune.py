@@ -6,11 +6,11 @@
     train: {freeze: backbone, ...}
 
 The model is the checkpoint's: its `model:` section may only change how it runs (dtypes,
-remat, attention implementation) and the pad id, and the task puts its head in place of the
-checkpoint's. A checkpoint that already has this task's head (the same kind and output count)
-continues with it; one with another task head is refused. The tokenizer is `data.tokenizer` or the
-checkpoint's `tokenizer.model`; the pad id defaults to its first end-of-sequence id, which
-encoding text never produces.
+remat, attention implementation), the pad id and the new head's `init_std`, and the task puts
+its head in place of the checkpoint's. A checkpoint that already has this task's head (the
+same kind and output count) continues with it; one with another task head is refused. The
+tokenizer is `data.tokenizer` or the checkpoint's `tokenizer.model`; the pad id defaults to its
+first end-of-sequence id, which encoding text never produces.
 
 `train.freeze: backbone` trains the head alone: the optimizer zeroes every other update
 (`optim.make_optimizer`), so the backbone stays bit-identical, and the loss stops gradients at
@@ -33,7 +33,8 @@ from llama_jax.params import Params, init_params, init_tensors
 from llama_jax.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 
 HEAD_FIELDS = ("head", "n_labels", "pooling", "label_names")
-# what a fine-tuning run's `model:` section may change of its checkpoint's model
+# what a fine-tuning run's `model:` section may change of its checkpoint's model, beside the
+# execution settings and init-only fields (init_std: the new head's)
 CHANGEABLE = ("pad_id", "eos_ids")
 
 
@@ -63,7 +64,7 @@ def _checkpoint_model(tree: dict[str, Any], where: str) -> dict[str, Any]:
     roles = {f.name: f.metadata.get("role") for f in dataclasses.fields(ModelConfig)}
     known = base.to_dict()
     for name, value in given.items():
-        if roles.get(name) == "execution" or name in CHANGEABLE:
+        if roles.get(name) in ("execution", "init") or name in CHANGEABLE:
             continue
         if name in HEAD_FIELDS:
             raise ConfigError(f"{where}: model.{name}: the task section sets the head; remove it")

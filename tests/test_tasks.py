@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
@@ -300,6 +299,33 @@ def test_a_frozen_backbone_stays_bit_identical(finetuned, pretrained):
         np.testing.assert_array_equal(np.asarray(flat_paths(head_only)[path]), leaf)
         assert not np.array_equal(np.asarray(flat_paths(full)[path]), leaf), path
     assert "lm_head" not in head_only and head_only["head"]["w"].shape == (BASE.dim, 3)
+
+
+def test_fine_tuning_starts_from_a_hugging_face_checkpoint(tokenizer_dir, task_files, tmp_path):
+    """init_from a transformers LlamaForCausalLM directory (with data.tokenizer): the first
+    state holds its weights as load_checkpoint reads them, without its LM head, and a new
+    head."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    from checkpoints import HF_BASE
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **{**HF_BASE, "vocab_size": 300}, num_key_value_heads=2))
+    model.save_pretrained(tmp_path / "hf")
+    config = _config_file(tmp_path, tmp_path / "hf", task_files)
+    tree = yaml.safe_load(config.read_text())
+    tree["data"] = {"tokenizer": str(tokenizer_dir / "tokenizer.model")}
+    config.write_text(yaml.safe_dump(tree))
+    run = finetune.load_run_config(config)
+    assert (run.model.dim, run.model.head, run.model.pad_id) == (64, "sequence_classification", 2)
+    programs = trainer._programs(run, 1, sharding.make_mesh(run.mesh, jax.devices()[:1]))
+    params = programs.init(jax.random.key(0)).params
+    _, hf = load_checkpoint(tmp_path / "hf")
+    assert set(params) == {"embed", "groups", "final_norm", "head"}
+    for path, leaf in flat_paths({k: v for k, v in hf.items() if k != "lm_head"}).items():
+        np.testing.assert_array_equal(np.asarray(flat_paths(params)[path]), np.asarray(leaf))
 
 
 def test_a_task_run_resumes_exactly(finetuned, pretrained, task_files, tmp_path):
