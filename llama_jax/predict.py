@@ -1,7 +1,7 @@
 """Predict with a fine-tuned task model: one JSON line per input line.
 
     python -m llama_jax.predict --checkpoint DIR --input file.jsonl [--batch-size 32]
-                                [--dtype float32] [--tokenizer tokenizer.model]
+                                [--max-len N] [--dtype float32] [--tokenizer tokenizer.model]
 
 The checkpoint is any directory `load_checkpoint` reads whose model has a task head (a
 fine-tuning run's workdir, a native checkpoint, an HF `LlamaForSequenceClassification` /
@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--input", required=True, help="a JSONL file with `text` per line")
     parser.add_argument("--tokenizer", help="tokenizer.model (default: the checkpoint's)")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-len", type=int, default=None,
+                        help="tokens read per input, the rest cut (default: the model's "
+                             "max_seq_len; a run's train.seq_len reproduces its evaluation)")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="parameter and compute dtype (default: as stored)")
     return parser.parse_args(argv)
@@ -116,10 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size}: must be a positive integer")
     config, params = load_checkpoint(args.checkpoint, args.dtype)
+    max_len = config.max_seq_len if args.max_len is None else args.max_len
+    if not 0 < max_len <= config.max_seq_len:
+        raise ConfigError(f"--max-len {max_len}: must be in [1, max_seq_len="
+                          f"{config.max_seq_len}]")
     task = task_of(config, args.input)
     tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
-    examples = task_data.read_examples(args.input, task, config, tokenizer,
-                                       config.max_seq_len, targets=False)
+    examples = task_data.read_examples(args.input, task, config, tokenizer, max_len,
+                                       targets=False)
     outputs = predict(config, params, examples, args.batch_size)
     for example, output in zip(examples, outputs):
         print(json.dumps(describe(config, example, output)))
