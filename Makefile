@@ -35,8 +35,8 @@ doc-task: install corpus
 	$(PY) train.py --config configs/demo.yaml --workdir runs/demo
 	$(PY) -m llama_jax.doc_task build
 	$(PY) -m llama_jax.doc_task baselines
-	$(PY) train.py --config configs/doc-task-head.yaml --workdir runs/doc_task/head
-	$(PY) train.py --config configs/doc-task.yaml --workdir runs/doc_task/full
+	$(PY) train.py --config configs/tasks/doc-head.yaml --workdir runs/doc_task/head
+	$(PY) train.py --config configs/tasks/doc.yaml --workdir runs/doc_task/full
 
 corpus:
 	@if [ ! -d $(CORPUS) ]; then \

@@ -340,14 +340,14 @@ def validation_loss(run_path: Path, val_tokens, seq_len: int, batch_size: int,
     import jax
 
     from llama_jax.checkpoint import load_checkpoint
-    from llama_jax.training import eval_sums
+    from llama_jax.training import loss_sums
 
     config, params = load_checkpoint(run_path)
-    evaluate = jax.jit(lambda p, w: eval_sums(config, bos_id, p, w)[:2])
+    evaluate = jax.jit(lambda p, w: loss_sums(config, p, w, bos_id, 0.0)[1][0])
     total = count = 0.0
     for window in data.val_batches(val_tokens, seq_len, batch_size, n_batches):
-        ce, n = evaluate(params, window)
-        total, count = total + float(ce), count + float(n)
+        sums = evaluate(params, window)
+        total, count = total + float(sums["loss_sum"]), count + float(sums["count"])
     return total / count
 
 

@@ -398,9 +398,8 @@ class ModelConfig:
                  self.moe.first_dense_layers, f"must be < n_layers ({self.n_layers})")
 
     def _check_head(self) -> None:
-        """Task-head fields are refused with the LM head (their values, carried over by
-        `dataclasses.replace` from a task model, are cleared instead when at their defaults);
-        a task head needs its output count, and pooling belongs to the pooled heads."""
+        """Task-head fields are refused with the LM head; a task head needs its output
+        count, and pooling (default: last) belongs to the pooled heads."""
         _require(self.head in HEADS, "head", self.head, f"is not one of {HEADS}")
         if self.head == "lm":
             for name in ("n_labels", "pooling", "pad_id", "label_names"):
@@ -516,7 +515,7 @@ class ModelConfig:
         for section in ("moe", "mla"):  # a dense GQA model's file has neither section
             if getattr(self, section) is None:
                 del out[section]
-        if self.head == "lm":  # nor a language model's the task-head fields
+        if self.head == "lm":  # a language model's file has no task-head fields either
             for name in ("head", "n_labels", "pooling", "pad_id", "label_names"):
                 del out[name]
         elif self.label_names is not None:

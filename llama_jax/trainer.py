@@ -263,16 +263,15 @@ def _programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh) -> _Programs
         opt_state=sharding.optimizer_state_shardings(optimizer, abstract_params(run.model),
                                                      params_sharding, mesh))
     batch_sharding = sharding.batch_sharding(mesh, run.mesh, ndim=1)  # rows of every leaf
+    init = jax.jit(functools.partial(init_state, run.model, optimizer),
+                   out_shardings=state_sharding)
+    abstract = jax.eval_shape(init, jax.random.key(0))
     if run.task is None:
-        init = jax.jit(functools.partial(init_state, run.model, optimizer),
-                       out_shardings=state_sharding)
         batch = jax.ShapeDtypeStruct((run.train.batch_size, run.train.seq_len + 1), jnp.int32)
     else:
         init = functools.partial(_init_task_state, run, optimizer, params_sharding,
                                  state_sharding, mesh)
         batch = tasks.abstract_batch(run)
-    abstract = jax.eval_shape(jax.jit(functools.partial(init_state, run.model, optimizer),
-                                      out_shardings=state_sharding), jax.random.key(0))
     batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                         sharding=batch_sharding), batch)
     loss_fn = objective(run, bos_id)

@@ -360,6 +360,16 @@ def test_a_sharded_task_step_equals_the_single_device_step(finetuned):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["doc", "doc-head"])
+def test_the_shipped_task_configs_load(name, pretrained):
+    """configs/tasks/ (the demo task) with init_from pointed at a test checkpoint."""
+    run = finetune.load_run_config(REPO / "configs" / "tasks" / f"{name}.yaml",
+                                   [f"init_from={pretrained}"])
+    assert (run.model.head, run.model.n_labels, run.model.dim) == (
+        "sequence_classification", 7, BASE.dim)
+    assert run.train.freeze == ("backbone" if name == "doc-head" else "none")
+
+
 def test_a_frozen_backbone_has_no_backward_pass(finetuned):
     """XLA's FLOP count of the compiled head-only step is about a third of the full step's
     (the forward pass alone), as `costs.train_flops_per_token` says."""
@@ -389,11 +399,10 @@ def test_predict_prints_the_models_probabilities(finetuned, task_files):
     tokenizer = llama_jax.load_tokenizer(workdir)
     records = [json.loads(line) for line in task_files["val"].read_text().splitlines()]
     assert len(lines) == len(records) == 48
+    tokens = _padded([np.asarray(tokenizer.encode(r["text"])) for r in records], 32, left=False)
+    probabilities = np.asarray(jax.nn.softmax(llama_jax.forward(config, params, tokens)))
     correct = 0
-    for line, record in zip(lines, records):
-        logits = llama_jax.forward(config, params,
-                                   np.asarray([tokenizer.encode(record["text"])]))[0]
-        expected = np.asarray(jax.nn.softmax(logits))
+    for line, record, expected in zip(lines, records, probabilities):
         np.testing.assert_allclose([line["probabilities"][k] for k in KEYWORDS], expected,
                                    atol=2e-6)
         assert line["label"] == KEYWORDS[int(np.argmax(expected))]
