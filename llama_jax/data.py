@@ -249,10 +249,18 @@ def train_batches(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
     if len(windows) < batch_size:
         raise DataError(f"the training split has {len(tokens)} tokens: fewer than one batch of "
                         f"{batch_size} sequences of {seq_len} tokens")
-    # Endless in practice (2^62 windows) but of finite length: grain's `batch` overflows
+    return shuffled_batches(windows, batch_size, seed, process_index, process_count)
+
+
+def shuffled_batches(source, batch_size: int, seed: int, process_index: int = 0,
+                     process_count: int = 1) -> grain.DatasetIterator:
+    """Endless batches of a random-access source (`len`, `[i]`: packed windows, or a task's
+    padded examples), shuffled by seed and reshuffled every epoch; each of `process_count`
+    processes reads only its `batch_size / process_count` rows of every global batch."""
+    # Endless in practice (2^62 items) but of finite length: grain's `batch` overflows
     # computing the length of an infinite dataset in batches of one row.
-    epochs = sys.maxsize // 2 // len(windows)
-    dataset = grain.MapDataset.source(windows).shuffle(seed=seed).repeat(epochs)
+    epochs = sys.maxsize // 2 // len(source)
+    dataset = grain.MapDataset.source(source).shuffle(seed=seed).repeat(epochs)
     if process_count > 1:
         dataset = dataset[process_index::process_count]
     return iter(dataset.batch(batch_size // process_count).to_iter_dataset())

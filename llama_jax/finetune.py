@@ -29,7 +29,7 @@ from llama_jax.checkpoint import checkpoint_config, load_checkpoint
 from llama_jax.config import ConfigError, ModelConfig, RunConfig, load_run_tree
 from llama_jax.formats import CheckpointError
 from llama_jax.nn.heads import head_specs
-from llama_jax.params import Params, init_params, init_tensors
+from llama_jax.params import Params, init_tensors
 from llama_jax.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 
 HEAD_FIELDS = ("head", "n_labels", "pooling", "label_names")
@@ -108,12 +108,10 @@ def run_tokenizer(data: dict[str, Any], init_from: str | None, where: str) -> To
 
 def initial_params(run: RunConfig, key: jax.Array, shardings: Params,
                    mesh: jax.sharding.Mesh) -> Params:
-    """The parameters a task run starts from, placed on `shardings`: the init_from
+    """The parameters a fine-tuning run starts from, placed on `shardings`: the init_from
     checkpoint's backbone (and its head, when it is already this task's) and a freshly
-    initialised head otherwise; random throughout without init_from, as for pretraining. Only
-    what is not loaded is initialised: no second copy of the model exists at any time."""
-    if run.init_from is None:
-        return jax.jit(init_params, static_argnums=0, out_shardings=shardings)(run.model, key)
+    initialised head otherwise. Only what is not loaded is initialised: no second copy of the
+    model exists at any time."""
     _, loaded = load_checkpoint(run.init_from, run.model.param_dtype, mesh=mesh,
                                 mesh_config=run.mesh)
     params = {name: loaded[name] for name in shardings if name in loaded}

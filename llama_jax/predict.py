@@ -95,22 +95,19 @@ def describe(config: ModelConfig, example: dict[str, Any], output: np.ndarray) -
 
 def scores(config: ModelConfig, examples: list[dict[str, Any]],
            outputs: list[np.ndarray]) -> dict[str, float]:
-    """The task's metrics of the predictions (tasks.metrics over one batch of everything)."""
+    """The task's metrics of the predictions: the sums validation adds up (tasks.py) over
+    every example (or every scored token) at once."""
     field = task_data.TARGET_FIELD[config.head]
     if config.head == "regression":
-        target = np.stack([e[field] for e in examples])
-        squared = (np.stack(outputs) - target) ** 2
-        return tasks.metrics({"loss_sum": squared.mean(axis=1).sum(), "count": len(examples),
-                              "squared_error_O": squared.sum(axis=0)})
-    confusion = np.zeros((config.n_labels,) * 2)
-    for example, output in zip(examples, outputs):
-        labels = np.atleast_1d(example[field])
-        predicted = np.atleast_1d(np.argmax(output, axis=-1))[:len(labels)]
-        for true, guess in zip(labels, predicted):
-            if true >= 0:
-                confusion[true, guess] += 1
-    return {k: v for k, v in tasks.metrics({"loss_sum": 0.0, "count": 1.0,
-                                            "confusion_OO": confusion}).items() if k != "loss"}
+        target_BO = np.stack([e[field] for e in examples])
+        sums = tasks.regression_sums(np.stack(outputs), target_BO, np.ones(len(examples)))
+    else:  # rows X: the examples, or their tokens (-1: a token without a word's label)
+        rows = [(np.atleast_1d(e[field]), np.reshape(o, (-1, config.n_labels)))
+                for e, o in zip(examples, outputs)]
+        label_X = np.concatenate([labels for labels, _ in rows])
+        logits_XO = np.concatenate([logits[:len(labels)] for labels, logits in rows])
+        sums = tasks.classification_sums(logits_XO, label_X, (label_X >= 0).astype(np.float32))
+    return tasks.metrics(jax.device_get(sums))
 
 
 @user_errors_exit

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ import grain
 import numpy as np
 
 from llama_jax.config import ModelConfig, TaskConfig
-from llama_jax.data import DataError, unit_hash
+from llama_jax.data import DataError, shuffled_batches, unit_hash
 from llama_jax.tokenizer import Tokenizer
 
 TARGET_FIELD = {"sequence_classification": "label", "token_classification": "labels",
@@ -197,12 +196,8 @@ def train_batches(examples: list[dict[str, Any]], kind: str, seq_len: int, pad_i
     if len(examples) < batch_size:
         raise DataError(f"the training split has {len(examples)} examples: fewer than one "
                         f"batch of {batch_size}; lower train.batch_size")
-    epochs = sys.maxsize // 2 // len(examples)
-    dataset = grain.MapDataset.source(_Padded(examples, kind, seq_len, pad_id))
-    dataset = dataset.shuffle(seed=seed).repeat(epochs)
-    if process_count > 1:
-        dataset = dataset[process_index::process_count]
-    return iter(dataset.batch(batch_size // process_count).to_iter_dataset())
+    return shuffled_batches(_Padded(examples, kind, seq_len, pad_id), batch_size, seed,
+                            process_index, process_count)
 
 
 def val_batches(examples: list[dict[str, Any]], kind: str, seq_len: int, pad_id: int,

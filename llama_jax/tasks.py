@@ -51,18 +51,18 @@ def loss_sums(config: ModelConfig, frozen: bool, params: Params, batch: dict
     h_BTD = jax.lax.stop_gradient(out.hidden_BTD) if frozen else out.hidden_BTD
     outputs = apply_head(config, params, h_BTD, tokens_BT)
     if config.head == "regression":
-        sums = _regression_sums(outputs, batch["target"], batch["weight"])
+        sums = regression_sums(outputs, batch["target"], batch["weight"])
     elif config.head == "sequence_classification":
-        sums = _classification_sums(outputs, batch["label"], batch["weight"])
+        sums = classification_sums(outputs, batch["label"], batch["weight"])
     else:
         weight_BT = batch["weight"][:, None] * (batch["labels"] >= 0)
-        sums = _classification_sums(outputs.reshape(-1, config.n_labels),
+        sums = classification_sums(outputs.reshape(-1, config.n_labels),
                                     batch["labels"].reshape(-1), weight_BT.reshape(-1))
     total = sums["loss_sum"] + (0.0 if frozen else aux_loss(out.aux) * sums["count"])
     return total, (sums, out.aux)
 
 
-def _classification_sums(logits_XO: jax.Array, label_X: jax.Array, weight_X: jax.Array
+def classification_sums(logits_XO: jax.Array, label_X: jax.Array, weight_X: jax.Array
                          ) -> dict[str, jax.Array]:
     """Over rows X: weighted cross-entropy sum, weight sum, and the weighted confusion matrix
     `[true O, predicted O]`."""
@@ -78,7 +78,7 @@ def _classification_sums(logits_XO: jax.Array, label_X: jax.Array, weight_X: jax
                                        precision=jax.lax.Precision.HIGHEST)}
 
 
-def _regression_sums(predicted_BO: jax.Array, target_BO: jax.Array, weight_B: jax.Array
+def regression_sums(predicted_BO: jax.Array, target_BO: jax.Array, weight_B: jax.Array
                      ) -> dict[str, jax.Array]:
     """Weighted sums of the per-row MSE and of the squared error per target."""
     squared_BO = jnp.square(predicted_BO - target_BO) * weight_B[:, None]

@@ -266,11 +266,12 @@ def _programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh) -> _Programs
     init = jax.jit(functools.partial(init_state, run.model, optimizer),
                    out_shardings=state_sharding)
     abstract = jax.eval_shape(init, jax.random.key(0))
+    if run.init_from is not None:
+        init = functools.partial(_init_from_checkpoint, run, optimizer, params_sharding,
+                                 state_sharding, mesh)
     if run.task is None:
         batch = jax.ShapeDtypeStruct((run.train.batch_size, run.train.seq_len + 1), jnp.int32)
     else:
-        init = functools.partial(_init_task_state, run, optimizer, params_sharding,
-                                 state_sharding, mesh)
         batch = tasks.abstract_batch(run)
     batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                         sharding=batch_sharding), batch)
@@ -290,10 +291,10 @@ def _programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh) -> _Programs
                      step_bytes=_footprint(compiled))
 
 
-def _init_task_state(run: RunConfig, optimizer, params_sharding, state_sharding,
-                     mesh: jax.sharding.Mesh, key: jax.Array) -> TrainState:
-    """A task run's first state: its init_from checkpoint's parameters with a fresh head
-    (finetune.py), and the optimizer's state for them."""
+def _init_from_checkpoint(run: RunConfig, optimizer, params_sharding, state_sharding,
+                          mesh: jax.sharding.Mesh, key: jax.Array) -> TrainState:
+    """A fine-tuning run's first state: its init_from checkpoint's parameters with a fresh
+    head (finetune.py), and the optimizer's state for them."""
     params = finetune.initial_params(run, key, params_sharding, mesh)
     start = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p,
                                          opt_state=optimizer.init(p)),

@@ -73,13 +73,8 @@ def loss_sums(config: ModelConfig, params: Params, window_BT1: jax.Array, bos_id
 def objective(run: RunConfig, bos_id: int) -> LossFn:
     """The run's loss: language modelling on packed windows, or its task's (tasks.py)."""
     if run.task is None:
-        return functools.partial(_lm_loss, run.model, bos_id, run.train.z_loss)
+        return functools.partial(loss_sums, run.model, bos_id=bos_id, z_loss=run.train.z_loss)
     return functools.partial(tasks.loss_sums, run.model, run.train.freeze == "backbone")
-
-
-def _lm_loss(config: ModelConfig, bos_id: int, z_loss: float, params: Params,
-             window_BT1: jax.Array):
-    return loss_sums(config, params, window_BT1, bos_id, z_loss)
 
 
 def train_step(config: ModelConfig, train: TrainConfig, optimizer: optax.GradientTransformation,

@@ -167,10 +167,9 @@ def _validate(config: ModelConfig, contexts: Sequence[Sequence[int]],
               continuations: Sequence[Sequence[int]], batch_size: int, max_len: int
               ) -> list[tuple[np.ndarray, np.ndarray]]:
     """The requests as (context, continuation) id arrays, contexts truncated to fit."""
-    head = getattr(config, "head", "lm")
-    if head != "lm":
-        raise ScoreError(f"the model has a {head!r} head; scoring tokens needs the language-"
-                         "model head (head='lm')")
+    if config.head != "lm":
+        raise ScoreError(f"the model has a {config.head!r} head; scoring tokens needs the "
+                         "language-model head (head='lm')")
     if len(contexts) != len(continuations):
         raise ScoreError(f"{len(contexts)} contexts but {len(continuations)} continuations: "
                          "give one of each per request")
