@@ -63,14 +63,18 @@ def task_of(config: ModelConfig, input_path: str) -> TaskConfig:
 def predict(config: ModelConfig, params, examples: list[dict[str, Any]],
             batch_size: int) -> list[np.ndarray]:
     """The head's fp32 outputs per example (`[O]`, or `[T, O]` over its tokens), in batches
-    padded to a power-of-two length (few compiled shapes)."""
+    padded to a power-of-two length (few compiled shapes). A model without a pad id (an HF
+    checkpoint without `pad_token_id`) would read padding as text: each example then runs
+    alone, unpadded."""
     run = jax.jit(functools.partial(forward, config))
-    pad_id = config.pad_id if config.pad_id is not None else 0
+    padded = config.pad_id is not None
+    batch_size = batch_size if padded else 1
     outputs = []
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
-        T = min(bucket(max(len(e["tokens"]) for e in chunk)), config.max_seq_len)
-        tokens_BT = np.full((batch_size, T), pad_id, np.int32)
+        longest = max(len(e["tokens"]) for e in chunk)
+        T = min(bucket(longest), config.max_seq_len) if padded else longest
+        tokens_BT = np.full((batch_size, T), config.pad_id if padded else 0, np.int32)
         for i, e in enumerate(chunk):
             tokens_BT[i, :len(e["tokens"])] = e["tokens"]
         out = np.asarray(run(params, jnp.asarray(tokens_BT)))

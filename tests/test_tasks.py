@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 import llama_jax
-from llama_jax import costs, finetune, sharding, task_data, tasks, trainer
+from llama_jax import costs, finetune, predict, sharding, task_data, tasks, trainer
 from llama_jax.checkpoint import load_checkpoint
 from llama_jax.config import ConfigError, ModelConfig, TaskConfig
 from llama_jax.data import DataError
@@ -408,6 +408,17 @@ def test_predict_prints_the_models_probabilities(finetuned, task_files):
         assert line["label"] == KEYWORDS[int(np.argmax(expected))]
         correct += line["label"] == KEYWORDS[record["label"]]
     assert f"accuracy {correct / 48:.4f}" in out.stderr
+
+
+def test_predict_without_a_pad_id_runs_each_example_unpadded():
+    """A model without a pad id (HF's pad_token_id null) would pool padding: predict then
+    gives each example's outputs alone."""
+    config = dataclasses.replace(HEADS["last"], pad_id=None)
+    params = llama_jax.init_params(config, jax.random.key(0))
+    examples = [{"tokens": row} for row in _tokens(2, [5, 11, 3])]
+    for example, output in zip(examples, predict.predict(config, params, examples, 8)):
+        np.testing.assert_allclose(
+            output, llama_jax.forward(config, params, example["tokens"][None])[0], atol=1e-6)
 
 
 # -------------------------------------------------------------------------------- bad input
