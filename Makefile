@@ -28,13 +28,13 @@ demo: install corpus
 	$(PY) train.py --config configs/demo.yaml --workdir runs/demo
 	$(PY) sample.py --checkpoint runs/demo --max-new-tokens 80 --temperature 0.7 $(DEMO_PROMPTS)
 
-# The demo downstream task (README, "Downstream tasks"): the demo model (trained first, or
+# The demo downstream task (docs/tasks.md): the demo model (trained first, or
 # resumed) fine-tuned to tell which part of the Python docs a paragraph comes from, head only
 # and in full, next to a majority-class and a bag-of-words baseline.
 doc-task: install corpus
 	$(PY) train.py --config configs/demo.yaml --workdir runs/demo
-	$(PY) -m llama_jax.doc_task build
-	$(PY) -m llama_jax.doc_task baselines
+	$(PY) -m llama_jax.research.doc_task build
+	$(PY) -m llama_jax.research.doc_task baselines
 	$(PY) train.py --config configs/tasks/doc-head.yaml --workdir runs/doc_task/head
 	$(PY) train.py --config configs/tasks/doc.yaml --workdir runs/doc_task/full
 

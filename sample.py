@@ -17,9 +17,11 @@ from pathlib import Path
 
 from llama_jax import load_checkpoint, load_tokenizer
 from llama_jax.cli import user_errors_exit
-from llama_jax.config import ATTENTION_IMPLS, DTYPES
-from llama_jax.decoder import DECODE_IMPLS, GenerateError, GenerationStats, stream
-from llama_jax.tokenizer import TextStream
+from llama_jax.dtypes import DTYPES
+from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
+from llama_jax.decode.generate import DECODE_IMPLS, GenerationStats, stream
+from llama_jax.errors import GenerateError
+from llama_jax.data.tokenizer import TextStream
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -5,7 +5,7 @@ python3.11-doc package), or fine-tune one on a downstream task.
                     [--workdir runs/demo] [--steps N] [--corpus DIR_OR_GLOB]
 
 A config with a `task:` section and `init_from: CHECKPOINT` fine-tunes that checkpoint with a
-task head (llama_jax/finetune.py); `--set init_from=DIR` overrides the checkpoint.
+task head (llama_jax/training/finetune.py); `--set init_from=DIR` overrides the checkpoint.
 
 Several processes (one per host) form one run with `--coordinator HOST:PORT --num-processes N
 --process-id I` (auto-detected on TPU pods and under SLURM); each reads only its share of every
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import jax
 
-from llama_jax import distributed
+from llama_jax.parallel import distributed
 from llama_jax.cli import user_errors_exit
-from llama_jax.finetune import load_run_config
-from llama_jax.trainer import train
+from llama_jax import load_run_config
+from llama_jax.training.trainer import train
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         if outcome.val_metrics:
             log("validation " + ", ".join(f"{name[4:]} {value:.4f}"
                                           for name, value in outcome.val_metrics.items()))
-        next_step = f"Predict with: python -m llama_jax.predict --checkpoint {workdir} " \
+        next_step = f"Predict with: python -m llama_jax.eval.predict --checkpoint {workdir} " \
                     "--input FILE.jsonl"
     else:
         if outcome.val_loss is not None:

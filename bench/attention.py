@@ -30,8 +30,8 @@ import numpy as np
 
 from common import peak_rss_bytes, rss_bytes, run_child, time_train_steps
 from llama_jax.config import TrainConfig, load_model_config
-from llama_jax.optim import make_optimizer
-from llama_jax.training import init_state, train_step
+from llama_jax.training.optim import make_optimizer
+from llama_jax.training.step import init_state, train_step
 
 TOKENS_PER_STEP = 16384
 WARMUP_STEPS = 2

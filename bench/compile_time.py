@@ -31,7 +31,7 @@ def measure(n_layers: int, scan: bool) -> dict[str, float]:
     import optax
 
     import llama_jax
-    from llama_jax.params import abstract_params
+    from llama_jax.model.params import abstract_params
 
     config = llama_jax.ModelConfig(n_layers=n_layers, scan_layers=scan, **WIDTH)
     params = abstract_params(config)
@@ -70,7 +70,7 @@ def decode_compile_seconds(config, decode_impl: str) -> float:
     import jax
 
     import llama_jax
-    from llama_jax.decoder import GenerationStats
+    from llama_jax.decode.generate import GenerationStats
 
     params = llama_jax.init_params(config, jax.random.key(0))
     stats = GenerationStats()

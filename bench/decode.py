@@ -33,9 +33,9 @@ import jax
 import numpy as np
 
 import llama_jax
-from llama_jax import costs
-from llama_jax.decoder import GenerationStats, generate
-from llama_jax.hardware import bandwidth_probe
+from llama_jax.plan import costs
+from llama_jax.decode.generate import GenerationStats, generate
+from llama_jax.plan.hardware import bandwidth_probe
 
 from common import BENCH_MODEL, run_child
 

@@ -71,15 +71,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import llama_jax
-from llama_jax import costs
+from llama_jax.plan import costs
 from llama_jax.config import TrainConfig
-from llama_jax.decoder import GenerationStats
-from llama_jax.kv_cache import init_cache
-from llama_jax.model import apply, unstack_layers
+from llama_jax.decode.generate import GenerationStats
+from llama_jax.model.kv_cache import init_cache
+from llama_jax.model.transformer import apply, unstack_layers
 from llama_jax.nn.heads import lm_head
-from llama_jax.nn.dot_product import Mask, dot_product_attention
-from llama_jax.optim import make_optimizer
-from llama_jax.training import init_state, train_step
+from llama_jax.nn.attention.dot_product import Mask, dot_product_attention
+from llama_jax.training.optim import make_optimizer
+from llama_jax.training.step import init_state, train_step
 
 BIG = llama_jax.ModelConfig(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, n_kv_heads=8,
                             ffn_dim=5632, max_seq_len=2048)

@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import llama_jax
-from llama_jax import costs
-from llama_jax.kv_cache import init_cache
-from llama_jax.model import apply, unstack_layers
+from llama_jax.plan import costs
+from llama_jax.model.kv_cache import init_cache
+from llama_jax.model.transformer import apply, unstack_layers
 from llama_jax.nn.heads import lm_head
 
 from common import run_child

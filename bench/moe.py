@@ -29,9 +29,10 @@ import jax
 import numpy as np
 
 from common import run_child, time_torch_train_steps, time_train_steps
-from llama_jax.config import ModelConfig, MoeConfig, TrainConfig, load_run_config
-from llama_jax.optim import make_optimizer
-from llama_jax.training import init_state, train_step
+from llama_jax import load_run_config
+from llama_jax.config import ModelConfig, MoeConfig, TrainConfig
+from llama_jax.training.optim import make_optimizer
+from llama_jax.training.step import init_state, train_step
 
 WARMUP_STEPS = 3
 DEMO, MOE_DEMO = load_run_config("demo"), load_run_config("configs/moe-demo.yaml")

@@ -31,10 +31,10 @@ import numpy as np
 
 from common import (BENCH_MODEL, peak_rss_bytes, rss_bytes, run_child, time_torch_train_steps,
                     time_train_steps)
-from llama_jax import costs, hardware
+from llama_jax.plan import costs, hardware
 from llama_jax.config import TrainConfig
-from llama_jax.optim import make_optimizer
-from llama_jax.training import init_state, train_step
+from llama_jax.training.optim import make_optimizer
+from llama_jax.training.step import init_state, train_step
 
 SEQ, BATCH = 256, 8
 WARMUP_STEPS = 3

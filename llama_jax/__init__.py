@@ -1,43 +1,64 @@
-"""llama_jax: the LLaMA family (1, 2, 3, 3.1, 3.2) as small pure JAX functions.
+"""llama_jax: the LLaMA family (1, 2, 3, 3.1, 3.2) and its architecture variants as small pure
+JAX functions over parameter pytrees, for pretraining, sampling and ablations.
 
-Public API:
-    ModelConfig, MoeConfig, MlaConfig, RopeScaling, ConfigError, load_model_config
-                                                              -- model configuration
-    RunConfig, TrainConfig, DataConfig, MeshConfig, load_run_config -- training runs (a
-                                                              fine-tuning run's model is read
-                                                              from its init_from checkpoint)
-    Params, init_params, param_specs, abstract_params        -- the parameter tree
-    forward, hidden_states, apply                            -- the model (LM or task head)
-    load_checkpoint, export_hf, save_native, CheckpointError -- HF / Meta / native checkpoints
-    load_tokenizer                                           -- SentencePiece and LLaMA-3 tokenizers
-    generate, stream, GenerateError                          -- jit-compiled sampling with a KV cache
-    train, TrainingError                                      -- the training loop (train.py)
-    TaskConfig                                                -- downstream tasks (finetune.py)
-    score, perplexity, Score, Perplexity, ScoreError          -- zero-shot log-likelihood scoring
-    make_mesh                                                 -- a device mesh from a MeshConfig
+Packages, in layer order: a package imports only from those before it (`tests/test_layout.py`
+checks this, imports under `typing.TYPE_CHECKING` aside):
+
+    errors, dtypes, files,     small shared leaves: the error classes (one base, `UserError`),
+    spec, cli                  dtype names, atomic file writes, tensor descriptions, the CLIs'
+                               error exit
+    parallel                   device meshes, logical-axis sharding rules, multi-host start-up
+    nn                         the components, each kind registered once: norms, positions,
+                               MLPs, MoE routers, attention mixers, heads
+    config                     the model and run schemas (component choices from nn's
+                               registries), YAML files, presets
+    model                      parameters, the forward pass, the KV cache
+    data                       tokenizers, corpora, batches, task datasets
+    formats                    checkpoints: HF, Meta, native, run directories; conversion
+    plan                       costs, memory, hardware peaks, the planner CLI (`plan.info`)
+    decode                     sampling and jit-compiled generation
+    training                   the optimizer, the train step, the training loop, fine-tuning
+    eval                       log-likelihood scoring, perplexity, lm-eval, `predict`
+    research                   ablation studies, the demo downstream task
+
+The names below are the public API. They load on first use, so `import llama_jax` stays
+light: the trainer's and the data pipeline's dependencies (grain, orbax, tqdm) load with them.
 """
 
-from llama_jax.checkpoint import export_hf, load_checkpoint, save_native
-from llama_jax.config import (ConfigError, DataConfig, MeshConfig, MlaConfig, ModelConfig,
-                              MoeConfig, RopeScaling, RunConfig, TaskConfig, TrainConfig,
-                              load_model_config)
-from llama_jax.model import apply, forward, hidden_states
-from llama_jax.decoder import GenerateError, generate, stream
-from llama_jax.eval.scoring import Perplexity, Score, ScoreError, perplexity, score
-from llama_jax.finetune import load_run_config
-from llama_jax.formats import CheckpointError
-from llama_jax.params import Params, abstract_params, init_params, param_specs
-from llama_jax.sharding import make_mesh
-from llama_jax.tokenizer import load_tokenizer
-from llama_jax.trainer import TrainingError, train
+import importlib
 
-__all__ = [
-    "ConfigError", "ModelConfig", "MoeConfig", "MlaConfig", "RopeScaling", "load_model_config",
-    "Params", "init_params", "param_specs", "abstract_params",
-    "forward", "hidden_states", "apply",
-    "load_checkpoint", "export_hf", "save_native", "CheckpointError", "load_tokenizer",
-    "generate", "stream", "GenerateError",
-    "RunConfig", "TrainConfig", "DataConfig", "MeshConfig", "load_run_config", "train",
-    "TrainingError", "make_mesh", "TaskConfig",
-    "score", "perplexity", "Score", "Perplexity", "ScoreError",
-]
+# public name -> the module that defines it
+_API = {
+    "UserError": "errors", "ConfigError": "errors", "CheckpointError": "errors",
+    "DataError": "errors", "GenerateError": "errors", "ScoreError": "errors",
+    "TrainingError": "errors",
+    "ModelConfig": "config", "MoeConfig": "config", "MlaConfig": "config",
+    "RopeScaling": "config", "RunConfig": "config", "TrainConfig": "config",
+    "DataConfig": "config", "MeshConfig": "config", "TaskConfig": "config",
+    "load_model_config": "config",
+    "Params": "model.params", "init_params": "model.params", "param_specs": "model.params",
+    "abstract_params": "model.params",
+    "forward": "model.transformer", "hidden_states": "model.transformer",
+    "apply": "model.transformer",
+    "load_checkpoint": "formats.checkpoint", "export_hf": "formats.checkpoint",
+    "save_native": "formats.checkpoint",
+    "load_tokenizer": "data.tokenizer",
+    "generate": "decode.generate", "stream": "decode.generate",
+    "load_run_config": "training.finetune", "train": "training.trainer",
+    "make_mesh": "parallel.sharding",
+    "score": "eval.scoring", "perplexity": "eval.scoring", "Score": "eval.scoring",
+    "Perplexity": "eval.scoring",
+}
+__all__ = list(_API)
+
+
+def __getattr__(name: str):
+    if name not in _API:
+        raise AttributeError(f"module 'llama_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"llama_jax.{_API[name]}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

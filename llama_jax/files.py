@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from llama_jax.formats import CheckpointError
+from llama_jax.errors import CheckpointError
 
 
 def sibling_temp(path: Path) -> Path:

@@ -156,7 +156,7 @@ def load_onto_a_mesh(path):
 
     import llama_jax
     from llama_jax.config import MeshConfig
-    from llama_jax.sharding import make_mesh, param_shardings
+    from llama_jax.parallel.sharding import make_mesh, param_shardings
 
     rules = MeshConfig(data=1, fsdp=4, tensor=2)
     mesh = make_mesh(rules)

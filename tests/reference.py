@@ -19,6 +19,11 @@ def rms_norm(x, g, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * np.asarray(g, np.float64)
 
 
+# Norm kinds by name: (x, {tensor name: value}, eps) -> normed x. A test may add one.
+NORMS = {"rmsnorm": lambda x, p, eps: rms_norm(x, p["scale"], eps),
+         "layernorm": lambda x, p, eps: layer_norm(x, p["scale"], p["bias"], eps)}
+
+
 def silu(x):
     return x / (1 + np.exp(-x))
 
@@ -168,9 +173,8 @@ def forward(config, params, tokens_BT, positions_BT=None, segments_BT=None):
     mask = causal_mask(T, segments_BT, B)
 
     def norm(x, name, p=p):
-        if config.norm == "layernorm":
-            return layer_norm(x, p[name + "/scale"], p[name + "/bias"], config.norm_eps)
-        return rms_norm(x, p[name + "/scale"], config.norm_eps)
+        return NORMS[config.norm](x, {k[len(name) + 1:]: v for k, v in p.items()
+                                      if k.startswith(name + "/")}, config.norm_eps)
 
     def proj(x, equation, w, b, layer):
         y = np.einsum(equation, x, layer[w])

@@ -5,8 +5,9 @@ import math
 
 import pytest
 
-from llama_jax import ablate, costs
-from llama_jax.config import ConfigError
+from llama_jax.research import ablate
+from llama_jax.plan import costs
+from llama_jax.errors import ConfigError
 
 BASE = """
 model: {vocab_size: 256, dim: 64, n_layers: 2, n_heads: 4, n_kv_heads: 2, multiple_of: 32}
@@ -222,7 +223,7 @@ data: {corpus: unused}
     # the runs are ordinary workdirs (load_checkpoint, sample.py); results rebuild from them
     import llama_jax
     import sample
-    from llama_jax.decoder import generate
+    from llama_jax.decode.generate import generate
 
     run = workdir / names[0]
     config, params = llama_jax.load_checkpoint(run)
@@ -259,7 +260,7 @@ data: {corpus: unused}
 def test_a_signal_stops_the_study_not_just_its_run(tmp_path, corpus_dir, monkeypatch):
     """SIGINT/SIGTERM stop the trainer at a checkpoint; the study must not go on to the next
     run (the user asked to stop) nor write results."""
-    from llama_jax import trainer
+    from llama_jax.training import trainer
 
     trained = []
 

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import llama_jax
-from llama_jax import sharding
-from llama_jax.config import ConfigError, MeshConfig, ModelConfig
-from llama_jax.nn.dot_product import (Mask, cudnn_attention, describe_attention,
+from llama_jax.parallel import sharding
+from llama_jax.config import MeshConfig, ModelConfig
+from llama_jax.errors import ConfigError
+from llama_jax.nn.attention.dot_product import (Mask, cudnn_attention, describe_attention,
                                       dot_product_attention, resolve_attention_impl,
                                       splash_attention)
 from reference import relative_error
@@ -115,7 +116,7 @@ MASKS = {
 def test_chunked_equals_xla_forward_and_gradients(heads, mask_name):
     T_q, S, mask = MASKS[mask_name]()
     q, k, v = qkv(*HEADS[heads], T=T_q, S=S)
-    from llama_jax.nn.chunked import chunked_attention
+    from llama_jax.nn.attention.chunked import chunked_attention
     # The chunked kernel itself (dot_product_attention sends one query to the dense path).
     chunked = chunked_attention(q, k, v, mask.q_index_BT, mask.kv_index_BS, mask.q_segment_BT,
                                 mask.kv_segment_BS, scale=H ** -0.5, block_q=4, block_kv=3)
@@ -207,7 +208,7 @@ def test_fully_masked_rows_stay_finite(impl):
 
 @pytest.mark.parametrize("N, K", [(4, 4), (8, 2), (4, 1)], ids=["MHA", "GQA", "MQA"])
 def test_block_diagonal_decode_attention_matches_reference(N, K):
-    from llama_jax.nn.attention import decode_attention_block_diagonal
+    from llama_jax.nn.attention.gqa import decode_attention_block_diagonal
 
     S = 13
     q = rng.standard_normal((B, 1, N, H)).astype(np.float32)

@@ -15,14 +15,16 @@ import numpy as np
 import pytest
 
 import llama_jax
-from llama_jax import costs, sharding
-from llama_jax.config import ConfigError, MeshConfig, MlaConfig, ModelConfig, MoeConfig, RopeScaling
-from llama_jax.kv_cache import init_cache
-from llama_jax.model import apply, unstack_layers
+from llama_jax.plan import costs
+from llama_jax.parallel import sharding
+from llama_jax.config import MeshConfig, MlaConfig, ModelConfig, MoeConfig, RopeScaling
+from llama_jax.errors import ConfigError
+from llama_jax.model.kv_cache import init_cache
+from llama_jax.model.transformer import apply, unstack_layers
 from llama_jax.nn.heads import lm_head
 from llama_jax.nn.norms import layer_norm, rms_norm
 from llama_jax.nn.positions import sinusoids
-from llama_jax.nn.spec import spec_leaves
+from llama_jax.spec import spec_leaves
 import reference as ref
 from reference import relative_error
 
@@ -339,7 +341,7 @@ def test_dtype_arguments_accept_any_dtype_like(dtype):
 
 
 def test_a_misspelt_logical_axis_is_an_error_not_a_silent_replication():
-    from llama_jax.nn.spec import TensorSpec
+    from llama_jax.spec import TensorSpec
 
     mesh_config = MeshConfig(data=1, fsdp=8)
     mesh = sharding.make_mesh(mesh_config)
@@ -377,7 +379,7 @@ def test_the_architecture_survives_the_hf_config_file(name, tmp_path):
 
 
 def test_a_run_with_llama3_rope_scaling_resumes(tmp_path):
-    from llama_jax import workdir
+    from llama_jax.formats import workdir
 
     run = llama_jax.load_run_config("tiny-llama3.2")
     assert workdir.config_differences(run, run) == []
@@ -387,3 +389,61 @@ def test_a_run_with_llama3_rope_scaling_resumes(tmp_path):
     assert workdir.config_differences(run, changed) == []
     other = llama_jax.load_run_config("tiny-llama3.2", ["model.norm=layernorm"])
     assert workdir.config_differences(run, other) == ["model.norm: 'rmsnorm' -> 'layernorm'"]
+
+
+README_EXAMPLE_CHECK = """
+import re, sys
+import numpy as np
+import jax
+sys.path.insert(0, {tests!r})
+readme = open({readme!r}).read()
+section = readme.split("## Adding a component", 1)[1].split("\\n## ", 1)[0]
+exec(re.search(r"```python\\n(.*?)```", section, re.S).group(1), {{}})
+
+import llama_jax
+import reference as ref
+from llama_jax.config import ModelConfig
+from llama_jax.plan import costs
+from test_components import BASE, random_params, relative_error
+
+# ScaleNorm from the paper, in float64: g * sqrt(D) * x / ||x||.
+ref.NORMS["scalenorm"] = lambda x, p, eps: p["scale"] * np.sqrt(x.shape[-1]) * x / np.sqrt(
+    np.sum(x * x, axis=-1, keepdims=True) + eps)
+config = ModelConfig(**{{**BASE.__dict__, "norm": "scalenorm"}})
+params = random_params(config)
+assert params["final_norm"]["scale"].shape == ()
+tokens = np.random.default_rng(3).integers(0, config.vocab_size, (2, 24), dtype=np.int32)
+out = jax.jit(llama_jax.forward, static_argnums=0)(config, params, tokens)
+assert relative_error(out, ref.forward(config, params, tokens)) < 1e-5
+leaves = sum(x.size for x in jax.tree.leaves(params))
+assert costs.param_counts(config).total == leaves == costs.param_counts(BASE).total - (
+    2 * BASE.n_layers + 1) * (BASE.dim - 1)
+greedy = llama_jax.generate(config, params, [list(tokens[0, :5])], 6)
+expected = list(tokens[0, :5])
+for _ in range(6):
+    expected.append(int(np.argmax(ref.forward(config, params, np.array([expected]))[0, -1])))
+assert greedy == [expected[5:]], (greedy, expected)
+print("ok")
+"""
+
+
+def test_the_readme_example_adds_a_norm_kind_in_one_place():
+    """The README's "Adding a component" block, run as written in a fresh process: the
+    registered kind is a config choice, and the model, its counts and greedy decoding follow
+    (against a float64 reference of the paper's formula)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    tests = Path(__file__).resolve().parent
+    code = README_EXAMPLE_CHECK.format(tests=str(tests), readme=str(tests.parent / "README.md"))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_an_unregistered_kind_is_an_error_naming_the_registered_ones():
+    for field in ("norm", "positions", "mlp", "attention", "head"):
+        with pytest.raises(ConfigError, match=rf"{field}='nonesuch' is not one of \("):
+            dataclasses.replace(BASE, **{field: "nonesuch"})
+    with pytest.raises(ConfigError, match=r"moe.router='nonesuch' is not one of \('softmax'"):
+        MoeConfig(router="nonesuch")

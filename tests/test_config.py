@@ -5,8 +5,8 @@ import dataclasses
 import jax
 import pytest
 
-from llama_jax.config import (ConfigError, ModelConfig, RopeScaling, list_presets,
-                              load_model_config, default_ffn_dim)
+from llama_jax.config import (ModelConfig, RopeScaling, list_presets, load_model_config, default_ffn_dim)
+from llama_jax.errors import ConfigError
 
 TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4)
 
@@ -180,10 +180,45 @@ def test_file_errors_name_the_file_and_field(tmp_path):
 
 
 def test_set_overrides_reach_empty_sections_and_refuse_scalars(tmp_path):
-    from llama_jax.config import load_run_config
+    from llama_jax import load_run_config
 
     path = tmp_path / "run.yaml"
     path.write_text("base: tiny\ndata:\n")  # an empty section is None in YAML
     assert load_run_config(path, ["data.corpus=/texts"]).data.corpus == "/texts"
     with pytest.raises(ConfigError, match="rope_theta is 10000.0 .* not a mapping"):
         load_run_config("tiny", ["model.rope_theta.x=1"])
+
+
+def _declared_sections():
+    from llama_jax.config import reference
+    return [cls for _, cls in reference.SECTIONS]
+
+
+@pytest.mark.parametrize("cls", _declared_sections(), ids=lambda c: c.__name__)
+def test_every_field_declares_its_rule_and_meaning(cls):
+    for f in dataclasses.fields(cls):
+        assert "rule" in f.metadata and f.metadata["doc"], f"{cls.__name__}.{f.name}"
+
+
+def _int_fields():
+    from llama_jax.config.run import DataConfig, MeshConfig, TaskConfig, TrainConfig
+    from llama_jax.config import MlaConfig, MoeConfig
+    required = {ModelConfig: TINY, TaskConfig: dict(kind="regression", train="t.jsonl")}
+    for cls in (ModelConfig, RopeScaling, MlaConfig, MoeConfig, TrainConfig, DataConfig,
+                MeshConfig, TaskConfig):
+        for f in dataclasses.fields(cls):
+            if f.metadata["rule"].type == "int":
+                yield pytest.param(cls, required.get(cls, {}), f.name,
+                                   id=f"{cls.__name__}.{f.name}")
+
+
+@pytest.mark.parametrize("cls, required, name", list(_int_fields()))
+def test_a_bool_is_never_an_integer(cls, required, name):
+    with pytest.raises(ConfigError, match=rf"{name}=True "):
+        cls(**{**required, name: True})
+
+
+def test_the_config_reference_is_generated_from_the_code():
+    from llama_jax.config import reference
+    assert reference.DOCUMENT.read_text() == reference.render(), (
+        "docs/config-reference.md is stale: run `python -m llama_jax.config.reference --write`")

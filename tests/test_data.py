@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llama_jax import data
+from llama_jax.data import batches, corpus as corpora
+from llama_jax.errors import DataError
 from llama_jax.config import DataConfig, ModelConfig
-from llama_jax.model import forward
-from llama_jax.params import init_params
+from llama_jax.model.transformer import forward
+from llama_jax.model.params import init_params
 
 VOCAB = 512
 
@@ -18,41 +19,41 @@ VOCAB = 512
 @pytest.fixture(scope="module")
 def prepared(corpus_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("run")
-    corpus = data.find_corpus(str(corpus_dir), 0.1)
-    tokenizer = data.prepare_tokenizer(DataConfig(corpus=str(corpus_dir)), corpus, VOCAB,
+    corpus = corpora.find_corpus(str(corpus_dir), 0.1)
+    tokenizer = corpora.prepare_tokenizer(DataConfig(corpus=str(corpus_dir)), corpus, VOCAB,
                                        workdir, log=lambda _: None)
-    tokens = data.tokenize_corpus(corpus, tokenizer, data.cache_root(), log=lambda _: None)
+    tokens = corpora.tokenize_corpus(corpus, tokenizer, corpora.cache_root(), log=lambda _: None)
     return corpus, tokenizer, tokens
 
 
 def test_split_holds_out_whole_documents_stably(corpus_dir, tmp_path):
-    corpus = data.find_corpus(str(corpus_dir), 0.1)
+    corpus = corpora.find_corpus(str(corpus_dir), 0.1)
     files = {p for p in corpus_dir.rglob("*") if p.is_file() and p.name != ".hidden.txt"}
     assert set(corpus.train) | set(corpus.val) == files
     assert not set(corpus.train) & set(corpus.val)
     assert 1 <= len(corpus.val) < len(files) // 4
     moved = shutil.copytree(corpus_dir, tmp_path / "elsewhere")  # the split is by relative name
-    again = data.find_corpus(str(moved), 0.1)
+    again = corpora.find_corpus(str(moved), 0.1)
     assert [p.relative_to(moved) for p in again.val] == [p.relative_to(corpus_dir)
                                                           for p in corpus.val]
-    by_glob = data.find_corpus(str(corpus_dir / "**" / "*.txt"), 0.1)
+    by_glob = corpora.find_corpus(str(corpus_dir / "**" / "*.txt"), 0.1)
     assert set(by_glob.train) | set(by_glob.val) == files
 
 
 def test_bad_corpora_are_named(tmp_path, monkeypatch):
-    with pytest.raises(data.DataError, match="missing': no such directory$"):
-        data.find_corpus(str(tmp_path / "missing"), 0.1)
-    monkeypatch.setattr(data, "DEFAULT_CORPUS", str(tmp_path / "no-docs"))  # as on a fresh host
-    with pytest.raises(data.DataError, match="apt-get install python3.11-doc"):
-        data.find_corpus(str(tmp_path / "no-docs"), 0.1)
+    with pytest.raises(DataError, match="missing': no such directory$"):
+        corpora.find_corpus(str(tmp_path / "missing"), 0.1)
+    monkeypatch.setattr(corpora, "DEFAULT_CORPUS", str(tmp_path / "no-docs"))  # as on a fresh host
+    with pytest.raises(DataError, match="apt-get install python3.11-doc"):
+        corpora.find_corpus(str(tmp_path / "no-docs"), 0.1)
     (tmp_path / "one").mkdir()
     (tmp_path / "one" / "a.txt").write_text("only one document")
-    with pytest.raises(data.DataError, match="found 1 file"):
-        data.find_corpus(str(tmp_path / "one"), 0.1)
+    with pytest.raises(DataError, match="found 1 file"):
+        corpora.find_corpus(str(tmp_path / "one"), 0.1)
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"\xff\xfe not utf-8 \x80")
-    with pytest.raises(data.DataError, match="bad.txt: cannot read as UTF-8"):
-        data.read_document(bad)
+    with pytest.raises(DataError, match="bad.txt: cannot read as UTF-8"):
+        corpora.read_document(bad)
 
 
 def test_trained_tokenizer_round_trips_text_verbatim(prepared):
@@ -66,23 +67,23 @@ def test_trained_tokenizer_round_trips_text_verbatim(prepared):
 
 def test_token_cache_is_bos_doc_eos_and_is_reused(prepared, monkeypatch):
     corpus, tokenizer, tokens = prepared
-    expected = np.concatenate([tokenizer.encode(data.read_document(p), bos=True, eos=True)
+    expected = np.concatenate([tokenizer.encode(corpora.read_document(p), bos=True, eos=True)
                                for p in corpus.val])
     np.testing.assert_array_equal(tokens.val, expected)
     assert isinstance(tokens.train, np.memmap) and tokens.train.dtype == np.uint16
-    monkeypatch.setattr(data, "_write_tokens", lambda *a: pytest.fail("re-tokenized"))
-    again = data.tokenize_corpus(corpus, tokenizer, data.cache_root(), log=lambda _: None)
+    monkeypatch.setattr(corpora, "_write_tokens", lambda *a: pytest.fail("re-tokenized"))
+    again = corpora.tokenize_corpus(corpus, tokenizer, corpora.cache_root(), log=lambda _: None)
     assert again.cache_dir == tokens.cache_dir
 
 
 def test_changing_a_document_invalidates_the_cache(prepared, tmp_path):
     corpus, tokenizer, tokens = prepared
     copy = shutil.copytree(corpus.root, tmp_path / "docs")
-    changed = data.find_corpus(str(copy), 0.1)
-    same = data.tokenize_corpus(changed, tokenizer, data.cache_root(), log=lambda _: None)
+    changed = corpora.find_corpus(str(copy), 0.1)
+    same = corpora.tokenize_corpus(changed, tokenizer, corpora.cache_root(), log=lambda _: None)
     assert same.cache_dir == tokens.cache_dir  # content, not location, is the key
     changed.train[0].write_text(changed.train[0].read_text() + "\nmore text\n")
-    other = data.tokenize_corpus(changed, tokenizer, data.cache_root(), log=lambda _: None)
+    other = corpora.tokenize_corpus(changed, tokenizer, corpora.cache_root(), log=lambda _: None)
     assert other.cache_dir != tokens.cache_dir
     assert len(other.train) > len(tokens.train)
 
@@ -93,7 +94,7 @@ def test_features_match_a_reference_loop():
     window = rng.integers(3, 100, (4, 41))
     window[rng.random(window.shape) < 0.1] = bos
     window[2, 0] = bos
-    f = data.features(jnp.asarray(window, jnp.int32), bos)
+    f = batches.features(jnp.asarray(window, jnp.int32), bos)
     for b in range(4):
         segment, position = 0, 0
         for t in range(40):
@@ -113,7 +114,7 @@ def test_packed_documents_compute_what_they_compute_alone():
     doc_a, doc_b = rng.integers(3, 64, 9), rng.integers(3, 64, 13)
     tail = rng.integers(3, 64, 5)  # the end of a document from the previous window
     window = np.concatenate([tail, [1], doc_a, [2], [1], doc_b, [2]])[None]
-    f = data.features(jnp.asarray(window, jnp.int32), bos_id=1)
+    f = batches.features(jnp.asarray(window, jnp.int32), bos_id=1)
     packed = forward(config, params, f.inputs_BT, positions_BT=f.positions_BT,
                      segment_ids_BT=f.segment_ids_BT)[0]
     alone_b = forward(config, params, jnp.asarray([[1, *doc_b, 2]]))[0]
@@ -125,35 +126,35 @@ def test_packed_documents_compute_what_they_compute_alone():
 
 def test_iterator_is_deterministic_and_resumes_from_its_state():
     tokens = np.arange(1, 8 * 10 + 2, dtype=np.uint16)  # 10 windows of 8 (+1 shared token)
-    first = data.train_batches(tokens, 8, 2, seed=3)
+    first = batches.train_batches(tokens, 8, 2, seed=3)
     head = [next(first) for _ in range(4)]
     state = first.get_state()
     rest = [next(first) for _ in range(9)]  # runs into the second and third epoch
-    resumed = data.train_batches(tokens, 8, 2, seed=3)
+    resumed = batches.train_batches(tokens, 8, 2, seed=3)
     resumed.set_state(state)
     for a, b in zip(rest, (next(resumed) for _ in range(9))):
         np.testing.assert_array_equal(a, b)
-    again = data.train_batches(tokens, 8, 2, seed=3)
+    again = batches.train_batches(tokens, 8, 2, seed=3)
     np.testing.assert_array_equal(next(again), head[0])
     epoch1 = np.concatenate(head + rest[:1])[:, 0]  # window starts, 5 batches = one epoch
     epoch2 = np.concatenate(rest[1:6])[:, 0]
     assert sorted(epoch1) == sorted(epoch2) == list(range(1, 81, 8))
     assert list(epoch1) != list(epoch2)  # reshuffled each epoch
-    other_seed = data.train_batches(tokens, 8, 2, seed=4)
+    other_seed = batches.train_batches(tokens, 8, 2, seed=4)
     assert not all(np.array_equal(next(other_seed), h) for h in head)
 
 
 def test_unigram_entropy_ignores_bos():
     tokens = np.array([1, 5, 5, 7, 2, 1, 5, 7, 7, 2], np.uint16)  # 1 = BOS
     p = np.array([3, 3, 2]) / 8  # tokens 5, 7, 2
-    assert data.unigram_entropy(tokens, bos_id=1) == pytest.approx(-(p * np.log(p)).sum())
+    assert corpora.unigram_entropy(tokens, bos_id=1) == pytest.approx(-(p * np.log(p)).sum())
 
 
 def test_batches_of_one_row_are_the_same_windows_in_the_same_order():
     """Long-context runs train on one sequence per step (configs/demo-long.yaml)."""
     tokens = np.arange(1, 8 * 10 + 2, dtype=np.uint16)
-    pairs = data.train_batches(tokens, 8, 2, seed=3)
-    singles = data.train_batches(tokens, 8, 1, seed=3)
+    pairs = batches.train_batches(tokens, 8, 2, seed=3)
+    singles = batches.train_batches(tokens, 8, 1, seed=3)
     for _ in range(7):  # into the second epoch
         np.testing.assert_array_equal(next(pairs), np.concatenate([next(singles),
                                                                    next(singles)]))

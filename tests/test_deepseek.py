@@ -152,7 +152,7 @@ def test_deepseek_presets_match_transformers_parameter_count(preset, total, acti
     our size (V3's e_score_correction_bias is a buffer there, our selection bias)."""
     import torch
     import transformers
-    from llama_jax import costs
+    from llama_jax.plan import costs
     from llama_jax.formats.hf import hf_config
 
     config = llama_jax.load_model_config(preset)
@@ -172,7 +172,7 @@ def test_deepseek_presets_match_transformers_parameter_count(preset, total, acti
     (dict(topk_method="noaux_tc", model_type="deepseek_v2"), "topk_method 'noaux_tc'"),
 ])
 def test_unsupported_deepseek_configs_are_refused(edit, message, models, tmp_path):
-    from llama_jax.formats import CheckpointError
+    from llama_jax.errors import CheckpointError
 
     path = tmp_path / "ckpt"
     shutil.copytree(models["v3"][1], path)
@@ -186,7 +186,7 @@ def test_v3_multi_token_prediction_layers_are_skipped(models, tmp_path):
     """V3's release stores its MTP module as layer n_layers (transformers skips it too); a
     stray tensor inside the model's layers is still refused."""
     from safetensors.numpy import load_file, save_file
-    from llama_jax.formats import CheckpointError
+    from llama_jax.errors import CheckpointError
 
     _, path = models["v3"]
     for extra, ok in (("model.layers.3.eh_proj.weight", True), ("model.layers.1.eh_proj.weight",
@@ -204,7 +204,7 @@ def test_v3_multi_token_prediction_layers_are_skipped(models, tmp_path):
 
 
 def test_the_converter_gate_passes_a_deepseek_checkpoint(models, tmp_path):
-    from llama_jax import convert
+    from llama_jax.formats import convert
 
     report = convert.convert(models["v3"][1], tmp_path / "native")
     assert report["vs_transformers"] < 1e-4 and report["round_trip"] <= 1e-6

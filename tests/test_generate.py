@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 import llama_jax
-from llama_jax import costs
-from llama_jax.decoder import GenerateError, GenerationStats, _EXECUTABLES, generate, stream
-from llama_jax.kv_cache import init_cache
-from llama_jax.model import apply, unstack_layers
+from llama_jax.plan import costs
+from llama_jax.decode.generate import GenerationStats, _EXECUTABLES, generate, stream
+from llama_jax.errors import GenerateError
+from llama_jax.model.kv_cache import init_cache
+from llama_jax.model.transformer import apply, unstack_layers
 from llama_jax.nn.heads import lm_head
-from llama_jax.sampling import SamplingParams, Strategy, argmax, filter_logits, sample
+from llama_jax.decode.sampling import SamplingParams, Strategy, argmax, filter_logits, sample
 from reference import relative_error
 
 TINY = llama_jax.load_model_config("tiny")  # N=4, K=2
@@ -293,7 +294,7 @@ def test_bad_requests_fail_before_compiling(kwargs, message, params):
 def test_compiled_programs_are_kept_least_recently_used_first(params, monkeypatch):
     """A long-lived process decoding many shapes keeps a bounded number of programs, and the
     one in use stays compiled."""
-    from llama_jax import decoder
+    from llama_jax.decode import generate as decoder
 
     monkeypatch.setattr(decoder, "_MAX_EXECUTABLES", 2)
     decoder._EXECUTABLES.clear()
@@ -319,7 +320,7 @@ def test_bf16_model_decodes_batches(params):
 def test_cpu_decoder_copy_lives_only_as_long_as_the_params():
     import gc
 
-    from llama_jax import decoder
+    from llama_jax.decode import generate as decoder
 
     p = llama_jax.init_params(TINY, jax.random.key(5))
     first = generate(TINY, p, [[1, 2, 3]], 4, stop_tokens=[])

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import shutil
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -13,9 +14,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
 import llama_jax
-from llama_jax import convert as convert_mod
-from llama_jax.checkpoint import load_checkpoint
-from llama_jax.formats import CheckpointError, layout
+from llama_jax.formats import convert as convert_mod
+from llama_jax.formats.checkpoint import load_checkpoint
+from llama_jax.formats import layout
+from llama_jax.errors import CheckpointError
 from checkpoints import hf_logits, load_onto_a_mesh
 from reference import relative_error
 
@@ -84,7 +86,7 @@ def test_a_bare_gpt2model_save_loads_the_same(gpt2, tmp_path):
     model.transformer.save_pretrained(tmp_path, safe_serialization=True)
     config, params = load_checkpoint(tmp_path)
     _, expected = load_checkpoint(path)
-    jax.tree.map(np.testing.assert_array_equal, params, expected)
+    chex.assert_trees_all_equal(params, expected)
 
 
 @pytest.mark.parametrize("decode_impl", ["scan", "unrolled"])
@@ -118,7 +120,7 @@ def test_export_hf_round_trip(case, gpt2, tmp_path):
     assert relative_error(hf_logits(reloaded, TOKENS), hf_logits(model, TOKENS)) < 1e-6
     config2, params2 = load_checkpoint(tmp_path / "out")
     assert config2 == config
-    jax.tree.map(np.testing.assert_array_equal, params2, params)
+    chex.assert_trees_all_equal(params2, params)
 
 
 @pytest.mark.parametrize("changes, field", [

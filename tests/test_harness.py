@@ -21,8 +21,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 import llama_jax
 import reference
-from llama_jax.decoder import generate
-from llama_jax.tokenizer import train_sentencepiece
+from llama_jax.decode.generate import generate
+from llama_jax.data.tokenizer import train_sentencepiece
 from llama_jax.eval import harness
 from llama_jax.eval.harness import LlamaJaxLM
 from llama_jax.eval.scoring import score

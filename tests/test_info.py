@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from llama_jax import costs, info
+from llama_jax.plan import costs, info
 from llama_jax.config import load_model_config
 
 # preset: (D, L, N, K, F, V, params) — the published sizes.

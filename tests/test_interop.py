@@ -4,6 +4,7 @@ transformers' LlamaForCausalLM on tiny random models."""
 import json
 import shutil
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -12,9 +13,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
 import llama_jax
-from llama_jax import convert as convert_mod
-from llama_jax.checkpoint import load_checkpoint
-from llama_jax.formats import CheckpointError, layout, native
+from llama_jax.formats import convert as convert_mod
+from llama_jax.formats.checkpoint import load_checkpoint
+from llama_jax.formats import layout, native
+from llama_jax.errors import CheckpointError
 from checkpoints import (HF_CASES, hf_logits, hf_model, load_onto_a_mesh, to_legacy_config,
                          write_meta)
 from reference import relative_error
@@ -302,8 +304,7 @@ def test_writers_take_an_existing_empty_directory_and_refuse_a_full_one(hf_dirs,
         empty.mkdir()
         write(config, params, empty)
         _, again = load_checkpoint(empty)
-        for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params)):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        chex.assert_trees_all_equal(again, params)
         full = tmp_path / f"{name}-full"
         full.mkdir()
         (full / "notes.txt").write_text("keep me")
@@ -326,5 +327,5 @@ def test_native_checkpoints_of_the_flat_layout_load(hf_dirs, tmp_path):
     checkpointer.save((tmp_path / "old" / "params").absolute(), legacy)
     checkpointer.wait_until_finished()
     _, loaded = load_checkpoint(tmp_path / "old", dtype="bfloat16")
-    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b).astype(jax.numpy.bfloat16))
+    chex.assert_trees_all_equal(loaded, jax.tree.map(lambda b: b.astype(jax.numpy.bfloat16),
+                                                     params))

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from llama_jax import costs, info, memory, sharding, trainer
+from llama_jax.plan import costs, info, memory
+from llama_jax.parallel import sharding
+from llama_jax.training import trainer
 from llama_jax.config import (DataConfig, MeshConfig, MlaConfig, ModelConfig, MoeConfig,
                               RunConfig, TrainConfig)
 

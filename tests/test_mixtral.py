@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 
 import llama_jax
 from llama_jax.config import MoeConfig
-from llama_jax.formats import CheckpointError
+from llama_jax.errors import CheckpointError
 from checkpoints import assert_greedy_tokens_equal_generate, enlarge_weights, hf_logits
 from reference import relative_error
 

@@ -3,6 +3,7 @@ context), causality, packing, batching, scan == unrolled loop, remat, mixed prec
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,11 +11,11 @@ import pytest
 
 import llama_jax
 from llama_jax.config import load_model_config
-from llama_jax.model import embed, run_layers
-from llama_jax.nn.attention import Context
-from llama_jax.nn.dot_product import Mask
+from llama_jax.model.transformer import embed, run_layers
+from llama_jax.nn.attention.gqa import Context
+from llama_jax.nn.attention.dot_product import Mask
 from llama_jax.nn.positions import rotation
-from llama_jax.params import param_specs
+from llama_jax.model.params import param_specs
 from reference import relative_error
 import reference as ref
 
@@ -154,4 +155,4 @@ def test_init_matches_the_description(params):
     assert float(jnp.std(block["attn"]["wo"])) == pytest.approx(
         TINY.init_std / np.sqrt(2 * TINY.n_layers), rel=0.05)
     again = llama_jax.init_params(TINY, jax.random.key(0))
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(again)))
+    chex.assert_trees_all_equal(p, again)

@@ -193,9 +193,9 @@ def _one_step(config, seed=0):
     import functools
 
     from llama_jax.config import TrainConfig
-    from llama_jax.optim import make_optimizer
+    from llama_jax.training.optim import make_optimizer
     from llama_jax.config import RunConfig
-    from llama_jax.training import init_state, objective, train_step
+    from llama_jax.training.step import init_state, objective, train_step
 
     train = TrainConfig(seq_len=16, batch_size=4, learning_rate=1e-2, warmup_steps=0)
     optimizer = make_optimizer(config, train)
@@ -215,8 +215,8 @@ def _window(seed):
 def test_the_selection_bias_moves_towards_balance_outside_the_gradient():
     """DeepSeek-V3: b_e += rate · sign(mean load − load_e) per layer after the step; AdamW
     (zero gradient, no decay) leaves it otherwise untouched."""
-    from llama_jax.data import features
-    from llama_jax.model import apply
+    from llama_jax.data.batches import features
+    from llama_jax.model.transformer import apply
 
     config = _moe_model(3, n_experts=4, top_k=2, router="sigmoid", first_dense_layers=1,
                         bias_update_rate=0.01)
@@ -240,8 +240,8 @@ def test_the_aux_losses_enter_the_training_loss_with_their_weights():
     """loss_sums' total = CE sum + count · Σ_layers (aux_loss_weight · balance + z weight · z),
     with the per-layer losses those of the load statistics; a near-uniform router at init has
     a balance loss near 1, router entropy near ln E and drops nothing."""
-    from llama_jax.model import aux_metrics
-    from llama_jax.training import loss_sums
+    from llama_jax.model.transformer import aux_metrics
+    from llama_jax.training.step import loss_sums
 
     config = _moe_model(n_experts=4, top_k=2, aux_loss_weight=0.5, router_z_loss_weight=0.25)
     params = llama_jax.init_params(config, jax.random.key(0))

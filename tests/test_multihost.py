@@ -7,12 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import chex
 import jax
 import pytest
 import yaml
 
-from llama_jax import metrics, workdir as run_dir
-from llama_jax.checkpoint import load_checkpoint
+from llama_jax.training import metrics
+from llama_jax.formats import workdir as run_dir
+from llama_jax.formats.checkpoint import load_checkpoint
 from llama_jax.config import DataConfig, MeshConfig, ModelConfig, RunConfig, TrainConfig
 from reference import relative_error
 
@@ -63,6 +65,7 @@ def test_two_processes_train_checkpoint_and_resume_like_one(corpus_dir, tmp_path
     _train(config, tmp_path / "two", steps=4, processes=2)  # ... restored by both processes
     _train(config, tmp_path / "one", steps=4, processes=1)
     (_, two), (_, one) = load_checkpoint(tmp_path / "two"), load_checkpoint(tmp_path / "one")
+    chex.assert_trees_all_equal_structs(two, one)
     for a, b in zip(jax.tree.leaves(two), jax.tree.leaves(one)):
         assert relative_error(a, b) < 1e-5
     logged = metrics.read(tmp_path / "two" / run_dir.METRICS)

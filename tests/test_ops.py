@@ -69,7 +69,7 @@ def test_fp32_models_multiply_at_full_precision(kind):
 
     from llama_jax import ModelConfig, init_params
     from llama_jax.config import MlaConfig, MoeConfig
-    from llama_jax.training import loss_sums
+    from llama_jax.training.step import loss_sums
 
     config = ModelConfig(**TINY)
     if kind.startswith("moe"):

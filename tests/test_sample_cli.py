@@ -9,7 +9,7 @@ import pytest
 
 import llama_jax
 import sample
-from llama_jax.decoder import generate
+from llama_jax.decode.generate import generate
 
 TEXT = ["The cat sat on the mat and looked at the dog.",
         "A dog is a good friend; a cat is a proud one.", "Numbers: 12 34 56 78 90."] * 40

@@ -9,8 +9,8 @@ import pytest
 
 import llama_jax
 import reference
-from llama_jax.eval.scoring import (Perplexity, Score, ScoreError, _token_logprobs, perplexity,
-                                    score)
+from llama_jax.eval.scoring import Perplexity, Score, _token_logprobs, perplexity, score
+from llama_jax.errors import ScoreError
 
 # Wide enough logits (init_std) that the argmax is never a near tie between fp32 and fp64;
 # max_seq_len not a power of two, so the length bucket is capped by it.

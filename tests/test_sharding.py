@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 import llama_jax
-from llama_jax import sharding, trainer
-from llama_jax.checkpoint import load_checkpoint
-from llama_jax.config import (ConfigError, DataConfig, MeshConfig, MlaConfig, ModelConfig,
-                              MoeConfig, RunConfig, TrainConfig)
+from llama_jax.parallel import sharding
+from llama_jax.training import trainer
+from llama_jax.formats.checkpoint import load_checkpoint
+from llama_jax.config import (DataConfig, MeshConfig, MlaConfig, ModelConfig, MoeConfig, RunConfig, TrainConfig)
+from llama_jax.errors import ConfigError
 from reference import relative_error
 
 MODELS = {  # K divisible by tensor=8, and MQA (K=1: the KV heads cannot be split)
@@ -125,7 +126,7 @@ def test_parameters_and_optimizer_state_are_really_split():
 
 def test_mqa_keeps_its_single_kv_head_whole_under_tensor_parallelism(caplog):
     mesh = sharding.make_mesh(MESHES["tp8"])
-    with caplog.at_level("INFO", logger="llama_jax.sharding"):
+    with caplog.at_level("INFO", logger="llama_jax.parallel.sharding"):
         shardings = sharding.param_shardings(llama_jax.param_specs(MODELS["mqa"]), mesh,
                                              MESHES["tp8"])
     attn = shardings["groups"][0]["attn"]
@@ -153,7 +154,7 @@ def test_sharded_greedy_decode_equals_unsharded(model_name, mesh_name, decode_im
 
 def test_the_kv_cache_follows_the_cache_rules():
     """Rows over data x fsdp and KV heads over tensor (the stacked layout of accelerators)."""
-    from llama_jax.kv_cache import init_cache
+    from llama_jax.model.kv_cache import init_cache
 
     mesh_config = MESHES["dp2-fsdp2-tp2"]
     mesh = sharding.make_mesh(mesh_config)
@@ -212,7 +213,7 @@ def test_unknown_axis_names_in_rules_are_refused():
 def test_sharded_decoding_compiles_under_the_given_mesh_rules():
     """The user's rules (batch rows over data only, not data x fsdp) reach the compiled
     decoder."""
-    from llama_jax import decoder
+    from llama_jax.decode import generate as decoder
 
     model = MODELS["gqa"]
     rules = MeshConfig(data=2, fsdp=2, tensor=2, activation_rules={"batch": "data"},

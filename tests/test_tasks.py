@@ -9,20 +9,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+import chex
 import jax
 import numpy as np
 import pytest
 import yaml
 
 import llama_jax
-from llama_jax import costs, finetune, predict, sharding, task_data, tasks, trainer
-from llama_jax.checkpoint import load_checkpoint
-from llama_jax.config import ConfigError, ModelConfig, TaskConfig
-from llama_jax.data import DataError
-from llama_jax.model import hidden_states
-from llama_jax.nn.spec import spec_leaves
-from llama_jax.params import flat_paths, param_specs
-from llama_jax.tokenizer import train_sentencepiece
+from llama_jax.plan import costs
+from llama_jax.training import finetune, tasks, trainer
+from llama_jax.eval import predict
+from llama_jax.parallel import sharding
+from llama_jax.data import tasks as task_data
+from llama_jax.formats.checkpoint import load_checkpoint
+from llama_jax.config import ModelConfig, TaskConfig
+from llama_jax.errors import ConfigError, DataError
+from llama_jax.model.transformer import hidden_states
+from llama_jax.spec import spec_leaves
+from llama_jax.model.params import flat_paths, param_specs
+from llama_jax.data.tokenizer import train_sentencepiece
 from reference import relative_error
 
 REPO = Path(__file__).resolve().parent.parent
@@ -334,9 +339,8 @@ def test_a_task_run_resumes_exactly(finetuned, pretrained, task_files, tmp_path)
                           progress=False)
     assert first.stopped_by == "stop_at"
     trainer.train(run, tmp_path / "run", log=lambda _: None, progress=False)
-    for a, b in zip(jax.tree.leaves(load_checkpoint(tmp_path / "run")[1]),
-                    jax.tree.leaves(load_checkpoint(reference)[1])):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(load_checkpoint(tmp_path / "run")[1],
+                                load_checkpoint(reference)[1])
 
 
 def test_a_sharded_task_step_equals_the_single_device_step(finetuned):
@@ -356,8 +360,7 @@ def test_a_sharded_task_step_equals_the_single_device_step(finetuned):
         results.append((jax.device_get(state.params), float(metrics["loss"])))
     (single, loss1), (multi, loss8) = results
     assert loss8 == pytest.approx(loss1, rel=1e-5)
-    for a, b in zip(jax.tree.leaves(multi), jax.tree.leaves(single)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    chex.assert_trees_all_close(multi, single, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["doc", "doc-head"])
@@ -391,7 +394,7 @@ def test_predict_prints_the_models_probabilities(finetuned, task_files):
     """Each line's probabilities are the softmax of the forward pass on that example alone;
     the file's accuracy goes to stderr."""
     _, workdir, _ = finetuned["full"]
-    out = subprocess.run([sys.executable, "-m", "llama_jax.predict", "--checkpoint",
+    out = subprocess.run([sys.executable, "-m", "llama_jax.eval.predict", "--checkpoint",
                           str(workdir), "--input", str(task_files["val"]), "--batch-size", "5"],
                          capture_output=True, text=True, cwd=REPO, check=True)
     lines = [json.loads(line) for line in out.stdout.splitlines()]

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from llama_jax.formats import CheckpointError
-from llama_jax.tokenizer import Llama3Tokenizer, SentencePieceTokenizer, TextStream, load_tokenizer
+from llama_jax.errors import CheckpointError
+from llama_jax.data.tokenizer import Llama3Tokenizer, SentencePieceTokenizer, TextStream, load_tokenizer
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Émile's café served 3.14159 crêpes! "
         "def f(x):\n    return x ** 2  # <|begin_of_text|> is just text here\n\n\t naïve — 東京")

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,14 +19,14 @@ import optax
 import pytest
 import yaml
 
-from llama_jax import metrics, trainer, workdir as run_dir
-from llama_jax.checkpoint import load_checkpoint
-from llama_jax.config import (ConfigError, DataConfig, ModelConfig, MoeConfig, RunConfig,
-                              TrainConfig)
-from llama_jax.data import DataError
-from llama_jax.optim import learning_rate_schedule, make_optimizer
-from llama_jax.params import flat_paths
-from llama_jax.training import init_state, objective, train_step
+from llama_jax.training import metrics, trainer
+from llama_jax.formats import workdir as run_dir
+from llama_jax.formats.checkpoint import load_checkpoint
+from llama_jax.config import DataConfig, ModelConfig, MoeConfig, RunConfig, TrainConfig
+from llama_jax.errors import ConfigError, DataError, TrainingError
+from llama_jax.training.optim import learning_rate_schedule, make_optimizer
+from llama_jax.model.params import flat_paths
+from llama_jax.training.step import init_state, objective, train_step
 from reference import relative_error
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,9 +58,7 @@ def _final_params(workdir: Path):
 
 def _assert_same_run(workdir: Path, reference: Path, steps: int = 6) -> None:
     """Bit-for-bit: final parameters and every logged loss."""
-    for a, b in zip(jax.tree.leaves(_final_params(workdir)),
-                    jax.tree.leaves(_final_params(reference))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(_final_params(workdir), _final_params(reference))
     losses = [(r["step"], r["loss"]) for r in metrics.read(workdir / run_dir.METRICS)]
     assert losses == [(r["step"], r["loss"]) for r in metrics.read(reference / run_dir.METRICS)]
     assert [step for step, _ in losses] == list(range(1, steps + 1))
@@ -109,8 +108,7 @@ def test_gradient_accumulation_equals_one_big_batch():
     (one, m1), (four, m4) = results
     assert float(m4["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-6)
     assert relative_error(wq(four.params), wq(one.params)) < 1e-5
-    for a, b in zip(jax.tree.leaves(four.params), jax.tree.leaves(one.params)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(four.params, one.params, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("model", [MODEL, dataclasses.replace(
@@ -159,18 +157,15 @@ def test_non_finite_step_is_skipped_and_counted(model):
     after, m = step(poisoned, _batch(3))
     assert not np.isfinite(float(m["loss"])) and int(m["nonfinite_in_row"]) == 1
     assert int(after.step) == int(before.step) + 1
-    for a, b in zip(jax.tree.leaves(after.params["groups"]),
-                    jax.tree.leaves(before.params["groups"])):
-        np.testing.assert_array_equal(a, b)  # untouched: no update, no moment change
-    for a, b in zip(jax.tree.leaves(after.opt_state.inner_state),
-                    jax.tree.leaves(before.opt_state.inner_state)):
-        np.testing.assert_array_equal(a, b)
+    # untouched: no update, no moment change
+    chex.assert_trees_all_equal(after.params["groups"], before.params["groups"])
+    chex.assert_trees_all_equal(after.opt_state.inner_state, before.opt_state.inner_state)
 
 
 def test_training_stops_after_too_many_non_finite_steps(run, tmp_path):
     exploding = dataclasses.replace(run, model=dataclasses.replace(MODEL, init_std=1e30),
                                     train=dataclasses.replace(TRAIN, max_nonfinite=2))
-    with pytest.raises(trainer.TrainingError, match="non-finite for 2 steps in a row"):
+    with pytest.raises(TrainingError, match="non-finite for 2 steps in a row"):
         quiet(exploding, tmp_path)
     assert not any((tmp_path / run_dir.CHECKPOINTS).iterdir())  # nothing non-finite saved
 
@@ -207,7 +202,8 @@ CRASH_WHILE_SAVING = """
 import os, sys
 sys.path.insert(0, {repo!r})
 import yaml
-from llama_jax import trainer, workdir
+from llama_jax.training import trainer
+from llama_jax.formats import workdir
 from llama_jax.config import RunConfig
 
 save = workdir.Checkpoints.save
@@ -326,7 +322,7 @@ def test_cli_reports_bad_input_in_one_line(tmp_path):
 def test_loss_on_packed_documents_with_z_loss_matches_an_independent_cross_entropy():
     """The training loss (packed documents, a scored-target mask, z-loss) against a float64
     cross-entropy computed from the model's plain logits, document by document."""
-    from llama_jax.training import loss_sums
+    from llama_jax.training.step import loss_sums
     import reference as ref
 
     params = llama_jax_init(MODEL)
@@ -373,10 +369,9 @@ def test_a_workdir_from_the_flat_layout_loads_and_refuses_to_resume(run, straigh
     checkpointer.save(params_dir, legacy)
     checkpointer.wait_until_finished()
     _, loaded = load_checkpoint(old)
-    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(loaded, params)
     longer = dataclasses.replace(run, train=dataclasses.replace(TRAIN, steps=8))
-    with pytest.raises(trainer.TrainingError, match=r"written by llama_jax 0\.1 .* its weights "
+    with pytest.raises(TrainingError, match=r"written by llama_jax 0\.1 .* its weights "
                                                     r"load .*`python -m llama_jax\.convert"):
         quiet(longer, old)
 

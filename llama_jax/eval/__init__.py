@@ -1,2 +1,3 @@
-"""Zero-shot evaluation: log-likelihood scoring and perplexity of token sequences (scoring.py)
-and an EleutherAI lm-evaluation-harness model adapter built on it (harness.py)."""
+"""Evaluation: log-likelihood scoring and perplexity of token sequences (`scoring.py`), an
+EleutherAI lm-evaluation-harness model built on them (`harness.py`), and task heads' predictions
+and metrics on a JSONL file (`predict.py`)."""

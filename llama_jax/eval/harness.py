@@ -48,10 +48,10 @@ except ImportError:
     raise ImportError("llama_jax.eval.harness needs lm-eval: pip install 'llama_jax[eval]'"
                       ) from None
 
-from llama_jax.checkpoint import load_checkpoint
-from llama_jax.decoder import stream
+from llama_jax.formats.checkpoint import load_checkpoint
+from llama_jax.decode.generate import stream
 from llama_jax.eval.scoring import score
-from llama_jax.tokenizer import TextStream, load_tokenizer
+from llama_jax.data.tokenizer import TextStream, load_tokenizer
 
 MODEL_NAME = "llama_jax"
 SAMPLING_KWARGS = ("top_k", "top_p", "min_p")

@@ -32,16 +32,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from llama_jax.errors import ScoreError
 from llama_jax.config import ModelConfig
-from llama_jax.decoder import bucket
-from llama_jax.model import hidden_states
-from llama_jax.nn.heads import lm_head
-from llama_jax.params import Params
-from llama_jax.sampling import argmax
+from llama_jax.decode.generate import bucket
+from llama_jax.model.transformer import hidden_states
+from llama_jax.nn.heads import is_task_head, lm_head
+from llama_jax.model.params import Params
+from llama_jax.decode.sampling import argmax
 
-
-class ScoreError(ValueError):
-    """A scoring request that cannot be served; raised before anything is compiled."""
 
 
 class Score(NamedTuple):
@@ -167,7 +165,7 @@ def _validate(config: ModelConfig, contexts: Sequence[Sequence[int]],
               continuations: Sequence[Sequence[int]], batch_size: int, max_len: int
               ) -> list[tuple[np.ndarray, np.ndarray]]:
     """The requests as (context, continuation) id arrays, contexts truncated to fit."""
-    if config.head != "lm":
+    if is_task_head(config):
         raise ScoreError(f"the model has a {config.head!r} head; scoring tokens needs the "
                          "language-model head (head='lm')")
     if len(contexts) != len(continuations):

@@ -37,11 +37,11 @@ from typing import Any, Collection
 
 import numpy as np
 
-from llama_jax.config import ConfigError, MlaConfig, ModelConfig, MoeConfig, RopeScaling
-from llama_jax.formats import CheckpointError
+from llama_jax.config import MlaConfig, ModelConfig, MoeConfig, RopeScaling
+from llama_jax.errors import CheckpointError, ConfigError
 from llama_jax.formats.layout import (Family, Placement, Slot, assemble, family_of,
                                       stored_tensors, torch_shape, torch_tensors, with_dtype)
-from llama_jax.params import Params
+from llama_jax.model.params import Params
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"

@@ -29,10 +29,11 @@ from typing import Callable, Iterator
 import jax
 import numpy as np
 
-from llama_jax.config import HEADS, ModelConfig
-from llama_jax.formats import CheckpointError
-from llama_jax.nn.spec import TensorSpec
-from llama_jax.params import Params, abstract_params, flat_paths, layer_groups, param_specs
+from llama_jax.config import ModelConfig
+from llama_jax.errors import CheckpointError
+from llama_jax.nn.heads import HEADS
+from llama_jax.spec import TensorSpec
+from llama_jax.model.params import Params, abstract_params, flat_paths, layer_groups, param_specs
 
 # How a stored tensor holds ours, and the stored axis of its output features (along which a
 # fused tensor's parts lie side by side): "same" is our shape (embeddings, norms, position
@@ -265,7 +266,7 @@ def _deepseek(router: str):
 FAMILIES = (
     # Llama stores the task heads too (transformers' Llama*Classification); the others the LM
     # head only.
-    Family("Llama", "llama", lambda c: LLAMA, lambda c: _llama_like("swiglu", heads=HEADS),
+    Family("Llama", "llama", lambda c: LLAMA, lambda c: _llama_like("swiglu", heads=HEADS.names()),
            buffers=("rotary_emb.inv_freq",)),  # recomputed; some older exports saved it
     Family("Mixtral", "mixtral", lambda c: MIXTRAL, _mixtral, buffers=("rotary_emb.inv_freq",)),
     # c_attn holds q, k, v as equal thirds of D: multi-head attention over the whole width.

@@ -11,7 +11,7 @@ from typing import Any
 
 from llama_jax.config import ModelConfig
 from llama_jax.formats.layout import unflatten
-from llama_jax.params import Params, flat_paths
+from llama_jax.model.params import Params, flat_paths
 
 # old path -> today's path
 PATHS = {

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from llama_jax.config import ConfigError, ModelConfig, RopeScaling
-from llama_jax.formats import CheckpointError
+from llama_jax.config import ModelConfig, RopeScaling
+from llama_jax.errors import CheckpointError, ConfigError
 from llama_jax.formats.layout import Placement, Slot, assemble, torch_shape, with_dtype
-from llama_jax.params import Params
+from llama_jax.model.params import Params
 
 PARAMS = "params.json"
 SHARDS = "consolidated.*.pth"
@@ -84,7 +84,7 @@ def read_config(path: Path, shards: list[dict]) -> ModelConfig:
 
 def _tokenizer_eos_ids(path: Path) -> tuple[int, ...]:
     """Meta's params.json has no EOS ids; the tokenizer beside it does."""
-    from llama_jax.tokenizer import TOKENIZER_FILE, load_tokenizer
+    from llama_jax.data.tokenizer import TOKENIZER_FILE, load_tokenizer
 
     return load_tokenizer(path).eos_ids if (path / TOKENIZER_FILE).is_file() else ()
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import orbax.checkpoint as ocp
 import yaml
 
-from llama_jax.config import ConfigError, ModelConfig, load_model_config
-from llama_jax.formats import CheckpointError
+from llama_jax.config import ModelConfig, load_model_config
+from llama_jax.errors import CheckpointError, ConfigError
 from llama_jax.formats.layout import Placement, placed_target, with_dtype
 from llama_jax.formats.legacy import from_legacy, is_legacy, legacy_target
-from llama_jax.params import Params, flat_paths
+from llama_jax.model.params import Params, flat_paths
 
 CONFIG = "config.yaml"
 PARAMS = "params"

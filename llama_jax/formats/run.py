@@ -1,16 +1,16 @@
-"""A training run's workdir (see `llama_jax.workdir`): the parameters of its latest complete
+"""A training run's workdir (see `llama_jax.formats.workdir`): the parameters of its latest complete
 checkpoint, with the model section of its config.yaml."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from llama_jax import workdir
-from llama_jax.config import ConfigError, ModelConfig, TrainConfig, load_model_config
-from llama_jax.formats import CheckpointError
+from llama_jax.formats import workdir
+from llama_jax.config import ModelConfig, TrainConfig, load_model_config
+from llama_jax.errors import CheckpointError, ConfigError
 from llama_jax.formats.layout import Placement, placed_target, with_dtype
 from llama_jax.formats.legacy import from_legacy, is_legacy, legacy_target
-from llama_jax.params import Params
+from llama_jax.model.params import Params
 
 
 def is_run(path: Path) -> bool:

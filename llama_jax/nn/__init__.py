@@ -1,3 +1,5 @@
-"""The model's components: each describes its tensors once (`TensorSpec`s) and provides its
-function. Norms (`norms`), positions (`positions`), the attention mixer (`attention`) and MLPs
-(`mlp`) are chosen by the model config; `ops` holds the shared numerics."""
+"""The model's components as pure functions: norms (`norms.py`), positions and RoPE
+(`positions.py`, `rope.py`), dense MLPs (`mlp.py`), Mixture of Experts (`moe.py`), the attention
+mixers and their kernels (`attention/`), and task heads (`heads.py`), with the shared numerics in
+`ops.py`. Each component describes its tensors once (`llama_jax.spec.TensorSpec`) and is chosen
+by a model config value."""

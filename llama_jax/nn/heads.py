@@ -1,4 +1,4 @@
-"""Heads: what the final hidden states feed, selected by `config.head`.
+"""Heads: what the final hidden states feed, registered in `HEADS` and chosen by `config.head`.
 
 - lm: next-token logits `[B, T, V]`, through the untied `lm_head` or the embedding table (tied).
 - sequence_classification: `[B, O]` class logits of one pooled hidden state per sequence, as
@@ -16,46 +16,64 @@ token is not the pad id, transformers' rule) or the mean over the real tokens (`
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING, Callable
+
 import jax
 import jax.numpy as jnp
 
-from llama_jax.config import POOLED_HEADS, ModelConfig
 from llama_jax.nn.ops import einsum_f32
-from llama_jax.nn.spec import bias, weight
-from llama_jax.sharding import constrain
+from llama_jax.nn.registry import Registry
+from llama_jax.parallel.sharding import constrain
+from llama_jax.spec import bias, weight
+
+if TYPE_CHECKING:
+    from llama_jax.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """A head kind: its entries of the parameter tree (`specs(config)`), its fp32 outputs
+    (`apply(config, params, h_BTD, tokens_BT)`), the matrix elements each token multiplies
+    (`matmul_size(config)`: FLOPs), and for a task head (`task`: n_labels, pooling, pad_id and
+    label_names apply) the output count it needs, whether it pools one row per sequence, and
+    its training objective's additive sums over a batch (`sums(config, outputs, batch)`:
+    `loss_sum`, `count` and the statistics its metrics are computed from)."""
+
+    specs: Callable[[ModelConfig], dict]
+    apply: Callable[[ModelConfig, dict, jax.Array, jax.Array], jax.Array]
+    matmul_size: Callable[[ModelConfig], int]
+    task: bool = False
+    pooled: bool = False
+    min_labels: int = 0
+    sums: Callable[[ModelConfig, jax.Array, dict], dict] | None = None
+
+
+HEADS: Registry[Head] = Registry("head")
 
 
 def head_specs(config: ModelConfig) -> dict:
     """The head's top-level entries of the parameter tree: `lm_head` (untied LM head), or
     `head` (a task head's `w: [D, O]`, and `b: [O]` for token classification)."""
-    dims = config.dims
-    if config.head == "lm":
-        return {} if config.tie_embeddings else {
-            "lm_head": {"w": weight(dims, "DV", ("embed", "vocab"))}}
-    head = {"w": weight(dims, "DO", ("embed", "labels"))}
-    if config.head == "token_classification":
-        head["b"] = bias(dims, "O", ("labels",))
-    return {"head": head}
+    return HEADS[config.head].specs(config)
 
 
 def head_matmul_size(config: ModelConfig) -> int:
     """Elements of the head's matrix each token multiplies (the LM head's V·D even when tied;
     a pooled head's D·O is used once per sequence and counted as per token, an upper bound)."""
-    return config.dim * (config.vocab_size if config.head == "lm" else config.n_labels)
+    return HEADS[config.head].matmul_size(config)
 
 
 def apply_head(config: ModelConfig, params: dict, h_BTD: jax.Array,
                tokens_BT: jax.Array) -> jax.Array:
     """The head's fp32 outputs: `[B, T, V]` (lm), `[B, T, O]` (token classification) or
     `[B, O]` (pooled heads); `tokens_BT` locate the padding."""
-    if config.head == "lm":
-        return lm_head(config, params, h_BTD)
-    p = params["head"]
-    if config.head in POOLED_HEADS:
-        pooled_BD = pool(config, h_BTD, real_tokens(config, tokens_BT))
-        return einsum_f32("BD,DO->BO", pooled_BD, p["w"].astype(h_BTD.dtype))
-    logits_BTO = einsum_f32("BTD,DO->BTO", h_BTD, p["w"].astype(h_BTD.dtype))
-    return logits_BTO + p["b"].astype(jnp.float32)
+    return HEADS[config.head].apply(config, params, h_BTD, tokens_BT)
+
+
+def is_task_head(config: ModelConfig) -> bool:
+    return HEADS[config.head].task
+
 
 
 def lm_head(config: ModelConfig, params: dict, h_BTD: jax.Array) -> jax.Array:
@@ -95,3 +113,84 @@ def pool(config: ModelConfig, h_BTD: jax.Array, real_BT: jax.Array) -> jax.Array
     T = h_BTD.shape[1]
     last_B = jnp.argmax(jnp.where(real_BT, jnp.arange(T), -1), axis=1)
     return jnp.take_along_axis(h_BTD, last_B[:, None, None], axis=1)[:, 0]
+
+
+# ------------------------------------------------------------------------------ the kinds
+
+def _lm_specs(config: ModelConfig) -> dict:
+    return {} if config.tie_embeddings else {
+        "lm_head": {"w": weight(config.dims, "DV", ("embed", "vocab"))}}
+
+
+def _task_specs(config: ModelConfig, with_bias: bool) -> dict:
+    head = {"w": weight(config.dims, "DO", ("embed", "labels"))}
+    if with_bias:
+        head["b"] = bias(config.dims, "O", ("labels",))
+    return {"head": head}
+
+
+def _pooled(config: ModelConfig, params: dict, h_BTD: jax.Array,
+            tokens_BT: jax.Array) -> jax.Array:
+    pooled_BD = pool(config, h_BTD, real_tokens(config, tokens_BT))
+    return einsum_f32("BD,DO->BO", pooled_BD, params["head"]["w"].astype(h_BTD.dtype))
+
+
+def _per_token(config: ModelConfig, params: dict, h_BTD: jax.Array,
+               tokens_BT: jax.Array) -> jax.Array:
+    p = params["head"]
+    logits_BTO = einsum_f32("BTD,DO->BTO", h_BTD, p["w"].astype(h_BTD.dtype))
+    return logits_BTO + p["b"].astype(jnp.float32)
+
+
+def classification_sums(logits_XO: jax.Array, label_X: jax.Array, weight_X: jax.Array
+                        ) -> dict[str, jax.Array]:
+    """Over rows X: weighted cross-entropy sum, weight sum, and the weighted confusion matrix
+    `[true O, predicted O]`."""
+    O = logits_XO.shape[-1]
+    label_X = jnp.maximum(label_X, 0)  # unscored labels (-1) have weight 0
+    log_z_X = jax.nn.logsumexp(logits_XO, axis=-1)
+    label_logit_X = jnp.take_along_axis(logits_XO, label_X[:, None], axis=-1)[:, 0]
+    true_XO = jax.nn.one_hot(label_X, O) * weight_X[:, None]
+    predicted_XO = jax.nn.one_hot(jnp.argmax(logits_XO, axis=-1), O)
+    return {"loss_sum": jnp.sum((log_z_X - label_logit_X) * weight_X),
+            "count": jnp.sum(weight_X),
+            "confusion_OO": jnp.einsum("XO,XP->OP", true_XO, predicted_XO,  # P: predicted
+                                       precision=jax.lax.Precision.HIGHEST)}
+
+
+def regression_sums(predicted_BO: jax.Array, target_BO: jax.Array, weight_B: jax.Array
+                    ) -> dict[str, jax.Array]:
+    """Weighted sums of the per-row MSE and of the squared error per target."""
+    squared_BO = jnp.square(predicted_BO - target_BO) * weight_B[:, None]
+    return {"loss_sum": jnp.sum(jnp.mean(squared_BO, axis=-1)), "count": jnp.sum(weight_B),
+            "squared_error_O": jnp.sum(squared_BO, axis=0)}
+
+
+def _token_classification_sums(config: ModelConfig, logits_BTO: jax.Array,
+                               batch: dict) -> dict:
+    """Cross-entropy over the tokens that carry a label (-1: none, e.g. a word's later
+    tokens)."""
+    weight_BT = batch["weight"][:, None] * (batch["labels"] >= 0)
+    return classification_sums(logits_BTO.reshape(-1, config.n_labels),
+                               batch["labels"].reshape(-1), weight_BT.reshape(-1))
+
+
+def _labels_matmul(config: ModelConfig) -> int:
+    return config.dim * config.n_labels
+
+
+HEADS.register("lm", Head(_lm_specs, lambda config, params, h_BTD, tokens_BT: lm_head(
+    config, params, h_BTD), lambda config: config.dim * config.vocab_size))
+HEADS.register("sequence_classification", Head(
+    lambda config: _task_specs(config, with_bias=False), _pooled, _labels_matmul, task=True,
+    pooled=True, min_labels=2,
+    sums=lambda config, logits_BO, batch: classification_sums(logits_BO, batch["label"],
+                                                              batch["weight"])))
+HEADS.register("token_classification", Head(
+    lambda config: _task_specs(config, with_bias=True), _per_token, _labels_matmul, task=True,
+    min_labels=2, sums=_token_classification_sums))
+HEADS.register("regression", Head(
+    lambda config: _task_specs(config, with_bias=False), _pooled, _labels_matmul, task=True,
+    pooled=True, min_labels=1,
+    sums=lambda config, predicted_BO, batch: regression_sums(predicted_BO, batch["target"],
+                                                             batch["weight"])))

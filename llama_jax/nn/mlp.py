@@ -1,4 +1,5 @@
-"""The position-wise MLP, of kind `config.dense_mlp` (`mlp`, or the MoE experts' kind).
+"""The position-wise MLP, of kind `config.dense_mlp` (`mlp`, or the MoE experts' kind),
+registered in `MLPS` (`mlp: moe`, the block's other choice, is nn/moe.py).
 
 - gated (GLU family, Shazeer 2020): `W_down · (act(W_gate · x) ⊙ (W_up · x))` — swiglu (SiLU,
   LLaMA) and geglu (exact GELU); three matrices.
@@ -12,20 +13,42 @@ any hidden-width letter and any leading axes: the MoE experts (nn/moe.py) stack 
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING, Callable
+
 import jax
 
-from llama_jax.config import GATED_MLPS, ModelConfig
 from llama_jax.nn.ops import linear
-from llama_jax.nn.spec import bias, weight
-from llama_jax.sharding import constrain
+from llama_jax.nn.registry import Registry
+from llama_jax.parallel.sharding import constrain
+from llama_jax.spec import bias, weight
 
-ACTIVATIONS = {
-    "swiglu": jax.nn.silu,
-    "geglu": lambda x: jax.nn.gelu(x, approximate=False),
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "relu": jax.nn.relu,
-}
+if TYPE_CHECKING:
+    from llama_jax.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Mlp:
+    """A dense MLP kind: its activation, and whether it is gated (a third matrix, W_gate,
+    whose activation multiplies W_up's output). The tensors, the function, the FLOPs (from the
+    matrices) and the memory terms (`saved_widths`) follow from these two."""
+
+    activation: Callable[[jax.Array], jax.Array]
+    gated: bool
+
+    def saved_widths(self) -> dict[str, int]:
+        """Hidden-width (F) activations per token the backward pass keeps, by remat policy:
+        gated, gate, up and their product (two of them matmul outputs); plain, up and its
+        activation (one)."""
+        return {"none": 3, "dots": 2} if self.gated else {"none": 2, "dots": 1}
+
+
+MLPS: Registry[Mlp] = Registry("mlp")
+MLPS.register("swiglu", Mlp(jax.nn.silu, gated=True))
+MLPS.register("geglu", Mlp(lambda x: jax.nn.gelu(x, approximate=False), gated=True))
+MLPS.register("gelu", Mlp(lambda x: jax.nn.gelu(x, approximate=False), gated=False))
+MLPS.register("gelu_tanh", Mlp(lambda x: jax.nn.gelu(x, approximate=True), gated=False))
+MLPS.register("relu", Mlp(jax.nn.relu, gated=False))
 
 
 def ffn_specs(dims: dict[str, int], kind: str, width: str, residual_scale: float,
@@ -38,7 +61,7 @@ def ffn_specs(dims: dict[str, int], kind: str, width: str, residual_scale: float
     specs = {"w_up": weight(dims, f"{letters}D{width}", (*axes, "embed", "mlp")),
              "w_down": weight(dims, f"{letters}{width}D", (*axes, "mlp", "embed"),
                               residual_scale)}
-    if kind in GATED_MLPS:
+    if MLPS[kind].gated:
         specs["w_gate"] = weight(dims, f"{letters}D{width}", (*axes, "embed", "mlp"))
     return specs
 
@@ -57,11 +80,11 @@ def ffn(kind: str, p: dict, x, up, down, bias_of=lambda name: None):
     """One MLP of `kind` on x, its matmuls by `up(x, w, b)` into the hidden width and
     `down(h, w, b)` out of it (plain, batched per expert, or grouped), with biases
     `bias_of(name)`."""
-    up_x = up(x, p["w_up"], bias_of("b_up"))
-    if kind in GATED_MLPS:
-        hidden = ACTIVATIONS[kind](up(x, p["w_gate"], bias_of("b_gate"))) * up_x
+    up_x, mlp = up(x, p["w_up"], bias_of("b_up")), MLPS[kind]
+    if mlp.gated:
+        hidden = mlp.activation(up(x, p["w_gate"], bias_of("b_gate"))) * up_x
     else:
-        hidden = ACTIVATIONS[kind](up_x)
+        hidden = mlp.activation(up_x)
     return down(hidden.astype(x.dtype), p["w_down"], bias_of("b_down"))
 
 

@@ -6,8 +6,9 @@ Letters besides the model's: X tokens (B·T flattened), E experts, R routed choi
 (top_k), A = X·R (or T·R) assignments, C slots per expert and sequence (capacity), M an
 expert's hidden width, U the shared experts' (n_shared_experts · M, one MLP as DeepSeek does).
 
-Routing (`route`): router logits `[X, E]` in fp32 become scores — softmax over the experts
-(Switch, GShard, Mixtral) or independent sigmoids (DeepSeek-V3). Each token picks its top_k
+Routing (`route`): router logits `[X, E]` in fp32 become scores by the router kind (`ROUTERS`,
+`moe.router`) — softmax over the experts (Switch, GShard, Mixtral) or independent sigmoids
+(DeepSeek-V3). Each token picks its top_k
 experts by score plus an optional selection-only bias (DeepSeek-V3's load-balancing bias: it
 changes which experts are chosen, never the weights), optionally only within its top_k_groups
 of n_groups expert groups (group-limited routing, DeepSeek-V2/V3; a group's score is its best
@@ -56,18 +57,43 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import TYPE_CHECKING, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from llama_jax.config import ModelConfig
 from llama_jax.nn.mlp import apply_mlp, ffn, ffn_specs
 from llama_jax.nn.ops import einsum_f32, grouped_f32, matmul_precision
-from llama_jax.nn.spec import bias, map_specs, weight
-from llama_jax.sharding import constrain, per_shard
+from llama_jax.nn.registry import Registry
+from llama_jax.parallel.sharding import constrain, per_shard
+from llama_jax.spec import bias, map_specs, weight
+
+if TYPE_CHECKING:
+    from llama_jax.config import ModelConfig
 
 DISPATCHES = ("capacity", "dropless")
+
+
+@dataclasses.dataclass(frozen=True)
+class Router:
+    """A router kind: the scores of router logits `[X, E]` (fp32), a group's score for
+    group-limited routing from its experts' choice scores `[X, G, E/G]` (which needs
+    `min_group_size` experts per group), and whether it keeps a selection-only bias `[E]`
+    (DeepSeek-V3's, updated outside the gradient: `update_selection_bias`)."""
+
+    scores: Callable[[jax.Array], jax.Array]
+    group_score: Callable[[jax.Array], jax.Array]
+    min_group_size: int = 1
+    selection_bias: bool = False
+
+
+ROUTERS: Registry[Router] = Registry("moe.router")
+ROUTERS.register("softmax", Router(lambda logits_XE: jax.nn.softmax(logits_XE, axis=-1),
+                                   lambda grouped_XGe: grouped_XGe.max(-1)))
+ROUTERS.register("sigmoid", Router(jax.nn.sigmoid,
+                                   lambda grouped_XGe: jax.lax.top_k(grouped_XGe, 2)[0].sum(-1),
+                                   min_group_size=2, selection_bias=True))
 
 
 @struct.dataclass
@@ -83,13 +109,12 @@ def route(logits_XE: jax.Array, *, top_k: int, router: str = "softmax",
     """Each token's top_k experts and their combine weights (see the module docstring)."""
     logits_XE = logits_XE.astype(jnp.float32)
     X, E = logits_XE.shape
-    scores_XE = (jax.nn.softmax(logits_XE, axis=-1) if router == "softmax"
-                 else jax.nn.sigmoid(logits_XE))
+    kind = ROUTERS[router]
+    scores_XE = kind.scores(logits_XE)
     choice_XE = scores_XE if selection_bias_E is None else scores_XE + selection_bias_E
     if n_groups > 1:
         grouped_XGe = choice_XE.reshape(X, n_groups, E // n_groups)
-        group_XG = (grouped_XGe.max(-1) if router == "softmax"
-                    else jax.lax.top_k(grouped_XGe, 2)[0].sum(-1))
+        group_XG = kind.group_score(grouped_XGe)
         _, best_groups = jax.lax.top_k(group_XG, top_k_groups)
         keep_XG = jnp.zeros((X, n_groups), bool).at[jnp.arange(X)[:, None], best_groups].set(True)
         choice_XE = jnp.where(jnp.repeat(keep_XG, E // n_groups, axis=1), choice_XE, -jnp.inf)
@@ -220,7 +245,7 @@ def moe_specs(config: ModelConfig, residual_scale: float) -> dict:
     specs = {"router": weight(dims, "DE", ("embed", "experts")),
              "experts": map_specs(lambda s: dataclasses.replace(s, used=m.top_k / m.n_experts),
                                   experts)}
-    if m.router == "sigmoid":
+    if ROUTERS[m.router].selection_bias:
         specs["selection_bias"] = bias(dims, "E", ("experts",))
     if m.n_shared_experts:
         specs["shared"] = ffn_specs(dims, m.expert_mlp, "U", residual_scale)

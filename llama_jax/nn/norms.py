@@ -1,4 +1,5 @@
-"""Normalisation layers, selected by `config.norm`; statistics always in fp32.
+"""Normalisation layers, registered in `NORMS` and chosen by `config.norm`; statistics always
+in fp32.
 
 - rmsnorm (Zhang & Sennrich 2019; LLaMA): `x / sqrt(mean(x²) + eps) · g` — no mean, no bias.
 - layernorm (Ba et al. 2016; the original Transformer, GPT-2):
@@ -10,25 +11,38 @@ before the gain (and bias) are applied.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING, Callable
+
 import jax
 import jax.numpy as jnp
 
-from llama_jax.config import ModelConfig
-from llama_jax.nn.spec import bias, gain
+from llama_jax.nn.registry import Registry
+from llama_jax.spec import bias, gain
+
+if TYPE_CHECKING:
+    from llama_jax.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Norm:
+    """A norm kind: its tensors (`specs(dims)`, over the model width D) and its function
+    (`apply(p, x, eps)`). Its output is counted by the memory planner as one D-wide
+    activation, whatever the kind."""
+
+    specs: Callable[[dict[str, int]], dict]
+    apply: Callable[[dict, jax.Array, float], jax.Array]
+
+
+NORMS: Registry[Norm] = Registry("norm")
 
 
 def norm_specs(config: ModelConfig) -> dict:
-    dims = config.dims
-    specs = {"scale": gain(dims, "D", ("norm",))}
-    if config.norm == "layernorm":
-        specs["bias"] = bias(dims, "D", ("norm",))
-    return specs
+    return NORMS[config.norm].specs(config.dims)
 
 
 def apply_norm(config: ModelConfig, p: dict, x: jax.Array) -> jax.Array:
-    if config.norm == "layernorm":
-        return layer_norm(x, p["scale"], p["bias"], config.norm_eps)
-    return rms_norm(x, p["scale"], config.norm_eps)
+    return NORMS[config.norm].apply(p, x, config.norm_eps)
 
 
 def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
@@ -44,3 +58,11 @@ def layer_norm(x: jax.Array, gain: jax.Array, offset: jax.Array, eps: float) -> 
     centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
     normed = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + eps)
     return normed.astype(x.dtype) * gain.astype(x.dtype) + offset.astype(x.dtype)
+
+
+NORMS.register("rmsnorm", Norm(
+    specs=lambda dims: {"scale": gain(dims, "D", ("norm",))},
+    apply=lambda p, x, eps: rms_norm(x, p["scale"], eps)))
+NORMS.register("layernorm", Norm(
+    specs=lambda dims: {"scale": gain(dims, "D", ("norm",)), "bias": bias(dims, "D", ("norm",))},
+    apply=lambda p, x, eps: layer_norm(x, p["scale"], p["bias"], eps)))

@@ -1,4 +1,4 @@
-"""Position information, selected by `config.positions`.
+"""Position information, registered in `POSITIONS` and chosen by `config.positions`.
 
 - rope (Su et al. 2021; LLaMA): q and k are rotated inside attention (`rotation` gives the
   angles; see rope.py); nothing is added to the embedding.
@@ -10,32 +10,47 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING, Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from llama_jax.config import ModelConfig
+from llama_jax.nn.registry import Registry
 from llama_jax.nn.rope import apply_rope, cos_sin, rope_cos_sin
-from llama_jax.nn.spec import weight
+from llama_jax.spec import weight
+
+if TYPE_CHECKING:
+    from llama_jax.config import ModelConfig
 
 SINUSOID_BASE = 10000.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Positions:
+    """A position encoding: its tensors (`specs(config)`, the tree's "positions" entry; a
+    table is only gathered, so the planner reads B rows of it per decode step), what it adds
+    to the token embeddings (`add(config, p, x_BTD, positions_BT)`), and whether attention
+    rotates queries and keys instead (`rotary`: the RoPE fields of the config apply)."""
+
+    specs: Callable[[ModelConfig], dict]
+    add: Callable[[ModelConfig, dict, jax.Array, jax.Array], jax.Array]
+    rotary: bool = False
+
+
+POSITIONS: Registry[Positions] = Registry("positions")
+
+
 def position_specs(config: ModelConfig) -> dict:
-    if config.positions == "learned":
-        return {"table": weight(config.dims, "PD", ("positions", "embed"))}
-    return {}
+    return POSITIONS[config.positions].specs(config)
 
 
 def add_positions(config: ModelConfig, p: dict, x_BTD: jax.Array,
                   positions_BT: jax.Array) -> jax.Array:
     """The token embedding plus its absolute position embedding (unchanged for rope / none)."""
-    if config.positions == "sinusoidal":
-        return x_BTD + sinusoids(config.dim, positions_BT).astype(x_BTD.dtype)
-    if config.positions == "learned":
-        return x_BTD + jnp.take(p["table"], positions_BT, axis=0).astype(x_BTD.dtype)
-    return x_BTD
+    return POSITIONS[config.positions].add(config, p, x_BTD, positions_BT)
 
 
 def sinusoids(dim: int, positions_BT: jax.Array) -> jax.Array:
@@ -58,6 +73,27 @@ class Rotation:
 
 def rotation(config: ModelConfig, positions_BT: jax.Array) -> Rotation | None:
     """RoPE's rotation for these positions, or None when positions are not rotary."""
-    if config.positions != "rope":
+    if not POSITIONS[config.positions].rotary:
         return None
     return Rotation(*rope_cos_sin(config, positions_BT))
+
+
+def _no_tensors(config: ModelConfig) -> dict:
+    return {}
+
+
+def _nothing_added(config: ModelConfig, p: dict, x_BTD: jax.Array,
+                   positions_BT: jax.Array) -> jax.Array:
+    return x_BTD
+
+
+POSITIONS.register("rope", Positions(_no_tensors, _nothing_added, rotary=True))
+POSITIONS.register("sinusoidal", Positions(
+    _no_tensors,
+    lambda config, p, x_BTD, positions_BT: x_BTD + sinusoids(
+        config.dim, positions_BT).astype(x_BTD.dtype)))
+POSITIONS.register("learned", Positions(
+    lambda config: {"table": weight(config.dims, "PD", ("positions", "embed"))},
+    lambda config, p, x_BTD, positions_BT: x_BTD + jnp.take(
+        p["table"], positions_BT, axis=0).astype(x_BTD.dtype)))
+POSITIONS.register("none", Positions(_no_tensors, _nothing_added))

@@ -12,7 +12,7 @@ fractional number of turns can be taken without rounding; the remainder term is 
 resulting angle, reduced to [-π, π], is accurate to ~1e-7 rad at any position below 2^18.
 
 RoPE rotates a head's `config.rope_dim` features — all of them, or with MLA the
-decoupled qk_rope_head_dim part (nn/mla.py) — so H below is that width.
+decoupled qk_rope_head_dim part (nn/attention/mla.py) — so H below is that width.
 
 YaRN (Peng et al. 2023; `rope_type: yarn`, as DeepSeek-V2/V3 and transformers compute it):
 frequencies that turn more than beta_fast times over the original context keep their value,
@@ -26,12 +26,15 @@ temperature goes into the softmax scale, of every feature of the head.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llama_jax.config import ModelConfig, RopeScaling
+if TYPE_CHECKING:
+    from llama_jax.config import ModelConfig, RopeScaling
+
 
 _CHUNK_BITS = 6
 _N_CHUNKS = 4  # 4 exact chunks + remainder: remainder < 2^-24 turns per position

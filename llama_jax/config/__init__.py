@@ -1,0 +1,20 @@
+"""Configuration: the typed, frozen schemas of a model (`model.py`) and of a training run
+(`run.py`), the per-field checks they are built with (`fields.py`), and YAML files with `base:`
+inheritance, presets and command-line overrides (`loading.py`). Configs are hashable, so they are
+static arguments under `jax.jit`; every error is a `ConfigError` naming the file and the field.
+The names below are the package's public surface.
+"""
+
+from llama_jax.dtypes import DTYPES, dtype_name
+from llama_jax.config.loading import (CONFIG_DIR, list_presets, load_config_tree,
+                                      load_model_config, load_run_tree, resolve_config_path)
+from llama_jax.config.model import (MOE, REMAT_POLICIES, ROPE_SCALING_FIELDS, MlaConfig,
+                                    ModelConfig, MoeConfig, RopeScaling, default_ffn_dim)
+from llama_jax.config.run import (DEFAULT_CORPUS, DataConfig, MeshConfig, RunConfig, TaskConfig,
+                                  TrainConfig)
+
+__all__ = ["DTYPES", "dtype_name", "CONFIG_DIR", "list_presets", "load_config_tree",
+           "load_model_config", "load_run_tree", "resolve_config_path", "MOE", "REMAT_POLICIES",
+           "ROPE_SCALING_FIELDS", "MlaConfig", "ModelConfig", "MoeConfig", "RopeScaling",
+           "default_ffn_dim", "DEFAULT_CORPUS", "DataConfig", "MeshConfig", "RunConfig",
+           "TaskConfig", "TrainConfig"]

@@ -1,0 +1,3 @@
+"""Data: tokenizers (`tokenizer.py`: SentencePiece and LLaMA-3's tiktoken), text corpora
+tokenized once into cached arrays (`corpus.py`), packed and shuffled training batches whose
+iterator state is checkpointed (`batches.py`), and downstream-task datasets (`tasks.py`)."""

@@ -1,0 +1,174 @@
+"""Tokenizers of the LLaMA family, behind one small interface.
+
+- LLaMA 1/2: a SentencePiece `tokenizer.model` (BPE with byte fallback); BOS/EOS ids come from
+  the model file.
+- LLaMA 3.x: Meta's `tokenizer.model` in tiktoken's BPE-ranks format (128000 tokens) plus 256
+  special tokens (`<|begin_of_text|>` = 128000, ...), with LLaMA 3's pre-split pattern. Needs
+  the optional `tiktoken` package (`pip install 'llama_jax[llama3]'`).
+
+`load_tokenizer(path)` takes the file or a checkpoint directory holding `tokenizer.model`, and
+tells the two formats apart by content (tiktoken files are lines of `base64 rank`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from pathlib import Path
+from typing import Iterable, Protocol, Sequence
+
+from llama_jax.errors import CheckpointError
+
+TOKENIZER_FILE = "tokenizer.model"
+
+# Meta's LLaMA 3 pre-tokenizer pattern and special tokens (llama-models, llama3/tokenizer.py).
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_NAMED_SPECIALS = (
+    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
+    "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
+    "<|image|>",
+)
+LLAMA3_NUM_SPECIALS = 256
+# tiktoken panics on very long inputs; Meta encodes in chunks of this many characters.
+_MAX_ENCODE_CHARS = 400_000
+_TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]+=* \d+\r?$")
+
+
+class Tokenizer(Protocol):
+    path: Path  # the tokenizer.model it was read from
+    vocab_size: int
+    bos_id: int
+    eos_ids: tuple[int, ...]  # every id that ends generation
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class SentencePieceTokenizer:
+    def __init__(self, path: Path):
+        import sentencepiece
+
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        except (OSError, RuntimeError) as e:
+            raise CheckpointError(f"{path}: not a SentencePiece model: {e}") from None
+        self.path = path
+        self.vocab_size = self._sp.vocab_size()
+        self.bos_id = self._sp.bos_id()
+        self.eos_ids = (self._sp.eos_id(),)
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        ids = self._sp.encode(text)
+        return [self.bos_id] * bos + ids + list(self.eos_ids[:1]) * eos
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode(_known(ids, self.vocab_size))
+
+
+class Llama3Tokenizer:
+    def __init__(self, path: Path):
+        try:
+            import tiktoken
+            from tiktoken.load import load_tiktoken_bpe
+        except ImportError:
+            raise CheckpointError(f"{path}: the LLaMA 3 tokenizer needs tiktoken "
+                                  "(pip install 'llama_jax[llama3]')") from None
+        try:
+            ranks = load_tiktoken_bpe(str(path))
+        except Exception as e:  # tiktoken raises ValueError/binascii errors for bad lines
+            raise CheckpointError(f"{path}: not a tiktoken BPE file: {e}") from None
+        n_base = len(ranks)
+        names = LLAMA3_NAMED_SPECIALS + tuple(
+            f"<|reserved_special_token_{2 + i}|>"
+            for i in range(LLAMA3_NUM_SPECIALS - len(LLAMA3_NAMED_SPECIALS)))
+        self.special_tokens = {name: n_base + i for i, name in enumerate(names)}
+        self._enc = tiktoken.Encoding(name=path.name, pat_str=LLAMA3_PATTERN,
+                                      mergeable_ranks=ranks, special_tokens=self.special_tokens)
+        self.path = path
+        self.vocab_size = n_base + len(names)
+        self.bos_id = self.special_tokens["<|begin_of_text|>"]
+        self.eos_ids = tuple(self.special_tokens[t] for t in
+                             ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"))
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        """Special-token text in `text` is encoded as ordinary text, never as a control token."""
+        ids = [self.bos_id] * bos
+        for start in range(0, len(text), _MAX_ENCODE_CHARS):
+            ids += self._enc.encode_ordinary(text[start:start + _MAX_ENCODE_CHARS])
+        return ids + [self.eos_ids[0]] * eos
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._enc.decode(_known(ids, self.vocab_size))
+
+
+def _known(ids: Sequence[int], vocab_size: int) -> list[int]:
+    """Drops ids the tokenizer has no piece for: models often pad their embedding table past the
+    tokenizer's vocabulary, and an untrained model may sample those rows."""
+    return [int(i) for i in ids if 0 <= int(i) < vocab_size]
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer in `path` (a `tokenizer.model` file or a directory containing one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no tokenizer file (expected {TOKENIZER_FILE})")
+    with path.open("rb") as f:
+        first_line = f.readline(1024)
+    if _TIKTOKEN_LINE.match(first_line.rstrip(b"\n")):
+        return Llama3Tokenizer(path)
+    return SentencePieceTokenizer(path)
+
+
+def train_sentencepiece(texts: Iterable[str], vocab_size: int) -> bytes:
+    """Trains a LLaMA-1/2-style SentencePiece BPE model (byte fallback, digits split, text kept
+    verbatim: no whitespace folding, no Unicode normalisation, so code survives a round trip)
+    and returns the model file's bytes. Ids: 0 <unk>, 1 <s> (BOS), 2 </s> (EOS), as in LLaMA.
+
+    SentencePiece learns from lines; a newline is never part of a piece and encodes through
+    byte fallback, exactly as in Meta's tokenizer.
+    """
+    import sentencepiece
+
+    lines = (line for text in texts for line in text.splitlines() if line.strip())
+    model = io.BytesIO()  # not a file prefix: the model would record the (temporary) path
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=lines, model_writer=model, model_type="bpe", vocab_size=vocab_size,
+        byte_fallback=True, split_digits=True, character_coverage=0.9999,
+        normalization_rule_name="identity", remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True, max_sentence_length=1 << 16, unk_id=0, bos_id=1,
+        eos_id=2, pad_id=-1, num_threads=os.cpu_count() or 1, minloglevel=2)
+    return model.getvalue()
+
+
+class TextStream:
+    """Turns a growing list of token ids into text increments for printing as they arrive.
+    Holds back a trailing partial UTF-8 character (decoded as U+FFFD) until it completes.
+
+    The ids are decoded after `context` (the prompt) and only the text past the context's own
+    decoding is returned: SentencePiece drops the space of a sequence's first piece, so a
+    continuation decoded alone would lose the space between the prompt and its first word.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()):
+        self._tokenizer = tokenizer
+        self._ids: list[int] = list(context)
+        self._printed = len(tokenizer.decode(self._ids))
+
+    def push(self, ids: Sequence[int]) -> str:
+        self._ids += ids
+        text = self._tokenizer.decode(self._ids)
+        stable = len(text.rstrip("\ufffd"))
+        new = text[self._printed:stable]
+        self._printed = max(self._printed, stable)
+        return new
+
+    def flush(self) -> str:
+        text = self._tokenizer.decode(self._ids)
+        new, self._printed = text[self._printed:], len(text)
+        return new

@@ -1,0 +1,360 @@
+"""Jit-compiled generation: prefill, then a `lax.while_loop` of decode steps over a donated state.
+
+    new_tokens = llama_jax.generate(config, params, [[1, 415, 2936], [1, 22]], 64,
+                                    temperature=0.7, top_p=0.9, seed=0)
+
+Shapes are padded to buckets (batch to a power of two; prompt length and new tokens to powers
+of two, at least 16) so that new prompts rarely recompile; each bucket compiles two executables,
+`prefill` and `decode`, once. Prompts are left-padded into one KV cache (see kv_cache.py): each
+row keeps its own positions and never sees the padding, so a row generates exactly what it
+would generate alone. The decode loop exits early once every row has stopped; it runs in chunks
+of steps (`stream`) so a caller can print text as it comes at the cost of one host round trip
+per chunk.
+
+Sampling: see sampling.py. The random key for step s is `fold_in(key(seed), s)`, so results do
+not depend on the chunking. Log-probabilities are those of the model's distribution (before
+temperature and filters) for the chosen tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import time
+import warnings
+import weakref
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from llama_jax.parallel import sharding
+from llama_jax.config import MeshConfig, ModelConfig, dtype_name
+from llama_jax.errors import ConfigError, GenerateError
+from llama_jax.model.kv_cache import KVCache, init_cache
+from llama_jax.model.transformer import apply, unstack_layers
+from llama_jax.nn.heads import is_task_head, lm_head
+from llama_jax.model.params import Params
+from llama_jax.decode.sampling import SamplingParams, Strategy, sample
+
+NO_TOKEN = -1  # an empty slot in the output buffer and the padding of the stop-id table
+MIN_BUCKET = 16
+# How the decoder runs the layers: one lax.scan per group over stacked weights with the
+# stacked cache in the carry (accelerators), or an unrolled loop over per-layer weights and
+# caches (CPU, where XLA copies each layer's weights out of the stacked arrays at every scan
+# step). "auto" picks unrolled on CPU, scan elsewhere. Both compute the same function.
+DECODE_IMPLS = ("auto", "scan", "unrolled")
+
+
+
+@struct.dataclass
+class DecodeState:
+    cache: KVCache
+    tokens_BN: jax.Array  # [B, N] int32 generated tokens, NO_TOKEN after a row stopped
+    logprobs_BN: jax.Array  # [B, N] float32
+    last_B: jax.Array  # [B] int32: the token to feed next
+    done_B: jax.Array  # [B] bool
+    step: jax.Array  # [] int32: tokens generated so far
+    max_new: jax.Array  # [] int32
+    stop_BS: jax.Array  # [B, n_stop] int32, NO_TOKEN-padded
+    sampling: SamplingParams
+    key: jax.Array
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    compile_s: float = 0.0
+    time_to_first_token_s: float = 0.0  # prefill and the first token, compile excluded
+    decode_s: float = 0.0  # every step after the first token
+    new_tokens: int = 0  # tokens generated across rows, stop tokens excluded
+    truncated: bool = False  # max_new_tokens was cut to fit the context
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / max(self.decode_s + self.time_to_first_token_s, 1e-9)
+
+
+def _emit(state: DecodeState, logits_BV: jax.Array, strategy: Strategy) -> DecodeState:
+    """Samples the token of step `state.step` for every row, records it and updates `done`."""
+    token_B = sample(logits_BV, jax.random.fold_in(state.key, state.step), state.sampling, strategy)
+    logprob_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV), token_B[:, None], -1)[:, 0]
+    active_B = ~state.done_B
+    column = (0, state.step)
+    tokens_BN = jax.lax.dynamic_update_slice(
+        state.tokens_BN, jnp.where(active_B, token_B, NO_TOKEN)[:, None], column)
+    logprobs_BN = jax.lax.dynamic_update_slice(
+        state.logprobs_BN, jnp.where(active_B, logprob_B, 0.0)[:, None], column)
+    stopped_B = jnp.any(token_B[:, None] == state.stop_BS, axis=-1)
+    done_B = state.done_B | stopped_B | (state.step + 1 >= state.max_new)
+    return state.replace(tokens_BN=tokens_BN, logprobs_BN=logprobs_BN, last_B=token_B,
+                         done_B=done_B, step=state.step + 1)
+
+
+def _on(placement: tuple | None):
+    """The mesh and rules the program is traced under (see `sharding.use_mesh`). They are
+    static arguments of the jitted functions, so that jit's own trace cache tells apart the
+    same shapes compiled under different rules."""
+    return sharding.use_mesh(*placement) if placement else contextlib.nullcontext()
+
+
+@functools.partial(jax.jit, static_argnames=("config", "cache_len", "n_out", "cache_dtype",
+                                             "strategy", "placement"))
+def _prefill(config: ModelConfig, params: Params, prompts_BT: jax.Array, start_B: jax.Array,
+             active_B: jax.Array, stop_BS: jax.Array, sampling: SamplingParams,
+             max_new: jax.Array, key: jax.Array, *, cache_len: int, n_out: int,
+             cache_dtype: str, strategy: Strategy, placement: tuple | None) -> DecodeState:
+    with _on(placement):
+        return _prefill_state(config, params, prompts_BT, start_B, active_B, stop_BS, sampling,
+                              max_new, key, cache_len, n_out, cache_dtype, strategy)
+
+
+def _prefill_state(config, params, prompts_BT, start_B, active_B, stop_BS, sampling, max_new,
+                   key, cache_len, n_out, cache_dtype, strategy) -> DecodeState:
+    B = prompts_BT.shape[0]
+    cache = init_cache(config, B, cache_len, cache_dtype, start_B,
+                       layout="per_layer" if _unstacked(params) else "stacked")
+    h_BTD, cache, _ = apply(config, params, prompts_BT, cache=cache)
+    state = DecodeState(
+        cache=cache, tokens_BN=jnp.full((B, n_out), NO_TOKEN, jnp.int32),
+        logprobs_BN=jnp.zeros((B, n_out), jnp.float32), last_B=prompts_BT[:, -1],
+        done_B=~active_B, step=jnp.zeros((), jnp.int32), max_new=max_new, stop_BS=stop_BS,
+        sampling=sampling, key=key)
+    return _emit(state, lm_head(config, params, h_BTD[:, -1:])[:, 0], strategy)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "strategy", "placement"),
+                   donate_argnames=("state",))
+def _decode(config: ModelConfig, params: Params, state: DecodeState, n_steps: jax.Array, *,
+            strategy: Strategy, placement: tuple | None) -> DecodeState:
+    """Up to `n_steps` decode steps; stops early when every row is done."""
+    with _on(placement):
+        return _decode_steps(config, params, state, n_steps, strategy)
+
+
+def _decode_steps(config, params, state, n_steps, strategy) -> DecodeState:
+    def keep_going(carry):
+        i, st = carry
+        return (i < n_steps) & ~jnp.all(st.done_B)
+
+    def step(carry):
+        i, st = carry
+        h_B1D, cache, _ = apply(config, params, st.last_B[:, None], cache=st.cache)
+        logits_BV = lm_head(config, params, h_B1D)[:, 0]
+        return i + 1, _emit(st.replace(cache=cache), logits_BV, strategy)
+
+    _, state = jax.lax.while_loop(keep_going, step, (jnp.zeros((), jnp.int32), state))
+    return state
+
+
+# Compiled prefill/decode programs by signature, least recently used first. Bounded: every
+# executable holds its machine code (on CPU, memory mappings of its own, of which a process may
+# have vm.max_map_count), and a long-lived process decoding many shapes would keep them all.
+_EXECUTABLES: collections.OrderedDict = collections.OrderedDict()
+_MAX_EXECUTABLES = 64
+_UNSTACKED: dict = {}  # ids of the arrays -> (weakrefs to them, unstacked copy); one entry
+
+
+def _unstacked(params: Params) -> bool:
+    return isinstance(params["groups"][0], tuple)
+
+
+def resolve_decode_impl(decode_impl: str) -> str:
+    """"scan" or "unrolled" for `decode_impl` ("auto": unrolled on CPU, scan elsewhere)."""
+    if decode_impl not in DECODE_IMPLS:
+        raise GenerateError(f"decode_impl={decode_impl!r} is not one of {', '.join(DECODE_IMPLS)}")
+    if decode_impl == "auto":
+        return "unrolled" if jax.default_backend() == "cpu" else "scan"
+    return decode_impl
+
+
+def _decoder_params(params: Params, decode_impl: str) -> Params:
+    """The unrolled decoder runs over unstacked layers (see `model.unstack_layers`); the copy
+    is made once per set of parameter arrays and reused while those arrays are alive."""
+    if _unstacked(params):
+        if decode_impl == "scan":
+            raise GenerateError("decode_impl='scan' needs stacked parameters; these were "
+                                "unstacked (model.unstack_layers): pass the stacked ones")
+        return params
+    if decode_impl == "scan":
+        return params
+    leaves = jax.tree.leaves(params)
+    key = tuple(id(leaf) for leaf in leaves)
+    refs, unstacked = _UNSTACKED.get(key, ((), None))
+    if len(refs) != len(leaves) or any(r() is not leaf for r, leaf in zip(refs, leaves)):
+        unstacked = unstack_layers(params)
+        _UNSTACKED.clear()
+        # The copy goes when an original array does: no second model lingers after generation.
+        drop = lambda _: _UNSTACKED.pop(key, None)  # noqa: E731
+        _UNSTACKED[key] = (tuple(weakref.ref(leaf, drop) for leaf in leaves), unstacked)
+    return unstacked
+
+
+def _compiled(fn, stats: GenerationStats, mesh_config: MeshConfig | None, *args, **static):
+    """AOT-compiles `fn` once per (static args, argument shapes and shardings, mesh rules) so
+    compile time can be reported apart from run time; returns the executable (called with the
+    non-static args). Parameters on a mesh compile under `mesh_config`'s rules (the default
+    rules when None): the cache and activations are laid out by them."""
+    mesh = sharding.mesh_of(args)
+    static["placement"] = None if mesh is None else (mesh, mesh_config or MeshConfig())
+    leaves, treedef = jax.tree.flatten(args)
+    signature = tuple((np.shape(x), jnp.result_type(x), getattr(x, "sharding", None))
+                      if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x
+                      for x in leaves)  # the config is a (hashable) leaf of its own
+    key = (fn, tuple(sorted(static.items())), treedef, signature)
+    if key not in _EXECUTABLES:
+        start = time.perf_counter()
+        _EXECUTABLES[key] = fn.lower(*args, **static).compile()
+        stats.compile_s += time.perf_counter() - start
+        if len(_EXECUTABLES) > _MAX_EXECUTABLES:
+            _EXECUTABLES.popitem(last=False)
+    _EXECUTABLES.move_to_end(key)
+    return _EXECUTABLES[key]
+
+
+def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+    """The next power of two >= max(n, minimum)."""
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _validate(config: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+              temperature: float, top_k: int, top_p: float, min_p: float,
+              stop_tokens: Sequence[int] | None) -> None:
+    if is_task_head(config):
+        raise GenerateError(f"the model has a task head ({config.head!r}), not the LM head: "
+                            "it cannot generate (predict with `python -m llama_jax.eval.predict`)")
+    if not prompts:
+        raise GenerateError("prompts is empty: give at least one prompt (a list of token ids)")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise GenerateError(f"prompt {i} is empty: it needs at least one token (e.g. BOS)")
+        bad = [t for t in prompt if not 0 <= int(t) < config.vocab_size]
+        if bad:
+            raise GenerateError(f"prompt {i} has token id(s) {bad[:5]} outside the vocabulary "
+                                f"[0, {config.vocab_size})")
+        if len(prompt) >= config.max_seq_len:
+            raise GenerateError(f"prompt {i} has {len(prompt)} tokens; the model's context "
+                                f"(max_seq_len) is {config.max_seq_len}, leaving no room to "
+                                "generate")
+    bad_stops = [t for t in stop_tokens or () if not 0 <= int(t) < config.vocab_size]
+    if bad_stops:
+        raise GenerateError(f"stop_tokens {bad_stops} outside the vocabulary "
+                            f"[0, {config.vocab_size})")
+    checks = ((max_new_tokens >= 1, "max_new_tokens", max_new_tokens, ">= 1"),
+              (temperature >= 0, "temperature", temperature, ">= 0"),
+              (top_k >= 0, "top_k", top_k, ">= 0 (0 = off)"),
+              (0 < top_p <= 1, "top_p", top_p, "in (0, 1]"),
+              (0 <= min_p < 1, "min_p", min_p, "in [0, 1)"))
+    for ok, name, value, rule in checks:
+        if not ok:
+            raise GenerateError(f"{name}={value} must be {rule}")
+
+
+def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
+           max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+           top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
+           stop_tokens: Sequence[int] | None = None, cache_dtype=None,
+           decode_impl: str = "auto", mesh_config: MeshConfig | None = None,
+           chunk_steps: int | None = 16, stats: GenerationStats | None = None,
+           ) -> Iterator[tuple[list[list[int]], list[list[float]]]]:
+    """Yields, after the first token and then after every `chunk_steps` decode steps, each
+    row's newly generated tokens and their log-probabilities (stop tokens excluded).
+    `chunk_steps=None` runs the whole decode in one call. `stats` is filled in if given.
+    `cache_dtype` (any dtype-like) defaults to the model's compute dtype; `decode_impl` is
+    one of DECODE_IMPLS; parameters on a mesh decode under `mesh_config`'s rules."""
+    _validate(config, prompts, max_new_tokens, temperature, top_k, top_p, min_p, stop_tokens)
+    impl = resolve_decode_impl(decode_impl)
+    try:
+        cache_dtype = dtype_name(config.compute_dtype if cache_dtype is None else cache_dtype,
+                                 "cache_dtype")
+    except ConfigError as e:
+        raise GenerateError(str(e)) from None
+    stats = stats if stats is not None else GenerationStats()
+    longest = max(len(p) for p in prompts)
+    max_new = min(max_new_tokens, config.max_seq_len - longest)
+    if max_new < max_new_tokens:
+        stats.truncated = True
+        warnings.warn(f"the context is full: generating at most {max_new} of {max_new_tokens} "
+                      f"new tokens (longest prompt {longest}, max_seq_len {config.max_seq_len})",
+                      stacklevel=2)
+    stops = list(config.eos_ids if stop_tokens is None else stop_tokens) or [NO_TOKEN]
+
+    B, T, N = bucket(len(prompts), 1), bucket(longest), bucket(max_new)
+    prompts_BT = np.zeros((B, T), np.int32)
+    start_B = np.full((B,), T - 1, np.int32)  # padding rows: one token, inactive
+    for b, prompt in enumerate(prompts):
+        prompts_BT[b, T - len(prompt):] = prompt
+        start_B[b] = T - len(prompt)
+    active_B = np.arange(B) < len(prompts)
+    stop_BS = np.tile(np.asarray(stops, np.int32), (B, 1))
+    sampling = SamplingParams.broadcast(B, temperature, top_k, top_p, min_p)
+    strategy = Strategy.of(temperature, top_k, top_p)
+    params = _decoder_params(params, impl)
+    args = (config, params, prompts_BT, start_B, active_B, stop_BS, sampling,
+            np.int32(max_new), jax.random.key(seed))
+    prefill = _compiled(_prefill, stats, mesh_config, *args, cache_len=T + N, n_out=N,
+                        cache_dtype=cache_dtype, strategy=strategy)
+    start = time.perf_counter()
+    state = prefill(*args[1:])
+    emitted, rows = 0, len(prompts)  # rows past len(prompts) are batch padding
+    while True:
+        step = int(state.step)  # waits for the device
+        tokens_BN, logprobs_BN = np.asarray(state.tokens_BN), np.asarray(state.logprobs_BN)
+        new = _new_tokens(tokens_BN[:rows], logprobs_BN[:rows], emitted, step, stops)
+        stats.new_tokens += sum(len(t) for t in new[0])
+        elapsed = time.perf_counter() - start
+        if emitted == 0:
+            stats.time_to_first_token_s = elapsed
+        else:
+            stats.decode_s += elapsed
+        emitted = step
+        yield new
+        if bool(np.all(np.asarray(state.done_B))):
+            return
+        n_steps = np.int32(chunk_steps or N)
+        decode = _compiled(_decode, stats, mesh_config, config, params, state, n_steps,
+                           strategy=strategy)
+        start = time.perf_counter()
+        state = decode(params, state, n_steps)
+
+
+def _new_tokens(tokens_BN: np.ndarray, logprobs_BN: np.ndarray, begin: int, end: int,
+                stops: Sequence[int]) -> tuple[list[list[int]], list[list[float]]]:
+    """Columns [begin, end) per row, without NO_TOKEN slots and stop tokens."""
+    tokens, logprobs = [], []
+    for row, lp in zip(tokens_BN[:, begin:end], logprobs_BN[:, begin:end]):
+        keep = (row != NO_TOKEN) & ~np.isin(row, stops)
+        tokens.append(row[keep].tolist())
+        logprobs.append(lp[keep].tolist())
+    return tokens, logprobs
+
+
+def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
+             max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
+             stop_tokens: Sequence[int] | None = None, cache_dtype=None,
+             decode_impl: str = "auto", mesh_config: MeshConfig | None = None,
+             return_logprobs: bool = False, stats: GenerationStats | None = None):
+    """New tokens for each prompt (a list of token-id lists), stop token excluded.
+
+    `stop_tokens=None` stops on the model's EOS ids (`config.eos_ids`); `[]` generates exactly
+    `max_new_tokens`. `cache_dtype` defaults to the model's compute dtype (an fp32 model
+    decodes with an fp32 cache). `decode_impl`: "auto" (unrolled on CPU, scan elsewhere),
+    "scan" or "unrolled" — the same function either way. Parameters on a mesh decode under
+    `mesh_config`'s sharding rules (default rules when None). With `return_logprobs`, returns
+    `(tokens, logprobs)`.
+    """
+    tokens = [[] for _ in prompts]
+    logprobs = [[] for _ in prompts]
+    for new_tokens, new_logprobs in stream(
+            config, params, prompts, max_new_tokens, temperature=temperature, top_k=top_k,
+            top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
+            cache_dtype=cache_dtype, decode_impl=decode_impl, mesh_config=mesh_config,
+            chunk_steps=None, stats=stats):
+        for row, (t, lp) in enumerate(zip(new_tokens, new_logprobs)):
+            tokens[row] += t
+            logprobs[row] += lp
+    return (tokens, logprobs) if return_logprobs else tokens

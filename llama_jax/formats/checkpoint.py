@@ -1,0 +1,98 @@
+"""`load_checkpoint`: one entry point for every checkpoint format llama_jax reads.
+
+    config, params = load_checkpoint("path/to/dir", dtype="bfloat16")
+
+The directory's contents decide the format: `config.yaml` + `params/` (llama_jax, orbax),
+`config.json` + safetensors (Hugging Face: Llama or GPT-2), `params.json` +
+`consolidated.NN.pth` (Meta), or a training run's workdir (`config.yaml` + `checkpoints/`: its
+latest checkpoint).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+
+from llama_jax.config import MeshConfig, ModelConfig, dtype_name, load_model_config
+from llama_jax.errors import CheckpointError, ConfigError
+from llama_jax.files import atomic_directory
+from llama_jax.formats import hf, meta, native, run
+from llama_jax.formats.layout import family_of
+from llama_jax.model.params import Params, param_specs
+from llama_jax.parallel.sharding import param_shardings
+
+FORMATS = {"native": native, "hf": hf, "meta": meta, "run": run}
+
+
+def detect_format(path: str | Path) -> str:
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: expected a checkpoint directory, got a file")
+    for name, is_format in (("native", native.is_native), ("hf", hf.is_hf),
+                            ("meta", meta.is_meta), ("run", run.is_run)):
+        if is_format(path):
+            return name
+    found = ", ".join(sorted(p.name for p in path.iterdir())[:12]) or "nothing"
+    if (path / hf.CONFIG).is_file():
+        raise CheckpointError(f"{path}: has {hf.CONFIG} but no {hf.SINGLE} or {hf.INDEX} "
+                              f"(only safetensors weights are read, never pickles); found: {found}")
+    raise CheckpointError(
+        f"{path}: not a checkpoint llama_jax reads; expected config.json + model.safetensors "
+        f"(Hugging Face), params.json + consolidated.NN.pth (Meta) or config.yaml + params/ "
+        f"(llama_jax); found: {found}")
+
+
+def load_checkpoint(path: str | Path, dtype=None, *,
+                    mesh: jax.sharding.Mesh | None = None,
+                    mesh_config: MeshConfig | None = None) -> tuple[ModelConfig, Params]:
+    """(config, params) from any supported checkpoint; `dtype` (any dtype-like: "bfloat16",
+    jnp.float32, ...) None keeps the stored dtype. The returned config computes in the same
+    dtype as its parameters. With a `mesh`, every tensor goes straight into its sharding under
+    `mesh_config`'s weight rules (default rules when None): each device receives only its
+    shard, and the host holds one tensor at a time."""
+    if dtype is not None:
+        try:
+            dtype = dtype_name(dtype)
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+
+    def placement(config: ModelConfig) -> Params | None:
+        return None if mesh is None else param_shardings(param_specs(config), mesh,
+                                                         mesh_config or MeshConfig())
+
+    return FORMATS[detect_format(path)].load(Path(path), dtype, placement)
+
+
+def export_hf(config: ModelConfig, params: Params, path: str | Path) -> None:
+    """Writes a Hugging Face directory (config.json + safetensors) that
+    `transformers.AutoModelForCausalLM.from_pretrained` loads: a `LlamaForCausalLM` or a
+    `GPT2LMHeadModel`, by the model's architecture. Any other architecture is refused before
+    anything is written; `path` must not exist or be an empty directory."""
+    family_of(config)  # raises for other architectures, before a directory is created
+    with atomic_directory(path) as tmp:
+        hf.save(config, params, tmp)
+
+
+def save_native(config: ModelConfig, params: Params, path: str | Path) -> None:
+    """Writes a llama_jax checkpoint (config.yaml + orbax params/); `path` must not exist or be
+    an empty directory."""
+    with atomic_directory(path) as tmp:
+        native.save(config, params, tmp)
+
+
+def checkpoint_config(path: str | Path) -> ModelConfig:
+    """The model config of any checkpoint `load_checkpoint` reads, without its weights (Meta's
+    is read with its shards memory-mapped: whether the head is tied shows in them)."""
+    path = Path(path)
+    fmt = detect_format(path)
+    if fmt == "hf":
+        return hf.read_config(path)
+    if fmt == "meta":
+        return meta.read_config(path, meta.open_shards(path))
+    try:  # native and training runs keep a config.yaml
+        return load_model_config(path / native.CONFIG)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None

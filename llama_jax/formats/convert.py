@@ -1,0 +1,169 @@
+"""Convert checkpoints between formats, behind a parity gate.
+
+    python -m llama_jax.formats.convert SRC DST [--to native|hf] [--dtype D] [--no-reference]
+
+SRC is anything `load_checkpoint` reads (HF, Meta, native). The result is written to a hidden
+temporary directory beside DST, loaded back, and moved to DST only if:
+
+1. our float32 forward on the written model gives the same logits as on the loaded source
+   (a fixed random batch), and the architecture read back equals the source's;
+2. for HF and Meta sources, when transformers is installed, our logits on the source match
+   transformers' (`AutoModelForCausalLM` on HF sources: Llama, Mixtral, GPT-2, DeepSeek;
+   `LlamaForCausalLM` on Meta sources, fed by a torch re-implementation of the q/k row
+   permutation, independent of ours) within the tolerance of the target dtype.
+
+Otherwise nothing is left behind and the exit status is non-zero. An existing DST is never
+overwritten. Tokenizer files next to the source weights are copied along.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from llama_jax.formats.checkpoint import detect_format, load_checkpoint
+from llama_jax.files import atomic_directory, check_new_directory
+from llama_jax.cli import user_errors_exit
+from llama_jax.config import DTYPES, ModelConfig
+from llama_jax.formats import hf, meta, native
+from llama_jax.errors import CheckpointError
+from llama_jax.formats.layout import names, slots, torch_shape
+from llama_jax.model.transformer import forward
+from llama_jax.model.params import Params
+
+WRITERS = {"native": native.save, "hf": hf.save}  # each writes into an existing empty dir
+# Relative logit error allowed against transformers, by the dtype the weights were loaded in.
+TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
+ROUND_TRIP_TOLERANCE = 1e-6  # same weights, same dtype: only summation order may differ
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "generation_config.json")
+
+
+class ParityError(CheckpointError):
+    """The converted model does not reproduce the source; nothing was written."""
+
+
+def gate_tokens(config: ModelConfig, batch: int = 2, length: int = 48) -> np.ndarray:
+    """The fixed random batch the gate compares logits on."""
+    rng = np.random.default_rng(0)
+    return rng.integers(0, config.vocab_size, (batch, min(length, config.max_seq_len)),
+                        dtype=np.int32)
+
+
+def float32_logits(config: ModelConfig, params: Params, tokens: np.ndarray) -> np.ndarray:
+    f32 = dataclasses.replace(config, compute_dtype="float32")
+    return np.asarray(jax.jit(forward, static_argnums=0)(f32, params, tokens))
+
+
+def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def transformers_logits(src: Path, fmt: str, config: ModelConfig,
+                        tokens: np.ndarray) -> np.ndarray | None:
+    """transformers' float32 logits for the source checkpoint (None if it is not installed)."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    if fmt == "hf":
+        model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf.hf_config(config)))
+        model.load_state_dict(_hf_state_from_meta(src, config))
+    with torch.no_grad():
+        return model.eval()(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+def _hf_state_from_meta(src: Path, config: ModelConfig) -> dict:
+    """Meta tensors renamed to HF, with q/k rows permuted the way transformers' original
+    conversion script did it (torch view/transpose), as an independent check of ours."""
+    import torch
+
+    shards = meta.open_shards(src)
+    state = {}
+    for slot in slots(config):
+        for meta_name, hf_name in zip(names(slot, meta=True), names(slot)):
+            w = torch.from_numpy(meta.gather(shards, meta_name, torch_shape(slot), src)).float()
+            if slot.rope_heads:
+                heads = slot.rope_heads
+                rows, cols = w.shape
+                w = w.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+            state[hf_name] = w
+    if config.tie_embeddings:  # one shared parameter in transformers
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+def convert(src: str | Path, dst: str | Path, to: str = "native", dtype: str | None = None,
+            reference: bool = True) -> dict:
+    """Converts SRC to DST through the parity gate; returns the gate's measurements."""
+    src, dst = Path(src), Path(dst)
+    if to not in WRITERS:
+        raise CheckpointError(f"--to {to!r}: expected one of {', '.join(WRITERS)}")
+    check_new_directory(dst)  # again in atomic_directory; here to fail before loading anything
+    fmt = detect_format(src)
+    config, params = load_checkpoint(src, dtype)
+    tokens = gate_tokens(config)
+    source_logits = float32_logits(config, params, tokens)
+    report = {"source_format": fmt, "dtype": config.param_dtype}
+    if reference and fmt in ("hf", "meta"):
+        ref = transformers_logits(src, fmt, config, tokens)
+        if ref is not None:
+            report["vs_transformers"] = err = relative_error(source_logits, ref)
+            if not err <= TOLERANCE[config.param_dtype]:
+                raise ParityError(f"{src}: our logits differ from transformers' by {err:.3g} "
+                                  f"(relative; allowed {TOLERANCE[config.param_dtype]:g} for "
+                                  f"{config.param_dtype}); nothing written")
+
+    with atomic_directory(dst) as tmp:
+        WRITERS[to](config, params, tmp)
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, tmp / name)
+        del params
+        written_config, written = load_checkpoint(tmp, config.param_dtype)
+        if written_config.architecture() != config.architecture():
+            raise ParityError(f"{dst}: the written config reads back as "
+                              f"{written_config.architecture()}, not {config.architecture()}")
+        report["round_trip"] = err = relative_error(
+            float32_logits(written_config, written, tokens), source_logits)
+        if not err <= ROUND_TRIP_TOLERANCE:
+            raise ParityError(f"{dst}: the written model's logits differ from the source's by "
+                              f"{err:.3g} (relative; allowed {ROUND_TRIP_TOLERANCE:g}); "
+                              "nothing written")
+    return report
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m llama_jax.formats.convert",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("src", help="checkpoint directory (HF, Meta or llama_jax)")
+    parser.add_argument("dst", help="new directory to write (must not exist)")
+    parser.add_argument("--to", default="native", choices=sorted(WRITERS))
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="parameter dtype to write (default: as stored)")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="skip the comparison with transformers (saves a second copy in RAM)")
+    return parser.parse_args(argv)
+
+
+@user_errors_exit
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = convert(args.src, args.dst, args.to, args.dtype, not args.no_reference)
+    checks = ", ".join(f"{k} {v:.2e}" if isinstance(v, float) else f"{k} {v}"
+                       for k, v in report.items())
+    print(f"wrote {args.dst} ({args.to}); parity gate passed: {checks}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""A training run's directory, and its checkpoints.
+
+    WORKDIR/config.yaml        the resolved run config (model, train, data, mesh)
+    WORKDIR/tokenizer.model    the run's tokenizer (trained or copied there)
+    WORKDIR/checkpoints/STEP/  orbax CheckpointManager steps: params/, opt_state/,
+                               data/ (grain iterator state, one JSON per process)
+    WORKDIR/metrics.jsonl      one JSON object per step
+    WORKDIR/tensorboard/       event files
+
+A workdir belongs to one run: rerunning with the same config resumes from the latest
+checkpoint, and a different config (other than the bookkeeping fields of
+`TrainConfig.RESUMABLE_CHANGES`) is refused before anything is written. Orbax writes each step
+into a temporary directory and renames it when complete, so a crash while saving leaves the
+previous checkpoints as they were; `latest_step` only sees complete ones.
+
+`load_checkpoint(WORKDIR)` reads the latest step's parameters, so `sample.py --checkpoint
+WORKDIR` samples from a run directly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import grain
+import orbax.checkpoint as ocp
+import yaml
+
+from llama_jax.config import RunConfig, TrainConfig
+from llama_jax.errors import ConfigError
+from llama_jax.files import write_atomically
+
+CONFIG = "config.yaml"
+CHECKPOINTS = "checkpoints"
+METRICS = "metrics.jsonl"
+TENSORBOARD = "tensorboard"
+
+
+def is_workdir(path: Path) -> bool:
+    return (path / CONFIG).is_file() and (path / CHECKPOINTS).is_dir()
+
+
+def claim(workdir: Path, run: RunConfig) -> None:
+    """Makes `workdir` this run's, or checks that its checkpoints belong to this run; writes
+    config.yaml. (A config.yaml without checkpoints is from a run that never got going.)"""
+    stored_path = workdir / CONFIG
+    checkpoints = workdir / CHECKPOINTS
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        if not stored_path.is_file():
+            raise ConfigError(f"{workdir} has checkpoints but no {CONFIG}: not a llama_jax run "
+                              "directory; use another --workdir")
+        try:
+            stored = run_config(workdir)
+        except (ConfigError, yaml.YAMLError) as e:
+            raise ConfigError(f"{workdir} holds an unreadable run config: {e}") from None
+        differences = config_differences(stored, run)
+        if differences:
+            raise ConfigError(
+                f"{workdir} holds checkpoints of a run with a different config "
+                f"({'; '.join(differences)}); they would not continue this run. Resume with "
+                "the same config or use another --workdir")
+    workdir.mkdir(parents=True, exist_ok=True)
+    write_atomically(stored_path, yaml.safe_dump(run.to_dict(), sort_keys=False))
+
+
+def config_differences(stored: RunConfig, new: RunConfig) -> list[str]:
+    """`section.field: stored -> new` for every field that changes the run's trajectory. The
+    mesh and the model's execution settings (dtypes, remat, scan) may change: checkpoints
+    restore onto any mesh and into any dtype; so may init-only model fields (`init_std`)."""
+    out = []
+    old_tree, new_tree = stored.to_dict(), new.to_dict()
+    old_tree["model"], new_tree["model"] = stored.model.architecture(), new.model.architecture()
+    for section in dict.fromkeys([*old_tree, *new_tree]):
+        old, new_value = old_tree.get(section), new_tree.get(section)
+        if section == "mesh" or old == new_value:
+            continue
+        if not isinstance(old, dict) or not isinstance(new_value, dict):  # init_from, task
+            out.append(f"{section}: {old!r} -> {new_value!r}")
+            continue
+        for name in dict.fromkeys([*old, *new_value]):
+            before, value = old.get(name), new_value.get(name)
+            if before != value and not (section == "train"
+                                        and name in TrainConfig.RESUMABLE_CHANGES):
+                out.append(f"{section}.{name}: {before!r} -> {value!r}")
+    return out
+
+
+class Checkpoints:
+    """Asynchronous orbax checkpoints of (params, optimizer state, data iterator). The step is
+    the checkpoint's own number; the non-finite counters live in the optimizer state."""
+
+    def __init__(self, workdir: Path, train: TrainConfig, create: bool = True):
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=train.keep_checkpoints, create=create, enable_async_checkpointing=True)
+        self.manager = ocp.CheckpointManager((workdir / CHECKPOINTS).absolute(), options=options)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, params: Any, opt_state: Any,
+             iterator: grain.DatasetIterator) -> None:
+        """Starts writing step `step`; returns once the arrays are copied off the device."""
+        self.manager.save(step, force=True, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
+            data=grain.checkpoint.CheckpointSave(iterator)))
+
+    def restore(self, step: int, abstract_params: Any, abstract_opt_state: Any,
+                iterator: grain.DatasetIterator) -> tuple[Any, Any]:
+        """(params, opt_state) of `step`; `iterator` is moved to its saved position."""
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_params),
+            opt_state=ocp.args.StandardRestore(abstract_opt_state),
+            data=grain.checkpoint.CheckpointRestore(iterator)))
+        return restored.params, restored.opt_state
+
+    def stored_params(self, step: int) -> Any:
+        """The metadata tree (shapes and dtypes) of the parameters saved at `step`."""
+        # The handler reads the item's own metadata (a Checkpointer would look for a
+        # step-level file that CheckpointManager keeps one level up, and warn).
+        return ocp.StandardCheckpointHandler().metadata(
+            self.manager.directory / str(step) / "params").tree
+
+    def restore_params(self, step: int, abstract_params: Any) -> Any:
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_params)))
+        return restored.params
+
+    def close(self) -> None:
+        """Waits for the write in flight, then releases the manager."""
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def run_config(workdir: Path) -> RunConfig:
+    path = workdir / CONFIG
+    return RunConfig.from_tree(yaml.safe_load(path.read_text()) or {}, str(path))
+

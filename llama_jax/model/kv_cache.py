@@ -1,0 +1,64 @@
+"""The KV cache of a decoding batch: each layer group's attention cache, and the slots in use.
+
+Each mixer owns its cache layout (nn/attention/mixers.py; for GQA `StackedKV` for scanned groups and a
+tuple of per-layer `MergedKV` for the unrolled decoder, for MLA their latent counterparts);
+this container holds one entry per layer group and the bookkeeping every layer shares.
+
+Rows of a ragged batch are left-padded: row b's sequence occupies slots `start[b] .. end-1`, and
+every step writes all rows at the same slot `end`. Slots before `start[b]` are masked out of
+attention (they form segment 0), and positions are `slot - start[b]`: a row computes exactly
+what it would compute alone.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from llama_jax.config import ModelConfig, dtype_name
+from llama_jax.nn.attention.dot_product import Mask
+from llama_jax.nn.attention.mixers import mixer_of
+from llama_jax.model.params import layer_groups
+
+LAYOUTS = ("stacked", "per_layer")
+
+
+@struct.dataclass
+class KVCache:
+    groups: tuple  # per layer group: a stacked cache, or a tuple of per-layer ones
+    start: jax.Array  # [B] int32: first slot of each row (left padding before it)
+    end: jax.Array  # [] int32: the next slot to write, shared by all rows
+    max_len: int = struct.field(pytree_node=False)  # S
+
+    def positions_and_mask(self, T: int) -> tuple[jax.Array, Mask]:
+        """Positions `[B, T]` of the next T tokens and the slots they may see."""
+        B, S = self.start.shape[0], self.max_len
+        q_index_BT = jnp.broadcast_to(self.end + jnp.arange(T, dtype=jnp.int32), (B, T))
+        kv_index_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+        positions_BT = jnp.maximum(q_index_BT - self.start[:, None], 0)  # padding: unused
+        mask = Mask(q_index_BT, kv_index_BS, jnp.ones((B, T), jnp.int32),
+                    (kv_index_BS >= self.start[:, None]).astype(jnp.int32))
+        return positions_BT, mask
+
+    def advance(self, groups: tuple, T: int) -> "KVCache":
+        """The cache after T tokens were written into `groups`."""
+        return self.replace(groups=groups, end=self.end + T)
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None,
+               start_B: jax.Array | None = None, layout: str = "stacked") -> KVCache:
+    """A zeroed cache for `batch` rows of `max_len` slots in `dtype` (default: the model's
+    compute dtype): stacked per layer group, or (`layout="per_layer"`, for unstacked weights)
+    one array per layer."""
+    dtype = dtype_name(config.compute_dtype if dtype is None else dtype, "cache_dtype")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+    mixer = mixer_of(config)
+    groups = tuple(
+        mixer.stacked_cache(config, group.n_layers, batch, max_len, dtype) if layout == "stacked"
+        else tuple(mixer.layer_cache(config, batch, max_len, dtype)
+                   for _ in range(group.n_layers))
+        for group in layer_groups(config))
+    start = jnp.zeros((batch,), jnp.int32) if start_B is None else start_B.astype(jnp.int32)
+    return KVCache(groups=groups, start=start, end=jnp.zeros((), jnp.int32), max_len=max_len)

@@ -1,0 +1,206 @@
+"""Where arrays live: a device mesh from the config, and logical axis names mapped to mesh axes.
+
+The model and the parameter descriptions name logical axes only (`TensorSpec.axes`: "embed",
+"q_heads", "mlp", ...; activations: "batch", "heads", ...). This module alone knows the mesh
+(`data`, `fsdp`, `tensor`, `expert`) and turns names into `PartitionSpec`s through rules
+tables — one for weights (and the optimizer state, which mirrors them), one for activations,
+one for the KV cache: the defaults below (`RULE_TABLES`), with a config's `mesh:` section
+(`MeshConfig`) merged over them. A mesh axis is used at most once per array, and a mesh axis
+whose size does not divide a dimension (e.g. tensor=8 over MQA's single KV head) is dropped for
+that array, with a log line, rather than failing.
+
+`constrain(x, axes)` puts a sharding constraint on an activation when a mesh is active
+(`use_mesh`), and does nothing otherwise, so the model code runs unchanged on one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import math
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from llama_jax.spec import map_specs
+
+if TYPE_CHECKING:
+    from llama_jax.config import MeshConfig
+
+log = logging.getLogger(__name__)
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+# Logical axis -> mesh axes. Weights: FSDP shards the model width of every matrix (MLA's
+# up-projections, which have none, their latent width), tensor
+# parallelism the heads, the FFN width and the vocabulary (Megatron's split), expert
+# parallelism the MoE experts. Activations: the batch over data x fsdp x expert (outside the
+# experts, the expert axis is one more data-parallel axis), heads / FFN / vocab over tensor,
+# the experts' token buffers `[B, E, C, D]` over expert (E) and data x fsdp (B: expert_batch).
+# The KV cache: rows over data x fsdp x expert, KV heads over tensor; MLA's latent cache is
+# replicated over tensor (its one shared "head" cannot be split). A config's `mesh:`
+# section overrides entries.
+BATCH_AXES = ["data", "fsdp", "expert"]
+RULE_TABLES = {
+    "weight_rules": ({"embed": "fsdp", "q_heads": "tensor", "kv_heads": "tensor",
+                      "mlp": "tensor", "vocab": "tensor", "experts": "expert", "latent": "fsdp"},
+                     ("layers", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "vocab",
+                      "norm", "positions", "experts", "latent", "labels")),
+    "activation_rules": ({"batch": BATCH_AXES, "heads": "tensor", "kv_heads": "tensor",
+                          "mlp": "tensor", "vocab": "tensor", "experts": "expert",
+                          "expert_batch": ["data", "fsdp"]},
+                         ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
+                          "vocab", "experts", "expert_batch")),
+    "cache_rules": ({"batch": BATCH_AXES, "kv_heads": "tensor"},
+                    ("batch", "kv_heads", "seq", "head_dim", "latent")),
+}
+
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, MeshConfig] | None] = contextvars.ContextVar(
+    "llama_jax_mesh", default=None)
+
+
+def make_mesh(mesh: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    shape = mesh.shape_for(len(devices))
+    return jax.make_mesh(shape, MESH_AXES, devices=devices,
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def spec(axes: Sequence[str | None], shape: Sequence[int], rules: tuple,
+         mesh_shape: Mapping[str, int], what: str = "array") -> P:
+    """The PartitionSpec of an array whose dimensions have these logical names, on a mesh of
+    `mesh_shape` (`mesh.shape`, or planned sizes)."""
+    table = dict(rules)
+    used: set[str] = set()
+    out = []
+    for name, size in zip(axes, shape):
+        kept = []
+        for mesh_axis in table.get(name, ()) if name else ():
+            ways = mesh_shape[mesh_axis]
+            if mesh_axis in used or ways == 1:
+                continue
+            if size % (math.prod(mesh_shape[a] for a in kept) * ways):
+                log.info("%s: mesh axis %r (size %d) does not divide %s=%d; not sharded "
+                         "along it", what, mesh_axis, ways, name, size)
+                continue
+            kept.append(mesh_axis)
+        used.update(kept)
+        out.append(tuple(kept) if len(kept) > 1 else (kept[0] if kept else None))
+    return P(*out)
+
+
+def param_shardings(specs, mesh: Mesh, mesh_config: MeshConfig):
+    """A NamedSharding per parameter of a tree of TensorSpecs (`params.param_specs`), from
+    its logical axes and the weight rules. An axis name the rules do not know is an error (a
+    new component's typo would otherwise leave its tensors silently replicated)."""
+    known = RULE_TABLES["weight_rules"][1]
+
+    def placed(s) -> NamedSharding:
+        unknown = [a for a in s.axes if a not in known]
+        if unknown:
+            raise ValueError(f"tensor with axes {s.axes}: logical axis name(s) {unknown} are "
+                             f"not weight axes ({', '.join(known)})")
+        return NamedSharding(mesh, spec(s.axes, s.shape, mesh_config.weight_rules, mesh.shape,
+                                        "/".join(s.axes)))
+    return map_specs(placed, specs)
+
+
+def batch_shards(mesh_config: MeshConfig, mesh_shape: Mapping[str, int]) -> int:
+    """Into how many parts the batch rule splits a batch (data x fsdp by default)."""
+    return math.prod(mesh_shape[a] for a in dict(mesh_config.activation_rules).get("batch", ()))
+
+
+def batch_sharding(mesh: Mesh, mesh_config: MeshConfig, ndim: int = 2) -> NamedSharding:
+    """Token batches `[B, ...]`: rows over the activation rule for "batch"."""
+    return NamedSharding(mesh, P(dict(mesh_config.activation_rules).get("batch") or None,
+                                 *[None] * (ndim - 1)))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh, mesh_config: MeshConfig) -> Iterator[None]:
+    """Activates `constrain` for code traced inside the block. It is read at trace time and is
+    not part of jit's cache key: a function already traced for the same arguments is not traced
+    again under other rules, so jit a fresh function (or pass the rules as a static argument,
+    as the decoder does) per rule set."""
+    token = _ACTIVE.set((mesh, mesh_config))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None],
+              table: str = "activation_rules") -> jax.Array:
+    """`with_sharding_constraint` by logical axes (of activations, or `table="cache_rules"`),
+    when a mesh is active."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, mesh_config = active
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, spec(axes, x.shape, getattr(mesh_config, table), mesh.shape)))
+
+
+def mesh_of(tree) -> Mesh | None:
+    """The mesh the arrays of `tree` are laid out on, if they are spread over one."""
+    for leaf in jax.tree.leaves(tree):
+        placed = getattr(leaf, "sharding", None)
+        if isinstance(placed, NamedSharding) and placed.mesh.size > 1:
+            return placed.mesh
+    return None
+
+
+def shard_ways(partition: P, mesh_shape: Mapping[str, int]) -> int:
+    """Into how many pieces a PartitionSpec cuts an array."""
+    names = [n for entry in partition if entry for n in
+             ((entry,) if isinstance(entry, str) else entry)]
+    return math.prod(mesh_shape[n] for n in names)
+
+
+def bytes_per_device(tree) -> int:
+    """Bytes the first device holds of the arrays in `tree` (their shards, not the whole)."""
+    device = jax.devices()[0]
+    return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree)
+               for shard in leaf.addressable_shards if shard.device == device)
+
+
+def optimizer_state_shardings(optimizer, abstract_params, params_sharding,
+                              mesh: Mesh):
+    """The optimizer state laid out like the parameters it mirrors (moments), scalars
+    replicated. Explicit, because `jit(optimizer.init)` on an Auto mesh may replicate it."""
+    state = jax.eval_shape(optimizer.init, abstract_params)
+    # A frozen tensor has no state (`optax.multi_transform` leaves an empty MaskedNode).
+    masked = optax.transforms.MaskedNode
+    return optax.tree_utils.tree_map_params(
+        optimizer, lambda leaf, s: leaf if isinstance(leaf, masked) else s, state,
+        params_sharding, transform_non_params=lambda _: replicated(mesh),
+        is_leaf=lambda x: isinstance(x, masked))
+
+
+def per_shard(fn: Callable, in_axes: Sequence[Sequence[str | None]],
+              out_axes: Sequence[str | None], table: str = "activation_rules") -> Callable:
+    """`fn` run on each device's shard (`jax.shard_map`) when a mesh is active, and `fn` itself
+    otherwise: for kernels XLA cannot partition (Pallas calls). Inputs and the output are laid
+    out by their logical axes; `fn` must be correct on any shard of them (e.g. per row and
+    head)."""
+    active = _ACTIVE.get()
+    if active is None:
+        return fn
+    mesh, mesh_config = active
+    rules = getattr(mesh_config, table)
+
+    def sharded(*args):
+        out_shape = jax.eval_shape(fn, *args).shape
+        in_specs = tuple(spec(axes, a.shape, rules, mesh.shape) for axes, a in zip(in_axes, args))
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
+                             out_specs=spec(out_axes, out_shape, rules, mesh.shape),
+                             check_vma=False)(*args)
+    return sharded

@@ -1,0 +1,103 @@
+"""Model accounting without allocating a model: parameters, bytes, FLOPs, decode floors.
+
+Every count comes from the parameter descriptions (`params.param_specs`), the same ones
+`init_params` builds arrays from, so a new component is counted without touching this module.
+
+FLOPs: training FLOPs per token = 6·P_mm + 3·L·T·N·(H + Hv), where P_mm counts every weight used in
+a matmul — the blocks' projection matrices (their decayed tensors; gains and biases are not
+matrices) and the LM head, which counts even when tied — but not the gathered input-embedding or
+position tables; 3·L·T·N·(H + Hv) is causal attention, scores over query/key head dims H and the
+weighted sum over value head dims Hv (6·L·T·N·H when they are equal: half of PaLM's non-causal
+12·L·T·D; N·H = D for every LLaMA preset). MLA's up-projections of the latents are weights in P_mm
+(its training runs the expanded form). With MoE, P_mm counts *active* weights: each routed expert
+matrix times top_k/E (a token runs top_k of the E experts; `TensorSpec.used`), the router and shared
+experts whole. Capacity padding and dropped tokens are not counted (model FLOPs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+
+from llama_jax.config import ModelConfig
+from llama_jax.nn.heads import head_matmul_size
+from llama_jax.nn.attention.mixers import mixer_of
+from llama_jax.spec import TensorSpec, count, spec_leaves
+from llama_jax.model.params import param_specs
+
+TRAIN_FLOPS_FORMULA = ("6*P_mm + 3*L*T*N*(H+Hv) (P_mm: active matmul weights incl. LM head; "
+                       "causal attention)")
+DECODE_BYTES_FORMULA = ("weights read per step (all but the input-embedding table, which is "
+                        "gathered, unless tied; of MoE experts, those B tokens are expected to "
+                        "hit) + KV cache read for B x S tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    embedding: int  # the input token-embedding table, V·D
+    lm_head: int  # the untied LM head, D·V; 0 when tied to the embedding
+    matmul: int  # P_mm: active block matrices + the head's (the LM head's V·D even when tied)
+    active: int  # what one token uses: total less the routed experts it skips (= total dense)
+
+    @property
+    def non_embedding(self) -> int:
+        """Everything but the embedding table and an untied LM head."""
+        return self.total - self.embedding - self.lm_head
+
+
+@functools.lru_cache(maxsize=64)  # the planner asks several times per config
+def param_counts(config: ModelConfig) -> ParamCounts:
+    specs = param_specs(config)
+    block_matrices = sum(_active(s) for s in spec_leaves(specs["groups"]) if s.decay)
+    return ParamCounts(
+        total=count(specs),
+        embedding=count(specs["embed"]),
+        lm_head=count(specs.get("lm_head", {})),
+        matmul=block_matrices + head_matmul_size(config),
+        active=sum(_active(s) for s in spec_leaves(specs)),
+    )
+
+
+def _active(spec: TensorSpec) -> int:
+    """The elements of a tensor one token's forward pass uses."""
+    return round(spec.size * spec.used)
+
+
+def dtype_bytes(dtype: str) -> int:
+    return jnp.dtype(dtype).itemsize
+
+
+def kv_cache_bytes_per_token(config: ModelConfig, dtype: str = "bfloat16") -> int:
+    """GQA: 2 (K and V) · L · K · H · bytes: the cache holds KV heads only, never repeated
+    ones. MLA: L · (kv_lora_rank + qk_rope_head_dim) · bytes, the latent and the shared RoPE
+    key."""
+    return config.n_layers * mixer_of(config).cache_elements(config) * dtype_bytes(dtype)
+
+
+def train_flops_per_token(config: ModelConfig, seq_len: int, frozen_backbone: bool = False
+                          ) -> int:
+    """6·P_mm + attention (module docstring). With a frozen backbone (a task head trained
+    alone) only the head has a backward pass: 2·P_mm + 4·(the head's matmul weights) + the
+    attention's forward third."""
+    attention = 3 * config.n_layers * seq_len * config.n_heads * (config.H + config.v_head_dim)
+    if frozen_backbone:
+        return 2 * param_counts(config).matmul + 4 * head_matmul_size(config) + attention // 3
+    return 6 * param_counts(config).matmul + attention
+
+
+def decode_bytes_per_step(config: ModelConfig, batch: int, context: int,
+                          dtype: str = "bfloat16") -> int:
+    """Bytes one decode step must read: weights (the untied input embedding and a learned
+    position table are only gathered, B rows each; of a routed expert tensor, the experts B
+    tokens are expected to hit when each picks top_k of E uniformly: a fraction
+    1 - (1 - top_k/E)^B) plus the KV cache of every row at `context` tokens."""
+    counts, specs = param_counts(config), param_specs(config)
+    gathered = 0 if config.tie_embeddings else counts.embedding - batch * config.dim
+    positions = count(specs.get("positions", {}))  # a learned table: B rows
+    gathered += max(positions - batch * config.dim, 0)
+    unread = sum(s.size * (1 - s.used) ** batch for s in spec_leaves(specs))
+    weights = round(counts.total - gathered - unread) * dtype_bytes(dtype)
+    return weights + batch * context * kv_cache_bytes_per_token(config, dtype)

@@ -1,0 +1,242 @@
+"""Planner: sizes, bytes and FLOPs of a model without allocating it, and a training plan on a
+device mesh.
+
+    python -m llama_jax.plan.info PRESET_OR_CONFIG_FILE [--batch B] [--seq S] [--dtype D]
+                             [--bandwidth GBPS] [--json]
+                             [--mesh data=D,fsdp=F,tensor=T[,expert=E]
+                              --hardware {cpu,v5e,v5p,v6e,h100,h200} --remat POLICY
+                              --mfu 0.4 --compute-dtype bfloat16
+                              --attention-impl {auto,xla,chunked,cudnn,splash}]
+
+All numbers come from `llama_jax.plan.costs` and `llama_jax.plan.memory`; the formulas are printed next
+to the figures. With `--mesh` (or `--hardware`) it adds per-device training memory (weights,
+gradients, AdamW state, activations under the remat policy and the attention implementation as
+it would run on that hardware), the KV cache of B x S tokens per device, and the step time at
+the stated MFU. `--batch` is then the global batch in sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from llama_jax.plan import costs, hardware, memory
+from llama_jax.parallel import sharding
+from llama_jax.cli import user_errors_exit
+from llama_jax.parallel.sharding import MESH_AXES
+from llama_jax.config import DTYPES, REMAT_POLICIES, MeshConfig, ModelConfig, load_model_config
+from llama_jax.errors import ConfigError
+from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS, chosen_attention
+
+DEFAULT_BANDWIDTH_GBPS = hardware.HARDWARE["h100"].bandwidth / 1e9
+
+
+def plan(config: ModelConfig, *, batch: int, seq: int, dtype: str,
+         bandwidth_gbps: float) -> dict:
+    """Everything the planner reports, as plain data (the `--json` object)."""
+    counts = costs.param_counts(config)
+    kv_per_token = costs.kv_cache_bytes_per_token(config, dtype)
+    head_kv = config.H + config.v_head_dim  # one head's key and value
+    step_bytes = costs.decode_bytes_per_step(config, batch, seq, dtype)
+    floor_s = step_bytes / (bandwidth_gbps * 1e9)
+    return {
+        "config": {"D": config.D, "L": config.L, "N": config.N, "K": config.K, "H": config.H,
+                   "F": config.F, "V": config.V, "max_seq_len": config.max_seq_len,
+                   "tie_embeddings": config.tie_embeddings, "rope_theta": config.rope_theta,
+                   "rope_type": config.rope_type, "positions": config.positions,
+                   "mlp": config.mlp,
+                   "moe": config.moe and {"E": config.moe.n_experts, "top_k": config.moe.top_k,
+                                          "M": config.expert_ffn_dim},
+                   "attention": config.attention,
+                   "mla": config.mla and {"Z": config.mla.kv_lora_rank,
+                                          "I": config.mla.qk_rope_head_dim,
+                                          "J": config.mla.qk_nope_head_dim,
+                                          "Y": config.mla.v_head_dim,
+                                          "Q": config.mla.q_lora_rank}},
+        "n_params": counts.total,
+        "n_params_embedding": counts.embedding,
+        "n_params_lm_head": counts.lm_head,
+        "n_params_non_embedding": counts.non_embedding,
+        "n_params_matmul": counts.matmul,
+        "n_params_active": counts.active,
+        "weight_bytes": {d: counts.total * costs.dtype_bytes(d) for d in DTYPES},
+        "batch": batch,
+        "seq": seq,
+        "dtype": dtype,
+        "kv_cache_bytes_per_token": kv_per_token,
+        # what multi-head (K = N) and multi-query (K = 1) attention with these head widths
+        # would cache, for comparison
+        "kv_cache_mha_bytes_per_token": config.L * config.N * head_kv * costs.dtype_bytes(dtype),
+        "kv_cache_mqa_bytes_per_token": config.L * head_kv * costs.dtype_bytes(dtype),
+        "kv_cache_bytes": kv_per_token * batch * seq,
+        "train_flops_per_token": costs.train_flops_per_token(config, seq),
+        "train_flops_formula": costs.TRAIN_FLOPS_FORMULA,
+        "decode_bytes_per_step": step_bytes,
+        "decode_bytes_formula": costs.DECODE_BYTES_FORMULA,
+        "bandwidth_gbps": bandwidth_gbps,
+        "decode_floor_s_per_step": floor_s,
+        "decode_floor_tokens_per_s": batch / floor_s,
+    }
+
+
+def plan_training(config: ModelConfig, mesh: MeshConfig, *, batch: int, seq: int, remat: str,
+                  compute_dtype: str, device: hardware.Hardware, mfu: float,
+                  kv_dtype: str, attention_impl: str = "auto") -> dict:
+    """Per-device memory and step time of training `config` on `mesh` of `device`s."""
+    n_devices = math.prod(mesh.sizes)
+    config = config.with_execution(remat=remat, compute_dtype=compute_dtype,
+                                   param_dtype="float32", attention_impl=attention_impl)
+    batch_ways = sharding.batch_shards(mesh, dict(zip(MESH_AXES, mesh.sizes)))
+    if batch % batch_ways:
+        raise ConfigError(f"--batch {batch} does not split over data x fsdp x expert = "
+                          f"{batch_ways}")
+    m = memory.plan_memory(config, mesh, n_devices, batch=batch, seq=seq, remat=remat,
+                           kv_batch=batch, kv_dtype=kv_dtype, backend=device.backend)
+    flops = costs.train_flops_per_token(config, seq) * batch * seq
+    step_s = flops / (n_devices * device.peak_bf16_flops * mfu)
+    return {"mesh": m.mesh, "devices": n_devices, "hardware": device.name,
+            "device_memory_bytes": device.memory_bytes,
+            "peak_flops_per_device": device.peak_bf16_flops, "remat": remat,
+            "attention": chosen_attention(config, device.backend),
+            "compute_dtype": compute_dtype, "weights_bytes": m.weights,
+            "gradients_bytes": m.gradients, "optimizer_bytes": m.optimizer,
+            "activations_bytes": m.activations, "training_bytes": m.training,
+            "fits": m.training <= device.memory_bytes, "kv_cache_bytes": m.kv_cache,
+            "mfu": mfu, "step_flops": flops, "step_s": step_s,
+            "tokens_per_s": batch * seq / step_s}
+
+
+def render_training(t: dict, batch: int, seq: int) -> str:
+    mesh = ",".join(f"{k}={v}" for k, v in t["mesh"].items())
+    fits = "fits" if t["fits"] else "does NOT fit"
+    return "\n".join([
+        f"training plan        mesh {mesh} ({t['devices']} x {t['hardware']}: "
+        f"{_bytes(t['device_memory_bytes'])}, {t['peak_flops_per_device'] / 1e12:,.0f} TFLOP/s "
+        f"each); global batch {batch} x {seq} tokens, fp32 params + AdamW, "
+        f"{t['compute_dtype']} compute, remat {t['remat']}, {t['attention']} attention",
+        f"  per device: weights {_bytes(t['weights_bytes'])}, gradients "
+        f"{_bytes(t['gradients_bytes'])}, optimizer {_bytes(t['optimizer_bytes'])}, "
+        f"activations {_bytes(t['activations_bytes'])}",
+        f"  total {_bytes(t['training_bytes'])} per device: {fits} in "
+        f"{_bytes(t['device_memory_bytes'])}",
+        f"  step {t['step_s']:.3f} s at {t['mfu']:.0%} MFU = {t['tokens_per_s']:,.0f} tokens/s "
+        f"({t['step_flops']:.3e} FLOPs per step, {costs.TRAIN_FLOPS_FORMULA})",
+        f"  decode KV cache of B={batch} x S={seq}: {_bytes(t['kv_cache_bytes'])} per device",
+    ])
+
+
+def parse_mesh(text: str) -> MeshConfig:
+    sizes = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in MESH_AXES or not value.lstrip("-").isdigit():
+            raise ConfigError(f"--mesh {text!r}: expected data=D,fsdp=F,tensor=T[,expert=E] "
+                              f"(axes {', '.join(MESH_AXES)})")
+        sizes[name] = int(value)
+    mesh = MeshConfig(**{"data": 1, **sizes})
+    if -1 in mesh.sizes:
+        raise ConfigError(f"--mesh {text!r}: give every size (the planner has no devices "
+                          "to fill -1 from)")
+    return mesh
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n):,} B"
+        n /= 1024
+
+
+def render(name: str, p: dict) -> str:
+    c = p["config"]
+    lines = [
+        f"{name}: D={c['D']} L={c['L']} N={c['N']} K={c['K']} H={c['H']} F={c['F']} "
+        f"V={c['V']} context={c['max_seq_len']} tied={c['tie_embeddings']} "
+        + (f"rope_theta={c['rope_theta']:g} rope_type={c['rope_type']}"
+           if c["rope_theta"] is not None else f"positions={c['positions']}")
+        + (f" mlp=moe E={c['moe']['E']} top_k={c['moe']['top_k']} M={c['moe']['M']}"
+           if c["moe"] else "")
+        + (" attention=mla " + " ".join(f"{k}={v}" for k, v in c["mla"].items() if v)
+           if c["mla"] else ""),
+        f"parameters           {p['n_params']:>20,}",
+        f"  embedding (V*D)    {p['n_params_embedding']:>20,}",
+        f"  LM head (untied)   {p['n_params_lm_head']:>20,}",
+        f"  non-embedding      {p['n_params_non_embedding']:>20,}",
+        f"  active per token   {p['n_params_active']:>20,}"
+        + ("" if p["n_params_active"] == p["n_params"] else "  (MoE: top_k of E routed experts)"),
+        f"  in matmuls (P_mm)  {p['n_params_matmul']:>20,}  (active)",
+        "weight bytes         " + "  ".join(f"{d} {_bytes(b)}" for d, b in p["weight_bytes"].items()),
+        f"KV cache ({p['dtype']})    {_bytes(p['kv_cache_bytes_per_token'])} per token "
+        + ("(L*(Z+I)*bytes: MLA's latent and RoPE key)" if c["mla"] else "(2*L*K*H*bytes)")
+        + f"; {_bytes(p['kv_cache_bytes'])} for B={p['batch']} x S={p['seq']}",
+        f"  vs these heads as  MHA {_bytes(p['kv_cache_mha_bytes_per_token'])}, MQA "
+        f"{_bytes(p['kv_cache_mqa_bytes_per_token'])} per token (GQA: K/N of MHA)",
+        f"training FLOPs/token {p['train_flops_per_token']:,.4g} at T={p['seq']}  "
+        f"[{p['train_flops_formula']}]",
+        f"decode floor         {p['decode_floor_s_per_step'] * 1e3:.3f} ms/step, "
+        f"{p['decode_floor_tokens_per_s']:,.1f} tokens/s at B={p['batch']}, S={p['seq']}, "
+        f"{p['bandwidth_gbps']:g} GB/s  [{_bytes(p['decode_bytes_per_step'])} per step = "
+        f"{p['decode_bytes_formula']}]",
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m llama_jax.plan.info", description=__doc__.split(
+        "\n\n")[0])
+    parser.add_argument("config", help="preset name (e.g. llama3-8b) or path to a config file")
+    parser.add_argument("--batch", type=int, default=1, help="batch size B (default 1)")
+    parser.add_argument("--seq", type=int, default=None,
+                        help="sequence / context length S (default: the model's max_seq_len)")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
+                        help="dtype of weights and KV cache for bytes and the decode floor")
+    parser.add_argument("--bandwidth", type=float, default=None,
+                        help="memory bandwidth in GB/s for the decode floor (default: that of "
+                             "--hardware, else an H100 SXM's)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--mesh", help="plan training on this mesh, e.g. data=2,fsdp=32,tensor=1")
+    parser.add_argument("--hardware", choices=["cpu", *hardware.HARDWARE],
+                        help="device kind of the training plan (default h100; cpu: measured)")
+    parser.add_argument("--remat", choices=REMAT_POLICIES, default="dots_no_batch",
+                        help="activation checkpointing policy of the training plan")
+    parser.add_argument("--mfu", type=float, default=0.4,
+                        help="model FLOPs utilisation assumed for the step time (default 0.4)")
+    parser.add_argument("--compute-dtype", choices=DTYPES, default="bfloat16",
+                        help="matmul dtype of the training plan (parameters stay fp32)")
+    parser.add_argument("--attention-impl", choices=ATTENTION_IMPLS, default="auto",
+                        help="attention implementation of the training plan (auto: cuDNN on "
+                             "GPUs, splash on TPUs, chunked on CPUs; xla: dense)")
+    return parser.parse_args(argv)
+
+
+@user_errors_exit
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = load_model_config(args.config)
+    seq = config.max_seq_len if args.seq is None else args.seq
+    device = hardware.hardware(args.hardware or "h100")
+    if args.bandwidth is None:
+        args.bandwidth = device.bandwidth / 1e9 if args.hardware else DEFAULT_BANDWIDTH_GBPS
+    for flag, value in (("--batch", args.batch), ("--seq", seq), ("--bandwidth", args.bandwidth)):
+        if value <= 0:
+            raise ConfigError(f"{flag}={value} must be > 0")
+    if not 0 < args.mfu <= 1:
+        raise ConfigError(f"--mfu={args.mfu} must be in (0, 1]")
+    mesh = parse_mesh(args.mesh) if args.mesh else None
+    result = plan(config, batch=args.batch, seq=seq, dtype=args.dtype,
+                  bandwidth_gbps=args.bandwidth)
+    text = render(args.config, result)
+    if mesh is not None or args.hardware:
+        result["training"] = plan_training(
+            config, mesh or MeshConfig(data=1), batch=args.batch, seq=seq, remat=args.remat,
+            compute_dtype=args.compute_dtype, device=device,
+            mfu=args.mfu, kv_dtype=args.dtype, attention_impl=args.attention_impl)
+        text += "\n" + render_training(result["training"], args.batch, seq)
+    print(json.dumps(result, indent=2) if args.json else text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Per-device memory and step time of a training run on a mesh, without allocating anything.
+
+State (from the parameter descriptions and the weight rules, so it is exactly what `trainer`
+creates): parameters in `param_dtype`, gradients like them, AdamW's two moments in fp32.
+
+Activations saved for the backward pass, per layer and per token held by the device, in
+`compute_dtype` bytes b (fp32 where the code computes in fp32), under each remat policy:
+- none: block input, both norm outputs, q, k, v, attention output, residual, gate, up and
+  their product: b·(4D + 2·N·H + 2·K·H + 3F) (an MoE MLP: see `_mlp_memory`; the attention
+  projections are the mixer's `saved_activations`, nn/attention/), plus
+  attention's own: the dense (`xla`) path
+  keeps the fp32 softmax probabilities and scores for all T keys, 2·4·N·T; the blockwise ones
+  (chunked, cuDNN, splash) their output again and one fp32 log-sum-exp per head,
+  b·N·Hv + 4·N; a plain MLP keeps 2F (up, activation);
+- dots: the outputs of every matmul (q, k, v, attention output, o, gate, up, down):
+  b·(2·N·H + 2·K·H + 2D + 2F) (1F for a plain MLP), plus the dense path's fp32 scores, 4·N·T,
+  or the blockwise paths' log-sum-exp, 4·N;
+- dots_no_batch: the weight matmuls only (attention is recomputed): b·(N·H + 2·K·H + 2D + 2F);
+- full: the block input only, b·D (the block is recomputed).
+cuDNN with packed documents (as training is) also keeps its `[T, S]` document mask as a b-byte
+bias per layer, b·T per token, except under the recomputing policies.
+Heads and the FFN width are divided by the tensor axis when the activation rules shard them.
+Working set on top: one whole layer's activations (the layer being back-propagated, recomputed
+under remat), the fp32 logits, their softmax and its gradient, 3·4·V per token (over tensor when
+the vocabulary is sharded), and the embedded input, b·D; for the blockwise paths, a few fp32
+tiles of scores (3·4·N·block_q·block_kv per row). The figures are estimates; `python -m
+llama_jax.plan.info` prints them, and tests/test_memory.py checks them against XLA's
+`compiled.memory_analysis()` on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from llama_jax.plan import costs
+from llama_jax.parallel import sharding
+from llama_jax.config import MeshConfig, ModelConfig
+from llama_jax.parallel.sharding import MESH_AXES
+from llama_jax.nn.attention.dot_product import chosen_attention, one_block
+from llama_jax.nn.attention.mixers import mixer_of
+from llama_jax.nn.mlp import MLPS
+from llama_jax.nn.moe import dispatch_of
+from llama_jax.spec import count, spec_leaves
+from llama_jax.model.params import layer_groups, param_specs
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    mesh: dict[str, int]
+    weights: int  # bytes per device
+    gradients: int
+    optimizer: int
+    activations: int
+    kv_cache: int  # for decoding B rows of S tokens (not part of training)
+
+    @property
+    def training(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+
+def _ways(rules: tuple, mesh_shape: dict[str, int], axis: str, size: int) -> int:
+    """How many ways an activation dimension named `axis` of `size` is split."""
+    return sharding.shard_ways(sharding.spec((axis,), (size,), rules, mesh_shape), mesh_shape)
+
+
+def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch: int,
+                seq: int, remat: str, micro_batches: int = 1, kv_batch: int = 1,
+                kv_seq: int | None = None, kv_dtype: str = "bfloat16",
+                backend: str = "cpu") -> MemoryPlan:
+    """Per-device bytes of training `config` (attention as it would run on `backend`)."""
+    shape = dict(zip(MESH_AXES, mesh.shape_for(n_devices)))
+    param_bytes = costs.dtype_bytes(config.param_dtype)
+    specs = param_specs(config)
+    state_elems = sum(
+        s.size // sharding.shard_ways(sharding.spec(s.axes, s.shape, mesh.weight_rules, shape),
+                                      shape)
+        for s in spec_leaves(specs))
+    rules = mesh.activation_rules
+    rows = batch // micro_batches // _ways(rules, shape, "batch", batch // micro_batches)
+    tokens = rows * seq
+    b = costs.dtype_bytes(config.compute_dtype)
+    D, V, T = config.D, config.V, seq
+    heads = config.N // _ways(rules, shape, "heads", config.N)
+    attn = _attention_memory(config, backend, T, b, heads)
+    mixer = mixer_of(config).saved_activations(config, heads,
+                                                config.K // _ways(rules, shape, "kv_heads", config.K))
+    per_token, whole_layer, gathered = 0, 0, 0
+    for group, group_specs in zip(layer_groups(config), specs["groups"]):
+        mlp = _mlp_memory(config, group.moe, b, lambda width: width // _ways(
+            rules, shape, "mlp", width), exchanged=shape["expert"] > 1)
+        if group.moe and dispatch_of(config, drop=True) == "dropless" and \
+                math.prod(shape.values()) > 1:
+            # Each device runs its rows' grouped matmuls on every expert's weights, gathered
+            # (kept for the backward pass) and their gradient before it is reduce-scattered.
+            gathered += 2 * param_bytes * count(group_specs["mlp"]["experts"])  # [L, E, ...]
+        layer = {
+            "none": b * (4 * D + mixer["none"]) + mlp["none"] + attn.saved,
+            "dots": b * (2 * D + mixer["dots"]) + mlp["dots"] + attn.saved_by_dots,
+            "dots_no_batch": b * (2 * D + mixer["dots_no_batch"]) + mlp["dots_no_batch"],
+            "full": b * D,
+        }
+        per_token += group.n_layers * layer[remat]
+        whole_layer = max(whole_layer, layer["none"])
+    # Working set of the backward pass: one layer's activations (recomputed under remat), the
+    # logits, their softmax and its gradient, and attention's tiles.
+    outside = whole_layer + 3 * 4 * V // _ways(rules, shape, "vocab", V) + b * D
+    kv_seq = seq if kv_seq is None else kv_seq
+    cache = mesh.cache_rules
+    kv = (costs.kv_cache_bytes_per_token(config, kv_dtype) * kv_batch * kv_seq
+          // _ways(cache, shape, "batch", kv_batch)
+          // _ways(cache, shape, *mixer_of(config).cache_split(config)))
+    return MemoryPlan(mesh=shape, weights=state_elems * param_bytes,
+                      gradients=state_elems * param_bytes, optimizer=2 * 4 * state_elems,
+                      activations=tokens * (per_token + outside) + rows * attn.tiles + gathered,
+                      kv_cache=kv)
+
+
+def _mlp_memory(config: ModelConfig, moe: bool, b: int, local,
+                exchanged: bool = False) -> dict[str, int]:
+    """Bytes per token an MLP keeps under each remat policy (`local(width)`: the part of a
+    hidden width a device holds): its kind's `saved_widths` (nn/mlp.py) of the hidden width.
+
+    MoE, per token and layer, with R = top_k and s = the slots per assignment (the capacity
+    factor on capacity buffers, whose padding is computed too; 1 dropless): R·s expert MLPs'
+    hidden values, input rows (b·D) and fp32 output rows (4·D) — in both layouts around the
+    all-to-alls when the expert axis splits them — plus, per assignment, the row copied into
+    the buffers (b·D) and the fp32 output gathered back (4·D); the router's fp32 logits and
+    scores (2·4·E); shared experts as a dense MLP. dots keeps the matmul outputs only; under
+    dots_no_batch the experts' matmuls (batched over E, or grouped) are recomputed."""
+    widths = MLPS[config.dense_mlp].saved_widths()
+    saved, dots = widths["none"], widths["dots"]
+    if not moe:
+        F = local(config.F)
+        return {"none": b * saved * F, "dots": b * dots * F, "dots_no_batch": b * dots * F}
+    m, D = config.moe, config.D
+    capacity_path = dispatch_of(config, drop=True) == "capacity"
+    R, slots = m.top_k, (m.capacity_factor or 1.0) if capacity_path else 1.0
+    M, U, E = local(config.expert_ffn_dim), local(m.n_shared_experts * config.expert_ffn_dim), \
+        m.n_experts
+    copies = 2 if exchanged and capacity_path else 1
+    experts_none = R * slots * (b * saved * M + copies * (b + 4) * D) + R * (b + 4) * D
+    experts_dots = R * slots * (b * dots * M + 4 * D) + R * 4 * D
+    router = 2 * 4 * E
+    return {"none": int(experts_none) + router + b * saved * U,
+            "dots": int(experts_dots) + router + b * dots * U,
+            "dots_no_batch": 4 * E + b * dots * U}
+
+
+@dataclasses.dataclass(frozen=True)
+class _AttentionMemory:
+    saved: int  # bytes per token per layer kept with no remat
+    saved_by_dots: int  # of them, those the "dots" policy keeps
+    tiles: int  # working set per row
+
+
+def _attention_memory(config: ModelConfig, backend: str, T: int, b: int,
+                      N: int) -> _AttentionMemory:
+    """What attention adds to the activations under the implementation `config` picks on
+    `backend` (N: the heads a device holds)."""
+    impl = chosen_attention(config, backend)
+    block_q, block_kv = min(config.attention_block_q, T), min(config.attention_block_kv, T)
+    if impl == "xla" or (impl == "chunked" and one_block(T, T, config.attention_block_q,
+                                                         config.attention_block_kv)):
+        return _AttentionMemory(saved=2 * 4 * N * T, saved_by_dots=4 * N * T, tiles=0)
+    mask = b * T if impl == "cudnn" else 0
+    return _AttentionMemory(saved=b * N * config.v_head_dim + 4 * N + mask,
+                            saved_by_dots=4 * N + mask,
+                            tiles=3 * 4 * N * block_q * block_kv)

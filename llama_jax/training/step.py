@@ -1,0 +1,120 @@
+"""The training and evaluation steps as pure functions of (state, batch).
+
+Loss (`objective`): for language modelling, next-token cross-entropy in fp32 averaged over the
+scored tokens of the whole batch (a target that begins the next packed document is not scored),
+plus an optional z-loss `z · mean(log Z)²` (PaLM) that keeps the softmax normaliser near 1; for
+a downstream task, its loss (tasks.py). Either is a sum with its count, so the step divides
+once by the whole batch's count.
+
+Gradient accumulation: the batch is split into `micro_batches` parts run one after another by
+`lax.scan`, each giving the gradient of its *summed* loss; the sums are divided by the token
+count of the whole batch once at the end, so m micro-batches give the gradient of one big batch
+(up to float summation order) and activation memory is that of one part.
+
+Mixed precision: the parameters (and optimizer moments) stay in `param_dtype` (fp32 masters);
+the model casts weights to `compute_dtype` inside its matmuls, so gradients arrive in fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from llama_jax.training import tasks
+from llama_jax.config import ModelConfig, RunConfig, TrainConfig
+from llama_jax.data.batches import features
+from llama_jax.model.transformer import apply, aux_loss, aux_metrics, update_outside_gradient
+from llama_jax.nn.heads import lm_head
+from llama_jax.model.params import Params, init_params
+
+
+# (params, batch) -> (the objective's sum, ({loss_sum, count, statistics...}, aux outputs))
+LossFn = Callable[[Params, Any], tuple[jax.Array, tuple[dict, tuple]]]
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 []: steps taken, skipped (non-finite) ones included
+    params: Params
+    opt_state: optax.OptState
+
+
+def init_state(config: ModelConfig, optimizer: optax.GradientTransformation,
+               key: jax.Array) -> TrainState:
+    params = init_params(config, key)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(params))
+
+
+def loss_sums(config: ModelConfig, params: Params, window_BT1: jax.Array, bos_id: int,
+              z_loss: float) -> tuple[jax.Array, tuple[dict, tuple]]:
+    """Language modelling: (cross-entropy + z-loss + the blocks' auxiliary losses, summed over
+    scored tokens), ({loss_sum: the cross-entropy sum, count}, the blocks' auxiliary outputs).
+    Auxiliary losses (per-token means) are scaled by the count so that dividing the sum by it
+    gives `mean CE + aux`."""
+    f = features(window_BT1, bos_id)
+    out = apply(config, params, f.inputs_BT, positions_BT=f.positions_BT,
+                segment_ids_BT=f.segment_ids_BT)
+    logits_BTV = lm_head(config, params, out.hidden_BTD)
+    log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    target_logit_BT = jnp.take_along_axis(logits_BTV, f.targets_BT[..., None], axis=-1)[..., 0]
+    ce_sum = jnp.sum((log_z_BT - target_logit_BT) * f.weights_BT)
+    count = jnp.sum(f.weights_BT)
+    total = ce_sum + z_loss * jnp.sum(jnp.square(log_z_BT) * f.weights_BT)
+    total += aux_loss(out.aux) * count
+    return total, ({"loss_sum": ce_sum, "count": count}, out.aux)
+
+
+def objective(run: RunConfig, bos_id: int) -> LossFn:
+    """The run's loss: language modelling on packed windows, or its task's (tasks.py)."""
+    if run.task is None:
+        return functools.partial(loss_sums, run.model, bos_id=bos_id, z_loss=run.train.z_loss)
+    return functools.partial(tasks.loss_sums, run.model, run.train.freeze == "backbone")
+
+
+def train_step(config: ModelConfig, train: TrainConfig, optimizer: optax.GradientTransformation,
+               loss_fn: LossFn, state: TrainState, batch) -> tuple[TrainState, dict]:
+    """One optimizer step on a batch (packed windows `[B, T + 1]`, or a task's dict of
+    arrays, every leaf `[B, ...]`); returns the new state and this step's metrics (loss = the
+    mean loss before the update)."""
+    grad_of_sums = jax.grad(loss_fn, has_aux=True)
+    if train.micro_batches == 1:
+        grad_sums, (sums, aux) = grad_of_sums(state.params, batch)
+    else:
+        parts = jax.tree.map(lambda x: x.reshape(train.micro_batches, -1, *x.shape[1:]), batch)
+
+        def accumulate(carry, part):
+            return jax.tree.map(jnp.add, carry, grad_of_sums(state.params, part)), None
+
+        # The carry's structure (gradients, sums, auxiliary outputs) is the first part's.
+        shapes = jax.eval_shape(grad_of_sums, state.params, jax.tree.map(lambda x: x[0], parts))
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), shapes)
+        (grad_sums, (sums, aux)), _ = jax.lax.scan(accumulate, zeros, parts)
+    count = jnp.maximum(sums["count"], 1.0)
+    grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grad_sums, state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    metrics = {"loss": sums["loss_sum"] / count, "grad_norm": optax.tree.norm(grads),
+               "nonfinite_in_row": opt_state.notfinite_count,
+               "nonfinite_total": opt_state.total_notfinite, **aux_metrics(aux)}
+    params = optax.apply_updates(state.params, updates)
+    if train.freeze == "backbone":  # nothing of a frozen backbone changes, by rule either
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    # Rule-based updates (the MoE selection bias) are skipped with the step when it was not
+    # finite, so such a step changes nothing.
+    ruled = update_outside_gradient(config, params, aux)
+    params = jax.tree.map(lambda new, old: new if new is old else jnp.where(
+        opt_state.last_finite, new, old), ruled, params)
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    return new_state, metrics
+
+
+def eval_sums(loss_fn: LossFn, params: Params, batch) -> tuple[dict, tuple]:
+    """(the loss's sums — loss_sum, count and a task's statistics —, auxiliary outputs) of one
+    validation batch: sums to add over batches (`aux_metrics` turns the last into scalars)."""
+    _, sums = loss_fn(params, batch)
+    return sums

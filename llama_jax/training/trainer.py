@@ -1,0 +1,400 @@
+"""The training loop: data, state, checkpoints, metrics and signals around `training.train_step`.
+
+Order of work, so that every mistake in the input surfaces before anything is compiled: check
+the config against the devices, claim the workdir (refusing one that holds another run's
+checkpoints), find and tokenize the corpus, then compile the step ahead of time (its compile
+time is reported on its own), restore the latest checkpoint if there is one, and train.
+
+Everything runs on the mesh of the config's `mesh:` section (`sharding.py`): the state is
+created already sharded by the weight rules (optimizer moments like their parameters), the step
+is compiled with explicit in/out shardings and the state donated, and each batch is laid out
+over the batch rule's mesh axes (data x fsdp by default).
+
+Stopping: at `train.steps`, at `stop_at`, or on SIGTERM / SIGINT, the loop finishes the step in
+flight, writes a checkpoint and returns. Non-finite steps are skipped by the optimizer; after
+`train.max_nonfinite` of them in a row the run stops with `TrainingError`, without saving
+(the last checkpoint holds finite parameters from before the trouble).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from tqdm import tqdm
+
+from llama_jax.plan import costs, hardware
+from llama_jax.data import batches, tasks as task_data
+from llama_jax.data.corpus import cache_root, find_corpus, keep_tokenizer, prepare_tokenizer, tokenize_corpus, unigram_entropy
+from llama_jax.training import finetune, tasks
+from llama_jax.parallel import sharding
+from llama_jax.formats import workdir as run_dir
+from llama_jax.config import RunConfig
+from llama_jax.errors import ConfigError, TrainingError
+from llama_jax.formats.legacy import is_legacy
+from llama_jax.model.params import abstract_params, param_specs
+from llama_jax.training.metrics import MetricsLog
+from llama_jax.nn.attention.dot_product import chosen_attention, describe_attention
+from llama_jax.nn.heads import is_task_head
+from llama_jax.training.optim import learning_rate_schedule, make_optimizer
+from llama_jax.model.transformer import aux_metrics
+from llama_jax.training.step import TrainState, eval_sums, init_state, objective, train_step
+
+TASK_METRICS = ("val_accuracy", "val_macro_f1", "val_rmse")  # printed with val_loss
+
+
+
+@dataclasses.dataclass
+class Outcome:
+    step: int  # the last step taken (and checkpointed)
+    stopped_by: str | None = None  # "SIGTERM", "SIGINT", "stop_at"; None when the run finished
+    val_loss: float | None = None  # the last evaluation
+    val_unigram_entropy: float = 0.0  # nats/token: the validation loss of a context-free model
+    compile_s: float = 0.0
+    tokens_per_s: float = 0.0  # over the whole run, compile excluded
+    peak_memory_bytes: int | None = None  # per device: see `_peak_memory`
+    val_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the last eval
+
+
+def check_run(run: RunConfig, mesh: jax.sharding.Mesh) -> None:
+    """Config errors that only show against the mesh, the backend or across sections."""
+    model, train = run.model, run.train
+    if run.task is None and is_task_head(model):
+        raise ConfigError(f"model.head={model.head!r} needs a `task:` section (language "
+                          "modelling trains the LM head)")
+    if run.task is None and train.freeze != "none":
+        raise ConfigError(f"train.freeze={train.freeze!r} needs a `task:` section (it trains "
+                          "a task head alone)")
+    chosen_attention(model)
+    if train.seq_len > model.max_seq_len:
+        raise ConfigError(f"train.seq_len={train.seq_len} exceeds the model's context "
+                          f"(model.max_seq_len={model.max_seq_len})")
+    micro = train.batch_size // train.micro_batches
+    batch_ways = sharding.batch_shards(run.mesh, mesh.shape)
+    if micro % batch_ways:
+        raise ConfigError(f"train.batch_size={train.batch_size} / train.micro_batches="
+                          f"{train.micro_batches} = {micro} sequences per micro-batch do not "
+                          f"split across the {batch_ways} batch shards of mesh "
+                          f"{dict(mesh.shape)}")
+
+
+def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
+          log: Callable[[str], None] = print, progress: bool = True) -> Outcome:
+    """Trains (or resumes) the run in `workdir` up to `train.steps` (or `stop_at`)."""
+    model, train_cfg = run.model, run.train
+    devices = jax.devices()
+    local = jax.local_devices()[0]  # memory statistics: another process's device has none here
+    mesh = sharding.make_mesh(run.mesh, devices)
+    check_run(run, mesh)
+    run_dir.claim(workdir, run)
+    log(describe_attention(model, train_cfg.seq_len))
+
+    source = (_corpus_data if run.task is None else _task_data)(run, workdir, log)
+    iterator, val = source.train, source.val
+
+    checkpoints = run_dir.Checkpoints(workdir, train_cfg)
+    start = checkpoints.latest_step() or 0
+    end = min(train_cfg.steps, stop_at or train_cfg.steps)
+    if start >= end:
+        checkpoints.close()
+        log(f"nothing to do: the latest checkpoint is at step {start}, the run ends at {end}")
+        return Outcome(step=start)
+    if start and is_legacy(checkpoints.stored_params(start)):
+        checkpoints.close()
+        raise TrainingError(
+            f"{workdir / run_dir.CHECKPOINTS / str(start)} was written by llama_jax 0.1 (flat "
+            "`layers` parameter tree): its weights load (load_checkpoint, sample.py), but its "
+            "optimizer state cannot resume training in this version. Convert the weights with "
+            f"`python -m llama_jax.formats.convert {workdir} NEW_DIR` and start a new run, or resume "
+            "with llama_jax 0.1")
+
+    programs = _programs(run, source.bos_id, mesh)
+    batch_sharding, abstract, compile_s = (programs.batch_sharding, programs.abstract,
+                                           programs.compile_s)
+    if start:
+        params, opt_state = checkpoints.restore(start, abstract.params, abstract.opt_state,
+                                                iterator)
+        state = TrainState(step=jnp.asarray(start, jnp.int32), params=params,
+                           opt_state=opt_state)
+        log(f"resumed from {workdir / run_dir.CHECKPOINTS / str(start)}")
+    else:
+        state = programs.init(jax.random.key(train_cfg.seed))
+        if run.init_from is not None:
+            log(f"initialised from {run.init_from}")
+
+    tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
+    flops_per_step = tokens_per_step * costs.train_flops_per_token(
+        model, train_cfg.seq_len, frozen_backbone=train_cfg.freeze == "backbone")
+    peak = (train_cfg.peak_flops or hardware.peak_flops_per_device(model.compute_dtype)) \
+        * len(devices)
+    schedule = learning_rate_schedule(train_cfg)
+    metrics = MetricsLog(workdir / run_dir.METRICS, workdir / run_dir.TENSORBOARD, start)
+    outcome = Outcome(step=start, compile_s=compile_s,
+                      val_unigram_entropy=source.val_unigram_entropy)
+    log(f"step compiled in {compile_s:.1f} s ({_mib(programs.step_bytes)} per device); "
+        f"training steps {start + 1}..{end} of "
+        f"{train_cfg.steps} on {len(devices)} {devices[0].platform} device(s), mesh "
+        f"{dict(mesh.shape)}")
+
+    def save(step: int, state: TrainState) -> None:
+        if not bool(_all_finite(state.params)):
+            raise TrainingError(f"parameters are not finite at step {step}; not saving over "
+                                "the last good checkpoint")
+        checkpoints.save(step, state.params, state.opt_state, iterator)
+
+    bar = tqdm(total=train_cfg.steps, initial=start, disable=not progress or
+               jax.process_index() != 0, dynamic_ncols=True, unit="step")
+    say = bar.write if not bar.disable else log
+    run_start = window_start = time.perf_counter()
+    window_steps, window_paused = 0, 0.0  # evaluation and saving do not count as training time
+    try:
+        with _stop_signals() as received:
+            for step in range(start + 1, end + 1):
+                batch = _on_devices(batch_sharding, next(iterator))
+                state, step_metrics = programs.step(state, batch)
+                values = jax.device_get(step_metrics)
+                window_steps += 1
+                record = {"loss": values["loss"]}
+                if values["nonfinite_in_row"] >= train_cfg.max_nonfinite:
+                    raise TrainingError(
+                        f"step {step}: the loss or gradients were non-finite for "
+                        f"{values['nonfinite_in_row']} steps in a row (train.max_nonfinite="
+                        f"{train_cfg.max_nonfinite}); stopped without saving. Lower "
+                        f"train.learning_rate or check the data; the last checkpoint "
+                        f"({checkpoints.latest_step()}) is intact")
+                if step % train_cfg.log_every == 0 or step == end:
+                    elapsed = time.perf_counter() - window_start - window_paused
+                    record.update(
+                        lr=schedule(step - 1 - int(values["nonfinite_total"])),
+                        grad_norm=values["grad_norm"],
+                        tokens_per_s=window_steps * tokens_per_step / elapsed,
+                        mfu=window_steps * flops_per_step / elapsed / peak,
+                        nonfinite_total=values["nonfinite_total"],
+                        **_memory_record(_peak_memory(local, programs.step_bytes)),
+                        **{k: v for k, v in values.items() if k.startswith("moe_")})
+                    bar.set_postfix(loss=f"{values['loss']:.3f}",
+                                    tok_s=f"{record['tokens_per_s']:.0f}",
+                                    mfu=f"{record['mfu']:.0%}", refresh=False)
+                    window_start, window_steps, window_paused = time.perf_counter(), 0, 0.0
+                paused_from = time.perf_counter()
+                if step % train_cfg.eval_every == 0 or step == train_cfg.steps:
+                    val_metrics = _validation(programs.evaluate, state.params, val,
+                                              batch_sharding, run.task is not None)
+                    outcome.val_loss = val_metrics["val_loss"]
+                    outcome.val_metrics = val_metrics
+                    record.update(val_metrics)
+                    say(f"step {step}: " + " ".join(
+                        f"{k} {v:.4f}" for k, v in val_metrics.items()
+                        if k in ("val_loss", "val_ppl", *TASK_METRICS)))
+                metrics.write(step, record)
+                bar.update(1)
+                outcome.step = step
+                stopping = received or (["stop_at"] if step == end < train_cfg.steps else [])
+                if stopping or step % train_cfg.checkpoint_every == 0 or step == end:
+                    save(step, state)
+                window_paused += time.perf_counter() - paused_from
+                if stopping:
+                    outcome.stopped_by = stopping[0]
+                    log(f"stopped by {stopping[0]} after step {step}; checkpoint saved, "
+                        "rerun the same command to resume")
+                    break
+        outcome.tokens_per_s = (outcome.step - start) * tokens_per_step / (
+            time.perf_counter() - run_start)
+        outcome.peak_memory_bytes = _peak_memory(local, programs.step_bytes)
+    finally:
+        bar.close()
+        checkpoints.close()
+        metrics.close()
+    return outcome
+
+
+@dataclasses.dataclass(frozen=True)
+class _Programs:
+    init: Callable  # seed key -> TrainState, created sharded
+    abstract: TrainState  # shapes, dtypes and shardings of the state
+    step: Callable  # (state, batch) -> (state, metrics), compiled ahead of time, state donated
+    evaluate: Callable  # (params, batch) -> (sums: loss_sum, count, ...; aux), compiled
+    compile_s: float
+    batch_sharding: NamedSharding
+    step_bytes: int | None  # XLA's footprint of the step per device; None if not reported
+
+
+def _footprint(compiled) -> int | None:
+    """Bytes a compiled program holds at once per device: its arguments, the outputs that do
+    not reuse an argument's buffer (the state is donated), and its temporaries."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    return (stats.argument_size_in_bytes + stats.output_size_in_bytes
+            - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+
+
+def _peak_memory(device, step_bytes: int | None) -> int | None:
+    """The allocator's peak so far where the backend counts it (GPU, TPU: everything the
+    process holds on the device), else (CPU) the compiled step's footprint."""
+    stats = device.memory_stats() or {}
+    return stats.get("peak_bytes_in_use", step_bytes)
+
+
+def _memory_record(peak: int | None) -> dict[str, int]:
+    return {} if peak is None else {"peak_memory_bytes": peak}
+
+
+def _mib(size: int | None) -> str:
+    return "size not reported" if size is None else f"{size / 2**20:,.1f} MiB"
+
+
+@functools.lru_cache(maxsize=4)
+def _programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh) -> _Programs:
+    """The run's jitted functions with explicit in/out shardings, compiled now (cached per
+    process, so a resumed run in the same process does not compile again)."""
+    optimizer = make_optimizer(run.model, run.train)
+    replicated = sharding.replicated(mesh)
+    params_sharding = sharding.param_shardings(param_specs(run.model), mesh, run.mesh)
+    state_sharding = TrainState(
+        step=replicated, params=params_sharding,
+        opt_state=sharding.optimizer_state_shardings(optimizer, abstract_params(run.model),
+                                                     params_sharding, mesh))
+    batch_sharding = sharding.batch_sharding(mesh, run.mesh, ndim=1)  # rows of every leaf
+    init = jax.jit(functools.partial(init_state, run.model, optimizer),
+                   out_shardings=state_sharding)
+    abstract = jax.eval_shape(init, jax.random.key(0))
+    if run.init_from is not None:
+        init = functools.partial(_init_from_checkpoint, run, optimizer, params_sharding,
+                                 state_sharding, mesh)
+    if run.task is None:
+        batch = jax.ShapeDtypeStruct((run.train.batch_size, run.train.seq_len + 1), jnp.int32)
+    else:
+        batch = tasks.abstract_batch(run)
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                        sharding=batch_sharding), batch)
+    loss_fn = objective(run, bos_id)
+    step = jax.jit(functools.partial(train_step, run.model, run.train, optimizer, loss_fn),
+                   in_shardings=(state_sharding, batch_sharding),
+                   out_shardings=(state_sharding, replicated), donate_argnums=0)
+    evaluate = jax.jit(functools.partial(eval_sums, loss_fn),
+                       in_shardings=(params_sharding, batch_sharding), out_shardings=replicated)
+    with sharding.use_mesh(mesh, run.mesh):  # activation constraints are traced in
+        start = time.perf_counter()
+        compiled = step.lower(abstract, batch).compile()
+        compile_s = time.perf_counter() - start
+        evaluate = evaluate.lower(abstract.params, batch).compile()
+    return _Programs(init=init, abstract=abstract, step=compiled, evaluate=evaluate,
+                     compile_s=compile_s, batch_sharding=batch_sharding,
+                     step_bytes=_footprint(compiled))
+
+
+def _init_from_checkpoint(run: RunConfig, optimizer, params_sharding, state_sharding,
+                          mesh: jax.sharding.Mesh, key: jax.Array) -> TrainState:
+    """A fine-tuning run's first state: its init_from checkpoint's parameters with a fresh
+    head (finetune.py), and the optimizer's state for them."""
+    params = finetune.initial_params(run, key, params_sharding, mesh)
+    start = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p,
+                                         opt_state=optimizer.init(p)),
+                    out_shardings=state_sharding)
+    return start(params)
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _on_devices(batch_sharding: NamedSharding, batch):
+    """A batch (an array, or a task's dict of arrays) from this process's rows, sharded."""
+    return jax.tree.map(lambda rows: jax.make_array_from_process_local_data(batch_sharding,
+                                                                           rows), batch)
+
+
+def _validation(evaluate, params, batches: list, sharding: NamedSharding,
+                task: bool) -> dict[str, float]:
+    """Validation metrics (`val_` names) from the loss's sums over the batches: the mean loss
+    and perplexity (language modelling: with the blocks' statistics, `model.aux_metrics`, the
+    MoE's drops, loads and router entropy), or the task's metrics (tasks.py)."""
+    sums = aux = None
+    for batch in batches:
+        batch_sums, batch_aux = jax.device_get(evaluate(params, _on_devices(sharding, batch)))
+        sums = batch_sums if sums is None else jax.tree.map(np.add, sums, batch_sums)
+        aux = batch_aux if aux is None else jax.tree.map(np.add, aux, batch_aux)
+    if task:
+        return {f"val_{k}": v for k, v in tasks.metrics(sums).items()}
+    loss = float(sums["loss_sum"]) / max(float(sums["count"]), 1.0)
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700)),
+            **{f"val_{k}": float(v) for k, v in aux_metrics(aux or ()).items()}}
+
+
+@dataclasses.dataclass
+class _Source:
+    """What a run reads: endless training batches (checkpointed with the run), the
+    validation batches, and the tokenizer's BOS id."""
+
+    train: Iterator
+    val: list
+    bos_id: int
+    val_unigram_entropy: float = 0.0  # language modelling: see `Outcome`
+
+
+def _corpus_data(run: RunConfig, workdir: Path, log: Callable[[str], None]) -> _Source:
+    """Language modelling: the corpus, tokenized, in packed windows (data.py)."""
+    train_cfg = run.train
+    corpus = find_corpus(run.data.corpus, run.data.val_fraction)
+    tokenizer = prepare_tokenizer(run.data, corpus, run.model.vocab_size, workdir, log)
+    tokens = tokenize_corpus(corpus, tokenizer, cache_root(), log)
+    log(f"corpus {corpus.root}: {len(corpus.train)} training documents "
+        f"({len(tokens.train):,} tokens), {len(corpus.val)} validation ({len(tokens.val):,})")
+    processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    return _Source(
+        train=batches.train_batches(tokens.train, train_cfg.seq_len, train_cfg.batch_size,
+                                 train_cfg.seed, **processes),
+        val=batches.val_batches(tokens.val, train_cfg.seq_len, train_cfg.batch_size,
+                             train_cfg.eval_batches, **processes),
+        bos_id=tokens.bos_id, val_unigram_entropy=unigram_entropy(tokens.val,
+                                                                       tokens.bos_id))
+
+
+def _task_data(run: RunConfig, workdir: Path, log: Callable[[str], None]) -> _Source:
+    """A downstream task: its JSONL files, tokenized with the run's tokenizer (kept in the
+    workdir), padded (task_data.py). Validation covers every held-out example."""
+    task, train_cfg, model = run.task, run.train, run.model
+    tokenizer = finetune.run_tokenizer(dataclasses.asdict(run.data), run.init_from, "task run")
+    keep_tokenizer(tokenizer.path, workdir)
+    read = functools.partial(task_data.read_examples, task=task, model=model,
+                             tokenizer=tokenizer, seq_len=train_cfg.seq_len)
+    examples = read(task.train)
+    if task.val is None:
+        train_examples, val_examples = task_data.split(examples, task.val_fraction)
+    else:
+        train_examples, val_examples = examples, read(task.val)
+    truncated = sum(e["truncated"] for e in train_examples + val_examples)
+    log(f"task {task.kind}: {len(train_examples)} training examples, {len(val_examples)} "
+        f"validation ({task.val or f'held out of {task.train}'}); {truncated} cut to "
+        f"train.seq_len={train_cfg.seq_len} tokens")
+    processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    shape = dict(kind=task.kind, seq_len=train_cfg.seq_len, pad_id=model.pad_id,
+                 batch_size=train_cfg.batch_size, **processes)
+    return _Source(train=task_data.train_batches(train_examples, seed=train_cfg.seed, **shape),
+                   val=task_data.val_batches(val_examples, **shape), bos_id=tokenizer.bos_id)
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[list[str]]:
+    """Yields a list that receives the name of each SIGTERM / SIGINT until the block exits."""
+    received: list[str] = []
+    handled = (signal.SIGTERM, signal.SIGINT)
+    previous = {s: signal.signal(s, lambda signum, _: received.append(signal.Signals(signum).name))
+                for s in handled}
+    try:
+        yield received
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
