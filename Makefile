@@ -18,9 +18,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-# Tests simulate an 8-device mesh on the CPU.
+# Tests simulate an 8-device mesh on the CPU (tests/conftest.py sets it, and XLA's flags for
+# fast compiles) and run in TEST_WORKERS processes, each taking whole test files, so that a
+# module's compiled programs and fixtures are built once.
+TEST_WORKERS ?= 2
 test: install
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The main job: train the demo model on the Python docs (~10 min on 2 cores), then sample.
 # Rerunning resumes (or, when finished, goes straight to sampling); `rm -rf runs/demo` restarts.

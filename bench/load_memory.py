@@ -24,6 +24,8 @@ def child(kind: str, path: str, dtype: str) -> dict:
     import jax
 
     import llama_jax
+    import llama_jax.formats.checkpoint  # noqa: F401 (`import llama_jax` loads modules lazily:
+    # the loader's own imports are part of the baseline, not of the load)
 
     if kind == "transformers":
         import torch

@@ -1,10 +1,16 @@
-"""Test setup: 8 simulated CPU devices (must be set before jax is imported anywhere)."""
+"""Test setup, before jax is imported anywhere: 8 simulated CPU devices, and XLA's LLVM backend
+at optimisation level 0. The tests' programs are tiny, so compiling them is most of the suite's
+time, and unoptimised machine code compiles in about 60% of it; it computes the same functions
+(every comparison has a tolerance, or compares two runs of one program). Benchmarks and real
+runs keep XLA's default. Both are set in the environment, so the processes tests start
+(train.py, sample.py, multi-host workers) inherit them."""
 
 import os
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
+for flag, setting in (("xla_force_host_platform_device_count", "=8"),
+                      ("xla_backend_optimization_level", "=0")):
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{flag}{setting}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import sys

@@ -2,12 +2,15 @@
 must stay equal is enforced before anything trains, and equal-parameter matching."""
 
 import math
+from pathlib import Path
 
 import pytest
 
 from llama_jax.research import ablate
 from llama_jax.plan import costs
 from llama_jax.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
 
 BASE = """
 model: {vocab_size: 256, dim: 64, n_layers: 2, n_heads: 4, n_kv_heads: 2, multiple_of: 32}
@@ -278,3 +281,48 @@ def test_a_signal_stops_the_study_not_just_its_run(tmp_path, corpus_dir, monkeyp
     assert ablate.run_study(ablate.load_study(path), tmp_path / "out", log=logs.append) is None
     assert len(trained) == 1 and "stopped by SIGTERM" in logs[-1]
     assert not (tmp_path / "out" / "results.csv").exists()
+
+
+# The run keys of the shipped studies' seed-0 runs, as their finished runs were saved: a change
+# to how configs resolve or serialise would orphan them (the runner would train them again).
+SHIPPED_RUN_KEYS = {
+    ("attention", "mha"): "s0-8bfc4b62",
+    ("attention", "gqa"): "s0-1dc98677",
+    ("attention", "mqa"): "s0-7b91ae55",
+    ("attention", "mla"): "s0-d433be25",
+    ("ffn", "swiglu"): "s0-8bfc4b62",
+    ("ffn", "geglu"): "s0-71d1b2af",
+    ("ffn", "gelu"): "s0-a983e9ed",
+    ("ffn", "relu"): "s0-0cbe30b7",
+    ("ffn", "moe-8x172-top2"): "s0-f8ebff65",
+    ("norm", "rmsnorm-pre"): "s0-8bfc4b62",
+    ("norm", "layernorm-pre"): "s0-7da8812e",
+    ("norm", "rmsnorm-post"): "s0-d4a220cd",
+    ("norm", "layernorm-post"): "s0-a19a5e5c",
+    ("norm", "layernorm-post-lr1e-3"): "s0-90dfcee0",
+    ("position", "rope"): "s0-8bfc4b62",
+    ("position", "sinusoidal"): "s0-48bd9475",
+    ("position", "learned"): "s0-c8b87b50",
+    ("position", "none"): "s0-e626fddb",
+    ("position", "sinusoidal+scaled-embedding"): "s0-76b95683",
+    ("transformer_vs_llama", "llama"): "s0-8bfc4b62",
+    ("transformer_vs_llama", "transformer"): "s0-4aa8e3eb",
+    ("transformer_vs_llama", "transformer+pre-norm"): "s0-65a80fec",
+    ("transformer_vs_llama", "transformer+rmsnorm"): "s0-99750206",
+    ("transformer_vs_llama", "transformer+rope"): "s0-11a9c665",
+    ("transformer_vs_llama", "transformer+swiglu"): "s0-b4a3c193",
+    ("transformer_vs_llama", "transformer+no-bias"): "s0-8c026da3",
+    ("transformer_vs_llama", "transformer+untied"): "s0-bf1ea959",
+    ("transformer_vs_llama", "pre-norm+rmsnorm"): "s0-90194c93",
+    ("transformer_vs_llama", "pre-norm+rmsnorm+rope"): "s0-b181e962",
+    ("transformer_vs_llama", "pre-norm+rmsnorm+rope+swiglu"): "s0-fe0a721f",
+    ("transformer_vs_llama", "pre-norm+rmsnorm+rope+swiglu+no-bias"): "s0-bc00d846",
+}
+
+
+def test_the_shipped_studies_still_find_their_finished_runs():
+    keys = {}
+    for study_file in sorted((REPO / "configs" / "ablations").glob("[a-z]*.yaml")):
+        for variant in ablate.load_study(str(study_file)).variants:
+            keys[(study_file.stem, variant.name)] = ablate.run_key(variant, 0)
+    assert keys == SHIPPED_RUN_KEYS

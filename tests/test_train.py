@@ -372,7 +372,7 @@ def test_a_workdir_from_the_flat_layout_loads_and_refuses_to_resume(run, straigh
     chex.assert_trees_all_equal(loaded, params)
     longer = dataclasses.replace(run, train=dataclasses.replace(TRAIN, steps=8))
     with pytest.raises(TrainingError, match=r"written by llama_jax 0\.1 .* its weights "
-                                                    r"load .*`python -m llama_jax\.convert"):
+                                                    r"load .*`python -m llama_jax\.formats\.convert"):
         quiet(longer, old)
 
 

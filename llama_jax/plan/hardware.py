@@ -8,6 +8,7 @@ machine in the same run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Callable
@@ -73,6 +74,7 @@ def bandwidth_probe(n_bytes: int = 1 << 30) -> Callable[[], float]:
     return measure
 
 
+@functools.lru_cache(maxsize=None)  # once per process: every run of a process shares a machine
 def measure_matmul_flops(dtype: str = "float32", size: int = 1536, repeats: int = 5) -> float:
     """Best-of-`repeats` rate of a jitted [size, size] @ [size, size] matmul on device 0, run
     eight times per timing so dispatch overhead does not count."""
