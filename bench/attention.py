@@ -28,10 +28,10 @@ import time
 import jax
 import numpy as np
 
-from common import peak_rss_bytes, rss_bytes, run_child, time_train_steps
+from common import lm_train_step, peak_rss_bytes, rss_bytes, run_child, time_train_steps
 from llama_jax.config import TrainConfig, load_model_config
 from llama_jax.training.optim import make_optimizer
-from llama_jax.training.step import init_state, train_step
+from llama_jax.training.step import init_state
 
 TOKENS_PER_STEP = 16384
 WARMUP_STEPS = 2
@@ -50,7 +50,7 @@ def compiled_step(impl: str, T: int, rows: int):
     train = TrainConfig(seq_len=T, batch_size=rows, steps=10_000, warmup_steps=100)
     optimizer = make_optimizer(config, train)
     init = jax.jit(functools.partial(init_state, config, optimizer))
-    step = jax.jit(functools.partial(train_step, config, train, optimizer, 1), donate_argnums=0)
+    step = lm_train_step(config, train, optimizer)
     state = jax.eval_shape(init, jax.random.key(0))
     batch = jax.ShapeDtypeStruct((rows, T + 1), np.int32)
     start = time.perf_counter()

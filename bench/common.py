@@ -1,16 +1,21 @@
-"""What the benchmark scripts share: the issues' benchmark model, child processes, memory."""
+"""What the benchmark scripts share: the benchmark model, child processes, memory, the
+language-modelling train step."""
 
 from __future__ import annotations
 
+import functools
 import json
 import resource
 import subprocess
 import sys
 import time
 
-import llama_jax
+import jax
 
-# The model the issues' benchmarks name: D=512, 8 layers, 8 heads, 4 KV heads, FFN 1536,
+import llama_jax
+from llama_jax.training.step import objective, train_step
+
+# The benchmark model: D=512, 8 layers, 8 heads, 4 KV heads, FFN 1536,
 # vocab 8192.
 BENCH_MODEL = llama_jax.ModelConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8,
                                     n_kv_heads=4, ffn_dim=1536, max_seq_len=2048)
@@ -72,3 +77,11 @@ def time_train_steps(compiled, state, batch, warmup: int, steps: int) -> list[fl
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return times
+
+
+def lm_train_step(config, train, optimizer, bos_id: int = 1):
+    """The trainer's jitted language-modelling step on packed windows `[B, T + 1]` (BOS id
+    `bos_id`), its state donated: `step(state, batch) -> (state, metrics)`."""
+    loss_fn = objective(llama_jax.RunConfig(model=config, train=train), bos_id)
+    return jax.jit(functools.partial(train_step, config, train, optimizer, loss_fn),
+                   donate_argnums=0)

@@ -79,7 +79,7 @@ from llama_jax.model.transformer import apply, unstack_layers
 from llama_jax.nn.heads import lm_head
 from llama_jax.nn.attention.dot_product import Mask, dot_product_attention
 from llama_jax.training.optim import make_optimizer
-from llama_jax.training.step import init_state, train_step
+from llama_jax.training.step import init_state, objective, train_step
 
 BIG = llama_jax.ModelConfig(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, n_kv_heads=8,
                             ffn_dim=5632, max_seq_len=2048)
@@ -453,7 +453,9 @@ def train_ours(plan: Plan, impl: str) -> dict:
     train = train_config(plan)
     optimizer = make_optimizer(config, train)
     state = jax.jit(functools.partial(init_state, config, optimizer))(jax.random.key(0))
-    step = jax.jit(functools.partial(train_step, config, train, optimizer, 1), donate_argnums=0)
+    loss_fn = objective(llama_jax.RunConfig(model=config, train=train), 1)  # packed windows
+    step = jax.jit(functools.partial(train_step, config, train, optimizer, loss_fn),
+                   donate_argnums=0)
     batch = jnp.asarray(random_windows(plan))
     start = time.perf_counter()
     compiled = step.lower(state, batch).compile()

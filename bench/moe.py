@@ -28,11 +28,11 @@ import statistics
 import jax
 import numpy as np
 
-from common import run_child, time_torch_train_steps, time_train_steps
+from common import lm_train_step, run_child, time_torch_train_steps, time_train_steps
 from llama_jax import load_run_config
 from llama_jax.config import ModelConfig, MoeConfig, TrainConfig
 from llama_jax.training.optim import make_optimizer
-from llama_jax.training.step import init_state, train_step
+from llama_jax.training.step import init_state
 
 WARMUP_STEPS = 3
 DEMO, MOE_DEMO = load_run_config("demo"), load_run_config("configs/moe-demo.yaml")
@@ -63,7 +63,7 @@ def run_ours(name: str, steps: int) -> dict:
     config, train = MODELS[name]
     optimizer = make_optimizer(config, train)
     state = jax.jit(functools.partial(init_state, config, optimizer))(jax.random.key(0))
-    step = jax.jit(functools.partial(train_step, config, train, optimizer, 1), donate_argnums=0)
+    step = lm_train_step(config, train, optimizer)
     batch = jax.numpy.asarray(random_batch(config, train))
     compiled = step.lower(state, batch).compile()
     return {"step_s": time_train_steps(compiled, state, batch, WARMUP_STEPS, steps)}

@@ -29,12 +29,12 @@ import time
 import jax
 import numpy as np
 
-from common import (BENCH_MODEL, peak_rss_bytes, rss_bytes, run_child, time_torch_train_steps,
-                    time_train_steps)
+from common import (BENCH_MODEL, lm_train_step, peak_rss_bytes, rss_bytes, run_child,
+                    time_torch_train_steps, time_train_steps)
 from llama_jax.plan import costs, hardware
 from llama_jax.config import TrainConfig
 from llama_jax.training.optim import make_optimizer
-from llama_jax.training.step import init_state, train_step
+from llama_jax.training.step import init_state
 
 SEQ, BATCH = 256, 8
 WARMUP_STEPS = 3
@@ -52,7 +52,7 @@ def run_ours(compute: str, steps: int) -> dict:
     config = dataclasses.replace(BENCH_MODEL, compute_dtype=compute)
     optimizer = make_optimizer(config, TRAIN)
     state = jax.jit(functools.partial(init_state, config, optimizer))(jax.random.key(0))
-    step = jax.jit(functools.partial(train_step, config, TRAIN, optimizer, 1), donate_argnums=0)
+    step = lm_train_step(config, TRAIN, optimizer)
     batch = jax.numpy.asarray(random_batch())
     start = time.perf_counter()
     compiled = step.lower(state, batch).compile()
