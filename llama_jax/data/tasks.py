@@ -16,7 +16,7 @@ right with the model's pad id, so every batch has one shape (one compiled step).
 dicts of arrays: `tokens [B, T]`, the targets (`label [B]`, `labels [B, T]` with -1 where not
 scored, `target [B, O]`) and `weight [B]` (0 for the rows that fill the last validation
 batch). Training order is grain's, shuffled by seed and checkpointed with the run, as for
-pretraining (data.py).
+pretraining (batches.py).
 """
 
 from __future__ import annotations

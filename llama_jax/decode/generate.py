@@ -5,7 +5,7 @@
 
 Shapes are padded to buckets (batch to a power of two; prompt length and new tokens to powers
 of two, at least 16) so that new prompts rarely recompile; each bucket compiles two executables,
-`prefill` and `decode`, once. Prompts are left-padded into one KV cache (see kv_cache.py): each
+`prefill` and `decode`, once. Prompts are left-padded into one KV cache (model/kv_cache.py): each
 row keeps its own positions and never sees the padding, so a row generates exactly what it
 would generate alone. The decode loop exits early once every row has stopped; it runs in chunks
 of steps (`stream`) so a caller can print text as it comes at the cost of one host round trip

@@ -5,7 +5,7 @@
 - regression: squared error of `[B, O]`, averaged over the O targets (MSE);
 each the `sums` of its head kind (nn/heads.py).
 Losses are sums over the scored rows (or tokens) with their count, like the language-modelling
-loss (training.py), so micro-batches and validation batches add up. Validation adds the
+loss (step.py), so micro-batches and validation batches add up. Validation adds the
 statistics the metrics need, also as sums: the confusion matrix for classification (accuracy
 and macro-F1 follow from it, over any number of batches) and the squared error per target for
 regression (RMSE).
@@ -29,7 +29,7 @@ from llama_jax.model.params import Params
 
 
 def abstract_batch(run: RunConfig) -> dict[str, jax.ShapeDtypeStruct]:
-    """Shapes and dtypes of a task's batch (task_data.py)."""
+    """Shapes and dtypes of a task's batch (data/tasks.py)."""
     B, T, O = run.train.batch_size, run.train.seq_len, run.model.n_labels
     targets = {"sequence_classification": ("label", (B,), jnp.int32),
                "token_classification": ("labels", (B, T), jnp.int32),

@@ -5,7 +5,7 @@ the config against the devices, claim the workdir (refusing one that holds anoth
 checkpoints), find and tokenize the corpus, then compile the step ahead of time (its compile
 time is reported on its own), restore the latest checkpoint if there is one, and train.
 
-Everything runs on the mesh of the config's `mesh:` section (`sharding.py`): the state is
+Everything runs on the mesh of the config's `mesh:` section (`parallel/sharding.py`): the state is
 created already sharded by the weight rules (optimizer moments like their parameters), the step
 is compiled with explicit in/out shardings and the state donated, and each batch is laid out
 over the batch rule's mesh axes (data x fsdp by default).
@@ -345,7 +345,7 @@ class _Source:
 
 
 def _corpus_data(run: RunConfig, workdir: Path, log: Callable[[str], None]) -> _Source:
-    """Language modelling: the corpus, tokenized, in packed windows (data.py)."""
+    """Language modelling: the corpus, tokenized, in packed windows (data/corpus.py, data/batches.py)."""
     train_cfg = run.train
     corpus = find_corpus(run.data.corpus, run.data.val_fraction)
     tokenizer = prepare_tokenizer(run.data, corpus, run.model.vocab_size, workdir, log)
@@ -364,7 +364,7 @@ def _corpus_data(run: RunConfig, workdir: Path, log: Callable[[str], None]) -> _
 
 def _task_data(run: RunConfig, workdir: Path, log: Callable[[str], None]) -> _Source:
     """A downstream task: its JSONL files, tokenized with the run's tokenizer (kept in the
-    workdir), padded (task_data.py). Validation covers every held-out example."""
+    workdir), padded (data/tasks.py). Validation covers every held-out example."""
     task, train_cfg, model = run.task, run.train, run.model
     tokenizer = finetune.run_tokenizer(dataclasses.asdict(run.data), run.init_from, "task run")
     keep_tokenizer(tokenizer.path, workdir)
