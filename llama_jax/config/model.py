@@ -18,7 +18,7 @@ import functools
 import math
 from typing import Any, Mapping
 
-from llama_jax.config.fields import build_section, check_keys, check_settings, setting
+from llama_jax.config.fields import ROLES, build_section, check_keys, check_settings, setting
 from llama_jax.errors import ConfigError, require
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
 from llama_jax.nn.attention.mixers import MIXERS
@@ -192,7 +192,7 @@ class MoeConfig:
                     f"a group by its {least} best experts")
 
 
-EXECUTION, GENERATION, INIT, NAMES = "execution", "generation", "init", "names"
+EXECUTION, GENERATION, INIT, NAMES = ROLES  # the non-architecture roles (config/fields.py)
 
 
 @dataclasses.dataclass(frozen=True)
