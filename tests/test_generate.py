@@ -206,6 +206,16 @@ def test_stop_tokens(params):
     eos_config = dataclasses.replace(TINY, eos_ids=(stop,))
     assert generate(eos_config, params["gqa"], [prompt], 12)[0] == free[:first]  # None = EOS
     assert len(generate(eos_config, params["gqa"], [prompt], 12, stop_tokens=[])[0]) == 12
+    # Ids past the vocabulary (a tokenizer's EOS beside a small model) are ignored, with a
+    # warning, whether they come as stop_tokens or as the model's eos_ids.
+    outside = TINY.vocab_size + 7
+    with pytest.warns(UserWarning, match=rf"stop_tokens \[{outside}\] are outside"):
+        assert generate(TINY, params["gqa"], [prompt], 12,
+                        stop_tokens=[outside, stop])[0] == free[:first]
+    with pytest.warns(UserWarning, match=rf"eos_ids \[{outside}\] are outside"):
+        wide_config = dataclasses.replace(TINY, eos_ids=(outside, stop))
+    assert wide_config.stop_ids == (stop,)
+    assert generate(wide_config, params["gqa"], [prompt], 12)[0] == free[:first]
 
 
 def test_full_context_stops_cleanly_with_a_message(params):
@@ -281,7 +291,6 @@ def test_decode_step_updates_the_cache_in_place(model):
     (dict(top_p=1.5), "top_p=1.5"),
     (dict(top_k=-1), "top_k=-1"),
     (dict(min_p=1.0), "min_p=1.0"),
-    (dict(stop_tokens=[5000]), "stop_tokens"),
 ])
 def test_bad_requests_fail_before_compiling(kwargs, message, params):
     request = {"prompts": [[1, 2, 3]], "max_new_tokens": 4, **kwargs}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from typing import Any, Mapping
 
 from llama_jax.config.fields import ROLES, build_section, check_keys, check_settings, setting
@@ -301,7 +302,8 @@ class ModelConfig:
                                   "latents) | expanded (keys and values rebuilt every step)")
     eos_ids: tuple[int, ...] = setting((), type="list", role=GENERATION,
                                        doc="ids that end generation by default (from the "
-                                           "tokenizer)")
+                                           "tokenizer); ids outside the vocabulary are kept "
+                                           "(and exported) but never stop generation")
 
     def __post_init__(self):
         check_settings(self)
@@ -378,8 +380,21 @@ class ModelConfig:
             self._check_rope()
         self._check_head()
         for token in self.eos_ids:
-            require(isinstance(token, int) and 0 <= token < self.vocab_size, "eos_ids",
-                    self.eos_ids, f"must be token ids in [0, vocab_size={self.vocab_size})")
+            require(isinstance(token, int) and not isinstance(token, bool), "eos_ids",
+                    self.eos_ids, "must be a list of integer token ids")
+        outside = [token for token in self.eos_ids if token not in self.stop_ids]
+        if outside:
+            # transformers loads such configs (its GPT-2 test configs pair vocab_size 512 with
+            # the default eos_token_id 50256); a model can never emit these ids. One warning
+            # per distinct message and process: the warnings module's default filter.
+            warnings.warn(f"eos_ids {outside} are outside the vocabulary [0, vocab_size="
+                          f"{self.vocab_size}): they are kept but never stop generation",
+                          stacklevel=2)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The EOS ids a model can emit (those inside its vocabulary): the default stops."""
+        return tuple(token for token in self.eos_ids if 0 <= token < self.vocab_size)
 
     def _check_rope(self) -> None:
         require(self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling),

@@ -220,9 +220,18 @@ def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
+def _emittable(stop_tokens: Sequence[int], vocab_size: int) -> list[int]:
+    """The stop tokens the model can emit. Others (a tokenizer's special ids past a small
+    model's vocabulary) are ignored, as `ModelConfig.eos_ids` ignores them, with a warning."""
+    outside = [int(t) for t in stop_tokens if not 0 <= int(t) < vocab_size]
+    if outside:
+        warnings.warn(f"stop_tokens {outside} are outside the vocabulary [0, {vocab_size}): "
+                      "ignored", stacklevel=3)
+    return [int(t) for t in stop_tokens if 0 <= int(t) < vocab_size]
+
+
 def _validate(config: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-              temperature: float, top_k: int, top_p: float, min_p: float,
-              stop_tokens: Sequence[int] | None) -> None:
+              temperature: float, top_k: int, top_p: float, min_p: float) -> None:
     if is_task_head(config):
         raise GenerateError(f"the model has a task head ({config.head!r}), not the LM head: "
                             "it cannot generate (predict with `python -m llama_jax.eval.predict`)")
@@ -239,10 +248,6 @@ def _validate(config: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tok
             raise GenerateError(f"prompt {i} has {len(prompt)} tokens; the model's context "
                                 f"(max_seq_len) is {config.max_seq_len}, leaving no room to "
                                 "generate")
-    bad_stops = [t for t in stop_tokens or () if not 0 <= int(t) < config.vocab_size]
-    if bad_stops:
-        raise GenerateError(f"stop_tokens {bad_stops} outside the vocabulary "
-                            f"[0, {config.vocab_size})")
     checks = ((max_new_tokens >= 1, "max_new_tokens", max_new_tokens, ">= 1"),
               (temperature >= 0, "temperature", temperature, ">= 0"),
               (top_k >= 0, "top_k", top_k, ">= 0 (0 = off)"),
@@ -265,7 +270,7 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     `chunk_steps=None` runs the whole decode in one call. `stats` is filled in if given.
     `cache_dtype` (any dtype-like) defaults to the model's compute dtype; `decode_impl` is
     one of DECODE_IMPLS; parameters on a mesh decode under `mesh_config`'s rules."""
-    _validate(config, prompts, max_new_tokens, temperature, top_k, top_p, min_p, stop_tokens)
+    _validate(config, prompts, max_new_tokens, temperature, top_k, top_p, min_p)
     impl = resolve_decode_impl(decode_impl)
     try:
         cache_dtype = dtype_name(config.compute_dtype if cache_dtype is None else cache_dtype,
@@ -280,7 +285,8 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
         warnings.warn(f"the context is full: generating at most {max_new} of {max_new_tokens} "
                       f"new tokens (longest prompt {longest}, max_seq_len {config.max_seq_len})",
                       stacklevel=2)
-    stops = list(config.eos_ids if stop_tokens is None else stop_tokens) or [NO_TOKEN]
+    stops = list(config.stop_ids if stop_tokens is None
+                 else _emittable(stop_tokens, config.vocab_size)) or [NO_TOKEN]
 
     B, T, N = bucket(len(prompts), 1), bucket(longest), bucket(max_new)
     prompts_BT = np.zeros((B, T), np.int32)
@@ -340,8 +346,8 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
              return_logprobs: bool = False, stats: GenerationStats | None = None):
     """New tokens for each prompt (a list of token-id lists), stop token excluded.
 
-    `stop_tokens=None` stops on the model's EOS ids (`config.eos_ids`); `[]` generates exactly
-    `max_new_tokens`. `cache_dtype` defaults to the model's compute dtype (an fp32 model
+    `stop_tokens=None` stops on the model's EOS ids (`config.stop_ids`); `[]` generates exactly
+    `max_new_tokens`; ids outside the vocabulary are ignored, with a warning. `cache_dtype` defaults to the model's compute dtype (an fp32 model
     decodes with an fp32 cache). `decode_impl`: "auto" (unrolled on CPU, scan elsewhere),
     "scan" or "unrolled" — the same function either way. Parameters on a mesh decode under
     `mesh_config`'s sharding rules (default rules when None). With `return_logprobs`, returns
