@@ -1,7 +1,8 @@
-"""The lm-eval adapter on a tiny checkpoint, offline: a local multiple-choice task through
-`lm_eval.simple_evaluate` and through the command line equals scoring by hand; rolling
-log-likelihood equals lm-eval's windows scored by the float64 reference; generation equals
-llama_jax's greedy decoding cut at a stop string."""
+"""The lm-eval adapter on a tiny native checkpoint (llama_jax's own SentencePiece tokenizer),
+offline: a local multiple-choice task through `lm_eval.simple_evaluate` and through the command
+line equals scoring by hand; rolling log-likelihood equals lm-eval's windows scored by the
+float64 reference; generation equals llama_jax's greedy decoding cut at a stop string.
+tests/test_lm_eval_parity.py compares the adapter with lm-eval's own transformers model."""
 
 import dataclasses
 import json
@@ -113,15 +114,16 @@ def test_multiple_choice_equals_scoring_by_hand(evaluation, model):
 
 
 def test_max_length_rolling_windows_and_truncation(checkpoint, model):
-    """With max_length 16: rolling log-likelihood is lm-eval's windows of 16 predictions (the
-    first after BOS, the last with a full context), each scored by the float64 reference; a
-    longer loglikelihood request keeps the last 16 tokens it reads."""
+    """With max_length 16: rolling log-likelihood is lm-eval's windows of 16 predictions over
+    the text encoded with BOS (the first window after a BOS prefix, the last with a full
+    context), each scored by the float64 reference; a longer loglikelihood request keeps the
+    last 16 tokens it reads."""
     config, params, tokenizer = model
     lm = LlamaJaxLM(checkpoint=str(checkpoint), max_length="16", batch_size="3")
     texts = [" ".join(TEXT[:4]), TEXT[2]]
     expected = []
     for text in texts:
-        tokens = tokenizer.encode(text, bos=False)
+        tokens = tokenizer.encode(text)
         total = 0.0
         for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
                 tokens, tokenizer.bos_id, max_seq_len=16, context_len=1)):
@@ -132,8 +134,8 @@ def test_max_length_rolling_windows_and_truncation(checkpoint, model):
             rows = np.arange(len(context) - 1, len(context) + len(continuation) - 1)
             total += logprobs[rows, continuation].sum()
         expected.append(total)
-    assert len(tokenizer.encode(texts[0], bos=False)) > 3 * 16  # several windows
-    assert len(tokenizer.encode(texts[0], bos=False)) % 16  # and a last, partial one
+    assert len(tokenizer.encode(texts[0])) > 3 * 16  # several windows
+    assert len(tokenizer.encode(texts[0])) % 16  # and a last, partial one
     got = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), i)
                                     for i, text in enumerate(texts)])
     np.testing.assert_allclose(got, expected, atol=1e-4)
@@ -146,17 +148,19 @@ def test_max_length_rolling_windows_and_truncation(checkpoint, model):
                                                           [continuation])[0]), abs=1e-5)
 
 
-def test_generation_settings_and_stop_strings():
-    assert harness._generation_settings({"until": "\n", "do_sample": False, "temperature": 0.7},
-                                        256) == (["\n"], 256, {"temperature": 0.0})
-    assert harness._generation_settings({"temperature": 0.5, "top_p": 0.9, "max_gen_toks": "9"},
-                                        256) == ([], 9, {"temperature": 0.5, "top_p": 0.9})
-    assert harness._generation_settings({"do_sample": True, "until": ["a", ""]}, 256) == (
-        ["a"], 256, {"temperature": 1.0})
+def test_generation_settings_as_lm_eval_reads_them():
+    """lm-eval's normalisation: greedy when do_sample is false or unset without a positive
+    temperature; the EOS token's text joins the stop strings."""
+    settings = harness._generation_settings
+    assert settings({"until": "\n", "do_sample": False, "temperature": 0.7}, 256, "</s>") == (
+        ["\n", "</s>"], 256, {"temperature": 0.0})
+    assert settings({"temperature": 0.5, "top_p": 0.9, "max_gen_toks": "9"}, 256, "</s>") == (
+        ["</s>"], 9, {"temperature": 0.5, "top_p": 0.9})
+    assert settings({"until": ["a", ""]}, 7, "</s>") == (["a", "</s>"], 7, {"temperature": 0.0})
+    with pytest.raises(ValueError, match="sampling needs a positive temperature"):
+        settings({"do_sample": True}, 256, "</s>")
     with pytest.raises(ValueError, match=r"generation kwargs \['num_beams'\] are not supported"):
-        harness._generation_settings({"num_beams": 4}, 256)
-    assert harness._cut("a-b-c", ["b", "-"]) == "a"  # the first occurrence of any
-    assert harness._cut("abc", ["x"]) == "abc"
+        settings({"num_beams": 4}, 256, "</s>")
 
 
 def test_generate_until_is_greedy_decoding_cut_at_a_stop_string(checkpoint, model,
@@ -168,9 +172,8 @@ def test_generate_until_is_greedy_decoding_cut_at_a_stop_string(checkpoint, mode
     contexts = ["The cat", "A dog is", "Numbers: 12"]
     prompts = [tokenizer.encode(c) for c in contexts]
 
-    def greedy_text(prompt, n):
-        new = generate(config, params, [prompt], n, stop_tokens=tokenizer.eos_ids)[0]
-        return tokenizer.decode(prompt + new)[len(tokenizer.decode(prompt)):]
+    def greedy_text(prompt, n):  # the new tokens decoded alone, as lm-eval's hf model does
+        return tokenizer.decode(generate(config, params, [prompt], n)[0])
 
     def early_stop(text):  # printable: an untrained model emits many invalid bytes (U+FFFD)
         return next(text[i:i + 2] for i in range(3, len(text)) if text[i:i + 2].isprintable()

@@ -34,6 +34,7 @@ def test_sentencepiece_ids_come_from_the_model_file(sp_model):
     tok = load_tokenizer(sp_model.parent)  # a directory: picks tokenizer.model
     assert isinstance(tok, SentencePieceTokenizer)
     assert (tok.bos_id, tok.eos_ids, tok.vocab_size) == (3, (7,), 400)
+    assert tok.special_ids == {3, 7}  # the control pieces (<unk> decodes to text: not one)
     ids = tok.encode(TEXT, bos=True, eos=True)
     assert ids[0] == 3 and ids[-1] == 7
     assert tok.decode(ids[1:-1]) == TEXT  # byte fallback: lossless, even for unseen characters
@@ -67,6 +68,7 @@ def test_llama3_tokenizer_matches_meta(llama3_file):
     assert ours.bos_id == meta.bos_id == 128000
     assert set(ours.eos_ids) == set(meta.stop_tokens) == {128001, 128008, 128009}
     assert ours.special_tokens == meta.special_tokens
+    assert ours.special_ids == set(range(128000, 128256))
     assert ours.encode("Hello world", bos=True) == [128000, 9906, 1917]
     for text in (TEXT, "   leading spaces", "a\n\n\nb", "1234567 numbers", ""):
         assert ours.encode(text, bos=True, eos=True) == meta.encode(

@@ -42,6 +42,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     bos_id: int
     eos_ids: tuple[int, ...]  # every id that ends generation
+    special_ids: frozenset[int]  # control tokens (BOS, EOS, ...): no text of their own
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]: ...
 
@@ -60,6 +61,7 @@ class SentencePieceTokenizer:
         self.vocab_size = self._sp.vocab_size()
         self.bos_id = self._sp.bos_id()
         self.eos_ids = (self._sp.eos_id(),)
+        self.special_ids = frozenset(i for i in range(self.vocab_size) if self._sp.is_control(i))
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         ids = self._sp.encode(text)
@@ -93,6 +95,7 @@ class Llama3Tokenizer:
         self.bos_id = self.special_tokens["<|begin_of_text|>"]
         self.eos_ids = tuple(self.special_tokens[t] for t in
                              ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"))
+        self.special_ids = frozenset(self.special_tokens.values())
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         """Special-token text in `text` is encoded as ordinary text, never as a control token."""
