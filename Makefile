@@ -1,5 +1,14 @@
 # Every target installs what it needs: a venv in .venv with `pip install -e .[dev]`.
-PYTHON ?= python3
+# The newest CPython >= 3.11 on PATH that runs and can make a venv (newer Pythons get newer JAX
+# releases: jax 0.12 needs 3.12); a pyenv shim for a version that is not enabled fails to run
+# and does not count. `make PYTHON=...` chooses.
+PYTHON_CANDIDATES := python3.14 python3.13 python3.12 python3.11 python3
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(shell for p in $(PYTHON_CANDIDATES); do \
+  $$p -c 'import sys, ensurepip, venv; \
+    assert sys.implementation.name == "cpython" and sys.version_info >= (3, 11)' \
+    >/dev/null 2>&1 && { command -v $$p; break; }; done)
+endif
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The demo corpus: the Python documentation sources from Debian's python3.11-doc package.
@@ -13,6 +22,9 @@ DEMO_PROMPTS := --prompt "The json module" --prompt "To open a file, use" \
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
+	@if [ -z "$(PYTHON)" ]; then echo "error: no CPython >= 3.11 with venv found on PATH" \
+	  "(tried $(PYTHON_CANDIDATES)); name one with make PYTHON=..." >&2; exit 1; fi
+	@echo "creating $(VENV) with $(PYTHON) ($$($(PYTHON) --version))"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
