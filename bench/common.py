@@ -21,11 +21,12 @@ BENCH_MODEL = llama_jax.ModelConfig(vocab_size=8192, dim=512, n_layers=8, n_head
                                     n_kv_heads=4, ffn_dim=1536, max_seq_len=2048)
 
 
-def run_child(script: str, *args: str) -> dict:
+def run_child(script: str, *args: str, python: str = sys.executable) -> dict:
     """Runs `python script *args` and returns the JSON object on its last stdout line. Each
     measurement gets a fresh process: torch's OpenMP threads keep spinning after a call and
-    slow whatever runs next in the same process, and peak RSS is per process."""
-    out = subprocess.run([sys.executable, script, *args], check=True, capture_output=True,
+    slow whatever runs next in the same process, and peak RSS is per process. `python` may be
+    another environment's interpreter (another JAX release, say)."""
+    out = subprocess.run([python, script, *args], check=True, capture_output=True,
                          text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 

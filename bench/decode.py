@@ -3,14 +3,15 @@ and against the memory-bandwidth floor measured in the same run.
 
     python bench/decode.py [--rounds 3] [--repeats 3] [--batches 1 8]
                            [--cases float32/float32 float32/bfloat16 bfloat16/bfloat16]
-                           [--impls unrolled scan]
+                           [--impls unrolled scan] [--pythons PY [PY ...]]
 
 Same model for both (D=512, L=8, N=8, K=4, F=1536, V=8192, random weights, exported once from
 llama_jax to a HF directory), a 128-token random prompt per row, 128 new tokens, greedy, no early
 stop. Ours runs under each decode implementation (`--impls`: the unrolled loop over per-layer
 weights that "auto" picks on CPU, and the lax.scan over stacked weights of accelerators). Runs
 alternate between the implementations and the bandwidth probe so they share the machine's
-noise; medians are reported.
+noise; medians are reported. `--pythons` runs ours under each of several interpreters (e.g.
+the venvs of two JAX releases) in the same alternation; the jax column names the release.
 
 - tokens/s: B·128 new tokens / wall time of the whole call (prefill included, compile excluded).
 - step ms: our decode time per step after the first token.
@@ -24,7 +25,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -61,7 +64,8 @@ def run_ours(hf_dir: str, case: str, batch: int, repeats: int, impl: str) -> dic
     for _ in range(WARMUP_RUNS):
         generate(config, params, prompts.tolist(), NEW, stop_tokens=[], stats=warm,
                  cache_dtype=cache_dtype, decode_impl=impl)
-    result = {"tokens_per_s": [], "step_s": [], "bandwidth": [], "compile_s": warm.compile_s}
+    result = {"tokens_per_s": [], "step_s": [], "bandwidth": [], "compile_s": warm.compile_s,
+              "jax": jax.__version__}
     for _ in range(repeats):
         stats = GenerationStats()
         start = time.perf_counter()
@@ -103,9 +107,9 @@ def run_transformers(hf_dir: str, case: str, batch: int, repeats: int, impl: str
 
 
 def worker(kind: str, hf_dir: str, case: str, batch: int, repeats: int, threads: int,
-           impl: str = "-") -> dict:
+           impl: str = "-", python: str = sys.executable) -> dict:
     return run_child(__file__, "--worker", kind, hf_dir, case, str(batch), str(repeats), impl,
-                     "--threads", str(threads))
+                     "--threads", str(threads), python=python)
 
 
 def main() -> None:
@@ -120,6 +124,8 @@ def main() -> None:
     parser.add_argument("--impls", nargs="+", default=["unrolled", "scan"],
                         help="our decode implementations")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--pythons", nargs="+", default=[sys.executable],
+                        help="interpreters to run ours under (each with llama_jax installed)")
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -134,29 +140,35 @@ def main() -> None:
     print(f"model D={CONFIG.D} L={CONFIG.L} N={CONFIG.N} K={CONFIG.K} F={CONFIG.F} "
           f"V={CONFIG.V}; prompt {PROMPT}, new {NEW}, greedy; torch threads "
           f"{args.threads}; median of {args.rounds} rounds x {args.repeats} runs, each "
-          "implementation in its own process")
-    print("| batch | weights / our cache | decode impl | ours tok/s | transformers tok/s | ratio "
-          "| ours step ms | floor ms | % of floor | bandwidth GB/s | compile s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          f"implementation in its own process; transformers under Python "
+          f"{platform.python_version()}, jax {jax.__version__} beside it")
+    print("| batch | weights / our cache | jax | decode impl | ours tok/s | transformers tok/s "
+          "| ratio | ours step ms | floor ms | % of floor | bandwidth GB/s | compile s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    runs = [(python, impl) for python in args.pythons for impl in args.impls]
     for case in args.cases:
         dtype, cache_dtype = case.split("/")
         for batch in args.batches:
-            ours = {impl: {"tokens_per_s": [], "step_s": [], "bandwidth": [], "compile_s": []}
-                    for impl in args.impls}
+            ours = {run: {"tokens_per_s": [], "step_s": [], "bandwidth": [], "compile_s": []}
+                    for run in runs}
+            versions = {}
             hf: list[float] = []
             for _ in range(args.rounds):
-                for impl in args.impls:
-                    result = worker("ours", hf_dir, case, batch, args.repeats, args.threads, impl)
+                for python, impl in runs:
+                    result = worker("ours", hf_dir, case, batch, args.repeats, args.threads, impl,
+                                    python)
                     for key in ("tokens_per_s", "step_s", "bandwidth"):
-                        ours[impl][key] += result[key]
-                    ours[impl]["compile_s"].append(result["compile_s"])
+                        ours[python, impl][key] += result[key]
+                    ours[python, impl]["compile_s"].append(result["compile_s"])
+                    versions[python] = result["jax"]
                 hf += worker("hf", hf_dir, case, batch, args.repeats,
                              args.threads)["tokens_per_s"]
             hf_tps = statistics.median(hf)
-            for impl in args.impls:
-                med = {k: statistics.median(v) for k, v in ours[impl].items()}
+            for python, impl in runs:
+                med = {k: statistics.median(v) for k, v in ours[python, impl].items()}
                 floor = floor_seconds(CONFIG, dtype, cache_dtype, batch, med["bandwidth"])
-                print(f"| {batch} | {case} | {impl} | {med['tokens_per_s']:.0f} | {hf_tps:.0f} | "
+                print(f"| {batch} | {case} | {versions[python]} | {impl} | "
+                      f"{med['tokens_per_s']:.0f} | {hf_tps:.0f} | "
                       f"{med['tokens_per_s'] / hf_tps:.2f}x | {med['step_s'] * 1e3:.2f} | "
                       f"{floor * 1e3:.2f} | {100 * floor / med['step_s']:.0f}% | "
                       f"{med['bandwidth'] / 1e9:.1f} | {med['compile_s']:.2f} |", flush=True)
