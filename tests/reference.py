@@ -14,6 +14,16 @@ def relative_error(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
+def assert_close(out, ref, tol, err_msg=""):
+    """Elementwise |out - ref| <= tol · (|ref| + max |ref|). Float32 rounding of a reduction is
+    relative to the magnitudes of its terms, not to its result (cancellation makes that as
+    small as it likes): an element's error is bounded on the array's scale as well as its own."""
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * np.abs(ref).max(initial=0.0),
+                               err_msg=err_msg)
+
+
 def rms_norm(x, g, eps):
     x = np.asarray(x, np.float64)
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * np.asarray(g, np.float64)

@@ -22,10 +22,9 @@ from llama_jax.errors import ConfigError
 from llama_jax.nn.attention.dot_product import (Mask, cudnn_attention, describe_attention,
                                       dot_product_attention, resolve_attention_impl,
                                       splash_attention)
-from reference import relative_error
+from reference import assert_close, relative_error
 import reference as ref
 
-rng = np.random.default_rng(2)
 B, T, H = 2, 11, 16
 SEGMENTS = np.array([[1] * 4 + [2] * 7, [1] * 6 + [2] * 2 + [3] * 3])
 HEADS = {"MHA": (4, 4), "GQA": (8, 2), "MQA": (4, 1)}
@@ -42,7 +41,9 @@ def attend(impl, q, k, v, mask):
     return dot_product_attention(q, k, v, mask, impl=impl, block_q=4, block_kv=3)
 
 
-def qkv(N, K, T=T, S=None, dtype=np.float32):
+def qkv(rng, N, K, T=T, S=None, dtype=np.float32):
+    """Random q, k, v from the test's own seeded generator (never a shared one: a test's inputs
+    must not depend on which tests ran before it)."""
     S = T if S is None else S
     return (rng.standard_normal((B, T, N, H)).astype(dtype),
             rng.standard_normal((B, S, K, H)).astype(dtype),
@@ -67,7 +68,7 @@ def cache_mask(T_new, S, start_B):
                                          for heads in HEADS] + [("cudnn", "GQA"),
                                                                 ("splash", "GQA")])
 def test_matches_float64_reference(impl, heads):
-    q, k, v = qkv(*HEADS[heads])
+    q, k, v = qkv(np.random.default_rng(1), *HEADS[heads])
     out = attend(impl, q, k, v, causal(segments=SEGMENTS))
     assert out.shape == q.shape
     expected = ref.attention(q, k, v, ref.causal_mask(T, SEGMENTS, B=B))
@@ -80,6 +81,7 @@ def test_splash_runs_per_shard_on_a_mesh(mesh_config):
     """A Pallas kernel is not partitioned by XLA: on a mesh it runs under shard_map, per row
     and head shard (`sharding.per_shard`)."""
     B8, N, K = 8, 8, 4
+    rng = np.random.default_rng(2)
     q = rng.standard_normal((B8, T, N, H)).astype(np.float32)
     k, v = (rng.standard_normal((B8, T, K, H)).astype(np.float32) for _ in range(2))
     mask = Mask.causal(B8, T, jnp.asarray(np.tile(SEGMENTS, (4, 1))))
@@ -94,12 +96,25 @@ def test_splash_runs_per_shard_on_a_mesh(mesh_config):
     assert relative_error(out, expected) < 1e-6
 
 
+def projection(shape):
+    """The loss's random projection of the output (fixed: seeded here, not drawn from the
+    test's generator)."""
+    return np.random.default_rng(7).standard_normal(shape)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def loss_and_grads(impl, q, k, v, mask):
     def loss(q, k, v):  # a random projection of the output: every element gets a cotangent
         out = attend(impl, q, k, v, mask).astype(jnp.float32)
-        return jnp.sum(out * jnp.asarray(np.random.default_rng(7).standard_normal(out.shape)))
+        return jnp.sum(out * jnp.asarray(projection(out.shape)))
     return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+def projection_terms(out):
+    """Σ |out · projection|: the scale of the loss's float32 rounding. Its terms cancel, so
+    the loss itself can be far smaller than its rounding error (a bound relative to the loss
+    passes or fails with the order of the sum)."""
+    return float(np.sum(np.abs(np.asarray(out, np.float64) * projection(out.shape))))
 
 
 MASKS = {
@@ -115,7 +130,7 @@ MASKS = {
 @pytest.mark.parametrize("heads", list(HEADS))
 def test_chunked_equals_xla_forward_and_gradients(heads, mask_name):
     T_q, S, mask = MASKS[mask_name]()
-    q, k, v = qkv(*HEADS[heads], T=T_q, S=S)
+    q, k, v = qkv(np.random.default_rng(3), *HEADS[heads], T=T_q, S=S)
     from llama_jax.nn.attention.chunked import chunked_attention
     # The chunked kernel itself (dot_product_attention sends one query to the dense path).
     chunked = chunked_attention(q, k, v, mask.q_index_BT, mask.kv_index_BS, mask.q_segment_BT,
@@ -124,41 +139,43 @@ def test_chunked_equals_xla_forward_and_gradients(heads, mask_name):
     assert relative_error(chunked, dense) < 1e-5
     (value_c, grads_c), (value_x, grads_x) = (loss_and_grads(i, q, k, v, mask)
                                               for i in ("chunked", "xla"))
-    assert relative_error(value_c, value_x) < 1e-5
+    assert abs(float(value_c) - float(value_x)) <= 1e-6 * projection_terms(dense)
     for name, g_c, g_x in zip("qkv", grads_c, grads_x):
         # (one key alone: softmax is constant and dq is exactly zero on both paths)
         assert np.linalg.norm(g_c - g_x) <= 1e-5 * np.linalg.norm(g_x), name
 
 
 def test_chunked_bf16_matches_the_bf16_dense_path():
-    q, k, v = (jnp.asarray(a, jnp.bfloat16) for a in qkv(8, 2, T=40))
+    q, k, v = (jnp.asarray(a, jnp.bfloat16) for a in qkv(np.random.default_rng(4), 8, 2, T=40))
     mask = causal(T=40)
     (value_c, grads_c), (value_x, grads_x) = (loss_and_grads(i, q, k, v, mask)
                                               for i in ("chunked", "xla"))
-    assert attend("chunked", q, k, v, mask).dtype == jnp.bfloat16
+    chunked, dense = attend("chunked", q, k, v, mask), attend("xla", q, k, v, mask)
+    assert chunked.dtype == jnp.bfloat16
     # bf16 rounds the (unnormalised) probabilities at different points: a few bf16 ulps.
-    assert relative_error(attend("chunked", q, k, v, mask), attend("xla", q, k, v, mask)) < 1e-2
-    assert relative_error(value_c, value_x) < 2e-2
+    assert relative_error(chunked, dense) < 1e-2
+    assert abs(float(value_c) - float(value_x)) <= 1e-3 * projection_terms(
+        dense.astype(jnp.float32))
     for g_c, g_x in zip(grads_c, grads_x):
         assert g_c.dtype == jnp.bfloat16 and relative_error(g_c, g_x) < 2e-2
     full = attend("xla", *(a.astype(jnp.float32) for a in (q, k, v)), mask)
-    assert relative_error(attend("chunked", q, k, v, mask), full) < 1e-2
+    assert relative_error(chunked, full) < 1e-2
 
 
 @pytest.mark.parametrize("impl", ["xla", "chunked"])
 def test_grouped_equals_mha_with_repeated_kv(impl):
     N, K = 8, 2
-    q, k, v = qkv(N, K)
+    q, k, v = qkv(np.random.default_rng(5), N, K)
     grouped = attend(impl, q, k, v, causal())
     repeated = attend(impl, q, np.repeat(k, N // K, axis=2), np.repeat(v, N // K, axis=2),
                       causal())
-    np.testing.assert_allclose(grouped, repeated, rtol=1e-6, atol=1e-6)
+    assert_close(grouped, repeated, 1e-5)  # different programs: sums in different orders
 
 
 @pytest.mark.parametrize("impl", ["xla", "chunked"])
 def test_grouped_attention_never_materialises_repeated_kv(impl):
     N, K, T_q, S = 8, 2, 6, 13  # T_q != S tells query-shaped arrays from key-shaped ones
-    q, k, v = qkv(N, K, T=T_q, S=S)
+    q, k, v = qkv(np.random.default_rng(6), N, K, T=T_q, S=S)
     mask = cache_mask(T_q, S, [0, 0])
     jaxpr = jax.make_jaxpr(lambda q, k, v: loss_and_grads(impl, q, k, v, mask))(q, k, v)
 
@@ -174,7 +191,7 @@ def test_grouped_attention_never_materialises_repeated_kv(impl):
 
 @pytest.mark.parametrize("impl", ["xla", "chunked"])
 def test_causality_by_gradient(impl):
-    q, k, v = qkv(4, 2)
+    q, k, v = qkv(np.random.default_rng(8), 4, 2)
 
     def out_t(k, v, t):
         return attend(impl, q, k, v, causal())[:, t].sum()
@@ -187,19 +204,19 @@ def test_causality_by_gradient(impl):
 
 @pytest.mark.parametrize("impl", ["xla", "chunked"])
 def test_segments_do_not_attend_across_documents(impl):
-    q, k, v = qkv(4, 2)
+    q, k, v = qkv(np.random.default_rng(9), 4, 2)
     packed = np.asarray(attend(impl, q, k, v, causal(segments=SEGMENTS)))
     for b in range(B):
         for s in np.unique(SEGMENTS[b]):
             idx = np.flatnonzero(SEGMENTS[b] == s)
             alone = attend(impl, q[b:b + 1, idx], k[b:b + 1, idx], v[b:b + 1, idx],
                            Mask.causal(1, len(idx)))
-            np.testing.assert_allclose(packed[b, idx], alone[0], rtol=1e-6, atol=1e-6)
+            assert_close(packed[b, idx], alone[0], 1e-5)
 
 
 @pytest.mark.parametrize("impl", ["xla", "chunked"])
 def test_fully_masked_rows_stay_finite(impl):
-    q, k, v = qkv(4, 2)
+    q, k, v = qkv(np.random.default_rng(10), 4, 2)
     nothing = Mask(jnp.full((B, T), -1), jnp.broadcast_to(jnp.arange(T), (B, T)))
     value, grads = loss_and_grads(impl, q, k, v, nothing)
     assert np.isfinite(attend(impl, q, k, v, nothing)).all() and np.isfinite(value)
@@ -211,6 +228,7 @@ def test_block_diagonal_decode_attention_matches_reference(N, K):
     from llama_jax.nn.attention.gqa import decode_attention_block_diagonal
 
     S = 13
+    rng = np.random.default_rng(11)
     q = rng.standard_normal((B, 1, N, H)).astype(np.float32)
     k, v = (rng.standard_normal((B, K, S, H)).astype(np.float32) for _ in range(2))
     valid = np.ones((B, S), bool)
@@ -263,7 +281,7 @@ def test_auto_runs_on_cpu_and_picks_chunked():
     config = dataclasses.replace(LONG, max_seq_len=64, attention_block_q=16,
                                  attention_block_kv=16)
     params = llama_jax.init_params(config, jax.random.key(0))
-    tokens = rng.integers(0, 128, (2, 40), dtype=np.int32)
+    tokens = np.random.default_rng(12).integers(0, 128, (2, 40), dtype=np.int32)
     out = llama_jax.forward(config, params, tokens)
     expected = llama_jax.forward(config.with_execution(attention_impl="xla"), params, tokens)
     assert relative_error(out, expected) < 1e-5

@@ -264,7 +264,9 @@ def test_mlp_kinds_match_their_formulas(mlp):
     up = x @ w["w_up"] + w["b_up"]
     hidden = act(x @ w["w_gate"] + w["b_gate"]) * up if "w_gate" in w else act(up)
     want = hidden @ w["w_down"] + w["b_down"]
-    assert relative_error(apply_mlp(config, p, jnp.asarray(x, jnp.float32)), want) < 1e-6
+    # float32 against float64 with weights x20: the matmuls' rounding (measured 3e-7) is
+    # relative to their large terms; GELU's erf and tanh forms differ by 1e-4 here
+    assert relative_error(apply_mlp(config, p, jnp.asarray(x, jnp.float32)), want) < 1e-5
 
 
 def test_layer_norm_matches_ba_et_al():

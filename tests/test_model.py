@@ -16,7 +16,7 @@ from llama_jax.nn.attention.gqa import Context
 from llama_jax.nn.attention.dot_product import Mask
 from llama_jax.nn.positions import rotation
 from llama_jax.model.params import param_specs
-from reference import relative_error
+from reference import assert_close, relative_error
 import reference as ref
 
 TINY = load_model_config("tiny")  # GQA (N=4, K=2), untied, rope_theta 10000
@@ -93,7 +93,7 @@ def test_scan_equals_unrolled_loop(name, params):
     toks = tokens(config, 2, 16)
     scanned = forward(config, params[name], toks)
     unrolled = forward(dataclasses.replace(config, scan_layers=False), params[name], toks)
-    np.testing.assert_allclose(scanned, unrolled, rtol=1e-6, atol=1e-6)
+    assert_close(scanned, unrolled, 1e-5)  # two programs: XLA may sum in other orders
     hlo = jax.jit(llama_jax.forward, static_argnums=0).lower(config, params[name], toks).as_text()
     assert "while" in hlo  # the layers really are a loop, not L inlined copies
 
@@ -117,8 +117,8 @@ def test_remat_does_not_change_values_or_gradients(policy, params):
     jaxpr = str(jax.make_jaxpr(llama_jax.forward, static_argnums=0)(remat_config, params["gqa"],
                                                                     toks))
     assert "checkpoint" in jaxpr or "remat" in jaxpr  # the block really is rematerialised
-    for g, rg in zip(jax.tree.leaves(grads), jax.tree.leaves(remat_grads)):
-        np.testing.assert_allclose(rg, g, rtol=1e-5, atol=1e-7)
+    for (path, g), rg in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(remat_grads)):
+        assert_close(rg, g, 1e-5, err_msg=jax.tree_util.keystr(path))  # on each leaf's scale
 
 
 def test_bf16_compute_with_fp32_params_equals_bf16_params(params):

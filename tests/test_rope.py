@@ -14,8 +14,6 @@ from llama_jax.nn.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from reference import relative_error
 import reference as ref
 
-rng = np.random.default_rng(1)
-
 
 def head_config(head_dim=64, **kw):
     return ModelConfig(vocab_size=8, dim=head_dim, n_layers=1, n_heads=1, **kw)
@@ -108,16 +106,20 @@ def test_relative_position_property():
     # <f(q, m), f(k, n)> depends on m - n only, at small and very large positions.
     c = load_model_config("llama3.1-8b")
     c = dataclasses.replace(c, head_dim=128)
-    q, k = rng.standard_normal((2, 1, 1, 1, 128)).astype(np.float32)
+    q, k = np.random.default_rng(1).standard_normal((2, 1, 1, 1, 128)).astype(np.float32)
     for m, n in [(5, 2), (1000, 7), (100_000, 99_990), (131_000, 3)]:
-        base = np.sum(rotate(c, q, [[m]]) * rotate(c, k, [[n]]))
+        terms = rotate(c, q, [[m]]) * rotate(c, k, [[n]])
+        base = np.sum(terms)
         for shift in (1, 17, 4096):
             shifted = np.sum(rotate(c, q, [[m + shift]]) * rotate(c, k, [[n + shift]]))
-            assert shifted == pytest.approx(base, rel=1e-5, abs=1e-5)
+            # The products cancel: the float32 tables' rounding is relative to their
+            # magnitudes, not to the dot product.
+            assert abs(shifted - base) <= 1e-6 * np.sum(np.abs(terms)), (m, n, shift)
 
 
 def test_rope_preserves_norm_and_never_touches_other_heads():
     c = head_config(32)
+    rng = np.random.default_rng(2)
     x = rng.standard_normal((2, 5, 3, 32)).astype(np.float32)
     out = rotate(c, x, rng.integers(0, 10_000, (2, 5)))
     np.testing.assert_allclose(np.linalg.norm(out, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
@@ -128,6 +130,7 @@ def test_rope_preserves_norm_and_never_touches_other_heads():
 def test_half_split_equals_meta_interleaved_after_permutation(scaling):
     c = head_config(64, rope_theta=500000.0, rope_type="default" if scaling is None else "llama3",
                     rope_scaling=scaling)
+    rng = np.random.default_rng(3)
     x = rng.standard_normal((2, 9, 4, 64)).astype(np.float32)
     positions = rng.integers(0, 5000, (2, 9))
     ours = rotate(c, x, positions)
@@ -137,7 +140,7 @@ def test_half_split_equals_meta_interleaved_after_permutation(scaling):
 
 def test_bf16_inputs_rotate_in_fp32_and_return_bf16():
     c = head_config(64)
-    x = rng.standard_normal((1, 4, 2, 64)).astype(np.float32)
+    x = np.random.default_rng(4).standard_normal((1, 4, 2, 64)).astype(np.float32)
     cos, sin = rope_cos_sin(c, jnp.arange(4, dtype=jnp.int32)[None] * 1000)
     out = apply_rope(jnp.asarray(x, jnp.bfloat16), cos, sin)
     assert out.dtype == jnp.bfloat16

@@ -106,7 +106,8 @@ def test_gradient_accumulation_equals_one_big_batch():
         state, step = _step_fn(dataclasses.replace(TRAIN, micro_batches=micro))
         results.append(step(state, batch))
     (one, m1), (four, m4) = results
-    assert float(m4["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-6)
+    # (a mean of 256 positive terms summed in another order: a few float32 roundings)
+    assert float(m4["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-5)
     assert relative_error(wq(four.params), wq(one.params)) < 1e-5
     chex.assert_trees_all_close(four.params, one.params, rtol=1e-5, atol=1e-7)
 
