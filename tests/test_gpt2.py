@@ -182,7 +182,6 @@ def edit_config(path, **changes):
     (dict(scale_attn_weights=False), "scale_attn_weights=False"),
     (dict(add_cross_attention=True), "add_cross_attention=True"),
     (dict(activation_function="gelu_fast"), "activation_function 'gelu_fast'"),
-    (dict(eos_token_id=50256), "eos_ids"),
 ])
 def test_unsupported_gpt2_configs_are_refused(changes, message, gpt2, tmp_path):
     path = tmp_path / "ckpt"
