@@ -234,8 +234,12 @@ data: {corpus: unused}
     assert sample.main(["--checkpoint", str(run), "--prompt", "The", "--temperature", "0",
                         "--max-new-tokens", "5"]) == 0
     tokenizer = llama_jax.load_tokenizer(run)
-    greedy = generate(config, params, [tokenizer.encode("The")], 5)[0]
-    assert capsys.readouterr().out == "The" + tokenizer.decode(greedy) + "\n"
+    prompt = tokenizer.encode("The")
+    greedy = generate(config, params, [prompt], 5)[0]
+    # sample.py prints the prompt and then the text the new tokens add to it (decoded alone,
+    # SentencePiece would drop the space of the first new piece)
+    continuation = tokenizer.decode(prompt + greedy)[len(tokenizer.decode(prompt)):]
+    assert capsys.readouterr().out == "The" + continuation + "\n"
     csv_text = results.read_text()
     results.unlink()
     assert ablate.main(["report", str(workdir)]) == 0 and results.read_text() == csv_text
