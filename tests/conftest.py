@@ -12,6 +12,10 @@ for flag, setting in (("xla_force_host_platform_device_count", "=8"),
     if flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{flag}{setting}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Nothing comes from the Hugging Face Hub (lm-eval's datasets, transformers' files): the
+# suite runs offline, and subprocesses inherit this.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 import sys
 from pathlib import Path

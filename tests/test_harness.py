@@ -37,15 +37,6 @@ TEXT = ["The cat sat on the mat and looked at the dog.",
         "Cats and dogs sat on a mat next to the proud cat."] * 20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def offline():
-    """Nothing may come from the Hugging Face Hub (the subprocess inherits this too)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_DATASETS_OFFLINE", "1")
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("harness")

@@ -37,15 +37,6 @@ CONTEXT = 64  # max_position_embeddings: the rolling documents span several wind
 LLAMA3_RANKS = 1000  # the first ranks of Meta's BPE file are a BPE of their own
 
 
-@pytest.fixture(scope="module", autouse=True)
-def offline():
-    """Nothing may come from the Hugging Face Hub."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_DATASETS_OFFLINE", "1")
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield
-
-
 def llama_model(path: Path, vocab_size: int, bos: int, eos: int, seed: int) -> None:
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
