@@ -347,7 +347,8 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
     """New tokens for each prompt (a list of token-id lists), stop token excluded.
 
     `stop_tokens=None` stops on the model's EOS ids (`config.stop_ids`); `[]` generates exactly
-    `max_new_tokens`; ids outside the vocabulary are ignored, with a warning. `cache_dtype` defaults to the model's compute dtype (an fp32 model
+    `max_new_tokens`; ids outside the vocabulary are ignored, with a warning.
+    `cache_dtype` defaults to the model's compute dtype (an fp32 model
     decodes with an fp32 cache). `decode_impl`: "auto" (unrolled on CPU, scan elsewhere),
     "scan" or "unrolled" — the same function either way. Parameters on a mesh decode under
     `mesh_config`'s sharding rules (default rules when None). With `return_logprobs`, returns
