@@ -5,8 +5,8 @@ Packages, in layer order: a package imports only from those before it (`tests/te
 checks this, imports under `typing.TYPE_CHECKING` aside):
 
     errors, dtypes, files,     small shared leaves: the error classes (one base, `UserError`),
-    spec, cli                  dtype names, atomic file writes, tensor descriptions, the CLIs'
-                               error exit
+    spec, quant, cli           dtype names, atomic file writes, tensor descriptions, int8
+                               tensors, the CLIs' error exit
     parallel                   device meshes, logical-axis sharding rules, multi-host start-up
     nn                         the components, each kind registered once: norms, positions,
                                MLPs, MoE routers, attention mixers, heads

@@ -9,6 +9,11 @@ width, U the shared experts' width; with MLA, Z the KV latent, Q the query laten
 head's position-free and rotary query/key features, Y its value width; with a task head, O its
 outputs (classes or regression targets). Logical axis names are what the sharding rules map to
 mesh axes.
+
+A matmul weight names the axes its matmul contracts (`contract`, its input features): those are
+the axes an int8 copy shares its scales along (llama_jax/quant.py). `dtype` is the dtype the
+tensor is stored in when it differs from the model's `param_dtype`: "int8" for a quantized
+weight, which is then an `Int8` of int8 values and float32 scales of `scale_shape`.
 """
 
 from __future__ import annotations
@@ -32,10 +37,22 @@ class TensorSpec:
     scale: float = 1.0
     decay: bool = True  # AdamW weight decay applies (not to norm gains and biases)
     used: float = 1.0  # the fraction of it one token's forward pass uses (MoE experts: top_k/E)
+    contract: str = ""  # a matmul weight: the letters its matmul contracts (else "")
+    dtype: str | None = None  # stored dtype when not the model's param_dtype ("int8")
 
     def __post_init__(self):
         assert len(self.letters) == len(self.shape) == len(self.axes), self
         assert self.init in INITS, self.init
+        assert set(self.contract) <= set(self.letters), self
+
+    @property
+    def contract_axes(self) -> tuple[int, ...]:
+        return tuple(self.letters.index(c) for c in self.contract)
+
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """The shape of an int8 copy's scales: one per output channel."""
+        return tuple(1 if c in self.contract else n for c, n in zip(self.letters, self.shape))
 
     @property
     def size(self) -> int:
@@ -48,9 +65,11 @@ class TensorSpec:
 
 
 def weight(dims: dict[str, int], letters: str, axes: tuple[str, ...], scale: float = 1.0,
-           ) -> TensorSpec:
-    """A matrix (or table) initialised N(0, (init_std * scale)^2), decayed."""
-    return TensorSpec(letters, tuple(dims[c] for c in letters), axes, "normal", scale)
+           contract: str = "") -> TensorSpec:
+    """A matrix (or table) initialised N(0, (init_std * scale)^2), decayed; a matmul weight
+    names the letters its matmul contracts."""
+    return TensorSpec(letters, tuple(dims[c] for c in letters), axes, "normal", scale,
+                      contract=contract)
 
 
 def gain(dims: dict[str, int], letters: str, axes: tuple[str, ...]) -> TensorSpec:

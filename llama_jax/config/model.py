@@ -38,6 +38,7 @@ NORM_POSITIONS = ("pre", "post")
 MOE = "moe"  # the block MLP that routes tokens to expert MLPs (nn/moe.py), besides MLPS' kinds
 MOE_DISPATCHES = ("auto", "capacity", "dropless")  # see nn/moe.py
 POOLINGS = ("last", "mean")
+QUANTIZATIONS = ("int8",)  # see llama_jax/quant.py
 
 
 def mlp_choices() -> tuple[str, ...]:
@@ -300,6 +301,13 @@ class ModelConfig:
     mla_decode: str = setting("absorbed", type="str", choices=MLA_DECODES, role=EXECUTION,
                               doc="how MLA decodes a token: absorbed (scores against the cached "
                                   "latents) | expanded (keys and values rebuilt every step)")
+    quantize: str | None = setting(None, type="str", choices=QUANTIZATIONS, null=True,
+                                   role=EXECUTION,
+                                   doc="int8: the blocks' matmul weights stored as int8 with a "
+                                       "float32 scale per output channel, for inference; "
+                                       "null: in param_dtype")
+    quantize_head: bool = setting(False, type="bool", role=EXECUTION,
+                                  doc="with quantize: the LM head and the embedding table too")
     eos_ids: tuple[int, ...] = setting((), type="list", role=GENERATION,
                                        doc="ids that end generation by default (from the "
                                            "tokenizer); ids outside the vocabulary are kept "
@@ -379,6 +387,11 @@ class ModelConfig:
         if POSITIONS[self.positions].rotary:
             self._check_rope()
         self._check_head()
+        if self.quantize_head:
+            require(self.quantize is not None, "quantize_head", self.quantize_head,
+                    "needs quantize (e.g. quantize: int8)")
+            require(not HEADS[self.head].task, "quantize_head", self.quantize_head,
+                    f"applies to the LM head; a task head ({self.head}) stays in float")
         for token in self.eos_ids:
             require(isinstance(token, int) and not isinstance(token, bool), "eos_ids",
                     self.eos_ids, "must be a list of integer token ids")

@@ -15,10 +15,11 @@ from pathlib import Path
 import jax
 
 from llama_jax.config import MeshConfig, ModelConfig, dtype_name, load_model_config
+from llama_jax.config.model import QUANTIZATIONS
 from llama_jax.errors import CheckpointError, ConfigError
 from llama_jax.files import atomic_directory
 from llama_jax.formats import hf, meta, native, run
-from llama_jax.formats.layout import family_of
+from llama_jax.formats.layout import Loading, family_of
 from llama_jax.model.params import Params, param_specs
 from llama_jax.parallel.sharding import param_shardings
 
@@ -45,25 +46,33 @@ def detect_format(path: str | Path) -> str:
         f"(llama_jax); found: {found}")
 
 
-def load_checkpoint(path: str | Path, dtype=None, *,
-                    mesh: jax.sharding.Mesh | None = None,
+def load_checkpoint(path: str | Path, dtype=None, *, quantize: str | None = None,
+                    quantize_head: bool = False, mesh: jax.sharding.Mesh | None = None,
                     mesh_config: MeshConfig | None = None) -> tuple[ModelConfig, Params]:
     """(config, params) from any supported checkpoint; `dtype` (any dtype-like: "bfloat16",
     jnp.float32, ...) None keeps the stored dtype. The returned config computes in the same
-    dtype as its parameters. With a `mesh`, every tensor goes straight into its sharding under
-    `mesh_config`'s weight rules (default rules when None): each device receives only its
-    shard, and the host holds one tensor at a time."""
-    if dtype is not None:
-        try:
-            dtype = dtype_name(dtype)
-        except ConfigError as e:
-            raise CheckpointError(str(e)) from None
+    dtype as its parameters. `quantize="int8"` stores the blocks' matmul weights (and with
+    `quantize_head` the LM head and embedding) as int8, each tensor quantized as it is read:
+    the float model is never held whole. A quantized checkpoint loads quantized. With a `mesh`,
+    every tensor goes straight into its sharding under `mesh_config`'s weight rules (default
+    rules when None): each device receives only its shard, and the host holds one tensor at a
+    time."""
+    try:
+        dtype = None if dtype is None else dtype_name(dtype)
+        if quantize not in (None, *QUANTIZATIONS):
+            raise ConfigError(f"quantize={quantize!r} is not one of "
+                              f"{', '.join(QUANTIZATIONS)} (or None: as stored)")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    if quantize_head and quantize is None:
+        raise CheckpointError("quantize_head=True needs quantize (e.g. quantize='int8')")
 
     def placement(config: ModelConfig) -> Params | None:
         return None if mesh is None else param_shardings(param_specs(config), mesh,
                                                          mesh_config or MeshConfig())
 
-    return FORMATS[detect_format(path)].load(Path(path), dtype, placement)
+    return FORMATS[detect_format(path)].load(Path(path), Loading(dtype, quantize, quantize_head),
+                                             placement)
 
 
 def export_hf(config: ModelConfig, params: Params, path: str | Path) -> None:

@@ -39,8 +39,8 @@ import numpy as np
 
 from llama_jax.config import MlaConfig, ModelConfig, MoeConfig, RopeScaling
 from llama_jax.errors import CheckpointError, ConfigError
-from llama_jax.formats.layout import (Family, Placement, Slot, assemble, family_of,
-                                      stored_tensors, torch_shape, torch_tensors, with_dtype)
+from llama_jax.formats.layout import (Family, Loading, Placement, Slot, assemble, family_of,
+                                      stored_tensors, torch_shape, torch_tensors)
 from llama_jax.model.params import Params
 
 CONFIG = "config.json"
@@ -280,7 +280,7 @@ def _weight_files(path: Path) -> dict[str, Path]:
         raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from None
 
 
-def load(path: Path, dtype: str | None,
+def load(path: Path, loading: Loading,
          placement: Placement | None = None) -> tuple[ModelConfig, Params]:
     from safetensors import safe_open
 
@@ -299,7 +299,7 @@ def load(path: Path, dtype: str | None,
         raise CheckpointError(f"{path}: tensor(s) that are not {family.name} weights: "
                               f"{', '.join(unexpected[:5])}")
     first = stored[next(iter(expected))]
-    config = with_dtype(config, dtype or _stored_dtype(files[first], first))
+    config = loading.config(config, _stored_dtype(files[first], first), path)
 
     def read(slot: Slot, ours: str) -> np.ndarray:
         name = stored[ours]

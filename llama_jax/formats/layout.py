@@ -30,8 +30,9 @@ import jax
 import numpy as np
 
 from llama_jax.config import ModelConfig
-from llama_jax.errors import CheckpointError
+from llama_jax.errors import CheckpointError, ConfigError
 from llama_jax.nn.heads import HEADS
+from llama_jax.quant import Int8, to_int8
 from llama_jax.spec import TensorSpec
 from llama_jax.model.params import Params, abstract_params, flat_paths, layer_groups, param_specs
 
@@ -465,25 +466,47 @@ def assemble(config: ModelConfig, read: Reader, dtype: np.dtype, meta: bool,
              placement: Placement | None = None) -> Params:
     """Builds the parameter tree leaf by leaf from `read(slot, name)` (the stored tensor in
     torch layout, shape-checked by the reader; a fused tensor is read once per part). Each
-    leaf is filled piece by piece (layers, experts) in `dtype` and moved to the devices —
-    straight into its target sharding when `placement` gives one, each device receiving only
-    its shard — before the next is read, so host memory holds one leaf at a time. The largest
-    leaves go first: while a leaf is read it exists two or three times over (file pages, the
-    array read, the device copy), and that transient should not sit on top of everything
-    else."""
+    leaf is filled piece by piece (layers, experts) in `dtype` — or, a weight the config
+    quantizes, as int8 values and scales, each piece quantized as it is read — and moved to
+    the devices — straight into its target sharding when `placement` gives one, each device
+    receiving only its shard — before the next is read, so host memory holds one leaf at a
+    time. The largest leaves go first: while a leaf is read it exists two or three times over
+    (file pages, the array read, the device copy), and that transient should not sit on top
+    of everything else."""
     shardings = flat_paths(placement(config)) if placement else {}
     leaves = {}
     for slot in sorted(slots(config), key=lambda s: -s.spec.size):
-        out = np.empty((len(slot.pieces), *slot.shape), dtype)
-        for j, name in enumerate(names(slot, meta)):
-            out[j] = from_torch(config, slot, read(slot, name), meta)
-        out = out.reshape(slot.spec.shape)
-        # Wait for the copy: an asynchronous transfer would keep `out` alive while the next
-        # leaves are read, and the peak would depend on timing.
+        pieces = (from_torch(config, slot, read(slot, name), meta)
+                  for name in names(slot, meta))  # a generator: one piece in memory at a time
+        leaf = (_quantized_leaf(slot, pieces, dtype) if slot.spec.dtype == "int8"
+                else _float_leaf(slot, pieces, dtype))
+        # Wait for the copy: an asynchronous transfer would keep the host array alive while
+        # the next leaves are read, and the peak would depend on timing.
         leaves[slot.tree_path] = jax.block_until_ready(
-            jax.device_put(out, shardings.get(slot.tree_path)))
-        del out
+            jax.device_put(leaf, shardings.get(slot.tree_path)))
+        del leaf
     return unflatten(config, leaves)
+
+
+def _float_leaf(slot: Slot, pieces, dtype: np.dtype) -> np.ndarray:
+    out = np.empty((len(slot.pieces), *slot.shape), dtype)
+    for j, piece in enumerate(pieces):
+        out[j] = piece
+    return out.reshape(slot.spec.shape)
+
+
+def _quantized_leaf(slot: Slot, pieces, dtype: np.dtype) -> Int8:
+    """int8 values and scales, quantized piece by piece: a piece (a layer's, an expert's
+    matrix) holds whole output channels, so each piece's scales are the leaf's. Pieces are
+    rounded to `dtype` first, so the result equals quantizing the model loaded in `dtype`."""
+    spec, lead = slot.spec, len(slot.spec.shape) - len(slot.shape)
+    axes = tuple(a - lead for a in spec.contract_axes)
+    values = np.empty((len(slot.pieces), *slot.shape), np.int8)
+    scale = np.empty((len(slot.pieces), *spec.scale_shape[lead:]), np.float32)
+    for j, piece in enumerate(pieces):
+        q = to_int8(piece.astype(dtype), axes)
+        values[j], scale[j] = q.values, q.scale
+    return Int8(values.reshape(spec.shape), scale.reshape(spec.scale_shape))
 
 
 def unflatten(config: ModelConfig, leaves: dict[str, jax.Array]) -> Params:
@@ -521,6 +544,30 @@ def placed_target(config: ModelConfig, placement: Placement | None) -> Params:
                         abstract_params(config), shardings)
 
 
-def with_dtype(config: ModelConfig, dtype: str) -> ModelConfig:
-    """The loaded model's config: parameters stored and computed in `dtype`."""
-    return config.with_execution(param_dtype=dtype, compute_dtype=dtype)
+@dataclasses.dataclass(frozen=True)
+class Loading:
+    """What `load_checkpoint` is asked for: float parameters in `dtype` (None: as stored), and
+    the weights `quantize` / `quantize_head` store as int8 (None: as stored)."""
+
+    dtype: str | None = None
+    quantize: str | None = None
+    quantize_head: bool = False
+
+    def config(self, config: ModelConfig, stored_dtype: str, where: object) -> ModelConfig:
+        """The loaded model's config: float parameters stored and computed in `dtype` (else
+        `stored_dtype`), quantized as asked. A quantized checkpoint loads as it was stored: a
+        different quantization is refused (`where` names the checkpoint)."""
+        dtype = self.dtype or stored_dtype
+        config = config.with_execution(param_dtype=dtype, compute_dtype=dtype)
+        if self.quantize is None:
+            return config
+        stored = (config.quantize, config.quantize_head)
+        if config.quantize is not None and stored != (self.quantize, self.quantize_head):
+            raise CheckpointError(
+                f"{where}: stored with quantize={config.quantize}, quantize_head="
+                f"{config.quantize_head}; it cannot load with quantize={self.quantize}, "
+                f"quantize_head={self.quantize_head} (leave them out to load it as stored)")
+        try:
+            return config.with_execution(quantize=self.quantize, quantize_head=self.quantize_head)
+        except ConfigError as e:
+            raise CheckpointError(f"{where}: {e}") from None

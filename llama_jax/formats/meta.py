@@ -21,7 +21,7 @@ import numpy as np
 
 from llama_jax.config import ModelConfig, RopeScaling
 from llama_jax.errors import CheckpointError, ConfigError
-from llama_jax.formats.layout import Placement, Slot, assemble, torch_shape, with_dtype
+from llama_jax.formats.layout import Loading, Placement, Slot, assemble, torch_shape
 from llama_jax.model.params import Params
 
 PARAMS = "params.json"
@@ -120,13 +120,13 @@ def _numpy(t) -> np.ndarray:
     return t.float().numpy() if str(t.dtype) != "torch.float32" else t.numpy()
 
 
-def load(path: Path, dtype: str | None,
+def load(path: Path, loading: Loading,
          placement: Placement | None = None) -> tuple[ModelConfig, Params]:
     shards = open_shards(path)
     config = read_config(path, shards)
     stored = _TORCH_DTYPES.get(str(shards[0]["tok_embeddings.weight"].dtype), "float32") \
         if "tok_embeddings.weight" in shards[0] else "float32"
-    config = with_dtype(config, dtype or stored)
+    config = loading.config(config, stored, path)
     # Shards are re-opened for each leaf: dropping the previous mmaps releases the file pages
     # already read, so resident memory holds the weights once, not the weights plus the files.
     opened = {"leaf": None, "shards": shards}

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import orbax.checkpoint as ocp
 import yaml
 
 from llama_jax.config import ModelConfig, load_model_config
 from llama_jax.errors import CheckpointError, ConfigError
-from llama_jax.formats.layout import Placement, placed_target, with_dtype
+from llama_jax.formats.layout import Loading, Placement, placed_target, unflatten
 from llama_jax.formats.legacy import from_legacy, is_legacy, legacy_target
-from llama_jax.model.params import Params, flat_paths
+from llama_jax.model.params import Params, flat_paths, param_specs, quantize_params
+from llama_jax.quant import Int8, to_int8
 
 CONFIG = "config.yaml"
 PARAMS = "params"
@@ -32,28 +34,83 @@ def save(config: ModelConfig, params: Params, path: Path) -> None:
     checkpointer.wait_until_finished()
 
 
-def load(path: Path, dtype: str | None,
+def load(path: Path, loading: Loading,
          placement: Placement | None = None) -> tuple[ModelConfig, Params]:
     try:
         config = load_model_config(path / CONFIG)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
-    checkpointer = ocp.StandardCheckpointer()
     params_dir = (path / PARAMS).absolute()
     try:
-        stored = checkpointer.metadata(params_dir).item_metadata.tree
+        stored = ocp.StandardCheckpointer().metadata(params_dir).item_metadata.tree
     except Exception as e:  # orbax raises several types for missing or corrupt metadata
         raise CheckpointError(f"{params_dir}: not a readable orbax checkpoint: {e}") from None
+    return restore(params_dir, stored, config, loading, placement, path / CONFIG)
+
+
+def restore(params_dir: Path, stored, config: ModelConfig, loading: Loading,
+            placement: Placement | None, config_file: Path) -> tuple[ModelConfig, Params]:
+    """The model of `config` (the checkpoint's, read from `config_file`) from the orbax
+    directory `params_dir`, whose metadata tree is `stored`, loaded as `loading` asks. Weights
+    to quantize that the checkpoint holds in float are restored one at a time and quantized on
+    the devices, so the float model is never held whole."""
     old = is_legacy(stored)
-    first = flat_paths(stored)["embed" if old else "embed/table"]
-    config = with_dtype(config, dtype or str(first.dtype))
-    target = placed_target(config, placement)
+    as_stored = loading.config(config, _float_dtype(config, stored, old), params_dir)
+    as_stored = as_stored.with_execution(quantize=config.quantize,
+                                         quantize_head=config.quantize_head)
+    target = placed_target(as_stored, placement)
     if old:  # written before the component tree: restore, then move leaves to their paths
         target = legacy_target(target)
     expected = {k: tuple(a.shape) for k, a in flat_paths(target).items()}
     found = {k: tuple(m.shape) for k, m in flat_paths(stored).items()}
     if expected != found:
         raise CheckpointError(f"{params_dir}: stored tensors {found} do not match the model of "
-                              f"{path / CONFIG}: {expected}")
-    restored = checkpointer.restore(params_dir, target)
-    return config, from_legacy(config, restored) if old else restored
+                              f"{config_file}: {expected}")
+    loaded = loading.config(config, as_stored.param_dtype, config_file)
+    if old:
+        params = from_legacy(as_stored, ocp.StandardCheckpointer().restore(params_dir, target))
+        return loaded, quantize_params(as_stored, params, loaded.quantize,
+                                       loaded.quantize_head)[1] if loaded.quantize else params
+    return loaded, _restore_quantizing(params_dir, as_stored, loaded, placement)
+
+
+def _float_dtype(config: ModelConfig, stored, old: bool) -> str:
+    """The dtype of the checkpoint's float parameters (the first one not stored as int8)."""
+    if old:
+        return str(stored["embed"].dtype)
+    found = flat_paths(stored)
+    return next(str(found[path].dtype) for path, spec in flat_paths(param_specs(config)).items()
+                if spec.dtype is None)
+
+
+def _restore_quantizing(params_dir: Path, as_stored: ModelConfig, loaded: ModelConfig,
+                        placement: Placement | None) -> Params:
+    """Restores every tensor stored as `loaded` keeps it in one call; each one `loaded`
+    quantizes in a call of its own (the others skipped: orbax's PLACEHOLDER), then quantized
+    into its shardings."""
+    abstract = placed_target(as_stored, placement)
+    stored_target, treedef = flat_paths(abstract), jax.tree.structure(abstract)
+    specs = flat_paths(param_specs(loaded))
+    to_quantize = [path for path, spec in specs.items()
+                   if spec.dtype == "int8" and path in stored_target]
+
+    def restored(keep) -> dict:
+        item = jax.tree.unflatten(treedef, [a if keep(path) else ocp.PLACEHOLDER
+                                            for path, a in stored_target.items()])
+        args = jax.tree.map(lambda a: a if a is ocp.PLACEHOLDER else ocp.ArrayRestoreArgs(
+            sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), item)
+        tree = ocp.PyTreeCheckpointer().restore(
+            params_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=args))
+        return flat_paths(tree)
+
+    leaves = restored(lambda path: path not in to_quantize)
+    target = flat_paths(placed_target(loaded, placement))
+    for path in to_quantize:
+        shardings = Int8(target[path + "/values"].sharding, target[path + "/scale"].sharding)
+        quantize = jax.jit(to_int8, static_argnums=1, out_shardings=shardings)
+        q = quantize(restored(lambda p, keep=path: p == keep)[path], specs[path].contract_axes)
+        leaves[path + "/values"], leaves[path + "/scale"] = jax.block_until_ready(
+            (q.values, q.scale))
+    return unflatten(loaded, {path: Int8(leaves[path + "/values"], leaves[path + "/scale"])
+                              if spec.dtype == "int8" else leaves[path]
+                              for path, spec in specs.items()})

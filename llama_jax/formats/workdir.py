@@ -113,17 +113,15 @@ class Checkpoints:
             data=grain.checkpoint.CheckpointRestore(iterator)))
         return restored.params, restored.opt_state
 
+    def params_dir(self, step: int) -> Path:
+        """The orbax directory of the parameters saved at `step`."""
+        return Path(self.manager.directory) / str(step) / "params"
+
     def stored_params(self, step: int) -> Any:
         """The metadata tree (shapes and dtypes) of the parameters saved at `step`."""
         # The handler reads the item's own metadata (a Checkpointer would look for a
         # step-level file that CheckpointManager keeps one level up, and warn).
-        return ocp.StandardCheckpointHandler().metadata(
-            self.manager.directory / str(step) / "params").tree
-
-    def restore_params(self, step: int, abstract_params: Any) -> Any:
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_params)))
-        return restored.params
+        return ocp.StandardCheckpointHandler().metadata(self.params_dir(step)).tree
 
     def close(self) -> None:
         """Waits for the write in flight, then releases the manager."""

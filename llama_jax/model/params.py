@@ -36,7 +36,8 @@ from llama_jax.nn.mlp import mlp_specs
 from llama_jax.nn.moe import moe_specs
 from llama_jax.nn.norms import norm_specs
 from llama_jax.nn.positions import position_specs
-from llama_jax.spec import TensorSpec, is_spec, map_specs, weight
+from llama_jax.quant import Int8, is_int8, to_int8
+from llama_jax.spec import TensorSpec, is_spec, map_specs, spec_leaves, weight
 
 Params = dict[str, Any]  # the tree above; leaves are arrays (or TensorSpecs, ShapeDtypeStructs)
 
@@ -69,7 +70,7 @@ def block_specs(config: ModelConfig, group: LayerGroup) -> dict:
 def param_specs(config: ModelConfig) -> Params:
     """The parameter tree with a `TensorSpec` at every leaf."""
     dims = config.dims
-    specs: Params = {"embed": {"table": weight(dims, "VD", ("vocab", "embed"))}}
+    specs: Params = {"embed": {"table": weight(dims, "VD", ("vocab", "embed"), contract="D")}}
     positions = position_specs(config)
     if positions:
         specs["positions"] = positions
@@ -78,7 +79,21 @@ def param_specs(config: ModelConfig) -> Params:
                             for group in layer_groups(config))
     if config.norm_position == "pre":
         specs["final_norm"] = norm_specs(config)
-    return {**specs, **head_specs(config)}
+    specs = {**specs, **head_specs(config)}
+    return stored_as(config, specs) if config.quantize else specs
+
+
+def stored_as(config: ModelConfig, specs: Params) -> Params:
+    """The specs with the matmul weights `config.quantize` stores as int8 marked so: the
+    blocks' (attention, MLPs, experts; not the MoE router, whose logits pick experts), and with
+    `quantize_head` the LM head and the embedding table."""
+    def mark(spec: TensorSpec) -> TensorSpec:
+        return dataclasses.replace(spec, dtype=config.quantize) if spec.contract else spec
+    marked = {**specs, "groups": map_specs(mark, specs["groups"])}
+    for name in ("embed", "lm_head") if config.quantize_head else ():
+        if name in specs:
+            marked[name] = map_specs(mark, specs[name])
+    return marked
 
 
 def init_params(config: ModelConfig, key: jax.Array) -> Params:
@@ -94,25 +109,48 @@ def init_tensors(config: ModelConfig, specs, key: jax.Array):
     keys = jax.random.split(key, len(leaves))
     dtype = jnp.dtype(config.param_dtype)
 
-    def init_one(spec: TensorSpec, k: jax.Array) -> jax.Array:
+    def init_one(spec: TensorSpec, k: jax.Array) -> jax.Array | Int8:
         if spec.init == "ones":
             return jnp.ones(spec.shape, dtype)
         if spec.init == "zeros":
             return jnp.zeros(spec.shape, dtype)
         std = config.init_std * spec.scale
-        return (std * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype)
+        w = (std * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype)
+        return to_int8(w, spec.contract_axes) if spec.dtype == "int8" else w
 
     return jax.tree.unflatten(treedef, [init_one(s, k) for s, k in zip(leaves, keys)])
 
 
 def abstract_params(config: ModelConfig) -> Params:
-    """`jax.ShapeDtypeStruct`s of the parameters, from their descriptions."""
-    dtype = jnp.dtype(config.param_dtype)
-    return map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), param_specs(config))
+    """`jax.ShapeDtypeStruct`s of the parameters, from their descriptions (an `Int8` of two
+    for a quantized weight)."""
+    return map_specs(lambda s: stored_leaf(s, config.param_dtype, jax.ShapeDtypeStruct),
+                     param_specs(config))
+
+
+def stored_leaf(spec: TensorSpec, param_dtype: str, make):
+    """`make(shape, dtype)` for the tensor of `spec` as it is stored: once, or for an int8
+    weight an `Int8` of its values and scales."""
+    if spec.dtype == "int8":
+        return Int8(make(spec.shape, jnp.int8), make(spec.scale_shape, jnp.float32))
+    return make(spec.shape, jnp.dtype(spec.dtype or param_dtype))
+
+
+def quantize_params(config: ModelConfig, params: Params, quantize: str = "int8",
+                    head: bool = False) -> tuple[ModelConfig, Params]:
+    """The quantized model of a float model: its config with `quantize` (and `quantize_head`)
+    set, and its parameters with those weights stored so."""
+    config = config.with_execution(quantize=quantize, quantize_head=head)
+    specs = param_specs(config)
+    leaves = [to_int8(w, spec.contract_axes) if spec.dtype == "int8" and not is_int8(w) else w
+              for spec, w in zip(spec_leaves(specs), jax.tree.leaves(params, is_leaf=is_int8))]
+    return config, jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_spec), leaves)
 
 
 def flat_paths(tree) -> dict[str, Any]:
-    """`{"groups/0/attn/wq": leaf, ...}`: every leaf of a parameter tree by its path."""
+    """`{"groups/0/attn/wq": leaf, ...}`: every leaf of a parameter tree by its path (an int8
+    weight's two arrays as `.../wq/values` and `.../wq/scale`)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_spec)
-    return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): leaf
+    return {"/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                     for k in path): leaf
             for path, leaf in flat}

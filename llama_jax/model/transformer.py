@@ -41,6 +41,7 @@ from llama_jax.nn.attention.mixers import mixer_of
 from llama_jax.nn.mlp import apply_mlp
 from llama_jax.nn.moe import apply_moe, moe_metrics, update_selection_bias
 from llama_jax.nn.norms import apply_norm
+from llama_jax.nn.ops import lookup
 from llama_jax.nn.positions import add_positions, rotation
 from llama_jax.model.params import LayerGroup, Params, layer_groups
 from llama_jax.parallel.sharding import constrain
@@ -114,7 +115,7 @@ def embed(config: ModelConfig, params: Params, tokens_BT: jax.Array,
           positions_BT: jax.Array) -> jax.Array:
     """Token embeddings (times √D with `embed_scale`, as the original Transformer does so that
     they are not drowned by the unit-amplitude sinusoids) plus absolute positions."""
-    x_BTD = jnp.take(params["embed"]["table"], tokens_BT, axis=0).astype(config.compute_dtype)
+    x_BTD = lookup(params["embed"]["table"], tokens_BT, config.compute_dtype)
     if config.embed_scale:
         x_BTD = x_BTD * jnp.asarray(config.dim ** 0.5, x_BTD.dtype)
     return add_positions(config, params.get("positions", {}), x_BTD, positions_BT)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable
 import jax
 import jax.numpy as jnp
 
-from llama_jax.nn.ops import einsum_f32
+from llama_jax.nn.ops import cast_weight, einsum_f32
 from llama_jax.nn.registry import Registry
 from llama_jax.parallel.sharding import constrain
 from llama_jax.spec import bias, weight
@@ -79,10 +79,11 @@ def is_task_head(config: ModelConfig) -> bool:
 def lm_head(config: ModelConfig, params: dict, h_BTD: jax.Array) -> jax.Array:
     """fp32 logits: the loss and sampling want them in full precision."""
     if config.tie_embeddings:
-        table_VD = params["embed"]["table"].astype(h_BTD.dtype)
+        table_VD = cast_weight(params["embed"]["table"], h_BTD.dtype)
         logits_BTV = einsum_f32("BTD,VD->BTV", h_BTD, table_VD)
     else:
-        logits_BTV = einsum_f32("BTD,DV->BTV", h_BTD, params["lm_head"]["w"].astype(h_BTD.dtype))
+        w_DV = cast_weight(params["lm_head"]["w"], h_BTD.dtype)
+        logits_BTV = einsum_f32("BTD,DV->BTV", h_BTD, w_DV)
     return constrain(logits_BTV, ("batch", "seq", "vocab"))
 
 
@@ -119,7 +120,7 @@ def pool(config: ModelConfig, h_BTD: jax.Array, real_BT: jax.Array) -> jax.Array
 
 def _lm_specs(config: ModelConfig) -> dict:
     return {} if config.tie_embeddings else {
-        "lm_head": {"w": weight(config.dims, "DV", ("embed", "vocab"))}}
+        "lm_head": {"w": weight(config.dims, "DV", ("embed", "vocab"), contract="D")}}
 
 
 def _task_specs(config: ModelConfig, with_bias: bool) -> dict:

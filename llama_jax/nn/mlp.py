@@ -58,11 +58,12 @@ def ffn_specs(dims: dict[str, int], kind: str, width: str, residual_scale: float
     which writes into the residual stream."""
     letters = "".join(letter for letter, _ in lead)
     axes = tuple(axis for _, axis in lead)
-    specs = {"w_up": weight(dims, f"{letters}D{width}", (*axes, "embed", "mlp")),
+    specs = {"w_up": weight(dims, f"{letters}D{width}", (*axes, "embed", "mlp"), contract="D"),
              "w_down": weight(dims, f"{letters}{width}D", (*axes, "mlp", "embed"),
-                              residual_scale)}
+                              residual_scale, contract=width)}
     if MLPS[kind].gated:
-        specs["w_gate"] = weight(dims, f"{letters}D{width}", (*axes, "embed", "mlp"))
+        specs["w_gate"] = weight(dims, f"{letters}D{width}", (*axes, "embed", "mlp"),
+                                 contract="D")
     return specs
 
 

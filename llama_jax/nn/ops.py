@@ -1,7 +1,9 @@
 """Matmul building blocks: a mixed-precision einsum and the dense projection every component uses.
 
 Matmuls accumulate in fp32 (`preferred_element_type`) whatever the compute dtype, and 32-bit
-operands are multiplied at full precision (`matmul_precision`).
+operands are multiplied at full precision (`matmul_precision`). A weight may be int8
+(`quant.Int8`): its values enter the matmul as they are and its scales multiply the side
+they are constant along (`_int8_einsum`), so no dequantized copy of the weight is made.
 """
 
 from __future__ import annotations
@@ -11,18 +13,46 @@ import math
 import jax
 import jax.numpy as jnp
 
+from llama_jax.quant import Int8, is_int8
 
-def einsum_f32(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """`einsum` with fp32 accumulation and an fp32 result, for operands of any float dtype.
+
+def einsum_f32(equation: str, a: jax.Array, b: jax.Array | Int8) -> jax.Array:
+    """`einsum` with fp32 accumulation and an fp32 result, for operands of any float dtype
+    (and an int8 weight `b`).
 
     XLA:CPU has no bf16 x bf16 -> fp32 kernel for every dot shape (it fails at run time with
     "Unsupported element type for DotThunk"), so on CPU 16-bit operands are widened first —
     the same numbers, since products of bf16/fp16 values are exact in fp32. Accelerators get
     `preferred_element_type` and keep their 16-bit inputs.
     """
+    if is_int8(b):
+        return _int8_einsum(equation, a, b)
     precision = matmul_precision(a, b)
     a, b = _widened_on_cpu(a, b)
     return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32, precision=precision)
+
+
+def _int8_einsum(equation: str, x: jax.Array, w: Int8) -> jax.Array:
+    """x·w with w's int8 values in the matmul. Per output channel scales (constant along the
+    contracted axes) multiply the output; scales constant along the output axes (a weight
+    contracted along other axes than it was quantized for: MLA's absorbed W_UK) multiply the
+    input; anything else is dequantized first."""
+    inputs, out = equation.split("->")
+    lhs, rhs = inputs.split(",")
+    kept = {c for c, n in zip(rhs, w.scale.shape) if n != 1}
+    if kept <= set(out):
+        return einsum_f32(equation, x, w.values) * _aligned(w.scale, rhs, out)
+    if kept <= set(lhs):
+        return einsum_f32(equation, x * _aligned(w.scale, rhs, lhs).astype(x.dtype), w.values)
+    return einsum_f32(equation, x, w.dequantize(x.dtype))
+
+
+def _aligned(scale: jax.Array, letters: str, target: str) -> jax.Array:
+    """`scale` (axes `letters`, size 1 along those not in `target`) laid out to broadcast
+    against an array of axes `target`."""
+    common = "".join(c for c in target if c in letters)
+    shape = [scale.shape[letters.index(c)] if c in letters else 1 for c in target]
+    return jnp.einsum(f"{letters}->{common}", scale).reshape(shape)
 
 
 def matmul_precision(a: jax.Array, b: jax.Array) -> jax.lax.Precision:
@@ -45,9 +75,14 @@ def _widened_on_cpu(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
             b.astype(jnp.promote_types(b.dtype, jnp.float32)))
 
 
-def grouped_f32(rows: jax.Array, w_EIO: jax.Array, sizes_E: jax.Array) -> jax.Array:
+def grouped_f32(rows: jax.Array, w_EIO: jax.Array | Int8, sizes_E: jax.Array) -> jax.Array:
     """Grouped matmul (`jax.lax.ragged_dot`): consecutive runs of `sizes_E[e]` rows times
-    `w_EIO[e]`, fp32 result; widened on CPU as in `einsum_f32`."""
+    `w_EIO[e]`, fp32 result; widened on CPU as in `einsum_f32`. An int8 `w_EIO`'s scales
+    `[E, 1, O]` multiply each row's output by its expert's."""
+    if is_int8(w_EIO):
+        expert_of_row = jnp.repeat(jnp.arange(w_EIO.shape[0]), sizes_E,
+                                   total_repeat_length=rows.shape[0])
+        return grouped_f32(rows, w_EIO.values, sizes_E) * w_EIO.scale[expert_of_row, 0]
     w_EIO = w_EIO.astype(rows.dtype)
     precision = matmul_precision(rows, w_EIO)
     rows, w_EIO = _widened_on_cpu(rows, w_EIO)
@@ -67,7 +102,10 @@ def dense(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
     assert lhs[-n_in:] == rhs[:n_in] and out == lhs[:-n_in] + rhs[n_in:], equation
     # As one 2-D matmul (rows x contracted): XLA:CPU runs these faster than the N-D einsum.
     rows, contracted = x.shape[:x.ndim - n_in], math.prod(x.shape[x.ndim - n_in:])
-    w_KN = w.astype(x.dtype).reshape(contracted, -1)
+    if is_int8(w):  # per output channel: scales [1, ..., 1, outputs]
+        w_KN = Int8(w.values.reshape(contracted, -1), w.scale.reshape(1, -1))
+    else:
+        w_KN = cast_weight(w, x.dtype).reshape(contracted, -1)
     y = einsum_f32("MK,KN->MN", x.reshape(-1, contracted), w_KN)
     return y.reshape(*rows, *w.shape[n_in:]).astype(x.dtype)
 
@@ -76,3 +114,16 @@ def linear(equation: str, x: jax.Array, w: jax.Array, b: jax.Array | None = None
     """`dense`, plus a bias (cast to the result's dtype) when the layer has one."""
     y = dense(equation, x, w)
     return y if b is None else y + b.astype(y.dtype)
+
+
+def cast_weight(w: jax.Array | Int8, dtype) -> jax.Array | Int8:
+    """A float weight in the compute dtype; an int8 one as it is (`einsum_f32` takes it)."""
+    return w if is_int8(w) else w.astype(dtype)
+
+
+def lookup(table_VD: jax.Array | Int8, tokens: jax.Array, dtype) -> jax.Array:
+    """Rows of an embedding table (float or int8, one scale per row) in `dtype`."""
+    if is_int8(table_VD):
+        rows = jnp.take(table_VD.values, tokens, axis=0).astype(jnp.float32)
+        return (rows * jnp.take(table_VD.scale, tokens, axis=0)).astype(dtype)
+    return jnp.take(table_VD, tokens, axis=0).astype(dtype)

@@ -25,6 +25,7 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from llama_jax.quant import Int8
 from llama_jax.spec import map_specs
 
 if TYPE_CHECKING:
@@ -99,13 +100,19 @@ def param_shardings(specs, mesh: Mesh, mesh_config: MeshConfig):
     new component's typo would otherwise leave its tensors silently replicated)."""
     known = RULE_TABLES["weight_rules"][1]
 
-    def placed(s) -> NamedSharding:
+    def placed(s) -> NamedSharding | Int8:
         unknown = [a for a in s.axes if a not in known]
         if unknown:
             raise ValueError(f"tensor with axes {s.axes}: logical axis name(s) {unknown} are "
                              f"not weight axes ({', '.join(known)})")
-        return NamedSharding(mesh, spec(s.axes, s.shape, mesh_config.weight_rules, mesh.shape,
-                                        "/".join(s.axes)))
+
+        def sharding(shape) -> NamedSharding:
+            return NamedSharding(mesh, spec(s.axes, shape, mesh_config.weight_rules, mesh.shape,
+                                            "/".join(s.axes)))
+        # An int8 weight's scales split like its values, except along the axes they are shared
+        # by (size 1).
+        return Int8(sharding(s.shape), sharding(s.scale_shape)) if s.dtype == "int8" else \
+            sharding(s.shape)
     return map_specs(placed, specs)
 
 

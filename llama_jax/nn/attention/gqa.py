@@ -75,10 +75,11 @@ def decode_attention_block_diagonal(q_B1NH: jax.Array, k_BCH: jax.Array, v_BCH: 
 def attention_specs(config: ModelConfig, residual_scale: float) -> dict:
     """`residual_scale` shrinks the init of W_O, which writes into the residual stream."""
     dims = config.dims
-    specs = {"wq": weight(dims, "DNH", ("embed", "q_heads", "head_dim")),
-             "wk": weight(dims, "DKH", ("embed", "kv_heads", "head_dim")),
-             "wv": weight(dims, "DKH", ("embed", "kv_heads", "head_dim")),
-             "wo": weight(dims, "NHD", ("q_heads", "head_dim", "embed"), residual_scale)}
+    specs = {"wq": weight(dims, "DNH", ("embed", "q_heads", "head_dim"), contract="D"),
+             "wk": weight(dims, "DKH", ("embed", "kv_heads", "head_dim"), contract="D"),
+             "wv": weight(dims, "DKH", ("embed", "kv_heads", "head_dim"), contract="D"),
+             "wo": weight(dims, "NHD", ("q_heads", "head_dim", "embed"), residual_scale,
+                           contract="NH")}
     if config.bias:
         specs.update(bq=bias(dims, "NH", ("q_heads", "head_dim")),
                      bk=bias(dims, "KH", ("kv_heads", "head_dim")),

@@ -44,7 +44,7 @@ from flax import struct
 from llama_jax.nn.attention.gqa import Context, attention_of, load, store, stored_type
 from llama_jax.nn.attention.dot_product import dense_attention
 from llama_jax.nn.norms import rms_norm
-from llama_jax.nn.ops import dense, einsum_f32
+from llama_jax.nn.ops import cast_weight, dense, einsum_f32
 from llama_jax.errors import require
 from llama_jax.nn.positions import POSITIONS, Rotation
 from llama_jax.nn.rope import softmax_scale
@@ -65,17 +65,18 @@ def mla_specs(config: ModelConfig, residual_scale: float) -> dict:
     q_in, q_axis = ("Q", "latent") if lora else ("D", "embed")
     specs = {}
     if lora:
-        specs.update(wq_a=weight(dims, "DQ", ("embed", "latent")),
+        specs.update(wq_a=weight(dims, "DQ", ("embed", "latent"), contract="D"),
                      q_norm=gain(dims, "Q", ("norm",)))
     specs.update(
-        wq_nope=weight(dims, q_in + "NJ", (q_axis, "q_heads", "head_dim")),
-        wq_rope=weight(dims, q_in + "NI", (q_axis, "q_heads", "head_dim")),
-        w_dkv=weight(dims, "DZ", ("embed", "latent")),
-        w_kr=weight(dims, "DI", ("embed", "head_dim")),
+        wq_nope=weight(dims, q_in + "NJ", (q_axis, "q_heads", "head_dim"), contract=q_in),
+        wq_rope=weight(dims, q_in + "NI", (q_axis, "q_heads", "head_dim"), contract=q_in),
+        w_dkv=weight(dims, "DZ", ("embed", "latent"), contract="D"),
+        w_kr=weight(dims, "DI", ("embed", "head_dim"), contract="D"),
         kv_norm=gain(dims, "Z", ("norm",)),
-        w_uk=weight(dims, "ZNJ", ("latent", "q_heads", "head_dim")),
-        w_uv=weight(dims, "ZNY", ("latent", "q_heads", "head_dim")),
-        wo=weight(dims, "NYD", ("q_heads", "head_dim", "embed"), residual_scale))
+        w_uk=weight(dims, "ZNJ", ("latent", "q_heads", "head_dim"), contract="Z"),
+        w_uv=weight(dims, "ZNY", ("latent", "q_heads", "head_dim"), contract="Z"),
+        wo=weight(dims, "NYD", ("q_heads", "head_dim", "embed"), residual_scale,
+                  contract="NY"))
     return specs
 
 
@@ -134,13 +135,13 @@ def _absorbed(config: ModelConfig, p: dict, q_nope_BTNJ, q_rope_BTNI, latent_BSW
     """Attention over the latents themselves: queries `[q_nope·W_UKᵀ, q_rope]` of width W
     against the cached `[c, k_R]` as one shared key head, values c, then W_UV: `[B, T, N, Y]`."""
     Z, dtype = config.mla.kv_lora_rank, q_nope_BTNJ.dtype
-    q_latent_BTNZ = einsum_f32("BTNJ,ZNJ->BTNZ", q_nope_BTNJ, p["w_uk"].astype(dtype))
+    q_latent_BTNZ = einsum_f32("BTNJ,ZNJ->BTNZ", q_nope_BTNJ, cast_weight(p["w_uk"], dtype))
     q_BTNW = jnp.concatenate([q_latent_BTNZ.astype(dtype), q_rope_BTNI], axis=-1)
     q_BTNW = constrain(q_BTNW, ("batch", "seq", "heads", None))
     latent_BS1W = latent_BSW[:, :, None]
     out_BTNZ = dense_attention(q_BTNW, latent_BS1W, latent_BS1W[..., :Z], context.mask.dense(),
                                scale=softmax_scale(config))
-    out_BTNY = einsum_f32("BTNZ,ZNY->BTNY", out_BTNZ, p["w_uv"].astype(dtype))
+    out_BTNY = einsum_f32("BTNZ,ZNY->BTNY", out_BTNZ, cast_weight(p["w_uv"], dtype))
     return out_BTNY.astype(dtype)
 
 
