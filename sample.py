@@ -17,6 +17,7 @@ from pathlib import Path
 
 from llama_jax import load_checkpoint, load_tokenizer
 from llama_jax.cli import user_errors_exit
+from llama_jax.config.model import QUANTIZATIONS
 from llama_jax.dtypes import DTYPES
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
 from llama_jax.decode.generate import DECODE_IMPLS, GenerationStats, stream
@@ -38,6 +39,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="parameter and compute dtype (default: as stored)")
+    parser.add_argument("--quantize", choices=QUANTIZATIONS, default=None,
+                        help="store the blocks' matmul weights as int8 while loading (default: "
+                             "as stored)")
+    parser.add_argument("--quantize-head", action="store_true",
+                        help="with --quantize: the LM head and embedding table too")
     parser.add_argument("--cache-dtype", choices=DTYPES, default=None,
                         help="KV cache dtype (default: the compute dtype)")
     parser.add_argument("--decode-impl", choices=DECODE_IMPLS, default="auto",
@@ -72,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     prompts = read_prompts(args)
     tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
-    config, params = load_checkpoint(args.checkpoint, args.dtype)
+    config, params = load_checkpoint(args.checkpoint, args.dtype, quantize=args.quantize,
+                                     quantize_head=args.quantize_head)
     config = config.with_execution(attention_impl=args.attention_impl)
     token_prompts = [tokenizer.encode(p, bos=True) for p in prompts]
     stats = GenerationStats()

@@ -55,8 +55,10 @@ def to_int8(w, shared_axes: Sequence[int]) -> Int8:
     `shared_axes` (a matmul weight: the axes it contracts)."""
     w32 = w.astype(np.float32)
     amax = abs(w32).max(axis=tuple(shared_axes), keepdims=True)
-    scale = (amax / INT8_MAX).clip(MIN_SCALE, None)
-    values = (w32 / scale).round().clip(-INT8_MAX, INT8_MAX).astype(np.int8)
+    # Times reciprocals, never divided: XLA rewrites a division by a constant or a broadcast
+    # into that, and the host (numpy) and jit must agree to the bit.
+    scale = (amax * np.float32(1 / INT8_MAX)).clip(MIN_SCALE, None)
+    values = (w32 * (1 / scale)).round().clip(-INT8_MAX, INT8_MAX).astype(np.int8)
     return Int8(values=values, scale=scale.astype(np.float32))
 
 

@@ -49,6 +49,21 @@ def test_single_prompt_streams_the_greedy_continuation(checkpoint, decode_impl, 
     assert "time to first token" in err and "tokens/s" in err
 
 
+def test_quantize_streams_what_the_quantized_model_generates(checkpoint, capsys, monkeypatch):
+    loaded = []  # a tiny random model's greedy tokens may not change under int8: see what loads
+    monkeypatch.setattr(sample, "load_checkpoint", lambda *a, **k: loaded.append(
+        llama_jax.load_checkpoint(*a, **k)[0]) or llama_jax.load_checkpoint(*a, **k))
+    assert sample.main(["--checkpoint", str(checkpoint), "--prompt", "The cat",
+                        "--temperature", "0", "--max-new-tokens", "12", "--quantize", "int8",
+                        "--quantize-head"]) == 0
+    out, _ = capsys.readouterr()
+    assert [(c.quantize, c.quantize_head) for c in loaded] == [("int8", True)]
+    config, params = llama_jax.load_checkpoint(checkpoint, quantize="int8", quantize_head=True)
+    tok = llama_jax.load_tokenizer(checkpoint)
+    expected = generate(config, params, [tok.encode("The cat")], 12)[0]
+    assert out == "The cat" + tok.decode(expected) + "\n"
+
+
 def test_several_prompts_and_a_prompt_file(checkpoint, tmp_path, capsys):
     (tmp_path / "prompts.txt").write_text("A dog\n\nNumbers:\n")
     assert sample.main(["--checkpoint", str(checkpoint), "--prompt", "The cat",

@@ -529,6 +529,8 @@ class ModelConfig:
         for section in ("moe", "mla"):  # a dense GQA model's file has neither section
             if getattr(self, section) is None:
                 del out[section]
+        if self.quantize is None:  # a float model's file is as before quantization existed
+            del out["quantize"], out["quantize_head"]
         if not HEADS[self.head].task:  # a language model's file has no task-head fields
             for name in ("head", "n_labels", "pooling", "pad_id", "label_names"):
                 del out[name]

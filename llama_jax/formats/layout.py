@@ -504,9 +504,25 @@ def _quantized_leaf(slot: Slot, pieces, dtype: np.dtype) -> Int8:
     values = np.empty((len(slot.pieces), *slot.shape), np.int8)
     scale = np.empty((len(slot.pieces), *spec.scale_shape[lead:]), np.float32)
     for j, piece in enumerate(pieces):
-        q = to_int8(piece.astype(dtype), axes)
-        values[j], scale[j] = q.values, q.scale
+        quantize_into(piece.astype(dtype, copy=False), axes, values[j], scale[j])
     return Int8(values.reshape(spec.shape), scale.reshape(spec.scale_shape))
+
+
+QUANTIZE_CHUNK_BYTES = 1 << 22
+
+
+def quantize_into(w: np.ndarray, axes: tuple[int, ...], values: np.ndarray,
+                   scale: np.ndarray) -> None:
+    """Quantizes `w` into `values` and `scale` in slices of whole output channels of about
+    QUANTIZE_CHUNK_BYTES: the quantizer's float temporaries stay small next to a large piece
+    (an embedding table or LM head is one piece)."""
+    split = next(a for a in range(w.ndim) if a not in axes)  # a weight has output channels
+    step = max(1, QUANTIZE_CHUNK_BYTES * w.shape[split] // (4 * w.size))
+    for start in range(0, w.shape[split], step):
+        where = tuple(slice(start, start + step) if a == split else slice(None)
+                      for a in range(w.ndim))
+        q = to_int8(w[where], axes)
+        values[where], scale[where] = q.values, q.scale
 
 
 def unflatten(config: ModelConfig, leaves: dict[str, jax.Array]) -> Params:

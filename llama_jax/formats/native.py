@@ -8,15 +8,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 import yaml
 
 from llama_jax.config import ModelConfig, load_model_config
 from llama_jax.errors import CheckpointError, ConfigError
-from llama_jax.formats.layout import Loading, Placement, placed_target, unflatten
+from llama_jax.formats.layout import (Loading, Placement, placed_target, quantize_into,
+                                      unflatten)
 from llama_jax.formats.legacy import from_legacy, is_legacy, legacy_target
 from llama_jax.model.params import Params, flat_paths, param_specs, quantize_params
-from llama_jax.quant import Int8, to_int8
+from llama_jax.quant import Int8
 
 CONFIG = "config.yaml"
 PARAMS = "params"
@@ -86,31 +88,39 @@ def _float_dtype(config: ModelConfig, stored, old: bool) -> str:
 def _restore_quantizing(params_dir: Path, as_stored: ModelConfig, loaded: ModelConfig,
                         placement: Placement | None) -> Params:
     """Restores every tensor stored as `loaded` keeps it in one call; each one `loaded`
-    quantizes in a call of its own (the others skipped: orbax's PLACEHOLDER), then quantized
-    into its shardings."""
+    quantizes in a call of its own (the others skipped: orbax's PLACEHOLDER) to the host,
+    where it is quantized in slices (`layout.quantize_into`) and moved into its shardings."""
     abstract = placed_target(as_stored, placement)
     stored_target, treedef = flat_paths(abstract), jax.tree.structure(abstract)
     specs = flat_paths(param_specs(loaded))
     to_quantize = [path for path, spec in specs.items()
                    if spec.dtype == "int8" and path in stored_target]
 
-    def restored(keep) -> dict:
-        item = jax.tree.unflatten(treedef, [a if keep(path) else ocp.PLACEHOLDER
-                                            for path, a in stored_target.items()])
-        args = jax.tree.map(lambda a: a if a is ocp.PLACEHOLDER else ocp.ArrayRestoreArgs(
-            sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), item)
-        tree = ocp.PyTreeCheckpointer().restore(
-            params_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=args))
+    def restored(on_device, on_host=()) -> dict:
+        def args(path, a):
+            if path in on_host:
+                return ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype)
+            if path in on_device:
+                return ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
+                                            dtype=a.dtype)
+            return ocp.PLACEHOLDER
+        item = {path: a if path in on_device or path in on_host else ocp.PLACEHOLDER
+                for path, a in stored_target.items()}
+        tree = ocp.PyTreeCheckpointer().restore(params_dir, args=ocp.args.PyTreeRestore(
+            item=jax.tree.unflatten(treedef, list(item.values())),
+            restore_args=jax.tree.unflatten(treedef, [args(p, a) for p, a in item.items()])))
         return flat_paths(tree)
 
-    leaves = restored(lambda path: path not in to_quantize)
+    leaves = restored([path for path in stored_target if path not in to_quantize])
     target = flat_paths(placed_target(loaded, placement))
     for path in to_quantize:
-        shardings = Int8(target[path + "/values"].sharding, target[path + "/scale"].sharding)
-        quantize = jax.jit(to_int8, static_argnums=1, out_shardings=shardings)
-        q = quantize(restored(lambda p, keep=path: p == keep)[path], specs[path].contract_axes)
+        spec, w = specs[path], restored((), [path])[path]
+        values, scale = np.empty(spec.shape, np.int8), np.empty(spec.scale_shape, np.float32)
+        quantize_into(w, spec.contract_axes, values, scale)
+        del w
         leaves[path + "/values"], leaves[path + "/scale"] = jax.block_until_ready(
-            (q.values, q.scale))
+            jax.device_put((values, scale), (target[path + "/values"].sharding,
+                                             target[path + "/scale"].sharding)))
     return unflatten(loaded, {path: Int8(leaves[path + "/values"], leaves[path + "/scale"])
                               if spec.dtype == "int8" else leaves[path]
                               for path, spec in specs.items()})

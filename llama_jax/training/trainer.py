@@ -76,6 +76,10 @@ def check_run(run: RunConfig, mesh: jax.sharding.Mesh) -> None:
         raise ConfigError(f"train.freeze={train.freeze!r} needs a `task:` section (it trains "
                           "a task head alone)")
     chosen_attention(model)
+    if model.quantize is not None:
+        raise ConfigError(f"model.quantize={model.quantize!r} is for inference: training "
+                          "updates float weights (train or fine-tune from the float "
+                          "checkpoint, and quantize when loading it to decode)")
     if train.seq_len > model.max_seq_len:
         raise ConfigError(f"train.seq_len={train.seq_len} exceeds the model's context "
                           f"(model.max_seq_len={model.max_seq_len})")
