@@ -569,12 +569,17 @@ class Loading:
     quantize: str | None = None
     quantize_head: bool = False
 
+    def in_dtype(self, config: ModelConfig, stored_dtype: str) -> ModelConfig:
+        """`config` with its float parameters stored and computed in `dtype` (else
+        `stored_dtype`), its quantization as it was."""
+        dtype = self.dtype or stored_dtype
+        return config.with_execution(param_dtype=dtype, compute_dtype=dtype)
+
     def config(self, config: ModelConfig, stored_dtype: str, where: object) -> ModelConfig:
         """The loaded model's config: float parameters stored and computed in `dtype` (else
         `stored_dtype`), quantized as asked. A quantized checkpoint loads as it was stored: a
         different quantization is refused (`where` names the checkpoint)."""
-        dtype = self.dtype or stored_dtype
-        config = config.with_execution(param_dtype=dtype, compute_dtype=dtype)
+        config = self.in_dtype(config, stored_dtype)
         if self.quantize is None:
             return config
         stored = (config.quantize, config.quantize_head)

@@ -54,12 +54,10 @@ def restore(params_dir: Path, stored, config: ModelConfig, loading: Loading,
             placement: Placement | None, config_file: Path) -> tuple[ModelConfig, Params]:
     """The model of `config` (the checkpoint's, read from `config_file`) from the orbax
     directory `params_dir`, whose metadata tree is `stored`, loaded as `loading` asks. Weights
-    to quantize that the checkpoint holds in float are restored one at a time and quantized on
-    the devices, so the float model is never held whole."""
+    to quantize that the checkpoint holds in float are restored one at a time to the host and
+    quantized there, so the float model is never held whole."""
     old = is_legacy(stored)
-    as_stored = loading.config(config, _float_dtype(config, stored, old), params_dir)
-    as_stored = as_stored.with_execution(quantize=config.quantize,
-                                         quantize_head=config.quantize_head)
+    as_stored = loading.in_dtype(config, _float_dtype(config, stored, old))
     target = placed_target(as_stored, placement)
     if old:  # written before the component tree: restore, then move leaves to their paths
         target = legacy_target(target)

@@ -80,10 +80,10 @@ def param_specs(config: ModelConfig) -> Params:
     if config.norm_position == "pre":
         specs["final_norm"] = norm_specs(config)
     specs = {**specs, **head_specs(config)}
-    return stored_as(config, specs) if config.quantize else specs
+    return _stored_as(config, specs) if config.quantize else specs
 
 
-def stored_as(config: ModelConfig, specs: Params) -> Params:
+def _stored_as(config: ModelConfig, specs: Params) -> Params:
     """The specs with the matmul weights `config.quantize` stores as int8 marked so: the
     blocks' (attention, MLPs, experts; not the MoE router, whose logits pick experts), and with
     `quantize_head` the LM head and the embedding table."""
@@ -124,16 +124,12 @@ def init_tensors(config: ModelConfig, specs, key: jax.Array):
 def abstract_params(config: ModelConfig) -> Params:
     """`jax.ShapeDtypeStruct`s of the parameters, from their descriptions (an `Int8` of two
     for a quantized weight)."""
-    return map_specs(lambda s: stored_leaf(s, config.param_dtype, jax.ShapeDtypeStruct),
-                     param_specs(config))
-
-
-def stored_leaf(spec: TensorSpec, param_dtype: str, make):
-    """`make(shape, dtype)` for the tensor of `spec` as it is stored: once, or for an int8
-    weight an `Int8` of its values and scales."""
-    if spec.dtype == "int8":
-        return Int8(make(spec.shape, jnp.int8), make(spec.scale_shape, jnp.float32))
-    return make(spec.shape, jnp.dtype(spec.dtype or param_dtype))
+    def abstract(spec: TensorSpec) -> jax.ShapeDtypeStruct | Int8:
+        if spec.dtype == "int8":
+            return Int8(jax.ShapeDtypeStruct(spec.shape, jnp.int8),
+                        jax.ShapeDtypeStruct(spec.scale_shape, jnp.float32))
+        return jax.ShapeDtypeStruct(spec.shape, jnp.dtype(config.param_dtype))
+    return map_specs(abstract, param_specs(config))
 
 
 def quantize_params(config: ModelConfig, params: Params, quantize: str = "int8",
