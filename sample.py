@@ -3,6 +3,7 @@
     python sample.py --checkpoint DIR --prompt "Once upon a time" [--prompt ...]
                      [--prompt-file FILE] [--max-new-tokens 128] [--temperature 0.6]
                      [--top-k 0] [--top-p 0.9] [--min-p 0] [--seed 0] [--dtype bfloat16]
+                     [--quantize int8 [--quantize-head]] [--cache-dtype int8]
 
 A single prompt streams to stdout as it is generated (decoded in chunks of --chunk-steps
 steps); several prompts run as one ragged batch and print when done. Time to first token,
@@ -17,8 +18,7 @@ from pathlib import Path
 
 from llama_jax import load_checkpoint, load_tokenizer
 from llama_jax.cli import user_errors_exit
-from llama_jax.config.model import QUANTIZATIONS
-from llama_jax.dtypes import DTYPES
+from llama_jax.config import CACHE_DTYPES, DTYPES, QUANTIZATIONS
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
 from llama_jax.decode.generate import DECODE_IMPLS, GenerationStats, stream
 from llama_jax.errors import GenerateError
@@ -44,8 +44,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "as stored)")
     parser.add_argument("--quantize-head", action="store_true",
                         help="with --quantize: the LM head and embedding table too")
-    parser.add_argument("--cache-dtype", choices=DTYPES, default=None,
-                        help="KV cache dtype (default: the compute dtype)")
+    parser.add_argument("--cache-dtype", choices=CACHE_DTYPES, default=None,
+                        help="KV cache dtype (default: the compute dtype; int8: int8 values "
+                             "with a scale per token and head)")
     parser.add_argument("--decode-impl", choices=DECODE_IMPLS, default="auto",
                         help="layers as a scan over stacked weights, or an unrolled loop over "
                              "per-layer weights (auto: unrolled on CPU, scan elsewhere)")

@@ -25,6 +25,7 @@ import numpy as np
 from flax import struct
 
 INT8_MAX = 127
+SCALE_BYTES = 4  # each scale is a float32
 # The smallest scale: an all-zero channel gets values 0 (and not 0/0).
 MIN_SCALE = float(np.finfo(np.float32).tiny)
 
@@ -44,6 +45,12 @@ class Int8:
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return (self.values.astype(jnp.float32) * self.scale).astype(dtype)
 
+    def __getitem__(self, index) -> "Int8":
+        """The same index into values and scales: whole axes, single entries, new axes, and
+        slices along the axes the scale varies along — or slices starting at 0 along those it
+        is shared by (its size 1 stays 1)."""
+        return Int8(self.values[index], self.scale[index])
+
 
 def scale_shape(shape: Sequence[int], shared_axes: Sequence[int]) -> tuple[int, ...]:
     """The shape of the scales of a tensor of `shape` whose scale is shared by `shared_axes`."""
@@ -62,11 +69,10 @@ def to_int8(w, shared_axes: Sequence[int]) -> Int8:
     return Int8(values=values, scale=scale.astype(np.float32))
 
 
-def to_int8_vectors(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """int8 values of `x` and one float32 scale per vector along its last axis, without that
-    axis (`[..., W]` -> `[..., W]` int8, `[...]` float32): a KV-cache entry."""
-    q = to_int8(x, (x.ndim - 1,))
-    return q.values, q.scale[..., 0]
+def to_int8_vectors(x: jax.Array) -> Int8:
+    """`x` `[..., W]` as int8 values with one float32 scale `[..., 1]` per vector along its last
+    axis: KV-cache entries."""
+    return to_int8(x, (x.ndim - 1,))
 
 
 def is_int8(x) -> bool:

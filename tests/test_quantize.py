@@ -1,7 +1,9 @@
-"""int8 weights: the quantizer's error bound, the quantized forward against the float forward on
-the dequantized weights (the matmul formulations) and on the original ones (the quantization
-error), every loader's quantize-as-you-read against quantizing the loaded model, native save and
-load, sharded quantized decode, peak memory while loading, and the refusals."""
+"""int8 weights and KV cache: the quantizer's error bound, the quantized forward against the float
+forward on the dequantized weights (the matmul formulations) and on the original ones (the
+quantization error), every loader's quantize-as-you-read against quantizing the loaded model,
+native save and load, int8-cache decode against a float cache of the dequantized entries and
+against the full forward, cache bytes against the formula, sharded quantized decode, peak
+memory while loading, and the refusals."""
 
 import json
 import subprocess
@@ -16,11 +18,16 @@ import llama_jax
 from llama_jax.config import (DataConfig, MeshConfig, MlaConfig, ModelConfig, MoeConfig,
                               RunConfig, TrainConfig)
 from llama_jax.errors import CheckpointError, ConfigError
+from llama_jax.model.kv_cache import init_cache
 from llama_jax.model.params import flat_paths, quantize_params
+from llama_jax.model.transformer import apply, unstack_layers
+from llama_jax.nn.attention import kv_storage
+from llama_jax.nn.heads import lm_head
 from llama_jax.parallel import sharding
-from llama_jax.quant import INT8_MAX, Int8, is_int8, to_int8
+from llama_jax.plan import costs
+from llama_jax.quant import INT8_MAX, Int8, is_int8, to_int8, to_int8_vectors
 from llama_jax.training import trainer
-from reference import assert_close
+from reference import assert_close, relative_error
 
 MODELS = {
     "gqa": ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -117,6 +124,86 @@ def test_mla_absorbed_decode_scales_the_query_side():
     assert [list(row) for row in full[:, 9:]] == greedy
 
 
+KV_CASES = {"gqa": MODELS["gqa"], "mla": MODELS["mla"],
+            "mla-expanded": MODELS["mla"].with_execution(mla_decode="expanded"),
+            "moe": MODELS["moe"]}
+
+
+def decode_logits(config, params, toks, cache_dtype, layout, prefill=7):
+    """Logits of a prefill of `prefill` tokens, then of one token per step, through a cache."""
+    step = jax.jit(lambda p, t, cache: apply(config, p, t, cache=cache)[:2])
+    layers = params if layout == "stacked" else unstack_layers(params)
+    cache = init_cache(config, toks.shape[0], toks.shape[1], cache_dtype, layout=layout)
+    h, cache = step(layers, toks[:, :prefill], cache)
+    hs = [h]
+    for t in range(prefill, toks.shape[1]):
+        h, cache = step(layers, toks[:, t:t + 1], cache)
+        hs.append(h)
+    return np.asarray(lm_head(config, params, jnp.concatenate(hs, axis=1)))
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per_layer"])
+@pytest.mark.parametrize("case", list(KV_CASES))
+def test_int8_kv_cache_decode(case, layout, monkeypatch):
+    """An int8 cache computes what a float cache holding its dequantized entries computes
+    (the scales go on the scores and the probabilities), within fp32 rounding; and stays within
+    the stated bound of the float model's full forward: 1% relative error of the logits (each
+    cached vector is off by at most 1/254 of its largest entry)."""
+    config = KV_CASES[case]
+    params = random_params(config)
+    toks = tokens(2, 12, seed=3)
+    got = decode_logits(config, params, toks, "int8", layout)
+    write = kv_storage.write
+    monkeypatch.setattr(kv_storage, "write", lambda cache, x, start, dtype: write(
+        cache, to_int8_vectors(x).dequantize(x.dtype), start, dtype))
+    assert_close(got, decode_logits(config, params, toks, "float32", layout), 1e-5)
+    monkeypatch.undo()
+    full = np.asarray(llama_jax.forward(config, params, toks))
+    assert relative_error(got, full) < 0.01
+
+
+@pytest.mark.parametrize("case", ["gqa", "mla"])
+def test_int8_cache_bytes_equal_the_formula(case):
+    """A byte per cached value and a float32 scale per vector (per token and KV head, for keys
+    and values; per token's latent), in both layouts."""
+    config = KV_CASES[case]
+    stacked = init_cache(config, batch=3, max_len=40, dtype="int8").groups
+    per_layer = init_cache(config, batch=3, max_len=40, dtype="int8", layout="per_layer").groups
+    for layout in (stacked, per_layer):
+        leaves = jax.tree.leaves(layout)
+        assert {x.dtype for x in leaves} == {jnp.dtype(jnp.int8), jnp.dtype(jnp.float32)}
+        assert sum(x.nbytes for x in leaves) == costs.kv_cache_bytes_per_token(
+            config, "int8") * 3 * 40
+    values = 2 * config.K * config.H if case == "gqa" else 32 + 8
+    assert costs.kv_cache_bytes_per_token(config, "int8") == config.L * (
+        values + 4 * (2 * config.K if case == "gqa" else 1))
+
+
+@pytest.mark.parametrize("name", ["moe", "tied-bias"])
+def test_the_planner_counts_int8_values_and_scales(name, capsys, tmp_path):
+    """Weight bytes equal the quantized model's arrays; the decode floor reads them (at batch
+    1 the top_k of E experts, the embedding's one row) and the int8 cache; `info` reports
+    both."""
+    from llama_jax.plan import info
+
+    config = MODELS[name]
+    qconfig, qparams = quantize_params(config, random_params(config), head=True)
+    assert costs.weight_bytes(qconfig, "float32") == sum(
+        x.nbytes for x in jax.tree.leaves(qparams))
+    specs = llama_jax.param_specs(qconfig)
+    assert costs.decode_bytes_per_step(qconfig, 1, 10, "float32", "int8") == round(sum(
+        costs.stored_bytes(s, "float32") * s.used for s in jax.tree.leaves(specs))
+        - (0 if config.tie_embeddings else costs.stored_bytes(specs["embed"]["table"], "float32")
+           * (1 - 1 / config.V))) + 10 * costs.kv_cache_bytes_per_token(config, "int8")
+    path = tmp_path / "model.yaml"
+    path.write_text(json.dumps({"model": config.to_dict()}))  # JSON is YAML
+    assert info.main([str(path), "--quantize", "int8", "--quantize-head", "--cache-dtype",
+                      "int8", "--dtype", "float32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["weight_bytes_quantized"] == costs.weight_bytes(qconfig, "float32")
+    assert out["kv_cache_bytes_per_token"] == costs.kv_cache_bytes_per_token(config, "int8")
+
+
 @pytest.mark.parametrize("fmt", ["hf", "meta", "native", "run"])
 def test_quantizing_while_loading_equals_quantizing_the_loaded_model(fmt, tmp_path,
                                                                       corpus_dir):
@@ -184,8 +271,8 @@ def test_sharded_quantized_decode_equals_unsharded(decode_impl, tmp_path):
     prompts = [list(np.random.default_rng(i).integers(3, 256, n)) for i, n in
                enumerate((5, 11, 3, 8))]
     expected = llama_jax.generate(qconfig, plain, prompts, 10, stop_tokens=[],
-                                  decode_impl=decode_impl)
-    assert llama_jax.generate(qconfig, placed, prompts, 10, stop_tokens=[],
+                                  decode_impl=decode_impl, cache_dtype="int8")
+    assert llama_jax.generate(qconfig, placed, prompts, 10, stop_tokens=[], cache_dtype="int8",
                               decode_impl=decode_impl, mesh_config=rules) == expected
 
 

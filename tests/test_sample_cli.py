@@ -9,7 +9,7 @@ import pytest
 
 import llama_jax
 import sample
-from llama_jax.decode.generate import generate
+from llama_jax.decode.generate import generate, stream
 
 TEXT = ["The cat sat on the mat and looked at the dog.",
         "A dog is a good friend; a cat is a proud one.", "Numbers: 12 34 56 78 90."] * 40
@@ -50,17 +50,21 @@ def test_single_prompt_streams_the_greedy_continuation(checkpoint, decode_impl, 
 
 
 def test_quantize_streams_what_the_quantized_model_generates(checkpoint, capsys, monkeypatch):
-    loaded = []  # a tiny random model's greedy tokens may not change under int8: see what loads
+    # a tiny random model's greedy tokens may not change under int8: see what loads and decodes
+    loaded, caches = [], []
     monkeypatch.setattr(sample, "load_checkpoint", lambda *a, **k: loaded.append(
         llama_jax.load_checkpoint(*a, **k)[0]) or llama_jax.load_checkpoint(*a, **k))
+    monkeypatch.setattr(sample, "stream", lambda *a, **k: caches.append(
+        k["cache_dtype"]) or stream(*a, **k))
     assert sample.main(["--checkpoint", str(checkpoint), "--prompt", "The cat",
                         "--temperature", "0", "--max-new-tokens", "12", "--quantize", "int8",
-                        "--quantize-head"]) == 0
+                        "--quantize-head", "--cache-dtype", "int8"]) == 0
     out, _ = capsys.readouterr()
     assert [(c.quantize, c.quantize_head) for c in loaded] == [("int8", True)]
+    assert caches == ["int8"]
     config, params = llama_jax.load_checkpoint(checkpoint, quantize="int8", quantize_head=True)
     tok = llama_jax.load_tokenizer(checkpoint)
-    expected = generate(config, params, [tok.encode("The cat")], 12)[0]
+    expected = generate(config, params, [tok.encode("The cat")], 12, cache_dtype="int8")[0]
     assert out == "The cat" + tok.decode(expected) + "\n"
 
 

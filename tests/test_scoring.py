@@ -1,5 +1,6 @@
 """Log-likelihood scoring: scores equal a float64 reference, batching and padding change
-nothing, long requests lose context from the left, strided perplexity, and bad input."""
+nothing, long requests lose context from the left, strided perplexity, scoring through a KV
+cache equals the decoder, and bad input."""
 
 import dataclasses
 
@@ -130,6 +131,27 @@ def test_perplexity_in_one_window_is_one_forward(params):
     np.testing.assert_allclose([p.nll for p in got], expected, atol=1e-4)
     exact = perplexity(CONFIG, params, documents[:1], window=39, stride=1)[0]  # 39 predictions
     assert exact.nll == pytest.approx(expected[0], abs=1e-4)
+
+
+def test_scoring_through_a_cache_equals_the_decoder(params):
+    """Through a float cache the scores are the plain forward's; through an int8 cache they are
+    the log-probabilities the int8-cache decoder gives its own greedy tokens (a vector's scale
+    depends on it alone, so prefill and step-by-step quantize every key and value alike)."""
+    contexts = [tokens(n, seed=60 + n) for n in (4, 13, 7)]
+    continuations = [tokens(n, seed=70 + n) for n in (5, 2, 11)]
+    plain = score(CONFIG, params, contexts, continuations)
+    cached = score(CONFIG, params, contexts, continuations, cache_dtype="float32")
+    for a, b in zip(plain, cached):
+        assert a.logprob == pytest.approx(b.logprob, rel=1e-5) and a.greedy == b.greedy
+    new, logprobs = llama_jax.generate(CONFIG, params, contexts, 8, stop_tokens=[],
+                                       cache_dtype="int8", return_logprobs=True)
+    int8 = score(CONFIG, params, contexts, new, cache_dtype="int8")
+    for s, expected in zip(int8, logprobs):
+        assert s.logprob == pytest.approx(sum(expected), abs=1e-4) and s.greedy
+    assert [s.logprob for s in int8] != pytest.approx(
+        [s.logprob for s in score(CONFIG, params, contexts, new)], abs=1e-4)  # int8 applies
+    with pytest.raises(ScoreError, match="cache_dtype='int4' is not one of .*int8"):
+        score(CONFIG, params, contexts, new, cache_dtype="int4")
 
 
 class Headed:

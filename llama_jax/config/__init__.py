@@ -5,16 +5,18 @@ static arguments under `jax.jit`; every error is a `ConfigError` naming the file
 The names below are the package's public surface.
 """
 
-from llama_jax.dtypes import DTYPES, dtype_name
+from llama_jax.dtypes import CACHE_DTYPES, DTYPES, cache_dtype_name, dtype_name
 from llama_jax.config.loading import (CONFIG_DIR, list_presets, load_config_tree,
                                       load_model_config, load_run_tree, resolve_config_path)
-from llama_jax.config.model import (MOE, REMAT_POLICIES, ROPE_SCALING_FIELDS, MlaConfig,
-                                    ModelConfig, MoeConfig, RopeScaling, default_ffn_dim)
+from llama_jax.config.model import (MOE, QUANTIZATIONS, REMAT_POLICIES, ROPE_SCALING_FIELDS,
+                                    MlaConfig, ModelConfig, MoeConfig, RopeScaling,
+                                    default_ffn_dim)
 from llama_jax.config.run import (DEFAULT_CORPUS, DataConfig, MeshConfig, RunConfig, TaskConfig,
                                   TrainConfig)
 
-__all__ = ["DTYPES", "dtype_name", "CONFIG_DIR", "list_presets", "load_config_tree",
-           "load_model_config", "load_run_tree", "resolve_config_path", "MOE", "REMAT_POLICIES",
+__all__ = ["CACHE_DTYPES", "DTYPES", "cache_dtype_name", "dtype_name", "CONFIG_DIR",
+           "list_presets", "load_config_tree", "load_model_config", "load_run_tree",
+           "resolve_config_path", "MOE", "QUANTIZATIONS", "REMAT_POLICIES",
            "ROPE_SCALING_FIELDS", "MlaConfig", "ModelConfig", "MoeConfig", "RopeScaling",
            "default_ffn_dim", "DEFAULT_CORPUS", "DataConfig", "MeshConfig", "RunConfig",
            "TaskConfig", "TrainConfig"]

@@ -33,7 +33,7 @@ import numpy as np
 from flax import struct
 
 from llama_jax.parallel import sharding
-from llama_jax.config import MeshConfig, ModelConfig, dtype_name
+from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.model.kv_cache import KVCache, init_cache
 from llama_jax.model.transformer import apply, unstack_layers
@@ -268,13 +268,13 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     """Yields, after the first token and then after every `chunk_steps` decode steps, each
     row's newly generated tokens and their log-probabilities (stop tokens excluded).
     `chunk_steps=None` runs the whole decode in one call. `stats` is filled in if given.
-    `cache_dtype` (any dtype-like) defaults to the model's compute dtype; `decode_impl` is
+    `cache_dtype` (any dtype-like, or "int8": int8 values with a float32 scale per cached
+    vector) defaults to the model's compute dtype; `decode_impl` is
     one of DECODE_IMPLS; parameters on a mesh decode under `mesh_config`'s rules."""
     _validate(config, prompts, max_new_tokens, temperature, top_k, top_p, min_p)
     impl = resolve_decode_impl(decode_impl)
     try:
-        cache_dtype = dtype_name(config.compute_dtype if cache_dtype is None else cache_dtype,
-                                 "cache_dtype")
+        cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
     except ConfigError as e:
         raise GenerateError(str(e)) from None
     stats = stats if stats is not None else GenerationStats()
@@ -348,9 +348,9 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
 
     `stop_tokens=None` stops on the model's EOS ids (`config.stop_ids`); `[]` generates exactly
     `max_new_tokens`; ids outside the vocabulary are ignored, with a warning.
-    `cache_dtype` defaults to the model's compute dtype (an fp32 model
-    decodes with an fp32 cache). `decode_impl`: "auto" (unrolled on CPU, scan elsewhere),
-    "scan" or "unrolled" — the same function either way. Parameters on a mesh decode under
+    `cache_dtype` defaults to the model's compute dtype (an fp32 model decodes with an fp32
+    cache); "int8" stores int8 values with a scale per cached vector. `decode_impl`: "auto"
+    (unrolled on CPU, scan elsewhere), "scan" or "unrolled" — the same function either way. Parameters on a mesh decode under
     `mesh_config`'s sharding rules (default rules when None). With `return_logprobs`, returns
     `(tokens, logprobs)`.
     """

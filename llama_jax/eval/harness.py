@@ -15,7 +15,10 @@ this module imports it and then hands the same arguments to lm-eval's CLI.
 
 Model arguments (`--model_args`; lm-eval passes strings, converted here): `checkpoint`
 (required: any directory `load_checkpoint` reads), `tokenizer` (a directory or file; default:
-the checkpoint's), `dtype` (default: as stored), `batch_size` (requests scored or decoded at a
+the checkpoint's), `dtype` (default: as stored), `quantize` (`int8`: int8 weights, quantized
+while loading) and `cache_dtype` (e.g. `int8`: every request is read through a KV cache of that
+dtype, as the decoder reads a prompt; default: the plain forward for scoring and the compute
+dtype for generation), `batch_size` (requests scored or decoded at a
 time; it takes precedence over `--batch_size`, whose default of 1 lm-eval always passes),
 `max_length` (tokens the model reads per request; default and at most max_seq_len),
 `max_gen_toks` (256), `add_bos_token` and `prefix_token_id` (as lm-eval's `hf` model: see
@@ -140,12 +143,14 @@ class LlamaJaxLM(TemplateLM):
     size is fixed and JAX places arrays on its default device."""
 
     def __init__(self, checkpoint: str, tokenizer: str | None = None, dtype: str | None = None,
+                 quantize: str | None = None, cache_dtype: str | None = None,
                  batch_size: int | str = 8, max_length: int | str | None = None,
                  max_gen_toks: int | str = 256, add_bos_token: bool | str | None = None,
                  prefix_token_id: int | str | None = None, seed: int | str = 0,
                  max_batch_size: int | None = None, device: str | None = None):
         super().__init__()
-        self.config, self.params = load_checkpoint(checkpoint, dtype)
+        self.config, self.params = load_checkpoint(checkpoint, dtype, quantize=quantize)
+        self.cache_dtype = cache_dtype
         self.tokens = load_tokens(checkpoint if tokenizer is None else tokenizer)
         self.batch_size = _integer("batch_size", batch_size)
         self.max_length = (self.config.max_seq_len if max_length is None
@@ -196,7 +201,8 @@ class LlamaJaxLM(TemplateLM):
                               ) -> list[tuple[float, bool]]:
         scores = score(self.config, self.params, [context for _, context, _ in requests],
                        [continuation for _, _, continuation in requests],
-                       batch_size=self.batch_size, max_len=self.max_length)
+                       batch_size=self.batch_size, max_len=self.max_length,
+                       cache_dtype=self.cache_dtype)
         return [(s.logprob, s.greedy) for s in scores]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -211,7 +217,8 @@ class LlamaJaxLM(TemplateLM):
                 owners.append(i)
         totals = [0.0] * len(requests)
         for i, s in zip(owners, score(self.config, self.params, contexts, continuations,
-                                      batch_size=self.batch_size, max_len=self.max_length)):
+                                      batch_size=self.batch_size, max_len=self.max_length,
+                                      cache_dtype=self.cache_dtype)):
             totals[i] += s.logprob
         return totals
 
@@ -242,7 +249,8 @@ class LlamaJaxLM(TemplateLM):
         stops = self.config.stop_ids or (self.eot_token_id,)
         new: list[list[int]] = [[] for _ in prompts]
         for chunk, _ in stream(self.config, self.params, prompts, max_new, seed=self.seed,
-                               stop_tokens=stops, chunk_steps=STOP_CHECK_STEPS, **sampling):
+                               stop_tokens=stops, chunk_steps=STOP_CHECK_STEPS,
+                               cache_dtype=self.cache_dtype, **sampling):
             new = [row + tokens for row, tokens in zip(new, chunk)]
             if all(any(stop in self.tokens.decode(row) for stop in until) for row in new):
                 break  # the rest of the stream is never computed

@@ -19,6 +19,10 @@ each row: the logits are `[B, K, V]`, not `[B, T, V]`, which for a long context 
 vocabulary is the difference between megabytes and tens of gigabytes.
 
 `perplexity` scores whole documents with strided sliding windows, built on `score`.
+
+With `cache_dtype` (e.g. "int8"), the model reads each input as the decoder reads a prompt: in
+one pass through a KV cache of that dtype, so that its keys and values are attended as that
+cache stores them — how the quality of a quantized cache is measured.
 """
 
 from __future__ import annotations
@@ -32,10 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llama_jax.errors import ScoreError
-from llama_jax.config import ModelConfig
+from llama_jax.errors import ConfigError, ScoreError
+from llama_jax.config import ModelConfig, cache_dtype_name
 from llama_jax.decode.generate import bucket
-from llama_jax.model.transformer import hidden_states
+from llama_jax.model.kv_cache import init_cache
+from llama_jax.model.transformer import apply
 from llama_jax.nn.heads import is_task_head, lm_head
 from llama_jax.model.params import Params
 from llama_jax.decode.sampling import argmax
@@ -58,16 +63,22 @@ class Perplexity(NamedTuple):
 
 def score(config: ModelConfig, params: Params, contexts: Sequence[Sequence[int]],
           continuations: Sequence[Sequence[int]], *, batch_size: int = 32,
-          max_len: int | None = None) -> list[Score]:
+          max_len: int | None = None, cache_dtype=None) -> list[Score]:
     """One `Score` per (context, continuation) pair, in the input order.
 
     A context needs at least one token (the caller puts BOS there) and a continuation too.
     `max_len` (default and at most `config.max_seq_len`) bounds the tokens the model reads per
     request: longer requests lose context tokens from the left; a continuation of more than
-    `max_len` tokens cannot be scored. `batch_size` requests run at a time.
+    `max_len` tokens cannot be scored. `batch_size` requests run at a time. `cache_dtype`
+    (default: none) reads the inputs through a KV cache of that dtype (module docstring).
     """
     max_len = config.max_seq_len if max_len is None else max_len
     requests = _validate(config, contexts, continuations, batch_size, max_len)
+    if cache_dtype is not None:
+        try:
+            cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
+        except ConfigError as e:
+            raise ScoreError(str(e)) from None
     if not requests:
         return []
     config = _dropless(config)
@@ -76,13 +87,14 @@ def score(config: ModelConfig, params: Params, contexts: Sequence[Sequence[int]]
     scores = {}
     for start in range(0, len(order), rows):
         batch = order[start:start + rows]
-        scores.update(zip(batch, _score_batch(config, params, [requests[i] for i in batch], rows)))
+        scores.update(zip(batch, _score_batch(config, params, [requests[i] for i in batch], rows,
+                                              cache_dtype)))
     return [scores[i] for i in range(len(requests))]
 
 
 def perplexity(config: ModelConfig, params: Params, documents: Sequence[Sequence[int]], *,
                window: int | None = None, stride: int | None = None,
-               batch_size: int = 32) -> list[Perplexity]:
+               batch_size: int = 32, cache_dtype=None) -> list[Perplexity]:
     """The NLL of each document (token ids starting with BOS) over all its tokens after the
     first, by the standard strided evaluation: window k reads at most `window` tokens starting
     at k·stride (default window: `config.max_seq_len`) and scores those of its predictions
@@ -90,6 +102,7 @@ def perplexity(config: ModelConfig, params: Params, documents: Sequence[Sequence
     window // 2, gives every token past the first window at least window/2 tokens of context
     at twice the cost of disjoint windows; `stride=window` is disjoint windows (each later one
     conditioned on one token only); a smaller stride buys more context with more windows.
+    `cache_dtype` as in `score`.
     """
     window = config.max_seq_len if window is None else window
     stride = max(window // 2, 1) if stride is None else stride
@@ -111,7 +124,7 @@ def perplexity(config: ModelConfig, params: Params, documents: Sequence[Sequence
         lengths.append(len(tokens))
     nll = [0.0] * len(lengths)
     for d, s in zip(owners, score(config, params, contexts, continuations,
-                                  batch_size=batch_size)):
+                                  batch_size=batch_size, cache_dtype=cache_dtype)):
         nll[d] -= s.logprob
     return [Perplexity(total, n - 1) for total, n in zip(nll, lengths)]
 
@@ -126,12 +139,14 @@ def _windows(tokens: np.ndarray, window: int, stride: int) -> Iterator[tuple]:
         begin, scored = begin + stride, end
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=(0, 5))
 def _token_logprobs(config: ModelConfig, params: Params, tokens_BT: jax.Array,
-                    positions_BK: jax.Array, targets_BK: jax.Array):
+                    positions_BK: jax.Array, targets_BK: jax.Array, cache_dtype: str | None):
     """log P(targets_BK) from the logits at input positions `positions_BK`, and whether each
     target is the argmax there."""
-    h_BTD = hidden_states(config, params, tokens_BT)
+    B, T = tokens_BT.shape
+    cache = None if cache_dtype is None else init_cache(config, B, T, cache_dtype)
+    h_BTD = apply(config, params, tokens_BT, cache=cache).hidden_BTD
     h_BKD = jnp.take_along_axis(h_BTD, positions_BK[..., None], axis=1)
     logits_BKV = lm_head(config, params, h_BKD)
     logprobs_BKV = jax.nn.log_softmax(logits_BKV.astype(jnp.float32))
@@ -139,8 +154,8 @@ def _token_logprobs(config: ModelConfig, params: Params, tokens_BT: jax.Array,
     return logprob_BK, argmax(logits_BKV) == targets_BK
 
 
-def _score_batch(config: ModelConfig, params: Params, batch: list[tuple], rows: int
-                 ) -> list[Score]:
+def _score_batch(config: ModelConfig, params: Params, batch: list[tuple], rows: int,
+                 cache_dtype: str | None) -> list[Score]:
     T = min(bucket(max(_input_len(*request) for request in batch)), config.max_seq_len)
     K = min(bucket(max(len(continuation) for _, continuation in batch)), T)
     tokens_BT = np.zeros((rows, T), np.int32)  # padding rows and columns: token 0, unread
@@ -152,7 +167,7 @@ def _score_batch(config: ModelConfig, params: Params, batch: list[tuple], rows: 
         positions_BK[b, :len(continuation)] = np.arange(len(context) - 1, len(inputs))
         targets_BK[b, :len(continuation)] = continuation
     logprob_BK, greedy_BK = jax.device_get(
-        _token_logprobs(config, params, tokens_BT, positions_BK, targets_BK))
+        _token_logprobs(config, params, tokens_BT, positions_BK, targets_BK, cache_dtype))
     return [Score(float(np.sum(logprob_BK[b, :len(c)], dtype=np.float64)),
                   bool(np.all(greedy_BK[b, :len(c)]))) for b, (_, c) in enumerate(batch)]
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import jax
 
-from llama_jax.config import MeshConfig, ModelConfig, dtype_name, load_model_config
-from llama_jax.config.model import QUANTIZATIONS
+from llama_jax.config import (QUANTIZATIONS, MeshConfig, ModelConfig, dtype_name,
+                              load_model_config)
 from llama_jax.errors import CheckpointError, ConfigError
 from llama_jax.files import atomic_directory
 from llama_jax.formats import hf, meta, native, run

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from llama_jax.config import ModelConfig, dtype_name
+from llama_jax.config import ModelConfig, cache_dtype_name
 from llama_jax.nn.attention.dot_product import Mask
 from llama_jax.nn.attention.mixers import mixer_of
 from llama_jax.model.params import layer_groups
@@ -49,9 +49,9 @@ class KVCache:
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None,
                start_B: jax.Array | None = None, layout: str = "stacked") -> KVCache:
     """A zeroed cache for `batch` rows of `max_len` slots in `dtype` (default: the model's
-    compute dtype): stacked per layer group, or (`layout="per_layer"`, for unstacked weights)
-    one array per layer."""
-    dtype = dtype_name(config.compute_dtype if dtype is None else dtype, "cache_dtype")
+    compute dtype; "int8": int8 values with a scale per cached vector): stacked per layer
+    group, or (`layout="per_layer"`, for unstacked weights) one array per layer."""
+    dtype = cache_dtype_name(dtype, config.compute_dtype)
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
     mixer = mixer_of(config)

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax.numpy as jnp
 
+from llama_jax import quant
 from llama_jax.config import ModelConfig
 from llama_jax.nn.heads import head_matmul_size
+from llama_jax.nn.attention import kv_storage
 from llama_jax.nn.attention.mixers import mixer_of
 from llama_jax.spec import TensorSpec, count, spec_leaves
 from llama_jax.model.params import param_specs
@@ -73,8 +76,10 @@ def dtype_bytes(dtype: str) -> int:
 def kv_cache_bytes_per_token(config: ModelConfig, dtype: str = "bfloat16") -> int:
     """GQA: 2 (K and V) · L · K · H · bytes: the cache holds KV heads only, never repeated
     ones. MLA: L · (kv_lora_rank + qk_rope_head_dim) · bytes, the latent and the shared RoPE
-    key."""
-    return config.n_layers * mixer_of(config).cache_elements(config) * dtype_bytes(dtype)
+    key. An int8 cache (`dtype="int8"`) stores a byte per value plus a float32 scale per
+    vector (per token and KV head, twice for K and V; per token's latent)."""
+    vectors, width = mixer_of(config).cache_vectors(config)
+    return config.n_layers * vectors * kv_storage.bytes_per_vector(width, dtype)
 
 
 def train_flops_per_token(config: ModelConfig, seq_len: int, frozen_backbone: bool = False
@@ -89,15 +94,30 @@ def train_flops_per_token(config: ModelConfig, seq_len: int, frozen_backbone: bo
 
 
 def decode_bytes_per_step(config: ModelConfig, batch: int, context: int,
-                          dtype: str = "bfloat16") -> int:
-    """Bytes one decode step must read: weights (the untied input embedding and a learned
-    position table are only gathered, B rows each; of a routed expert tensor, the experts B
-    tokens are expected to hit when each picks top_k of E uniformly: a fraction
-    1 - (1 - top_k/E)^B) plus the KV cache of every row at `context` tokens."""
-    counts, specs = param_counts(config), param_specs(config)
-    gathered = 0 if config.tie_embeddings else counts.embedding - batch * config.dim
-    positions = count(specs.get("positions", {}))  # a learned table: B rows
-    gathered += max(positions - batch * config.dim, 0)
-    unread = sum(s.size * (1 - s.used) ** batch for s in spec_leaves(specs))
-    weights = round(counts.total - gathered - unread) * dtype_bytes(dtype)
-    return weights + batch * context * kv_cache_bytes_per_token(config, dtype)
+                          dtype: str = "bfloat16", cache_dtype: str | None = None) -> int:
+    """Bytes one decode step must read: weights as stored (`dtype`, or int8 values and their
+    scales where the config quantizes them; the untied input embedding and a learned position
+    table are only gathered, B rows each; of a routed expert tensor, the experts B tokens are
+    expected to hit when each picks top_k of E uniformly: a fraction 1 - (1 - top_k/E)^B)
+    plus the KV cache (`cache_dtype`, default `dtype`) of every row at `context` tokens."""
+    specs = param_specs(config)
+    gathered = [] if config.tie_embeddings else spec_leaves(specs["embed"])
+    gathered += spec_leaves(specs.get("positions", {}))
+    weights = sum(stored_bytes(s, dtype) * min(batch, s.shape[0]) / s.shape[0] for s in gathered)
+    weights += sum(stored_bytes(s, dtype) * (1 - (1 - s.used) ** batch)
+                   for s in spec_leaves(specs) if not any(s is g for g in gathered))
+    kv = batch * context * kv_cache_bytes_per_token(config, cache_dtype or dtype)
+    return round(weights) + kv
+
+
+def weight_bytes(config: ModelConfig, dtype: str) -> int:
+    """The parameters' bytes as stored: `dtype`, or int8 and scales where `config` quantizes."""
+    return sum(stored_bytes(s, dtype) for s in spec_leaves(param_specs(config)))
+
+
+def stored_bytes(spec: TensorSpec, dtype: str) -> int:
+    """A tensor's bytes as stored: `dtype` values, or (an int8 weight) a byte per value plus
+    its float32 scales."""
+    if spec.dtype == "int8":
+        return spec.size + quant.SCALE_BYTES * math.prod(spec.scale_shape)
+    return spec.size * dtype_bytes(dtype)

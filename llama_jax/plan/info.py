@@ -26,7 +26,8 @@ from llama_jax.plan import costs, hardware, memory
 from llama_jax.parallel import sharding
 from llama_jax.cli import user_errors_exit
 from llama_jax.parallel.sharding import MESH_AXES
-from llama_jax.config import DTYPES, REMAT_POLICIES, MeshConfig, ModelConfig, load_model_config
+from llama_jax.config import (CACHE_DTYPES, DTYPES, QUANTIZATIONS, REMAT_POLICIES, MeshConfig,
+                              ModelConfig, load_model_config)
 from llama_jax.errors import ConfigError
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS, chosen_attention
 
@@ -34,12 +35,15 @@ DEFAULT_BANDWIDTH_GBPS = hardware.HARDWARE["h100"].bandwidth / 1e9
 
 
 def plan(config: ModelConfig, *, batch: int, seq: int, dtype: str,
-         bandwidth_gbps: float) -> dict:
-    """Everything the planner reports, as plain data (the `--json` object)."""
+         bandwidth_gbps: float, cache_dtype: str | None = None) -> dict:
+    """Everything the planner reports, as plain data (the `--json` object). The decode floor
+    reads the weights as `config` stores them (`dtype`, or int8 where `config.quantize`) and
+    the KV cache in `cache_dtype` (default `dtype`)."""
     counts = costs.param_counts(config)
-    kv_per_token = costs.kv_cache_bytes_per_token(config, dtype)
+    cache_dtype = cache_dtype or dtype
+    kv_per_token = costs.kv_cache_bytes_per_token(config, cache_dtype)
     head_kv = config.H + config.v_head_dim  # one head's key and value
-    step_bytes = costs.decode_bytes_per_step(config, batch, seq, dtype)
+    step_bytes = costs.decode_bytes_per_step(config, batch, seq, dtype, cache_dtype)
     floor_s = step_bytes / (bandwidth_gbps * 1e9)
     return {
         "config": {"D": config.D, "L": config.L, "N": config.N, "K": config.K, "H": config.H,
@@ -62,13 +66,17 @@ def plan(config: ModelConfig, *, batch: int, seq: int, dtype: str,
         "n_params_matmul": counts.matmul,
         "n_params_active": counts.active,
         "weight_bytes": {d: counts.total * costs.dtype_bytes(d) for d in DTYPES},
+        "weight_bytes_quantized": config.quantize and costs.weight_bytes(config, dtype),
         "batch": batch,
         "seq": seq,
         "dtype": dtype,
+        "quantize": config.quantize,
+        "cache_dtype": cache_dtype,
         "kv_cache_bytes_per_token": kv_per_token,
         # what multi-head (K = N) and multi-query (K = 1) attention with these head widths
         # would cache, for comparison
-        "kv_cache_mha_bytes_per_token": config.L * config.N * head_kv * costs.dtype_bytes(dtype),
+        "kv_cache_mha_bytes_per_token": config.L * config.N * head_kv
+        * costs.dtype_bytes(dtype),
         "kv_cache_mqa_bytes_per_token": config.L * head_kv * costs.dtype_bytes(dtype),
         "kv_cache_bytes": kv_per_token * batch * seq,
         "train_flops_per_token": costs.train_flops_per_token(config, seq),
@@ -167,9 +175,13 @@ def render(name: str, p: dict) -> str:
         f"  active per token   {p['n_params_active']:>20,}"
         + ("" if p["n_params_active"] == p["n_params"] else "  (MoE: top_k of E routed experts)"),
         f"  in matmuls (P_mm)  {p['n_params_matmul']:>20,}  (active)",
-        "weight bytes         " + "  ".join(f"{d} {_bytes(b)}" for d, b in p["weight_bytes"].items()),
-        f"KV cache ({p['dtype']})    {_bytes(p['kv_cache_bytes_per_token'])} per token "
-        + ("(L*(Z+I)*bytes: MLA's latent and RoPE key)" if c["mla"] else "(2*L*K*H*bytes)")
+        "weight bytes         "
+        + "  ".join(f"{d} {_bytes(b)}" for d, b in p["weight_bytes"].items())
+        + (f"  {p['quantize']} {_bytes(p['weight_bytes_quantized'])} (with scales; other "
+           f"tensors {p['dtype']})" if p["quantize"] else ""),
+        f"KV cache ({p['cache_dtype']})    {_bytes(p['kv_cache_bytes_per_token'])} per token "
+        + ("(L*(Z+I)*bytes: MLA's latent and RoPE key" if c["mla"] else "(2*L*K*H*bytes")
+        + (", plus a 4-byte scale per vector)" if p["cache_dtype"] == "int8" else ")")
         + f"; {_bytes(p['kv_cache_bytes'])} for B={p['batch']} x S={p['seq']}",
         f"  vs these heads as  MHA {_bytes(p['kv_cache_mha_bytes_per_token'])}, MQA "
         f"{_bytes(p['kv_cache_mqa_bytes_per_token'])} per token (GQA: K/N of MHA)",
@@ -192,6 +204,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="sequence / context length S (default: the model's max_seq_len)")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                         help="dtype of weights and KV cache for bytes and the decode floor")
+    parser.add_argument("--quantize", choices=QUANTIZATIONS, default=None,
+                        help="weights the decode floor reads as int8 values and scales (the "
+                             "model's block matmuls; with --quantize-head the LM head and "
+                             "embedding too)")
+    parser.add_argument("--quantize-head", action="store_true",
+                        help="with --quantize: the LM head and embedding too")
+    parser.add_argument("--cache-dtype", choices=CACHE_DTYPES, default=None,
+                        help="KV cache dtype for its bytes and the decode floor (default: "
+                             "--dtype; int8 adds a 4-byte scale per cached vector)")
     parser.add_argument("--bandwidth", type=float, default=None,
                         help="memory bandwidth in GB/s for the decode floor (default: that of "
                              "--hardware, else an H100 SXM's)")
@@ -214,7 +235,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 @user_errors_exit
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    config = load_model_config(args.config)
+    model = load_model_config(args.config)
+    config = model.with_execution(quantize=args.quantize, quantize_head=args.quantize_head)
     seq = config.max_seq_len if args.seq is None else args.seq
     device = hardware.hardware(args.hardware or "h100")
     if args.bandwidth is None:
@@ -226,13 +248,14 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--mfu={args.mfu} must be in (0, 1]")
     mesh = parse_mesh(args.mesh) if args.mesh else None
     result = plan(config, batch=args.batch, seq=seq, dtype=args.dtype,
-                  bandwidth_gbps=args.bandwidth)
+                  bandwidth_gbps=args.bandwidth, cache_dtype=args.cache_dtype)
     text = render(args.config, result)
     if mesh is not None or args.hardware:
         result["training"] = plan_training(
-            config, mesh or MeshConfig(data=1), batch=args.batch, seq=seq, remat=args.remat,
+            model, mesh or MeshConfig(data=1), batch=args.batch, seq=seq, remat=args.remat,
             compute_dtype=args.compute_dtype, device=device,
-            mfu=args.mfu, kv_dtype=args.dtype, attention_impl=args.attention_impl)
+            mfu=args.mfu, kv_dtype=args.cache_dtype or args.dtype,
+            attention_impl=args.attention_impl)
         text += "\n" + render_training(result["training"], args.batch, seq)
     print(json.dumps(result, indent=2) if args.json else text)
     return 0

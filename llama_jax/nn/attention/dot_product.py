@@ -37,6 +37,7 @@ from llama_jax.errors import ConfigError
 from llama_jax.nn.attention.chunked import MASKED, chunked_attention, visible
 from llama_jax.nn.ops import einsum_f32
 from llama_jax.parallel.sharding import per_shard
+from llama_jax.quant import Int8, is_int8
 
 if TYPE_CHECKING:
     from llama_jax.config import ModelConfig
@@ -143,13 +144,14 @@ def _splash_blocks_ok(block_q: int, block_kv: int) -> None:
                               f"multiples of {_SPLASH_LANES}")
 
 
-def dot_product_attention(q_BTNH: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, *,
-                          impl: str = "xla", kv_layout: str = "BSKH",
+def dot_product_attention(q_BTNH: jax.Array, k: jax.Array | Int8, v: jax.Array | Int8,
+                          mask: Mask, *, impl: str = "xla", kv_layout: str = "BSKH",
                           scale: float | None = None, block_q: int = 512,
                           block_kv: int = 512) -> jax.Array:
     """Grouped-head attention `[B, T, N, Hv]` in q's dtype. `kv_layout` names the axes of k and
     v: "BSKH" (fresh projections) or "BKSH" (the KV cache, heads leading). `scale` defaults to
-    1/√H of the queries' head dim."""
+    1/√H of the queries' head dim. int8 keys and values (an int8 KV cache, one scale per
+    vector) are read as they are by the dense computation and dequantized for the others."""
     B, T, N, H = q_BTNH.shape
     scale = H ** -0.5 if scale is None else scale
     impl = resolve_attention_impl(impl, compute_dtype=q_BTNH.dtype, head_dim=H,
@@ -158,6 +160,7 @@ def dot_product_attention(q_BTNH: jax.Array, k: jax.Array, v: jax.Array, mask: M
     S = k.shape[kv_layout.index("S")]
     if T == 1 or impl == "xla" or (impl == "chunked" and one_block(T, S, block_q, block_kv)):
         return dense_attention(q_BTNH, k, v, mask.dense(), kv_layout=kv_layout, scale=scale)
+    k, v = (x.dequantize(q_BTNH.dtype) if is_int8(x) else x for x in (k, v))
     if kv_layout == "BKSH":
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     if impl == "cudnn" and mask.aligned:
@@ -169,10 +172,13 @@ def dot_product_attention(q_BTNH: jax.Array, k: jax.Array, v: jax.Array, mask: M
                              mask.kv_segment_BS, scale=scale, block_q=block_q, block_kv=block_kv)
 
 
-def dense_attention(q_BTNH: jax.Array, k: jax.Array, v: jax.Array, mask_BTS: jax.Array, *,
-                    kv_layout: str = "BSKH", scale: float | None = None) -> jax.Array:
+def dense_attention(q_BTNH: jax.Array, k: jax.Array | Int8, v: jax.Array | Int8,
+                    mask_BTS: jax.Array, *, kv_layout: str = "BSKH",
+                    scale: float | None = None) -> jax.Array:
     """The `xla` implementation: all fp32 scores at once, masked with a `[B, T, S]` bool mask.
-    Queries are reshaped to (K, G = N/K) against the K key/value heads: K/V are never repeated."""
+    Queries are reshaped to (K, G = N/K) against the K key/value heads: K/V are never repeated.
+    int8 K/V enter the matmuls as they are: the keys' scales multiply the scores, the values'
+    the probabilities (`ops.einsum_f32`)."""
     B, T, N, H = q_BTNH.shape
     K = k.shape[kv_layout.index("K")]
     scale = H ** -0.5 if scale is None else scale
@@ -180,8 +186,14 @@ def dense_attention(q_BTNH: jax.Array, k: jax.Array, v: jax.Array, mask_BTS: jax
     logits_BKGTS = einsum_f32(f"BTKGH,{kv_layout}->BKGTS", q_BTKGH, k) * scale
     logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, MASKED)
     probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
-    out_BTKGH = einsum_f32(f"BKGTS,{kv_layout}->BTKGH", probs_BKGTS.astype(v.dtype), v)
+    out_BTKGH = einsum_f32(f"BKGTS,{kv_layout}->BTKGH", probs_like(probs_BKGTS, v), v)
     return out_BTKGH.reshape(B, T, N, v.shape[-1]).astype(q_BTNH.dtype)
+
+
+def probs_like(probs: jax.Array, v: jax.Array | Int8) -> jax.Array:
+    """Attention probabilities for the matmul with the values: in the values' float dtype;
+    fp32 against int8 values (whose scales multiply them)."""
+    return probs if is_int8(v) else probs.astype(v.dtype)
 
 
 def cudnn_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask: Mask, *,

@@ -1,7 +1,7 @@
 """The attention mixer: causal dot-product attention with one code path for MHA, GQA and MQA,
 its parameters, and its KV cache; and what every attention mixer (mla.py too) shares: the
-`Context` of a forward pass, `attention_of` (the configured implementation and softmax scale)
-and the 16-bit storage of per-layer caches (`stored_type`, `store`, `load`).
+`Context` of a forward pass and `attention_of` (the configured implementation and softmax
+scale).
 
 N query heads share K key/value heads (K = N: MHA, K = 1: MQA, otherwise GQA; Ainslie et al.
 2023). The dot product itself runs under the configured implementation (dot_product.py: dense,
@@ -22,7 +22,8 @@ layouts, one per decode implementation (see model.py):
 - `MergedKV`: one layer's `[B, K·S, H]` (the same bytes as [B, K, S, H] with K and S merged),
   for the unrolled decoder over per-layer weights: no per-layer slice is copied, and a decode
   step attends with one matmul per row (`decode_attention_block_diagonal`). 16-bit values are
-  stored as their uint16 bits (see `stored_type`).
+  stored as their uint16 bits (kv_storage.py).
+Either holds float values or int8 ones with a scale per (token, head) (kv_storage.py).
 Rows of a ragged batch are left-padded; every step writes all rows at the same slot `end`, so
 an update is a single `dynamic_update_slice`.
 """
@@ -36,12 +37,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from llama_jax.nn.attention import kv_storage
 from llama_jax.nn.attention.chunked import MASKED
-from llama_jax.nn.attention.dot_product import Mask, dot_product_attention
+from llama_jax.nn.attention.dot_product import Mask, dot_product_attention, probs_like
 from llama_jax.nn.ops import einsum_f32, linear
 from llama_jax.errors import require
 from llama_jax.nn.positions import POSITIONS, Rotation
 from llama_jax.nn.rope import softmax_scale
+from llama_jax.quant import Int8
 from llama_jax.spec import bias, weight
 from llama_jax.parallel.sharding import constrain
 
@@ -49,9 +52,11 @@ if TYPE_CHECKING:
     from llama_jax.config import ModelConfig
 
 
-def decode_attention_block_diagonal(q_B1NH: jax.Array, k_BCH: jax.Array, v_BCH: jax.Array,
-                                    mask_BS: jax.Array, scale: float) -> jax.Array:
-    """Attention of one query per row over a per-layer cache `[B, C = K·S, H]`.
+def decode_attention_block_diagonal(q_B1NH: jax.Array, k_BCH: jax.Array | Int8,
+                                    v_BCH: jax.Array | Int8, mask_BS: jax.Array,
+                                    scale: float) -> jax.Array:
+    """Attention of one query per row over a per-layer cache `[B, C = K·S, H]` (float, or
+    int8 with scales `[B, C, 1]`).
 
     Each row is one matmul over all K·S keys, with query/key pairs of different groups masked
     out, so the result equals dense attention. That spends K times the score FLOPs of a decode
@@ -66,7 +71,7 @@ def decode_attention_block_diagonal(q_B1NH: jax.Array, k_BCH: jax.Array, v_BCH: 
     same_group_NC = (jnp.arange(N) // (N // K))[:, None] == (jnp.arange(C) // S)[None, :]
     mask_BNC = same_group_NC[None] & jnp.tile(mask_BS, (1, K))[:, None, :]
     probs_BNC = jax.nn.softmax(jnp.where(mask_BNC, logits_BNC, MASKED), axis=-1)
-    out_BNH = einsum_f32("BNC,BCH->BNH", probs_BNC.astype(v_BCH.dtype), v_BCH)
+    out_BNH = einsum_f32("BNC,BCH->BNH", probs_like(probs_BNC, v_BCH), v_BCH)
     return out_BNH[:, None].astype(q_B1NH.dtype)
 
 
@@ -136,75 +141,75 @@ def attention_of(config: ModelConfig):
 class StackedKV:
     """A layer group's cache `[L, B, K, S, H]`, read and written at `context.layer`."""
 
-    k: jax.Array
-    v: jax.Array
+    k: jax.Array | Int8
+    v: jax.Array | Int8
+    dtype: str = struct.field(pytree_node=False)  # of the cached values
 
     @classmethod
     def zeros(cls, config: ModelConfig, n_layers: int, batch: int, max_len: int,
               dtype: str) -> "StackedKV":
-        k, v = (_constrain_stacked(jnp.zeros((n_layers, batch, config.K, max_len, config.H),
-                                             dtype)) for _ in range(2))
-        return cls(k=k, v=v)
+        k, v = (_constrain_stacked(kv_storage.zeros(
+            (n_layers, batch, config.K, max_len, config.H), dtype)) for _ in range(2))
+        return cls(k=k, v=v, dtype=dtype)
 
     def write(self, k_BTKH: jax.Array, v_BTKH: jax.Array, context: Context) -> "StackedKV":
         """Writes new keys and values at slot `context.end` of the layer, in place."""
         def put(cache_LBKSH, x_BTKH):
-            update = jnp.swapaxes(x_BTKH, 1, 2)[None].astype(cache_LBKSH.dtype)  # [1,B,K,T,H]
-            cache_LBKSH = jax.lax.dynamic_update_slice(cache_LBKSH, update,
-                                                       (context.layer, 0, 0, context.end, 0))
-            return _constrain_stacked(cache_LBKSH)
+            update = jnp.swapaxes(x_BTKH, 1, 2)[None]  # [1, B, K, T, H]
+            return _constrain_stacked(kv_storage.write(
+                cache_LBKSH, update, (context.layer, 0, 0, context.end, 0), self.dtype))
         return self.replace(k=put(self.k, k_BTKH), v=put(self.v, v_BTKH))
 
     def attend(self, config: ModelConfig, q_BTNH: jax.Array, context: Context) -> jax.Array:
         """The queries against the layer's cache, under the configured implementation."""
-        layer = context.layer
-        return attention_of(config)(q_BTNH, self.k[layer].astype(q_BTNH.dtype),
-                                    self.v[layer].astype(q_BTNH.dtype), context.mask,
-                                    kv_layout="BKSH")
+        k, v = (kv_storage.read(x[context.layer], self.dtype, q_BTNH.dtype)
+                for x in (self.k, self.v))
+        return attention_of(config)(q_BTNH, k, v, context.mask, kv_layout="BKSH")
 
 
 @struct.dataclass
 class MergedKV:
     """One layer's cache `[B, K·S, H]`: head k's slots are rows k·S .. k·S + S - 1."""
 
-    k: jax.Array
-    v: jax.Array
+    k: jax.Array | Int8
+    v: jax.Array | Int8
     max_len: int = struct.field(pytree_node=False)  # S
     dtype: str = struct.field(pytree_node=False)  # of the cached values
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, max_len: int, dtype: str) -> "MergedKV":
-        stored = stored_type(jnp.dtype(dtype))
-        k, v = (_constrain_merged(jnp.zeros((batch, config.K * max_len, config.H), stored))
-                for _ in range(2))
-        return cls(k=k, v=v, max_len=max_len, dtype=jnp.dtype(dtype).name)
+        k, v = (_constrain_merged(kv_storage.zeros((batch, config.K * max_len, config.H), dtype,
+                                                   bits=True)) for _ in range(2))
+        return cls(k=k, v=v, max_len=max_len, dtype=dtype)
 
     def write(self, k_BTKH: jax.Array, v_BTKH: jax.Array, context: Context) -> "MergedKV":
         def put(cache_BCH, x_BTKH):
             for head in range(x_BTKH.shape[2]):
-                update = store(x_BTKH[:, :, head], self.dtype)
-                cache_BCH = jax.lax.dynamic_update_slice(
-                    cache_BCH, update, (0, head * self.max_len + context.end, 0))
+                cache_BCH = kv_storage.write(cache_BCH, x_BTKH[:, :, head],
+                                             (0, head * self.max_len + context.end, 0),
+                                             self.dtype)
             return _constrain_merged(cache_BCH)
         return self.replace(k=put(self.k, k_BTKH), v=put(self.v, v_BTKH))
 
     def attend(self, config: ModelConfig, q_BTNH: jax.Array, context: Context) -> jax.Array:
         """A decode step by `decode_attention_block_diagonal`; longer inputs under the
         configured implementation."""
-        k_BCH, v_BCH = (load(x, self.dtype, q_BTNH.dtype) for x in (self.k, self.v))
+        k_BCH, v_BCH = (kv_storage.read(x, self.dtype, q_BTNH.dtype) for x in (self.k, self.v))
         B, T, _, H = q_BTNH.shape
         if T == 1:
             return decode_attention_block_diagonal(q_BTNH, k_BCH, v_BCH,
                                                    context.mask.dense()[:, 0],
                                                    softmax_scale(config))
         K, S = k_BCH.shape[1] // self.max_len, self.max_len
-        return attention_of(config)(q_BTNH, k_BCH.reshape(B, K, S, H),
-                                    v_BCH.reshape(B, K, S, H), context.mask, kv_layout="BKSH")
+        k_BKSH, v_BKSH = (kv_storage.dequantized(x, q_BTNH.dtype).reshape(B, K, S, H)
+                          for x in (k_BCH, v_BCH))
+        return attention_of(config)(q_BTNH, k_BKSH, v_BKSH, context.mask, kv_layout="BKSH")
 
 
-def kv_cache_elements(config: ModelConfig) -> int:
-    """2·K·H: what one token caches per layer, keys and values of the KV heads only."""
-    return 2 * config.K * config.H
+def kv_cache_vectors(config: ModelConfig) -> tuple[int, int]:
+    """What one token caches per layer: 2·K vectors of H values (keys and values of the KV
+    heads only)."""
+    return 2 * config.K, config.H
 
 
 def kv_cache_split(config: ModelConfig) -> tuple[str, int]:
@@ -215,36 +220,12 @@ def kv_cache_split(config: ModelConfig) -> tuple[str, int]:
 # On a mesh (`sharding.use_mesh`) caches are laid out by the cache rules, when created and
 # after every write (else XLA's propagation picks a layout from the weights). The merged layout
 # puts heads with slots, so only its rows can be split.
-def _constrain_stacked(cache_LBKSH: jax.Array) -> jax.Array:
-    return constrain(cache_LBKSH, (None, "batch", "kv_heads", "seq", "head_dim"), "cache_rules")
+def _constrain_stacked(cache_LBKSH: jax.Array | Int8) -> jax.Array | Int8:
+    return kv_storage.constrained(cache_LBKSH, (None, "batch", "kv_heads", "seq", "head_dim"))
 
 
-def _constrain_merged(cache_BCH: jax.Array) -> jax.Array:
-    return constrain(cache_BCH, ("batch", None, "head_dim"), "cache_rules")
-
-
-def stored_type(dtype: jnp.dtype) -> jnp.dtype:
-    """How a per-layer cache stores `dtype`: 16-bit floats as their uint16 bits. XLA:CPU upcasts
-    a bf16 `dynamic_update_slice` to fp32 (rewriting the whole cache at every write), and even
-    a bitcast view of a bf16 buffer made it copy the cache before each in-place update."""
-    return jnp.dtype(jnp.uint16) if dtype.itemsize == 2 else dtype
-
-
-def store(x: jax.Array, dtype: str) -> jax.Array:
-    """Values for a per-layer cache of `dtype`, in its `stored_type`."""
-    x = x.astype(dtype)
-    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
-
-
-def load(cache: jax.Array, dtype: str, compute_dtype) -> jax.Array:
-    """A per-layer cache's values (of `dtype`) in `compute_dtype`. bf16 bits widen to fp32
-    exactly by a shift."""
-    if cache.dtype != jnp.uint16:
-        return cache.astype(compute_dtype)
-    if dtype == "bfloat16":
-        widened = jax.lax.bitcast_convert_type(cache.astype(jnp.uint32) << 16, jnp.float32)
-        return widened.astype(compute_dtype)
-    return jax.lax.bitcast_convert_type(cache, dtype).astype(compute_dtype)
+def _constrain_merged(cache_BCH: jax.Array | Int8) -> jax.Array | Int8:
+    return kv_storage.constrained(cache_BCH, ("batch", None, "head_dim"))
 
 
 def saved_activations(config: ModelConfig, heads: int, kv_heads: int) -> dict[str, int]:

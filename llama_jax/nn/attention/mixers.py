@@ -27,9 +27,10 @@ class Mixer:
     stacked_cache: Callable  # (config, n_layers, batch, max_len, dtype) -> a group's cache
     layer_cache: Callable  # (config, batch, max_len, dtype) -> one layer's cache
     # (config) -> (logical axis, size) of the cache dimension the cache rules may split besides
-    # the rows, and the values one token caches per layer
+    # the rows; and (vectors, width): one token caches `vectors` vectors of `width` values
+    # per layer (an int8 cache adds a scale per vector)
     cache_split: Callable
-    cache_elements: Callable
+    cache_vectors: Callable
     # (config, heads, kv_heads) -> elements per token kept for the backward pass, by remat
     # policy (none, dots, dots_no_batch), for the heads a device holds
     saved_activations: Callable
@@ -38,10 +39,10 @@ class Mixer:
 
 MIXERS: Registry[Mixer] = Registry("attention")
 MIXERS.register("gqa", Mixer(gqa.attention_specs, gqa.apply_attention, gqa.StackedKV.zeros,
-                             gqa.MergedKV.zeros, gqa.kv_cache_split, gqa.kv_cache_elements,
+                             gqa.MergedKV.zeros, gqa.kv_cache_split, gqa.kv_cache_vectors,
                              gqa.saved_activations, gqa.check_config))
 MIXERS.register("mla", Mixer(mla.mla_specs, mla.apply_mla, mla.StackedLatentKV.zeros,
-                             mla.LatentKV.zeros, mla.latent_cache_split, mla.cache_width,
+                             mla.LatentKV.zeros, mla.latent_cache_split, mla.cache_vectors,
                              mla.saved_activations, mla.check_config))
 
 

@@ -27,10 +27,10 @@ Two ways to compute it, one function of the config and the mode (`apply_mla`):
   and nothing per head is built for the S cached tokens (expanded rebuilds N·(J + Y) values for
   each of them).
 
-The cache is `[B, S, W]` per layer (`LatentKV`, the unrolled decoder's; 16-bit values stored as
-bits as in attention.py) or `[L, B, S, W]` per scanned group (`StackedLatentKV`): L·W values per
-token against GQA's 2·L·K·H (DeepSeek-V2: 576 per layer, where the paper's MHA baseline, 128
-heads of 128, caches 32768).
+The cache is `[B, S, W]` per layer (`LatentKV`, the unrolled decoder's) or `[L, B, S, W]` per
+scanned group (`StackedLatentKV`): L·W values per token against GQA's 2·L·K·H (DeepSeek-V2:
+576 per layer, where the paper's MHA baseline, 128 heads of 128, caches 32768); float, or int8
+with one scale per token's latent (kv_storage.py).
 """
 
 from __future__ import annotations
@@ -41,13 +41,15 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from llama_jax.nn.attention.gqa import Context, attention_of, load, store, stored_type
+from llama_jax.nn.attention import kv_storage
+from llama_jax.nn.attention.gqa import Context, attention_of
 from llama_jax.nn.attention.dot_product import dense_attention
 from llama_jax.nn.norms import rms_norm
 from llama_jax.nn.ops import cast_weight, dense, einsum_f32
 from llama_jax.errors import require
 from llama_jax.nn.positions import POSITIONS, Rotation
 from llama_jax.nn.rope import softmax_scale
+from llama_jax.quant import Int8
 from llama_jax.spec import gain, weight
 from llama_jax.parallel.sharding import constrain
 
@@ -117,6 +119,7 @@ def _expanded(config: ModelConfig, p: dict, q_nope_BTNJ, q_rope_BTNI, latent_BSW
     """Per-head keys `[c·W_UK, k_R]` and values `c·W_UV` of the S latents, then attention
     under the configured implementation: `[B, T, N, Y]`."""
     Z = config.mla.kv_lora_rank
+    latent_BSW = kv_storage.dequantized(latent_BSW, q_nope_BTNJ.dtype)
     c_BSZ, k_rope_BSI = latent_BSW[..., :Z], latent_BSW[..., Z:]
     k_nope_BSNJ = dense("BSZ,ZNJ->BSNJ", c_BSZ, p["w_uk"])
     v_BSNY = dense("BSZ,ZNY->BSNY", c_BSZ, p["w_uv"])
@@ -151,49 +154,52 @@ def _absorbed(config: ModelConfig, p: dict, q_nope_BTNJ, q_rope_BTNI, latent_BSW
 class StackedLatentKV:
     """A layer group's cache `[L, B, S, W]`, read and written at `context.layer`."""
 
-    latent: jax.Array
+    latent: jax.Array | Int8
+    dtype: str = struct.field(pytree_node=False)  # of the cached values
 
     @classmethod
     def zeros(cls, config: ModelConfig, n_layers: int, batch: int, max_len: int,
               dtype: str) -> "StackedLatentKV":
         shape = (n_layers, batch, max_len, cache_width(config))
-        return cls(_constrain_stacked(jnp.zeros(shape, dtype)))
+        return cls(_constrain_stacked(kv_storage.zeros(shape, dtype)), dtype)
 
     def write(self, latent_BTW: jax.Array, context: Context) -> "StackedLatentKV":
-        update = latent_BTW[None].astype(self.latent.dtype)
-        latent = jax.lax.dynamic_update_slice(self.latent, update, (context.layer, 0,
-                                                                    context.end, 0))
+        latent = kv_storage.write(self.latent, latent_BTW[None], (context.layer, 0,
+                                                                  context.end, 0), self.dtype)
         return self.replace(latent=_constrain_stacked(latent))
 
-    def read(self, context: Context, compute_dtype) -> jax.Array:
-        return self.latent[context.layer].astype(compute_dtype)
+    def read(self, context: Context, compute_dtype) -> jax.Array | Int8:
+        return kv_storage.read(self.latent[context.layer], self.dtype, compute_dtype)
 
 
 @struct.dataclass
 class LatentKV:
-    """One layer's cache `[B, S, W]` (16-bit values as their bits: attention.stored_type)."""
+    """One layer's cache `[B, S, W]`."""
 
-    latent: jax.Array
+    latent: jax.Array | Int8
     dtype: str = struct.field(pytree_node=False)  # of the cached values
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, max_len: int, dtype: str) -> "LatentKV":
-        stored = stored_type(jnp.dtype(dtype))
-        latent = jnp.zeros((batch, max_len, cache_width(config)), stored)
-        return cls(_constrain_layer(latent), jnp.dtype(dtype).name)
+        latent = kv_storage.zeros((batch, max_len, cache_width(config)), dtype, bits=True)
+        return cls(_constrain_layer(latent), dtype)
 
     def write(self, latent_BTW: jax.Array, context: Context) -> "LatentKV":
-        latent = jax.lax.dynamic_update_slice(self.latent, store(latent_BTW, self.dtype),
-                                              (0, context.end, 0))
+        latent = kv_storage.write(self.latent, latent_BTW, (0, context.end, 0), self.dtype)
         return self.replace(latent=_constrain_layer(latent))
 
-    def read(self, context: Context, compute_dtype) -> jax.Array:
-        return load(self.latent, self.dtype, compute_dtype)
+    def read(self, context: Context, compute_dtype) -> jax.Array | Int8:
+        return kv_storage.read(self.latent, self.dtype, compute_dtype)
 
 
 def cache_width(config: ModelConfig) -> int:
     """W = kv_lora_rank + qk_rope_head_dim: what one token caches per layer."""
     return config.mla.kv_lora_rank + config.mla.qk_rope_head_dim
+
+
+def cache_vectors(config: ModelConfig) -> tuple[int, int]:
+    """What one token caches per layer: one vector of W values."""
+    return 1, cache_width(config)
 
 
 def latent_cache_split(config: ModelConfig) -> tuple[str, int]:
@@ -202,12 +208,12 @@ def latent_cache_split(config: ModelConfig) -> tuple[str, int]:
     return "latent", cache_width(config)
 
 
-def _constrain_stacked(latent_LBSW: jax.Array) -> jax.Array:
-    return constrain(latent_LBSW, (None, "batch", "seq", "latent"), "cache_rules")
+def _constrain_stacked(latent_LBSW: jax.Array | Int8) -> jax.Array | Int8:
+    return kv_storage.constrained(latent_LBSW, (None, "batch", "seq", "latent"))
 
 
-def _constrain_layer(latent_BSW: jax.Array) -> jax.Array:
-    return constrain(latent_BSW, ("batch", "seq", "latent"), "cache_rules")
+def _constrain_layer(latent_BSW: jax.Array | Int8) -> jax.Array | Int8:
+    return kv_storage.constrained(latent_BSW, ("batch", "seq", "latent"))
 
 
 def saved_activations(config: ModelConfig, heads: int, kv_heads: int) -> dict[str, int]:

@@ -1,0 +1,82 @@
+"""How attention caches store their values, for every mixer's cache (gqa.py, mla.py): in a
+float dtype, or in int8 with one float32 scale per cached vector (`cache_dtype: int8`).
+
+A cache is an array whose last axis holds one cached vector (a key or value of one token and
+head, an MLA latent of one token), or a `quant.Int8` of such values and scales
+`[..., 1]`, quantized as each token is written (`quant.to_int8_vectors`). Attention reads the
+int8 values as they are and applies the scales to its scores (keys) and probabilities (values)
+(`ops.einsum_f32`), so a decode step reads one byte per cached value plus 4 per vector.
+
+Per-layer caches (the unrolled decoder's) keep 16-bit floats as their uint16 bits
+(`bits=True`): XLA:CPU upcasts a bf16 `dynamic_update_slice` to fp32 (rewriting the whole
+cache at every write), and even a bitcast view of a bf16 buffer made it copy the cache before
+each in-place update.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from llama_jax.parallel.sharding import constrain
+from llama_jax.quant import SCALE_BYTES, Int8, is_int8, to_int8_vectors
+
+INT8 = "int8"
+
+
+def zeros(shape: Sequence[int], dtype: str, bits: bool = False) -> jax.Array | Int8:
+    """An empty cache of `shape` (last axis: the cached vectors) holding `dtype` values."""
+    if dtype == INT8:
+        return Int8(jnp.zeros(shape, jnp.int8), jnp.zeros((*shape[:-1], 1), jnp.float32))
+    stored = jnp.uint16 if bits and jnp.dtype(dtype).itemsize == 2 else dtype
+    return jnp.zeros(shape, stored)
+
+
+def write(cache: jax.Array | Int8, x: jax.Array, start: Sequence, dtype: str
+          ) -> jax.Array | Int8:
+    """`cache` with the vectors `x` (of the cache's rank) written at `start`, stored as the
+    cache stores `dtype`."""
+    if is_int8(cache):
+        x = to_int8_vectors(x)
+        return Int8(jax.lax.dynamic_update_slice(cache.values, x.values, start),
+                    jax.lax.dynamic_update_slice(cache.scale, x.scale, start))
+    x = x.astype(dtype)
+    if cache.dtype == jnp.uint16:
+        x = jax.lax.bitcast_convert_type(x, jnp.uint16)
+    return jax.lax.dynamic_update_slice(cache, x, start)
+
+
+def read(cache: jax.Array | Int8, dtype: str, compute_dtype) -> jax.Array | Int8:
+    """A cache's values for attention: float ones in `compute_dtype`; int8 ones as they are
+    (attention applies their scales). bf16 bits widen to fp32 exactly by a shift."""
+    if is_int8(cache):
+        return cache
+    if cache.dtype != jnp.uint16:
+        return cache.astype(compute_dtype)
+    if dtype == "bfloat16":
+        widened = jax.lax.bitcast_convert_type(cache.astype(jnp.uint32) << 16, jnp.float32)
+        return widened.astype(compute_dtype)
+    return jax.lax.bitcast_convert_type(cache, dtype).astype(compute_dtype)
+
+
+def dequantized(x: jax.Array | Int8, dtype) -> jax.Array:
+    """Cached values as floats: for the attention implementations that take only floats (a
+    prefill into the cache, MLA's expanded form)."""
+    return x.dequantize(dtype) if is_int8(x) else x
+
+
+def constrained(cache: jax.Array | Int8, axes: Sequence[str | None]) -> jax.Array | Int8:
+    """`sharding.constrain` under the cache rules; an int8 cache's scales are laid out like its
+    values, with their size-1 last axis whole."""
+    if is_int8(cache):
+        return Int8(constrained(cache.values, axes), constrained(cache.scale, (*axes[:-1], None)))
+    return constrain(cache, axes, "cache_rules")
+
+
+def bytes_per_vector(width: int, dtype: str) -> int:
+    """What a cache stores per vector of `width` values: an int8 cache adds the scale."""
+    if dtype == INT8:
+        return width + SCALE_BYTES
+    return width * jnp.dtype(dtype).itemsize
