@@ -5,7 +5,9 @@
 Writes one random model in each format (HF safetensors, Meta consolidated.00.pth, native orbax)
 to a temporary directory, then loads each in a fresh process and reports the peak resident set
 size (VmHWM) above the process's RSS after imports, divided by the bytes of the weights in
-the target dtype. 1.0x means the loader never held more than the final weights. transformers'
+the target dtype. 1.0x means the loader never held more than the final weights. Target `int8`
+is the bf16 model quantized while loading (`quantize="int8"`); the last column divides by the
+fp32 weights, so below 1.0x means the float model was never held. transformers'
 `from_pretrained` on the same HF directory is measured the same way as the peer.
 """
 
@@ -36,7 +38,9 @@ def child(kind: str, path: str, dtype: str) -> dict:
             path, dtype=getattr(torch, dtype))
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     else:
-        _, params = llama_jax.load_checkpoint(path, dtype=dtype)
+        quantize = "int8" if dtype == "int8" else None  # int8: the bf16 model, quantized
+        _, params = llama_jax.load_checkpoint(path, dtype="bfloat16" if quantize else dtype,
+                                              quantize=quantize)
         jax.block_until_ready(params)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))  # no host copy
     peak = peak_rss_bytes()
@@ -82,11 +86,13 @@ def main() -> None:
         paths = write_checkpoints(Path(tmp), args.dim, args.layers, args.vocab)
         print(f"model D={args.dim} L={args.layers} V={args.vocab}, fp32 on disk; median of "
               f"{args.repeats} fresh processes")
-        print("| loader | target dtype | weights MiB | peak extra RSS MiB | ratio |")
-        print("|---|---|---|---|---|")
-        runs = [("hf", "float32"), ("hf", "bfloat16"), ("meta", "float32"),
-                ("native", "float32"), ("transformers", "float32"),
-                ("transformers", "bfloat16")]
+        print("| loader | target dtype | weights MiB | peak extra RSS MiB | ratio | vs fp32 "
+              "weights |")
+        print("|---|---|---|---|---|---|")
+        runs = [("hf", "float32"), ("hf", "bfloat16"), ("hf", "int8"), ("meta", "float32"),
+                ("meta", "int8"), ("native", "float32"), ("native", "int8"),
+                ("transformers", "float32"), ("transformers", "bfloat16")]
+        fp32_bytes = None
         for kind, dtype in runs:
             path = paths["hf" if kind == "transformers" else kind]
             results = []
@@ -94,10 +100,11 @@ def main() -> None:
                 results.append(run_child(__file__, "--child", kind, str(path), dtype))
             extra = statistics.median(r["extra_bytes"] for r in results)
             weights = results[0]["weight_bytes"]
+            fp32_bytes = fp32_bytes or weights  # the first run loads fp32
             name = "transformers from_pretrained" if kind == "transformers" else \
                 f"load_checkpoint ({kind})"
             print(f"| {name} | {dtype} | {weights / 2**20:.0f} | {extra / 2**20:.0f} | "
-                  f"{extra / weights:.2f}x |", flush=True)
+                  f"{extra / weights:.2f}x | {extra / fp32_bytes:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
