@@ -41,11 +41,12 @@ Speed:
   torch.cuda.max_memory_allocated).
 - decode: the same model in bf16 (weights and cache; random weights exported once to a HF
   directory that both sides load), a 128-token random prompt per row, 128 new tokens, greedy,
-  batch 1 and 8. Ours: `generate` under each decode implementation; step ms = decode time
+  batch 1 and 8. Ours: `generate` under each decode implementation, and under scan with int8
+  weights (quantized while loading), an int8 KV cache, and both; step ms = decode time
   after the first token / 127. transformers: `generate()` with its default dynamic cache;
   step ms = (time of 128 new tokens − time of 1) / 127. 1 compile run and 1 untimed run, then
   3 timed; medians. Floor = (weight bytes read per step + KV bytes at the mean context of 192
-  tokens) / copy bandwidth.
+  tokens, int8 values and scales counted as stored) / copy bandwidth.
 
 The last lines printed are the tables; `--out` (default $OUT, else .) gets gpu.json with every
 number.
@@ -124,7 +125,10 @@ TINY = Plan(attention_BTNKH=(2, 40, 4, 2, 16),
             decode_batches=(1, 2), decode_repeats=1, matmul_n=256, copy_bytes=4 << 20)
 WARMUP_STEPS = 3
 TRAIN_IMPLS = ("cudnn", "chunked", "xla", "transformers")
-DECODE_IMPLS = ("scan", "unrolled", "transformers")
+# Ours as "impl" or "impl:weights/cache" (int8 weights: the bf16 model quantized while loading;
+# an int8 KV cache), and transformers.
+DECODE_RUNS = ("scan", "unrolled", "scan:int8/bfloat16", "scan:bfloat16/int8",
+               "scan:int8/int8", "transformers")
 FP32 = "float32"
 BF16 = "bfloat16"
 # Tolerances on the relative error: fp32 arithmetic in a different order; bf16 operands.
@@ -514,21 +518,29 @@ def decode_prompts(plan: Plan, batch: int) -> np.ndarray:
     return np.random.default_rng(batch).integers(0, plan.big.V, (batch, plan.decode_prompt))
 
 
-def decode_ours(plan: Plan, impl: str, hf_dir: str) -> dict:
-    config, params = llama_jax.load_checkpoint(hf_dir, dtype=BF16)
+def decode_case(run: str) -> tuple[str, str | None, str]:
+    """(decode impl, quantize, cache dtype) of a run "impl[:weights/cache]"."""
+    impl, _, case = run.partition(":")
+    weights, cache_dtype = (case or f"{BF16}/{BF16}").split("/")
+    return impl, "int8" if weights == "int8" else None, cache_dtype
+
+
+def decode_ours(plan: Plan, run: str, hf_dir: str) -> dict:
+    impl, quantize, cache_dtype = decode_case(run)
+    config, params = llama_jax.load_checkpoint(hf_dir, dtype=BF16, quantize=quantize)
     results = {}
     for batch in plan.decode_batches:
         prompts = decode_prompts(plan, batch).tolist()
         warm = GenerationStats()
         for _ in range(2):  # the first compiles
             llama_jax.generate(config, params, prompts, plan.decode_new, stop_tokens=[],
-                               decode_impl=impl, stats=warm)
+                               decode_impl=impl, cache_dtype=cache_dtype, stats=warm)
         walls, steps = [], []
         for _ in range(plan.decode_repeats):
             stats = GenerationStats()
             start = time.perf_counter()
             llama_jax.generate(config, params, prompts, plan.decode_new, stop_tokens=[],
-                               decode_impl=impl, stats=stats)
+                               decode_impl=impl, cache_dtype=cache_dtype, stats=stats)
             walls.append(time.perf_counter() - start)
             steps.append(stats.decode_s / (plan.decode_new - 1))
         results[batch] = {"step_s": statistics.median(steps), "wall_s": statistics.median(walls),
@@ -630,10 +642,15 @@ def decoding(plan: Plan, tiny: bool, peak: dict, tmp: str) -> dict:
     exported = child("export", hf_dir, tiny=tiny)
     if "error" in exported:
         return exported
-    runs = {impl: child("decode", impl, hf_dir, tiny=tiny) for impl in DECODE_IMPLS}
+    runs = {run: child("decode", run, hf_dir, tiny=tiny) for run in DECODE_RUNS}
     context = plan.decode_prompt + plan.decode_new // 2
-    floors = {b: costs.decode_bytes_per_step(plan.big, b, context, BF16)
-              / peak["copy_bytes_per_s"] for b in plan.decode_batches}
+
+    def floor_s(run: str, batch: int) -> float:
+        _, quantize, cache_dtype = decode_case(run)
+        config = plan.big.with_execution(quantize=quantize)
+        return (costs.decode_bytes_per_step(config, batch, context, BF16, cache_dtype)
+                / peak["copy_bytes_per_s"])
+    floors = {run: {b: floor_s(run, b) for b in plan.decode_batches} for run in DECODE_RUNS}
     return {"floor_s": floors, "context": context, "runs": runs}
 
 
@@ -689,25 +706,32 @@ def print_decode(decode: dict, plan: Plan) -> None:
     if "error" in decode:
         print(f"decode: {decode['error']}")
         return
-    print(f"\ndecode bf16 weights and cache, prompt {plan.decode_prompt}, {plan.decode_new} new "
+    print(f"\ndecode bf16 weights and cache (int8 where a run names it: weights/cache), prompt "
+          f"{plan.decode_prompt}, {plan.decode_new} new "
           f"tokens, greedy; floor = (weights + KV at context {decode['context']}) / copy "
           "bandwidth\n| batch | implementation | step ms | floor ms | % of floor | vs transformers "
-          "(step) | tok/s (whole call) | compile s |\n|---|---|---|---|---|---|---|---|")
+          "(step) | step vs scan bf16 | tok/s (whole call) | compile s |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     runs = decode["runs"]
+
+    def step_s(run: str, batch: int) -> float | None:
+        return runs[run].get("per_batch", {}).get(str(batch), {}).get("step_s")
     for batch in plan.decode_batches:
-        theirs = runs["transformers"].get("per_batch", {}).get(str(batch), {}).get("step_s")
-        floor = decode["floor_s"][batch]
-        for impl, r in runs.items():
+        theirs, scan = step_s("transformers", batch), step_s("scan", batch)
+        for run, r in runs.items():
             if "error" in r:
-                print(f"| {batch} | {impl} | {r['error']} | | | | | |")
+                print(f"| {batch} | {run} | {r['error']} | | | | | | |")
                 continue
             m = r["per_batch"][str(batch)]
-            name = f"transformers ({r['attention']})" if impl == "transformers" else impl
+            name = f"transformers ({r['attention']})" if run == "transformers" else run
             ratio = f"{theirs / m['step_s']:.2f}x" if theirs else "-"
+            vs_scan = f"{m['step_s'] / scan:.2f}x" if scan and ":" in run else "-"
+            floor = decode["floor_s"].get(run, {}).get(batch)
+            floors = (f"{floor * 1e3:.2f} | {floor / m['step_s']:.0%}" if floor is not None
+                      else "- | -")
             compile_s = f"{m['compile_s']:.1f}" if m["compile_s"] is not None else "-"
-            print(f"| {batch} | {name} | {m['step_s'] * 1e3:.2f} | {floor * 1e3:.2f} | "
-                  f"{floor / m['step_s']:.0%} | {ratio} | "
-                  f"{batch * plan.decode_new / m['wall_s']:.0f} | {compile_s} |")
+            print(f"| {batch} | {name} | {m['step_s'] * 1e3:.2f} | {floors} | {ratio} | "
+                  f"{vs_scan} | {batch * plan.decode_new / m['wall_s']:.0f} | {compile_s} |")
 
 
 PRINTERS = {"correctness": print_correctness, "train": print_training, "decode": print_decode}
