@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from llama_jax import load_checkpoint, load_tokenizer
-from llama_jax.cli import user_errors_exit
-from llama_jax.config import CACHE_DTYPES, DTYPES, QUANTIZATIONS
+from llama_jax.cli import add_int8_arguments, user_errors_exit
+from llama_jax.config import DTYPES
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
 from llama_jax.decode.generate import DECODE_IMPLS, GenerationStats, stream
 from llama_jax.errors import GenerateError
@@ -39,14 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="parameter and compute dtype (default: as stored)")
-    parser.add_argument("--quantize", choices=QUANTIZATIONS, default=None,
-                        help="store the blocks' matmul weights as int8 while loading (default: "
-                             "as stored)")
-    parser.add_argument("--quantize-head", action="store_true",
-                        help="with --quantize: the LM head and embedding table too")
-    parser.add_argument("--cache-dtype", choices=CACHE_DTYPES, default=None,
-                        help="KV cache dtype (default: the compute dtype; int8: int8 values "
-                             "with a scale per token and head)")
+    add_int8_arguments(parser, cache_default="the compute dtype")
     parser.add_argument("--decode-impl", choices=DECODE_IMPLS, default="auto",
                         help="layers as a scan over stacked weights, or an unrolled loop over "
                              "per-layer weights (auto: unrolled on CPU, scan elsewhere)")

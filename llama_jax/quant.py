@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+QUANTIZATIONS = ("int8",)  # what a model's weights may be stored as (`quantize:`)
 INT8_MAX = 127
 SCALE_BYTES = 4  # each scale is a float32
 # The smallest scale: an all-zero channel gets values 0 (and not 0/0).

@@ -28,6 +28,7 @@ from llama_jax.nn.mlp import MLPS
 from llama_jax.nn.moe import ROUTERS
 from llama_jax.nn.norms import NORMS
 from llama_jax.nn.positions import POSITIONS
+from llama_jax.quant import QUANTIZATIONS
 
 # The choices of the component fields are their registries' names (nn/); these are the other
 # fields' choices.
@@ -38,7 +39,6 @@ NORM_POSITIONS = ("pre", "post")
 MOE = "moe"  # the block MLP that routes tokens to expert MLPs (nn/moe.py), besides MLPS' kinds
 MOE_DISPATCHES = ("auto", "capacity", "dropless")  # see nn/moe.py
 POOLINGS = ("last", "mean")
-QUANTIZATIONS = ("int8",)  # see llama_jax/quant.py
 
 
 def mlp_choices() -> tuple[str, ...]:

@@ -24,10 +24,9 @@ import sys
 
 from llama_jax.plan import costs, hardware, memory
 from llama_jax.parallel import sharding
-from llama_jax.cli import user_errors_exit
+from llama_jax.cli import add_int8_arguments, user_errors_exit
 from llama_jax.parallel.sharding import MESH_AXES
-from llama_jax.config import (CACHE_DTYPES, DTYPES, QUANTIZATIONS, REMAT_POLICIES, MeshConfig,
-                              ModelConfig, load_model_config)
+from llama_jax.config import DTYPES, REMAT_POLICIES, MeshConfig, ModelConfig, load_model_config
 from llama_jax.errors import ConfigError
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS, chosen_attention
 
@@ -204,15 +203,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="sequence / context length S (default: the model's max_seq_len)")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                         help="dtype of weights and KV cache for bytes and the decode floor")
-    parser.add_argument("--quantize", choices=QUANTIZATIONS, default=None,
-                        help="weights the decode floor reads as int8 values and scales (the "
-                             "model's block matmuls; with --quantize-head the LM head and "
-                             "embedding too)")
-    parser.add_argument("--quantize-head", action="store_true",
-                        help="with --quantize: the LM head and embedding too")
-    parser.add_argument("--cache-dtype", choices=CACHE_DTYPES, default=None,
-                        help="KV cache dtype for its bytes and the decode floor (default: "
-                             "--dtype; int8 adds a 4-byte scale per cached vector)")
+    add_int8_arguments(parser, cache_default="--dtype")  # for the bytes and the decode floor
     parser.add_argument("--bandwidth", type=float, default=None,
                         help="memory bandwidth in GB/s for the decode floor (default: that of "
                              "--hardware, else an H100 SXM's)")
