@@ -78,3 +78,8 @@ def to_int8_vectors(x: jax.Array) -> Int8:
 
 def is_int8(x) -> bool:
     return isinstance(x, Int8)
+
+
+def as_float(x: jax.Array | Int8, dtype) -> jax.Array:
+    """An int8 tensor dequantized to `dtype`; a float one as it is."""
+    return x.dequantize(dtype) if is_int8(x) else x

@@ -37,7 +37,7 @@ from llama_jax.errors import ConfigError
 from llama_jax.nn.attention.chunked import MASKED, chunked_attention, visible
 from llama_jax.nn.ops import einsum_f32
 from llama_jax.parallel.sharding import per_shard
-from llama_jax.quant import Int8, is_int8
+from llama_jax.quant import Int8, as_float, is_int8
 
 if TYPE_CHECKING:
     from llama_jax.config import ModelConfig
@@ -160,7 +160,7 @@ def dot_product_attention(q_BTNH: jax.Array, k: jax.Array | Int8, v: jax.Array |
     S = k.shape[kv_layout.index("S")]
     if T == 1 or impl == "xla" or (impl == "chunked" and one_block(T, S, block_q, block_kv)):
         return dense_attention(q_BTNH, k, v, mask.dense(), kv_layout=kv_layout, scale=scale)
-    k, v = (x.dequantize(q_BTNH.dtype) if is_int8(x) else x for x in (k, v))
+    k, v = (as_float(x, q_BTNH.dtype) for x in (k, v))
     if kv_layout == "BKSH":
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     if impl == "cudnn" and mask.aligned:

@@ -44,7 +44,7 @@ from llama_jax.nn.ops import einsum_f32, linear
 from llama_jax.errors import require
 from llama_jax.nn.positions import POSITIONS, Rotation
 from llama_jax.nn.rope import softmax_scale
-from llama_jax.quant import Int8
+from llama_jax.quant import Int8, as_float
 from llama_jax.spec import bias, weight
 from llama_jax.parallel.sharding import constrain
 
@@ -201,7 +201,7 @@ class MergedKV:
                                                    context.mask.dense()[:, 0],
                                                    softmax_scale(config))
         K, S = k_BCH.shape[1] // self.max_len, self.max_len
-        k_BKSH, v_BKSH = (kv_storage.dequantized(x, q_BTNH.dtype).reshape(B, K, S, H)
+        k_BKSH, v_BKSH = (as_float(x, q_BTNH.dtype).reshape(B, K, S, H)
                           for x in (k_BCH, v_BCH))
         return attention_of(config)(q_BTNH, k_BKSH, v_BKSH, context.mask, kv_layout="BKSH")
 

@@ -61,12 +61,6 @@ def read(cache: jax.Array | Int8, dtype: str, compute_dtype) -> jax.Array | Int8
     return jax.lax.bitcast_convert_type(cache, dtype).astype(compute_dtype)
 
 
-def dequantized(x: jax.Array | Int8, dtype) -> jax.Array:
-    """Cached values as floats: for the attention implementations that take only floats (a
-    prefill into the cache, MLA's expanded form)."""
-    return x.dequantize(dtype) if is_int8(x) else x
-
-
 def constrained(cache: jax.Array | Int8, axes: Sequence[str | None]) -> jax.Array | Int8:
     """`sharding.constrain` under the cache rules; an int8 cache's scales are laid out like its
     values, with their size-1 last axis whole."""

@@ -49,7 +49,7 @@ from llama_jax.nn.ops import cast_weight, dense, einsum_f32
 from llama_jax.errors import require
 from llama_jax.nn.positions import POSITIONS, Rotation
 from llama_jax.nn.rope import softmax_scale
-from llama_jax.quant import Int8
+from llama_jax.quant import Int8, as_float
 from llama_jax.spec import gain, weight
 from llama_jax.parallel.sharding import constrain
 
@@ -119,7 +119,7 @@ def _expanded(config: ModelConfig, p: dict, q_nope_BTNJ, q_rope_BTNI, latent_BSW
     """Per-head keys `[c·W_UK, k_R]` and values `c·W_UV` of the S latents, then attention
     under the configured implementation: `[B, T, N, Y]`."""
     Z = config.mla.kv_lora_rank
-    latent_BSW = kv_storage.dequantized(latent_BSW, q_nope_BTNJ.dtype)
+    latent_BSW = as_float(latent_BSW, q_nope_BTNJ.dtype)
     c_BSZ, k_rope_BSI = latent_BSW[..., :Z], latent_BSW[..., Z:]
     k_nope_BSNJ = dense("BSZ,ZNJ->BSNJ", c_BSZ, p["w_uk"])
     v_BSNY = dense("BSZ,ZNY->BSNY", c_BSZ, p["w_uv"])
