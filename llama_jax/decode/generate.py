@@ -94,7 +94,7 @@ def _emit(state: DecodeState, logits_BV: jax.Array, strategy: Strategy) -> Decod
                          done_B=done_B, step=state.step + 1)
 
 
-def _on(placement: tuple | None):
+def placed(placement: tuple | None):
     """The mesh and rules the program is traced under (see `sharding.use_mesh`). They are
     static arguments of the jitted functions, so that jit's own trace cache tells apart the
     same shapes compiled under different rules."""
@@ -107,7 +107,7 @@ def _prefill(config: ModelConfig, params: Params, prompts_BT: jax.Array, start_B
              active_B: jax.Array, stop_BS: jax.Array, sampling: SamplingParams,
              max_new: jax.Array, key: jax.Array, *, cache_len: int, n_out: int,
              cache_dtype: str, strategy: Strategy, placement: tuple | None) -> DecodeState:
-    with _on(placement):
+    with placed(placement):
         return _prefill_state(config, params, prompts_BT, start_B, active_B, stop_BS, sampling,
                               max_new, key, cache_len, n_out, cache_dtype, strategy)
 
@@ -131,7 +131,7 @@ def _prefill_state(config, params, prompts_BT, start_B, active_B, stop_BS, sampl
 def _decode(config: ModelConfig, params: Params, state: DecodeState, n_steps: jax.Array, *,
             strategy: Strategy, placement: tuple | None) -> DecodeState:
     """Up to `n_steps` decode steps; stops early when every row is done."""
-    with _on(placement):
+    with placed(placement):
         return _decode_steps(config, params, state, n_steps, strategy)
 
 
@@ -171,7 +171,7 @@ def resolve_decode_impl(decode_impl: str) -> str:
     return decode_impl
 
 
-def _decoder_params(params: Params, decode_impl: str) -> Params:
+def decoder_params(params: Params, decode_impl: str) -> Params:
     """The unrolled decoder runs over unstacked layers (see `model.unstack_layers`); the copy
     is made once per set of parameter arrays and reused while those arrays are alive."""
     if _unstacked(params):
@@ -298,7 +298,7 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     stop_BS = np.tile(np.asarray(stops, np.int32), (B, 1))
     sampling = SamplingParams.broadcast(B, temperature, top_k, top_p, min_p)
     strategy = Strategy.of(temperature, top_k, top_p)
-    params = _decoder_params(params, impl)
+    params = decoder_params(params, impl)
     args = (config, params, prompts_BT, start_B, active_B, stop_BS, sampling,
             np.int32(max_new), jax.random.key(seed))
     prefill = _compiled(_prefill, stats, mesh_config, *args, cache_len=T + N, n_out=N,

@@ -81,10 +81,16 @@ def filter_logits(logits_BV: jax.Array, params: SamplingParams, sort: bool) -> j
 def sample(logits_BV: jax.Array, key: jax.Array, params: SamplingParams,
            strategy: Strategy) -> jax.Array:
     """Next token per row, int32 `[B]`: argmax where temperature is 0, else a draw from the
-    filtered distribution (Gumbel-max, the same draw as `jax.random.categorical`)."""
+    filtered distribution (Gumbel-max, the same draw as `jax.random.categorical`). `key` is one
+    key for the batch, or a key per row (`[B]`): then a row's draw depends on its own key
+    alone, and equals the draw of a one-row batch given that key."""
     greedy_B = argmax(logits_BV)
     if not strategy.draw:
         return greedy_B
-    gumbel_BV = jax.random.gumbel(key, logits_BV.shape, logits_BV.dtype)
+    if key.ndim == 1:
+        V = logits_BV.shape[-1]
+        gumbel_BV = jax.vmap(lambda k: jax.random.gumbel(k, (V,), logits_BV.dtype))(key)
+    else:
+        gumbel_BV = jax.random.gumbel(key, logits_BV.shape, logits_BV.dtype)
     drawn_B = argmax(filter_logits(logits_BV, params, strategy.sort) + gumbel_BV)
     return jnp.where(params.temperature > 0, drawn_B, greedy_B)

@@ -18,6 +18,7 @@ from flax import struct
 
 from llama_jax.config import ModelConfig, cache_dtype_name
 from llama_jax.nn.attention.dot_product import Mask
+from llama_jax.nn.attention.kv_storage import SlotFn
 from llama_jax.nn.attention.mixers import mixer_of
 from llama_jax.model.params import layer_groups
 
@@ -44,6 +45,50 @@ class KVCache:
     def advance(self, groups: tuple, T: int) -> "KVCache":
         """The cache after T tokens were written into `groups`."""
         return self.replace(groups=groups, end=self.end + T)
+
+    def map_seq(self, fn: SlotFn, max_len: int) -> "KVCache":
+        """Every layer's cache with `fn(array, seq_axis)` applied to its stored arrays; `fn`
+        returns arrays of `max_len` slots."""
+        def mapped(group):
+            if isinstance(group, tuple):  # per-layer caches
+                return tuple(layer.map_seq(fn, max_len) for layer in group)
+            return group.map_seq(fn, max_len)
+        return self.replace(groups=tuple(mapped(g) for g in self.groups), max_len=max_len)
+
+
+# Moving rows and slots, for a server's decode slots (serve/engine.py): its rows share `end`,
+# so a row is inserted by placing its prompt to end there, and the slots are moved or resized
+# when the rows in use need more or fewer of them.
+
+def resized(cache: KVCache, max_len: int) -> KVCache:
+    """The cache with `max_len` slots: its first `max_len` (the caller keeps `end` within
+    them), or all of them followed by empty ones."""
+    def resize(x, axis):
+        if max_len <= x.shape[axis]:
+            return jax.lax.slice_in_dim(x, 0, max_len, axis=axis)
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, max_len - x.shape[axis])
+        return jnp.pad(x, pad)
+    return cache.map_seq(resize, max_len)
+
+
+def shifted(cache: KVCache, d: jax.Array) -> KVCache:
+    """Every row's slots moved `d` later (earlier if negative), `start` and `end` with them, so
+    each row computes what it did before as long as none of its slots in
+    `start .. end - 1` wraps around the end of the cache."""
+    moved = cache.map_seq(lambda x, axis: jnp.roll(x, d, axis=axis), cache.max_len)
+    return moved.replace(start=cache.start + d, end=cache.end + d)
+
+
+def with_row(cache: KVCache, b: jax.Array, row: KVCache) -> KVCache:
+    """The cache with row `b` replaced by the one-row cache `row` of the same slots (its `end`
+    is the cache's own)."""
+    def put(x, one):
+        # The row axis is the one axis where the two differ (none when the cache has one row).
+        differ = [axis for axis, (m, n) in enumerate(zip(x.shape, one.shape)) if m != n]
+        return jax.lax.dynamic_update_index_in_dim(x, one, b, differ[0]) if differ else one
+    groups = jax.tree.map(put, cache.groups, row.groups)
+    return cache.replace(groups=groups, start=cache.start.at[b].set(row.start[0]))
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None,

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from llama_jax.nn.attention import kv_storage
+from llama_jax.nn.attention.kv_storage import SlotFn
 from llama_jax.nn.attention.chunked import MASKED
 from llama_jax.nn.attention.dot_product import Mask, dot_product_attention, probs_like
 from llama_jax.nn.ops import einsum_f32, linear
@@ -166,6 +167,13 @@ class StackedKV:
                 for x in (self.k, self.v))
         return attention_of(config)(q_BTNH, k, v, context.mask, kv_layout="BKSH")
 
+    def map_seq(self, fn: SlotFn, max_len: int) -> "StackedKV":
+        """The cache with `fn(array, seq_axis)` applied to its stored arrays; `fn` returns
+        `max_len` slots (see `KVCache.map_seq`)."""
+        def put(cache_LBKSH):
+            return _constrain_stacked(kv_storage.map_stored(cache_LBKSH, lambda a: fn(a, 3)))
+        return self.replace(k=put(self.k), v=put(self.v))
+
 
 @struct.dataclass
 class MergedKV:
@@ -204,6 +212,17 @@ class MergedKV:
         k_BKSH, v_BKSH = (as_float(x, q_BTNH.dtype).reshape(B, K, S, H)
                           for x in (k_BCH, v_BCH))
         return attention_of(config)(q_BTNH, k_BKSH, v_BKSH, context.mask, kv_layout="BKSH")
+
+    def map_seq(self, fn: SlotFn, max_len: int) -> "MergedKV":
+        """The cache with `fn(array, seq_axis)` applied to its stored arrays seen as
+        `[B, K, S, ...]`; `fn` returns `max_len` slots (see `KVCache.map_seq`)."""
+        def per_head(a_BCX):
+            B, C, *rest = a_BCX.shape
+            a_BKSX = fn(a_BCX.reshape(B, C // self.max_len, self.max_len, *rest), 2)
+            return a_BKSX.reshape(B, -1, *rest)
+        def put(cache_BCH):
+            return _constrain_merged(kv_storage.map_stored(cache_BCH, per_head))
+        return self.replace(k=put(self.k), v=put(self.v), max_len=max_len)
 
 
 def kv_cache_vectors(config: ModelConfig) -> tuple[int, int]:

@@ -15,7 +15,7 @@ each in-place update.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,9 @@ from llama_jax.parallel.sharding import constrain
 from llama_jax.quant import SCALE_BYTES, Int8, is_int8, to_int8_vectors
 
 INT8 = "int8"
+# A function of one stored cache array and the axis of its slots, returning the array with its
+# slots moved or resized (model/kv_cache.py's KVCache.map_seq).
+SlotFn = Callable[[jax.Array, int], jax.Array]
 
 
 def zeros(shape: Sequence[int], dtype: str, bits: bool = False) -> jax.Array | Int8:
@@ -59,6 +62,15 @@ def read(cache: jax.Array | Int8, dtype: str, compute_dtype) -> jax.Array | Int8
         widened = jax.lax.bitcast_convert_type(cache.astype(jnp.uint32) << 16, jnp.float32)
         return widened.astype(compute_dtype)
     return jax.lax.bitcast_convert_type(cache, dtype).astype(compute_dtype)
+
+
+def map_stored(cache: jax.Array | Int8, fn: Callable[[jax.Array], jax.Array]
+               ) -> jax.Array | Int8:
+    """`fn` applied to what a cache stores: its array, or an int8 cache's values and scales
+    (laid out alike, so an `fn` that moves or resizes slots keeps them paired)."""
+    if is_int8(cache):
+        return Int8(fn(cache.values), fn(cache.scale))
+    return fn(cache)
 
 
 def constrained(cache: jax.Array | Int8, axes: Sequence[str | None]) -> jax.Array | Int8:

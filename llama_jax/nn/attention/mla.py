@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from llama_jax.nn.attention import kv_storage
+from llama_jax.nn.attention.kv_storage import SlotFn
 from llama_jax.nn.attention.gqa import Context, attention_of
 from llama_jax.nn.attention.dot_product import dense_attention
 from llama_jax.nn.norms import rms_norm
@@ -171,6 +172,12 @@ class StackedLatentKV:
     def read(self, context: Context, compute_dtype) -> jax.Array | Int8:
         return kv_storage.read(self.latent[context.layer], self.dtype, compute_dtype)
 
+    def map_seq(self, fn: SlotFn, max_len: int) -> "StackedLatentKV":
+        """The cache with `fn(array, seq_axis)` applied to its stored arrays; `fn` returns
+        `max_len` slots (see `KVCache.map_seq`)."""
+        return self.replace(latent=_constrain_stacked(
+            kv_storage.map_stored(self.latent, lambda a: fn(a, 2))))
+
 
 @struct.dataclass
 class LatentKV:
@@ -190,6 +197,12 @@ class LatentKV:
 
     def read(self, context: Context, compute_dtype) -> jax.Array | Int8:
         return kv_storage.read(self.latent, self.dtype, compute_dtype)
+
+    def map_seq(self, fn: SlotFn, max_len: int) -> "LatentKV":
+        """The cache with `fn(array, seq_axis)` applied to its stored arrays; `fn` returns
+        `max_len` slots (see `KVCache.map_seq`)."""
+        return self.replace(latent=_constrain_layer(
+            kv_storage.map_stored(self.latent, lambda a: fn(a, 1))))
 
 
 def cache_width(config: ModelConfig) -> int:
