@@ -19,6 +19,7 @@ checks this, imports under `typing.TYPE_CHECKING` aside):
     decode                     sampling and jit-compiled generation
     training                   the optimizer, the train step, the training loop, fine-tuning
     eval                       log-likelihood scoring, perplexity, lm-eval, `predict`
+    serve                      the OpenAI-compatible server: continuous batching, the API
     research                   ablation studies, the demo downstream task
 
 The names below are the public API. They load on first use, so `import llama_jax` stays

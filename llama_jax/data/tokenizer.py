@@ -43,10 +43,15 @@ class Tokenizer(Protocol):
     bos_id: int
     eos_ids: tuple[int, ...]  # every id that ends generation
     special_ids: frozenset[int]  # control tokens (BOS, EOS, ...): no text of their own
+    special_tokens: dict[str, int]  # the control tokens' names ("<s>", "<|eot_id|>", ...)
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+    def token_bytes(self, id: int) -> bytes:
+        """The UTF-8 bytes one token stands for (part of a character, for a byte-fallback
+        piece); none for control tokens and ids past the vocabulary."""
 
 
 class SentencePieceTokenizer:
@@ -62,6 +67,7 @@ class SentencePieceTokenizer:
         self.bos_id = self._sp.bos_id()
         self.eos_ids = (self._sp.eos_id(),)
         self.special_ids = frozenset(i for i in range(self.vocab_size) if self._sp.is_control(i))
+        self.special_tokens = {self._sp.id_to_piece(i): i for i in sorted(self.special_ids)}
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         ids = self._sp.encode(text)
@@ -69,6 +75,14 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode(_known(ids, self.vocab_size))
+
+    def token_bytes(self, id: int) -> bytes:
+        if not 0 <= id < self.vocab_size or id in self.special_ids or self._sp.is_unknown(id):
+            return b""
+        piece = self._sp.id_to_piece(id)
+        if self._sp.is_byte(id):  # "<0xE2>"
+            return bytes([int(piece[3:-1], 16)])
+        return piece.replace("\u2581", " ").encode()
 
 
 class Llama3Tokenizer:
@@ -106,6 +120,11 @@ class Llama3Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._enc.decode(_known(ids, self.vocab_size))
+
+    def token_bytes(self, id: int) -> bytes:
+        if not 0 <= id < self.vocab_size or id in self.special_ids:
+            return b""
+        return self._enc.decode_single_token_bytes(id)
 
 
 def _known(ids: Sequence[int], vocab_size: int) -> list[int]:

@@ -82,6 +82,19 @@ def kv_cache_bytes_per_token(config: ModelConfig, dtype: str = "bfloat16") -> in
     return config.n_layers * vectors * kv_storage.bytes_per_vector(width, dtype)
 
 
+# A server's cache holds, per decode slot, its request's tokens and the decode steps of the
+# dispatches that run while the host learns that it stopped (serve/engine.py).
+SERVING_SLACK_DISPATCHES = 3
+
+
+def serving_cache_bytes(config: ModelConfig, max_batch: int, max_seq_len: int,
+                        cache_dtype: str = "bfloat16", steps_per_dispatch: int = 8) -> int:
+    """The KV cache of a server's `max_batch` decode slots at its largest: `max_seq_len`
+    tokens each plus the slack of SERVING_SLACK_DISPATCHES dispatches."""
+    slots = max_seq_len + SERVING_SLACK_DISPATCHES * steps_per_dispatch
+    return max_batch * slots * kv_cache_bytes_per_token(config, cache_dtype)
+
+
 def train_flops_per_token(config: ModelConfig, seq_len: int, frozen_backbone: bool = False
                           ) -> int:
     """6·P_mm + attention (module docstring). With a frozen backbone (a task head trained

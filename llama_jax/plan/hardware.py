@@ -49,6 +49,22 @@ def hardware(name: str) -> Hardware:
     return HARDWARE[name]
 
 
+def free_memory_bytes(device: jax.Device | None = None) -> int | None:
+    """Memory a new allocation can still take on `device` (default: the first): an
+    accelerator's limit less what is in use, the host's available memory for a CPU; None if
+    unknown."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def peak_flops_per_device(dtype: str = "float32") -> float:
     """The peak matmul rate of one of this process's devices: the table's bf16 figure for a
     known accelerator, otherwise measured."""

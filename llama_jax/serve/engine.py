@@ -59,14 +59,12 @@ from llama_jax.model.params import Params
 from llama_jax.model.transformer import apply
 from llama_jax.nn.heads import lm_head
 from llama_jax.parallel import sharding
+from llama_jax.plan.costs import SERVING_SLACK_DISPATCHES
 
 log = logging.getLogger("llama_jax.serve")
 
 TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (OpenAI's limit)
 MIN_SLOTS = 64  # the smallest cache the slots shrink to
-# Every row may need: its own sequence (at most the context), the dispatch that runs while the
-# host learns it stopped, and the next one.
-SLACK_DISPATCHES = 3
 # The strategy of a prefill: it samples one token per request, so it always takes every path
 # and compiles once per shape.
 PREFILL_STRATEGY = Strategy(draw=True, sort=True)
@@ -272,7 +270,7 @@ class Engine:
         self.placement = None if mesh is None else (mesh, mesh_config or MeshConfig())
         ids = config.stop_ids if stop_ids is None else stop_ids
         self.stop_ids = [int(t) for t in ids if 0 <= int(t) < config.vocab_size] or [NO_TOKEN]
-        self.max_slots = self.max_seq_len + SLACK_DISPATCHES * self.steps
+        self.max_slots = self.max_seq_len + SERVING_SLACK_DISPATCHES * self.steps
         self.min_slots = min(self.max_slots, MIN_SLOTS)
         self._queue: queue.Queue[Request] = queue.Queue(max_queue)
         self._executables: dict = {}

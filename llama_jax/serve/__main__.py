@@ -1,0 +1,128 @@
+"""Serve a checkpoint over the OpenAI API with continuous batching.
+
+    python -m llama_jax.serve --checkpoint DIR [--tokenizer PATH] [--host 127.0.0.1]
+        [--port 8000] [--max-batch 8] [--max-seq-len N] [--dtype bfloat16]
+        [--served-model-name NAME] [--attention-impl auto] [--mesh data=D,fsdp=F,tensor=T]
+        [--quantize int8 [--quantize-head]] [--cache-dtype int8] [--steps-per-dispatch 8]
+        [--max-queue 64] [--drain-timeout 30]
+
+It loads any checkpoint `load_checkpoint` reads, refuses a configuration whose weights and KV
+cache do not fit the device's memory (with the numbers), compiles its programs, prints
+`serving NAME on http://HOST:PORT` and serves until SIGINT or SIGTERM: then it stops
+accepting connections, lets the requests in flight finish (at most --drain-timeout seconds)
+and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from llama_jax.cli import add_int8_arguments, user_errors_exit
+from llama_jax.config import DTYPES, MeshConfig
+from llama_jax.errors import GenerateError
+from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
+
+log = logging.getLogger("llama_jax.serve")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from llama_jax.decode.generate import DECODE_IMPLS
+
+    parser = argparse.ArgumentParser(prog="python -m llama_jax.serve",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    parser.add_argument("--tokenizer", help="tokenizer.model (default: the checkpoint's)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-batch", type=int, default=8, help="decode slots")
+    parser.add_argument("--max-seq-len", type=int, default=None,
+                        help="tokens per request, prompt and output (default: the model's "
+                             "context)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="parameter and compute dtype (default: as stored)")
+    add_int8_arguments(parser, cache_default="the compute dtype")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients ask for (default: the checkpoint "
+                             "directory's name)")
+    parser.add_argument("--attention-impl", choices=ATTENTION_IMPLS, default="auto",
+                        help="how prompts' attention is computed")
+    parser.add_argument("--decode-impl", choices=DECODE_IMPLS, default="auto")
+    parser.add_argument("--mesh", default=None,
+                        help="place the parameters on a mesh of this process's devices, e.g. "
+                             "data=1,fsdp=1,tensor=8")
+    parser.add_argument("--steps-per-dispatch", type=int, default=8,
+                        help="decode steps per device program")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="requests that may wait for a slot (more get 429)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds to let requests in flight finish on SIGTERM")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+    return parser.parse_args(argv)
+
+
+def mesh_config(text: str) -> MeshConfig:
+    """`data=D,fsdp=F,tensor=T[,expert=E]` as a MeshConfig."""
+    sizes = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        if not value.isdigit() or name not in ("data", "fsdp", "tensor", "expert"):
+            raise GenerateError(f"--mesh {text!r}: expected data=D,fsdp=F,tensor=T[,expert=E]")
+        sizes[name] = int(value)
+    return MeshConfig(**sizes)
+
+
+def _shutdown_on_signals() -> list[int]:
+    """SIGINT and SIGTERM end the server gracefully (uvicorn handles them while it runs and
+    raises them again afterwards; then they are only recorded, so the process exits 0)."""
+    received: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda number, _: received.append(number))
+    return received
+
+
+@user_errors_exit
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    mesh = mesh_config(args.mesh) if args.mesh else None  # bad flags fail before loading
+    import uvicorn
+
+    from llama_jax.serve.app import build
+
+    server, engine = build(args.checkpoint, tokenizer=args.tokenizer, dtype=args.dtype,
+                           quantize=args.quantize, quantize_head=args.quantize_head,
+                           cache_dtype=args.cache_dtype, max_batch=args.max_batch,
+                           max_seq_len=args.max_seq_len, attention_impl=args.attention_impl,
+                           decode_impl=args.decode_impl, mesh=mesh,
+                           steps_per_dispatch=args.steps_per_dispatch,
+                           max_queue=args.max_queue,
+                           model_name=args.served_model_name or Path(args.checkpoint).name)
+    log.info("compiled the server's programs in %.1f s", engine.warm_up())
+    engine.start()
+    from llama_jax.serve.api import create_app
+
+    config = uvicorn.Config(create_app(server), host=args.host, port=args.port,
+                            log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout)
+    http = uvicorn.Server(config)
+    _shutdown_on_signals()
+    announce = http.startup
+
+    async def startup(*a, **k):
+        await announce(*a, **k)
+        if http.started:
+            print(f"serving {server.model_name} on http://{args.host}:{args.port}", flush=True)
+    http.startup = startup
+    http.run()
+    drained = engine.stop(args.drain_timeout)
+    log.info("stopped%s", "" if drained else " (requests cut at the drain timeout)")
+    return 0 if http.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,364 @@
+"""The OpenAI-compatible HTTP API over an `Engine`: `GET /health`, `GET /v1/models`,
+`POST /v1/completions` and `POST /v1/chat/completions`, streamed as server-sent events
+(`data: {...}` chunks, then `data: [DONE]`) when `stream` is true.
+
+Each choice of a request (each prompt, `n` times) is one engine request. Its text is built on
+the engine thread as its tokens arrive (`Choice.deliver`: whole characters, cut before a stop
+string, which also frees its row at once), and handed to the request's handler through an
+asyncio queue. A client that disconnects cancels its choices, and their rows are freed at the
+engine's next step. Every 4xx and 5xx carries OpenAI's error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import queue
+import time
+import uuid
+from typing import AsyncIterator, Sequence
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.errors import GenerateError
+from llama_jax.serve.chat import ChatFormat
+from llama_jax.serve.engine import Chunk, Engine, QueueFull, Request
+from llama_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from llama_jax.serve.text import StopText
+
+log = logging.getLogger("llama_jax.serve")
+
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is there
+
+
+@dataclasses.dataclass
+class Event:
+    """What one `deliver` released for choice `index`: text, the tokens `first..last - 1` of
+    the choice, and the finish reason or error once it is over."""
+
+    index: int
+    text: str
+    first: int
+    last: int
+    finish_reason: str | None = None
+    error: BaseException | None = None
+
+
+class Choice:
+    """One choice: its engine request, and its tokens, log-probabilities and text so far."""
+
+    def __init__(self, index: int, prompt: Sequence[int], stops: Sequence[str],
+                 tokenizer: Tokenizer, events: asyncio.Queue, loop: asyncio.AbstractEventLoop,
+                 per_token: bool):
+        self.index, self.prompt = index, list(prompt)
+        self.text = StopText(tokenizer, prompt, stops)
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
+        self.offsets: list[int] = []  # where each token's text begins, in the generated text
+        self.finish_reason: str | None = None
+        self._events, self._loop = events, loop
+        self._per_token = per_token or bool(stops)  # find the token a stop string ends in
+        self.request: Request | None = None
+
+    def deliver(self, chunk: Chunk) -> bool:
+        """On the engine thread: takes a chunk's tokens; True once a stop string appeared."""
+        if self.finish_reason is not None:
+            return True
+        first, text = len(self.tokens), ""
+        groups = [[t] for t in chunk.tokens] if self._per_token else [chunk.tokens]
+        for group in groups:
+            if not group:
+                continue
+            self.offsets += [self.text.decoded] * len(group)
+            text += self.text.push(group)
+            at = len(self.tokens)
+            self.tokens += group
+            self.logprobs += chunk.logprobs[at - first:at - first + len(group)]
+            self.top += chunk.top[at - first:at - first + len(group)]
+            if self.text.stopped:
+                self.finish_reason = "stop"
+                break
+        if self.finish_reason is None and (chunk.finish_reason or chunk.error):
+            text += self.text.flush()
+            self.finish_reason = chunk.finish_reason or "error"
+        self._loop.call_soon_threadsafe(self._events.put_nowait, Event(
+            self.index, text, first, len(self.tokens), self.finish_reason, chunk.error))
+        return self.text.stopped
+
+
+class Server:
+    """The API's state: the engine, the tokenizer, the served name and chat format."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str,
+                 chat_format: ChatFormat):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.chat_format = chat_format
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------------ requests
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise OpenAIError(404, f"The model {name!r} does not exist; this server serves "
+                                   f"{self.model_name!r}", "model", "model_not_found")
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt, bos=True) if isinstance(prompt, str) else prompt
+
+    def _limit(self, prompt: list[int], max_tokens: int | None, param: str,
+               prompt_param: str) -> int:
+        """The tokens to generate for `prompt`: `max_tokens`, or all that fit (None)."""
+        context = self.engine.max_seq_len
+        if len(prompt) >= context:
+            raise OpenAIError(400, f"This model's maximum context length is {context} tokens; "
+                                   f"the prompt has {len(prompt)} tokens", prompt_param,
+                              "context_length_exceeded")
+        if max_tokens is None:
+            return context - len(prompt)
+        if len(prompt) + max_tokens > context:
+            raise OpenAIError(400, f"This model's maximum context length is {context} tokens; "
+                                   f"the prompt has {len(prompt)} tokens and {max_tokens} were "
+                                   f"asked for ({len(prompt) + max_tokens} in all)", param,
+                              "context_length_exceeded")
+        return max_tokens
+
+    def _start(self, prompts: list[list[int]], limits: list[int], body, top_logprobs: int,
+               per_token: bool) -> tuple[list[Choice], asyncio.Queue]:
+        """Submits `n` choices per prompt; refuses all of them if the queue cannot take them."""
+        if body.n > self.engine.max_batch:
+            raise OpenAIError(400, f"n={body.n} is more than this server's "
+                                   f"{self.engine.max_batch} decode slots", "n")
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
+        choices = []
+        for p, (prompt, limit) in enumerate(zip(prompts, limits)):
+            for j in range(body.n):
+                choice = Choice(len(choices), prompt, body.stops, self.tokenizer, events, loop,
+                                per_token)
+                choice.request = Request(
+                    prompt, limit, choice.deliver, temperature=body.temperature,
+                    top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
+                    seed=seed + j, top_logprobs=top_logprobs)
+                choices.append(choice)
+        submitted = []
+        try:
+            for choice in choices:
+                if choice.request.max_tokens == 0:  # echo alone: nothing to generate
+                    choice.finish_reason = "length"
+                    events.put_nowait(Event(choice.index, "", 0, 0, "length"))
+                    continue
+                self.engine.submit(choice.request)
+                submitted.append(choice.request)
+        except (QueueFull, queue.Full):
+            for request in submitted:
+                request.cancel()
+            raise OpenAIError(429, "The server is busy: too many requests are waiting; retry "
+                                   "later", code="rate_limit_exceeded", type="rate_limit_error",
+                              headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except GenerateError as e:
+            for request in submitted:
+                request.cancel()
+            raise OpenAIError(400, str(e)) from None
+        return choices, events
+
+    # ------------------------------------------------------------------------ responses
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+
+    def completion_logprobs(self, choice: Choice, first: int, last: int, offset: int) -> dict:
+        return {"tokens": [self._token_text(t) for t in choice.tokens[first:last]],
+                "token_logprobs": choice.logprobs[first:last],
+                "top_logprobs": [{self._token_text(t): lp for t, lp in top}
+                                 for top in choice.top[first:last]] or None,
+                "text_offset": [offset + o for o in choice.offsets[first:last]]}
+
+    def chat_logprobs(self, choice: Choice, first: int, last: int) -> dict:
+        def entry(token: int, logprob: float) -> dict:
+            raw = self.tokenizer.token_bytes(token)
+            return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob,
+                    "bytes": list(raw)}
+        tops = choice.top[first:last] or [[]] * (last - first)
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(*alt) for alt in top]}
+                            for t, lp, top in zip(choice.tokens[first:last],
+                                                  choice.logprobs[first:last], tops)]}
+
+    @staticmethod
+    def usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
+        prompt_tokens = sum(len(p) for p in prompts)
+        completion_tokens = sum(len(c.tokens) for c in choices)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def _events(choices: list[Choice], events: asyncio.Queue, http: HttpRequest,
+                  poll_disconnect: bool) -> AsyncIterator[Event]:
+    """The choices' events until every choice finished. Cancels every choice when the client
+    goes (or this generator is closed early)."""
+    open_choices = {c.index for c in choices}
+    try:
+        while open_choices:
+            try:
+                event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if poll_disconnect and await http.is_disconnected():
+                    return
+                continue
+            if event.finish_reason is not None or event.error is not None:
+                open_choices.discard(event.index)
+            yield event
+    finally:
+        for choice in choices:
+            if choice.request is not None:
+                choice.request.cancel()
+
+
+def _failure(event: Event) -> OpenAIError:
+    log.error("a request failed: %r", event.error)
+    return OpenAIError(500, f"The engine failed on this request: {event.error}", type="server_error")
+
+
+def _sse(payload) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def create_app(server: Server) -> FastAPI:
+    """The FastAPI application of `server`."""
+    app = FastAPI(title="llama_jax", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_, e: OpenAIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, e: RequestValidationError):
+        error = e.errors()[0]
+        where = ".".join(str(x) for x in error.get("loc", ())[1:])
+        if error.get("type") == "json_invalid":
+            message = f"The body is not valid JSON: {error.get('ctx', {}).get('error', '')}"
+        else:
+            message = f"{where}: {error.get('msg')}" if where else error.get("msg")
+        return JSONResponse(OpenAIError(400, message, where or None).body(), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": server.model_name, "object": "model", "created": server.created,
+            "owned_by": "llama_jax", "max_model_len": server.engine.max_seq_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HttpRequest):
+        server._check_model(body.model)
+        prompts = [server._encode(p) for p in body.prompts()]
+        if not all(prompts):
+            raise OpenAIError(400, "a prompt is empty", "prompt")
+        limits = [server._limit(p, body.max_tokens, "max_tokens", "prompt") for p in prompts]
+        if body.max_tokens == 0 and not body.echo:
+            raise OpenAIError(400, "max_tokens=0 generates nothing: it needs echo", "max_tokens")
+        if body.echo and body.logprobs is not None:
+            raise OpenAIError(400, "echo with logprobs (the prompt's log-probabilities) is not "
+                                   "supported", "echo")
+        choices, events = server._start(prompts, limits, body, body.logprobs or 0,
+                                        body.logprobs is not None)
+        echoes = [(body.prompts()[c.index // body.n] if isinstance(
+            body.prompts()[c.index // body.n], str) else server.tokenizer.decode(c.prompt))
+            if body.echo else "" for c in choices]
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def choice_json(choice: Choice, text: str, first: int, last: int, finish):
+            logprobs = None if body.logprobs is None else server.completion_logprobs(
+                choice, first, last, len(echoes[choice.index]))
+            return {"index": choice.index, "text": text, "logprobs": logprobs,
+                    "finish_reason": finish}
+
+        if not body.stream:
+            async for event in _events(choices, events, http, poll_disconnect=True):
+                if event.error is not None:
+                    raise _failure(event)
+            return {"id": rid, "object": "text_completion", "created": created,
+                    "model": server.model_name,
+                    "choices": [choice_json(c, echoes[c.index] + c.text.text, 0, len(c.tokens),
+                                            c.finish_reason) for c in choices],
+                    "usage": server.usage(prompts, choices)}
+
+        async def stream():
+            head = {"id": rid, "object": "text_completion", "created": created,
+                    "model": server.model_name}
+            for c in choices:
+                if echoes[c.index]:
+                    yield _sse({**head, "choices": [choice_json(c, echoes[c.index], 0, 0, None)]})
+            async for event in _events(choices, events, http, poll_disconnect=False):
+                if event.error is not None:
+                    yield _sse(_failure(event).body())
+                    continue
+                if event.text or event.last > event.first or event.finish_reason:
+                    yield _sse({**head, "choices": [choice_json(
+                        choices[event.index], event.text, event.first, event.last,
+                        event.finish_reason)]})
+            if body.stream_options and body.stream_options.include_usage:
+                yield _sse({**head, "choices": [], "usage": server.usage(prompts, choices)})
+            yield _sse("[DONE]")
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
+        server._check_model(body.model)
+        try:
+            prompt = server.chat_format(body.chat_messages())
+        except GenerateError as e:
+            raise OpenAIError(400, str(e), "messages") from None
+        limit = server._limit(prompt, body.limit, "max_completion_tokens", "messages")
+        top = (body.top_logprobs or 0) if body.logprobs else 0
+        choices, events = server._start([prompt], [limit], body, top, body.logprobs)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def logprobs(choice: Choice, first: int, last: int):
+            return server.chat_logprobs(choice, first, last) if body.logprobs else None
+
+        if not body.stream:
+            async for event in _events(choices, events, http, poll_disconnect=True):
+                if event.error is not None:
+                    raise _failure(event)
+            return {"id": rid, "object": "chat.completion", "created": created,
+                    "model": server.model_name,
+                    "choices": [{"index": c.index,
+                                 "message": {"role": "assistant", "content": c.text.text},
+                                 "logprobs": logprobs(c, 0, len(c.tokens)),
+                                 "finish_reason": c.finish_reason} for c in choices],
+                    "usage": server.usage([prompt], choices)}
+
+        async def stream():
+            head = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": server.model_name}
+            for c in choices:
+                yield _sse({**head, "choices": [{"index": c.index, "logprobs": None,
+                                                 "delta": {"role": "assistant", "content": ""},
+                                                 "finish_reason": None}]})
+            async for event in _events(choices, events, http, poll_disconnect=False):
+                if event.error is not None:
+                    yield _sse(_failure(event).body())
+                    continue
+                if event.text or event.last > event.first or event.finish_reason:
+                    delta = {"content": event.text} if event.text else {}
+                    yield _sse({**head, "choices": [{
+                        "index": event.index, "delta": delta,
+                        "logprobs": logprobs(choices[event.index], event.first, event.last),
+                        "finish_reason": event.finish_reason}]})
+            if body.stream_options and body.stream_options.include_usage:
+                yield _sse({**head, "choices": [], "usage": server.usage([prompt], choices)})
+            yield _sse("[DONE]")
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app

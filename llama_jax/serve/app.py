@@ -1,0 +1,60 @@
+"""A server from a checkpoint: the tokenizer, the model (dtype, int8, attention, mesh), the
+check that its KV cache fits, the chat format and the engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llama_jax.config import MeshConfig, cache_dtype_name
+from llama_jax.data.tokenizer import load_tokenizer
+from llama_jax.errors import ConfigError, GenerateError
+from llama_jax.formats.checkpoint import load_checkpoint
+from llama_jax.parallel.sharding import make_mesh
+from llama_jax.plan.costs import serving_cache_bytes
+from llama_jax.plan.hardware import free_memory_bytes
+from llama_jax.serve.api import Server
+from llama_jax.serve.chat import chat_format
+from llama_jax.serve.engine import Engine
+
+GIB = 1 << 30
+
+
+def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=None,
+          quantize: str | None = None, quantize_head: bool = False, cache_dtype=None,
+          max_batch: int = 8, max_seq_len: int | None = None, attention_impl: str = "auto",
+          decode_impl: str = "auto", mesh: MeshConfig | None = None,
+          steps_per_dispatch: int = 8, max_queue: int = 64,
+          model_name: str | None = None) -> tuple[Server, Engine]:
+    """The API state and its (not yet started) engine for `checkpoint`."""
+    tok = load_tokenizer(tokenizer or checkpoint)
+    device_mesh = None if mesh is None else make_mesh(mesh)
+    config, params = load_checkpoint(checkpoint, dtype, quantize=quantize,
+                                     quantize_head=quantize_head, mesh=device_mesh,
+                                     mesh_config=mesh)
+    try:
+        config = config.with_execution(attention_impl=attention_impl)
+        cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
+    except ConfigError as e:
+        raise GenerateError(str(e)) from None
+    seq_len = max_seq_len or config.max_seq_len
+    check_cache_fits(config, max_batch, seq_len, cache_dtype, steps_per_dispatch)
+    stop_ids = sorted({*config.stop_ids, *(t for t in tok.eos_ids if t < config.vocab_size)})
+    engine = Engine(config, params, max_batch=max_batch, max_seq_len=seq_len,
+                    stop_ids=stop_ids, cache_dtype=cache_dtype, decode_impl=decode_impl,
+                    steps_per_dispatch=steps_per_dispatch, max_queue=max_queue,
+                    mesh_config=mesh)
+    name = model_name or Path(checkpoint).name
+    return Server(engine, tok, name, chat_format(checkpoint, tok)), engine
+
+
+def check_cache_fits(config, max_batch: int, max_seq_len: int, cache_dtype: str,
+                     steps_per_dispatch: int) -> None:
+    """Refuses slots whose KV cache is more than the memory left after loading the model."""
+    need = serving_cache_bytes(config, max_batch, max_seq_len, cache_dtype, steps_per_dispatch)
+    free = free_memory_bytes()
+    if free is not None and need > free:
+        raise GenerateError(
+            f"the KV cache of --max-batch {max_batch} slots of --max-seq-len {max_seq_len} "
+            f"tokens ({cache_dtype}) needs {need / GIB:.2f} GiB, but {free / GIB:.2f} GiB is "
+            "free after loading the model: lower --max-batch or --max-seq-len, or use "
+            "--cache-dtype int8")

@@ -1,0 +1,124 @@
+"""Chat prompts: OpenAI `messages` as the token ids of the model's chat format.
+
+- The checkpoint's `chat_template` (in its `tokenizer_config.json`) when it has one, rendered
+  with jinja2 as transformers renders it (a sandbox, `trim_blocks`, `lstrip_blocks`,
+  `raise_exception`, `bos_token` / `eos_token`, `add_generation_prompt=True`); the names of
+  control tokens in the result (`<|eot_id|>`, `<s>`, ...) become those tokens, and BOS comes
+  only from the template, as with `apply_chat_template(tokenize=True)`.
+- Otherwise Meta's formats: LLaMA 3's headers for a tiktoken tokenizer
+  (`<|start_header_id|>role<|end_header_id|>\\n\\n content<|eot_id|>`, then the assistant's
+  header), LLaMA 2's `[INST]` turns for a SentencePiece one (a system message folded into the
+  first user turn between `<<SYS>>` markers; turns must alternate user, assistant, ..., user).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Callable, Sequence
+
+from llama_jax.data.tokenizer import Llama3Tokenizer, Tokenizer
+from llama_jax.errors import GenerateError
+
+ROLES = ("system", "user", "assistant")
+TOKENIZER_CONFIG = "tokenizer_config.json"
+# A message is {"role": ..., "content": text}; a chat format turns a list of them into ids.
+ChatFormat = Callable[[Sequence[dict]], list[int]]
+
+
+def chat_format(checkpoint: str | Path, tokenizer: Tokenizer) -> ChatFormat:
+    """The chat format of a checkpoint directory and its tokenizer (see the module doc)."""
+    file = Path(checkpoint) / TOKENIZER_CONFIG
+    if file.is_file():
+        try:
+            settings = json.loads(file.read_text())
+        except (OSError, ValueError) as e:
+            raise GenerateError(f"{file}: not a readable JSON file: {e}") from None
+        if settings.get("chat_template"):
+            return _template_format(file, settings, tokenizer)
+    if isinstance(tokenizer, Llama3Tokenizer):
+        return lambda messages: llama3_chat(tokenizer, messages)
+    return lambda messages: llama2_chat(tokenizer, messages)
+
+
+def llama3_chat(tokenizer: Tokenizer, messages: Sequence[dict]) -> list[int]:
+    special = tokenizer.special_tokens
+
+    def header(role: str) -> list[int]:
+        return ([special["<|start_header_id|>"]] + tokenizer.encode(role, bos=False)
+                + [special["<|end_header_id|>"]] + tokenizer.encode("\n\n", bos=False))
+
+    ids = [tokenizer.bos_id]
+    for message in messages:
+        ids += (header(message["role"]) + tokenizer.encode(message["content"].strip(), bos=False)
+                + [special["<|eot_id|>"]])
+    return ids + header("assistant")
+
+
+def llama2_chat(tokenizer: Tokenizer, messages: Sequence[dict]) -> list[int]:
+    turns = list(messages)
+    if turns and turns[0]["role"] == "system":
+        if len(turns) < 2:
+            raise GenerateError("messages: a system message must be followed by a user message")
+        system = f"<<SYS>>\n{turns[0]['content']}\n<</SYS>>\n\n"
+        turns = [{"role": turns[1]["role"], "content": system + turns[1]["content"]}, *turns[2:]]
+    for i, message in enumerate(turns):
+        expected = "user" if i % 2 == 0 else "assistant"
+        if message["role"] != expected:
+            raise GenerateError(f"messages[{i}]: the LLaMA 2 chat format needs turns that "
+                                f"alternate user, assistant, ...; got role "
+                                f"{message['role']!r} where {expected!r} goes")
+    if len(turns) % 2 == 0:
+        raise GenerateError("messages: the LLaMA 2 chat format needs the last message to be "
+                            "the user's")
+    ids = []
+    for prompt, answer in zip(turns[:-1:2], turns[1::2]):
+        ids += tokenizer.encode(f"[INST] {prompt['content'].strip()} [/INST] "
+                                f"{answer['content'].strip()} ", bos=True, eos=True)
+    return ids + tokenizer.encode(f"[INST] {turns[-1]['content'].strip()} [/INST]", bos=True)
+
+
+def _template_format(file: Path, settings: dict, tokenizer: Tokenizer) -> ChatFormat:
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise GenerateError(f"the chat template refused the messages: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    try:
+        template = env.from_string(settings["chat_template"])
+    except jinja2.TemplateError as e:
+        raise GenerateError(f"{file}: chat_template: {e}") from None
+    tokens = {name: _token_text(settings.get(name)) for name in ("bos_token", "eos_token")}
+
+    def render(messages: Sequence[dict]) -> list[int]:
+        try:
+            text = template.render(messages=list(messages), add_generation_prompt=True, **tokens)
+        except jinja2.TemplateError as e:
+            raise GenerateError(f"{file}: chat_template: {e}") from None
+        return encode_with_special_tokens(tokenizer, text)
+    return render
+
+
+def _token_text(token) -> str:
+    """A tokenizer_config.json token: its text, or an AddedToken dict's content."""
+    return token.get("content", "") if isinstance(token, dict) else (token or "")
+
+
+def encode_with_special_tokens(tokenizer: Tokenizer, text: str) -> list[int]:
+    """`text` as ids, the names of control tokens in it as those tokens and the rest encoded
+    as text (without BOS)."""
+    names = sorted(tokenizer.special_tokens, key=len, reverse=True)
+    if not names:
+        return tokenizer.encode(text, bos=False)
+    ids = []
+    for i, part in enumerate(re.split("(" + "|".join(map(re.escape, names)) + ")", text)):
+        if i % 2:
+            ids.append(tokenizer.special_tokens[part])
+        elif part:
+            ids += tokenizer.encode(part, bos=False)
+    return ids

@@ -1,0 +1,142 @@
+"""The OpenAI API's request bodies, as the server reads them, and its error body.
+
+Fields follow the OpenAI API reference (completions and chat completions); `top_k` and `min_p`
+are extra fields, as in vLLM. Types are strict (a string where a number goes is refused, not
+converted), unknown fields are ignored (clients send fields such as `user`), and fields this
+server cannot honour (penalties, `logit_bias`, `suffix`, `best_of` above `n`) are refused
+when set, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOPS = 4  # OpenAI's limit on stop strings
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on a completion's `logprobs`
+
+
+class OpenAIError(Exception):
+    """An error answered with OpenAI's body `{"error": {message, type, param, code}}`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error",
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = (status, message, param,
+                                                                      code, type)
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)  # 0 or -1: off
+    min_p: float = Field(0.0, ge=0, lt=1)
+    n: int = Field(1, ge=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop):
+        stops = [stop] if isinstance(stop, str) else (stop or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(stops)}")
+        return stops
+
+    @model_validator(mode="after")
+    def _supported(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported by this server (only 0)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by this server")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        return self.stop or []
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _completion_supported(self):
+        if self.suffix:
+            raise ValueError("suffix is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported by this server (only best_of = n)")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: texts or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict]
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content):
+        for part in [] if isinstance(content, str) else content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"content parts of type {part.get('type')!r} are not "
+                                 "supported (only text)")
+        return content
+
+    def text(self) -> str:
+        """The content's text: a string, or the text parts of a list of content parts."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part["text"] for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def chat_messages(self) -> list[dict]:
+        """The messages as {"role", "content"} with text content ("developer" is "system")."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
