@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import queue
+import re
 import time
 import uuid
 from typing import AsyncIterator, Sequence
@@ -34,6 +35,7 @@ from llama_jax.serve.text import StopText
 
 log = logging.getLogger("llama_jax.serve")
 
+UNION_MEMBER = re.compile(r"^(str|int|float|bool|list\[.*|dict\[.*|function-.*)$")
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is there
 
@@ -241,7 +243,9 @@ def create_app(server: Server) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
         error = e.errors()[0]
-        where = ".".join(str(x) for x in error.get("loc", ())[1:])
+        # The field's path, without the names of the union members pydantic tried ("str").
+        where = ".".join(str(x) for x in error.get("loc", ())[1:]
+                         if not UNION_MEMBER.match(str(x)))
         if error.get("type") == "json_invalid":
             message = f"The body is not valid JSON: {error.get('ctx', {}).get('error', '')}"
         else:
@@ -250,7 +254,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        return {"status": "ok", **server.engine.stats()}
 
     @app.get("/v1/models")
     async def models():

@@ -278,6 +278,8 @@ class Engine:
         self._stopping = threading.Event()
         self._abort = threading.Event()  # the drain timed out: fail what is left
         self._wake = threading.Event()
+        self.finished: collections.Counter = collections.Counter()  # requests by how they ended
+        self.generated_tokens = 0
         self._reset()
 
     # ----------------------------------------------------------------- the slots on the host
@@ -439,8 +441,15 @@ class Engine:
         self._queue.put_nowait(request)  # queue.Full is QueueFull's cause
         self._wake.set()
 
+    def stats(self) -> dict:
+        """Rows in use, requests waiting, requests finished by reason, tokens generated."""
+        return {"slots": self.max_batch, "slots_in_use": sum(r is not None for r in self.owners),
+                "queued": self._queue.qsize(), "finished": dict(self.finished),
+                "generated_tokens": self.generated_tokens}
+
     def _finish(self, request: Request, chunk: Chunk) -> None:
         request.finished = True
+        self.finished["error" if chunk.error is not None else chunk.finish_reason] += 1
         for b, owner in enumerate(self.owners):
             if owner is request:
                 self.owners[b] = None
@@ -476,6 +485,7 @@ class Engine:
                         e.top_ids_BKn[b, k, :request.top_logprobs].tolist(),
                         e.top_logprobs_BKn[b, k, :request.top_logprobs].tolist())))
                 request.generated += 1
+                self.generated_tokens += 1
                 if request.generated >= request.max_tokens:
                     reason = "length"
                     break

@@ -1,0 +1,396 @@
+"""The OpenAI-compatible server, live: `python -m llama_jax.serve` started on 127.0.0.1 and a free
+port, talked to with the real `openai` client, and stopped, inside the tests. Every wait is
+bounded, so a hang fails a test instead of the suite.
+
+Its answers equal `generate` (greedy tokens and their log-probabilities, through the
+tokenizer), streamed equals not streamed, stop strings cut exactly, concurrent requests each
+equal their answer alone, a seeded sample is the same alone and in a busy server, a client
+that disconnects frees its slot, bad requests get OpenAI's error body and the server goes on,
+a full queue answers 429, and SIGTERM lets the requests in flight finish and exits 0."""
+
+import asyncio
+import dataclasses
+import io
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import jax
+import pytest
+
+import llama_jax
+from llama_jax.data.tokenizer import TextStream
+from llama_jax.decode.generate import generate
+from llama_jax.serve.chat import llama2_chat
+
+openai = pytest.importorskip("openai")
+
+TEXT = ["The cat sat on the mat and looked at the dog.",
+        "A dog is a good friend; a cat is a proud one.", "Numbers: 12 34 56 78 90."] * 40
+MAX_SEQ_LEN = 128
+SLOTS = 4
+START_TIMEOUT_S = 240
+REQUEST_TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    import sentencepiece as spm
+
+    root = tmp_path_factory.mktemp("serve")
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXT), model_writer=model,
+                                   vocab_size=300, model_type="bpe", byte_fallback=True,
+                                   minloglevel=2)
+    (root / "m").mkdir()
+    (root / "m" / "tokenizer.model").write_bytes(model.getvalue())
+    tokenizer = llama_jax.load_tokenizer(root / "m")
+    config = dataclasses.replace(llama_jax.load_model_config("tiny"), vocab_size=320,
+                                 eos_ids=tokenizer.eos_ids)
+    params = llama_jax.init_params(config, jax.random.key(0))
+    llama_jax.save_native(config, params, root / "native")
+    for item in (root / "native").iterdir():
+        shutil.move(str(item), root / "m")
+    return root / "m"
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    config, params = llama_jax.load_checkpoint(checkpoint)
+    return config, params, llama_jax.load_tokenizer(checkpoint)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Live:
+    """A server process and a client for it."""
+
+    def __init__(self, checkpoint, *flags: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "llama_jax.serve", "--checkpoint", str(checkpoint),
+             "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny",
+             "--max-seq-len", str(MAX_SEQ_LEN), "--steps-per-dispatch", "4",
+             "--log-level", "warning", *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self.ready.wait(START_TIMEOUT_S):
+            self.stop()
+            raise AssertionError("the server did not start:\n" + "".join(self.lines[-30:]))
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0,
+                                    timeout=REQUEST_TIMEOUT_S)
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.lines.append(line)
+            if line.startswith("serving tiny on http://127.0.0.1:"):
+                self.ready.set()
+        self.ready.set()  # exited: the wait ends and the test fails on what it printed
+
+    def aclient(self):
+        """An async client: one per event loop (`asyncio.run`), which its connections belong
+        to."""
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0,
+                                  timeout=REQUEST_TIMEOUT_S)
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    live = Live(checkpoint, "--max-batch", str(SLOTS), "--max-queue", "64")
+    yield live
+    assert live.stop() == 0, "".join(live.lines[-30:])
+
+
+def continuation(tokenizer, prompt_ids, tokens) -> str:
+    text = TextStream(tokenizer, prompt_ids)
+    return text.push(tokens) + text.flush()
+
+
+def reference(model, prompt_ids, max_tokens, **sampling):
+    """What `generate` gives alone: tokens, log-probabilities and text."""
+    config, params, tokenizer = model
+    (tokens,), (logprobs,) = generate(config, params, [prompt_ids], max_tokens,
+                                      return_logprobs=True, **sampling)
+    return tokens, logprobs, continuation(tokenizer, prompt_ids, tokens)
+
+
+PROMPTS = ["The cat", "A dog is", "Numbers: 12", "The mat and the", "a proud one", "looked"]
+
+
+def test_health_and_models(server):
+    assert server.health()["status"] == "ok"
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:3])
+def test_greedy_completion_equals_generate(server, model, prompt):
+    """Text, token log-probabilities and usage equal `generate` alone."""
+    tokenizer = model[2]
+    ids = tokenizer.encode(prompt)
+    tokens, logprobs, text = reference(model, ids, 40)
+    out = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=40,
+                                           temperature=0, logprobs=0)
+    choice = out.choices[0]
+    assert choice.text == text
+    assert choice.finish_reason == ("length" if len(tokens) == 40 else "stop")
+    assert len(choice.logprobs.token_logprobs) == len(tokens)
+    assert all(math.isclose(a, b, abs_tol=1e-4)
+               for a, b in zip(choice.logprobs.token_logprobs, logprobs))
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(tokens)
+    assert out.usage.total_tokens == len(ids) + len(tokens)
+
+
+def test_token_id_prompts_and_echo(server, model):
+    """A prompt of token ids is read as those ids; `echo` puts the prompt's text first; a list
+    of prompts gets one choice each, in order."""
+    tokenizer = model[2]
+    ids = [tokenizer.encode(p) for p in PROMPTS[:2]]
+    out = server.client.completions.create(model="tiny", prompt=ids, max_tokens=10,
+                                           temperature=0, echo=True)
+    for choice, prompt in zip(out.choices, ids):
+        assert choice.text == tokenizer.decode(prompt) + reference(model, prompt, 10)[2]
+    assert [c.index for c in out.choices] == [0, 1]
+
+
+def test_chat_completion_equals_generate_on_the_chat_prompt(server, model):
+    """No chat template in the checkpoint and a SentencePiece tokenizer: LLaMA 2's format."""
+    tokenizer = model[2]
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "The cat sat"}]
+    ids = llama2_chat(tokenizer, messages)
+    tokens, logprobs, text = reference(model, ids, 24)
+    out = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=24,
+                                                temperature=0, logprobs=True, top_logprobs=3)
+    choice = out.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == text
+    assert [round(c.logprob, 4) for c in choice.logprobs.content] == [round(x, 4)
+                                                                      for x in logprobs]
+    for entry in choice.logprobs.content:  # the chosen (greedy) token is the most likely
+        assert len(entry.top_logprobs) == 3
+        assert math.isclose(entry.top_logprobs[0].logprob, entry.logprob, abs_tol=1e-5)
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+    assert out.usage.prompt_tokens == len(ids)
+
+
+def test_streaming_equals_not_streaming(server):
+    kwargs = dict(model="tiny", prompt=PROMPTS[3], max_tokens=30, temperature=0.8, seed=5)
+    whole = server.client.completions.create(**kwargs)
+    chunks = list(server.client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    messages = [{"role": "user", "content": PROMPTS[4]}]
+    chat = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=20,
+                                                 temperature=0)
+    streamed = list(server.client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
+        chat.choices[0].message.content
+    assert streamed[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+
+def test_the_stream_ends_with_done(server):
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=REQUEST_TIMEOUT_S,
+                      json={"model": "tiny", "prompt": "The", "max_tokens": 5,
+                            "stream": True}) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+
+def test_stop_strings_cut_exactly(server, model):
+    """The text ends right before the first stop string, streamed or not, and a stream never
+    shows any of it."""
+    full = reference(model, model[2].encode(PROMPTS[0]), 60)[2]
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    expected = full[:full.index(stop)]
+    kwargs = dict(model="tiny", prompt=PROMPTS[0], max_tokens=60, temperature=0,
+                  stop=[stop, "never appears \u2603"])
+    out = server.client.completions.create(**kwargs)
+    assert out.choices[0].text == expected and out.choices[0].finish_reason == "stop"
+    pieces = [c.choices[0].text for c in server.client.completions.create(stream=True, **kwargs)]
+    assert "".join(pieces) == expected
+
+
+def test_concurrent_streams_each_equal_their_answer_alone(server, model):
+    """32 streaming requests of different lengths through 4 slots: each equals `generate`
+    alone."""
+    tokenizer = model[2]
+    cases = [(PROMPTS[i % len(PROMPTS)] + " " * (i % 3), 4 + 3 * i % 37) for i in range(32)]
+
+    async def one(client, prompt, max_tokens):
+        stream = await client.completions.create(model="tiny", prompt=prompt,
+                                                         max_tokens=max_tokens, temperature=0,
+                                                         stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def all_of_them():
+        client = server.aclient()
+        return await asyncio.wait_for(asyncio.gather(*(one(client, *c) for c in cases)), 180)
+
+    texts = asyncio.run(all_of_them())
+    for (prompt, max_tokens), text in zip(cases, texts):
+        assert text == reference(model, tokenizer.encode(prompt), max_tokens)[2]
+
+
+def test_a_seeded_sample_is_the_same_alone_and_in_a_busy_server(server, model):
+    """...and equals `generate` with that seed: its key is its own, folded with its step."""
+    kwargs = dict(model="tiny", prompt=PROMPTS[1], max_tokens=30, temperature=0.9, top_p=0.9,
+                  seed=1234)
+    alone = server.client.completions.create(**kwargs).choices[0].text
+    expected = reference(model, model[2].encode(PROMPTS[1]), 30, temperature=0.9, top_p=0.9,
+                         seed=1234)[2]
+    assert alone == expected
+
+    async def busy():
+        client = server.aclient()
+        others = [client.completions.create(model="tiny", prompt=p, max_tokens=40,
+                                                    temperature=1.0, seed=i,
+                                                    extra_body={"top_k": 5})
+                  for i, p in enumerate(PROMPTS)]
+        return await asyncio.wait_for(asyncio.gather(
+            *others[:3], client.completions.create(**kwargs), *others[3:]), 120)
+
+    assert asyncio.run(busy())[3].choices[0].text == alone
+
+
+def test_n_choices_differ_and_count_in_usage(server):
+    out = server.client.completions.create(model="tiny", prompt="The cat", max_tokens=12,
+                                           temperature=1.0, n=3, seed=3, logprobs=0)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert len({c.text for c in out.choices}) > 1
+    assert out.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in out.choices)
+
+
+def wait_for(predicate, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_disconnect_frees_the_slot(server):
+    """A client that goes mid-stream is cancelled and its slot freed, long before its
+    tokens would have run out."""
+    before = server.health()["finished"].get("cancelled", 0)
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=REQUEST_TIMEOUT_S,
+                      json={"model": "tiny", "prompt": "The", "max_tokens": MAX_SEQ_LEN - 8,
+                            "stream": True, "temperature": 0, "stop": ["\u2603"]}) as response:
+        next(response.iter_lines())
+    assert wait_for(lambda: server.health()["finished"].get("cancelled", 0) == before + 1)
+    assert wait_for(lambda: server.health()["slots_in_use"] == 0)
+
+
+BAD_REQUESTS = [
+    ("completions", b'{"model": "tiny", "prompt": "x", ', 400, None),  # malformed JSON
+    ("completions", {"model": "tiny", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("completions", {"model": "tiny", "prompt": 3}, 400, "prompt"),
+    ("completions", {"model": "nope", "prompt": "x"}, 404, "model"),
+    ("completions", {"model": "tiny", "prompt": "x", "n": SLOTS + 1}, 400, "n"),
+    ("completions", {"model": "tiny", "prompt": "x", "max_tokens": MAX_SEQ_LEN}, 400,
+     "max_tokens"),
+    ("completions", {"model": "tiny", "prompt": list(range(3, 3 + MAX_SEQ_LEN))}, 400,
+     "prompt"),
+    ("completions", {"model": "tiny", "prompt": [1, 400]}, 400, None),  # outside the vocab
+    ("completions", {"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400,
+     "stop"),
+    ("completions", {"model": "tiny", "prompt": "x", "logprobs": 6}, 400, "logprobs"),
+    ("completions", {"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("completions", {"model": "tiny", "prompt": "x", "presence_penalty": 0.5}, 400, None),
+    ("chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]},
+     400, "messages.0.role"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "assistant", "content": "x"}]},
+     400, "messages"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                          "top_logprobs": 21}, 400, "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize("endpoint, body, status, param", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, endpoint, body, status,
+                                                               param):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(f"{server.url}/v1/{endpoint}", timeout=REQUEST_TIMEOUT_S,
+                          headers={"content-type": "application/json"}, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    ok = server.client.completions.create(model="tiny", prompt="The", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_the_client_raises_the_status_of_an_error(server):
+    with pytest.raises(openai.NotFoundError):
+        server.client.completions.create(model="other", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        server.client.completions.create(model="tiny", prompt="x", max_tokens=MAX_SEQ_LEN)
+
+
+def test_a_full_queue_answers_429_and_sigterm_drains(checkpoint):
+    """One slot and a queue of one: of a burst of requests while a long one decodes, one
+    waits and the others are refused with Retry-After. SIGTERM then lets the requests in
+    flight finish (the long one to its last token) and the process exits 0."""
+    live = Live(checkpoint, "--max-batch", "1", "--max-queue", "1", "--drain-timeout", "60")
+    long = {"model": "tiny", "prompt": "The", "max_tokens": MAX_SEQ_LEN - 8, "temperature": 0,
+            "stream": True, "stop": ["\u2603"]}
+    clients = [httpx.Client(timeout=REQUEST_TIMEOUT_S) for _ in range(4)]
+    answers = [None] * len(clients)
+
+    def post(i):
+        answers[i] = clients[i].post(f"{live.url}/v1/completions",
+                                     json={"model": "tiny", "prompt": "A", "max_tokens": 4})
+    try:
+        with httpx.stream("POST", f"{live.url}/v1/completions", json=long,
+                          timeout=REQUEST_TIMEOUT_S) as first:
+            lines = first.iter_lines()
+            next(lines)  # admitted and decoding
+            threads = [threading.Thread(target=post, args=(i,)) for i in range(len(clients))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(REQUEST_TIMEOUT_S)
+            live.process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        refused = [a for a in answers if a.status_code == 429]
+        assert sorted(a.status_code for a in answers) == [200, 429, 429, 429]
+        assert all(a.headers["retry-after"] and a.json()["error"]["code"] ==
+                   "rate_limit_exceeded" for a in refused)
+        assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
+    finally:
+        for client in clients:
+            client.close()
+        code = live.stop()
+    assert code == 0, "".join(live.lines[-30:])
