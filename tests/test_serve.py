@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import io
 import math
-import os
 import shutil
 import signal
 import socket

@@ -225,7 +225,8 @@ async def _events(choices: list[Choice], events: asyncio.Queue, http: HttpReques
 
 def _failure(event: Event) -> OpenAIError:
     log.error("a request failed: %r", event.error)
-    return OpenAIError(500, f"The engine failed on this request: {event.error}", type="server_error")
+    return OpenAIError(500, f"The engine failed on this request: {event.error}",
+                       type="server_error")
 
 
 def _sse(payload) -> str:

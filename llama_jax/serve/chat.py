@@ -5,10 +5,11 @@
   `raise_exception`, `bos_token` / `eos_token`, `add_generation_prompt=True`); the names of
   control tokens in the result (`<|eot_id|>`, `<s>`, ...) become those tokens, and BOS comes
   only from the template, as with `apply_chat_template(tokenize=True)`.
-- Otherwise Meta's formats: LLaMA 3's headers for a tiktoken tokenizer
-  (`<|start_header_id|>role<|end_header_id|>\\n\\n content<|eot_id|>`, then the assistant's
-  header), LLaMA 2's `[INST]` turns for a SentencePiece one (a system message folded into the
-  first user turn between `<<SYS>>` markers; turns must alternate user, assistant, ..., user).
+- Otherwise Meta's formats (llama-models' `ChatFormat`): LLaMA 3's headers for a tiktoken
+  tokenizer (`<|start_header_id|>role<|end_header_id|>\\n\\n` + the content as given +
+  `<|eot_id|>`, then the assistant's header), LLaMA 2's `[INST]` turns for a SentencePiece one
+  (a system message folded into the first user turn between `<<SYS>>` markers; turns must
+  alternate user, assistant, ..., user).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def llama3_chat(tokenizer: Tokenizer, messages: Sequence[dict]) -> list[int]:
 
     ids = [tokenizer.bos_id]
     for message in messages:
-        ids += (header(message["role"]) + tokenizer.encode(message["content"].strip(), bos=False)
+        ids += (header(message["role"]) + tokenizer.encode(message["content"], bos=False)
                 + [special["<|eot_id|>"]])
     return ids + header("assistant")
 

@@ -1,0 +1,269 @@
+"""The serving engine in-process: continuous batching equals `generate` alone for every mixer
+and cache (GQA, MLA's latent cache, MoE with a capacity factor, int8, both layouts) while rows
+come and go and the slots move and resize; a failing program fails only its requests; and the
+text and chat-format pieces against references (Meta's LLaMA 3 chat format)."""
+
+import dataclasses
+import io
+import json
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import llama_jax
+from llama_jax.config import MoeConfig
+from llama_jax.decode.generate import generate
+from llama_jax.errors import GenerateError
+from llama_jax.model.kv_cache import init_cache, resized, shifted, with_row
+from llama_jax.serve.chat import (chat_format, encode_with_special_tokens, llama2_chat,
+                                  llama3_chat)
+from llama_jax.serve.engine import Engine, Request
+from llama_jax.serve.text import StopText
+
+TINY = llama_jax.load_model_config("tiny")
+CONFIGS = {
+    "gqa": TINY,
+    "mla": dataclasses.replace(TINY, attention="mla", n_kv_heads=None, head_dim=None,
+                               mla=llama_jax.MlaConfig(kv_lora_rank=24, qk_nope_head_dim=12,
+                                                       qk_rope_head_dim=8, v_head_dim=16)),
+    "moe": dataclasses.replace(TINY, mlp="moe", moe=MoeConfig(n_experts=4, top_k=2,
+                                                              capacity_factor=1.0)),
+}
+LENGTHS = [3, 17, 40, 9, 25, 5, 33]
+NEW = [10, 30, 7, 38, 20, 12, 3]
+WAIT_S = 120
+
+
+@pytest.fixture(scope="module")
+def params():
+    return {name: llama_jax.init_params(c, jax.random.key(i))
+            for i, (name, c) in enumerate(CONFIGS.items())}
+
+
+def prompts(vocab, lengths=LENGTHS, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def run(engine: Engine, requests: list[dict]) -> list[dict]:
+    """Submits the requests at once and waits (bounded) for all; each result has the tokens,
+    log-probabilities, finish reason and error of one request."""
+    results = [{"tokens": [], "logprobs": [], "reason": None, "error": None} for _ in requests]
+    done = [threading.Event() for _ in requests]
+
+    def deliver(i):
+        def take(chunk):
+            results[i]["tokens"] += chunk.tokens
+            results[i]["logprobs"] += chunk.logprobs
+            if chunk.finish_reason or chunk.error:
+                results[i]["reason"], results[i]["error"] = chunk.finish_reason, chunk.error
+                done[i].set()
+        return take
+
+    for i, kwargs in enumerate(requests):
+        engine.submit(Request(deliver=deliver(i), **kwargs))
+    for event in done:
+        assert event.wait(WAIT_S), "a request did not finish"
+    return results
+
+
+@pytest.mark.parametrize("name, cache_dtype, decode_impl", [
+    ("gqa", None, "unrolled"), ("gqa", "int8", "scan"), ("mla", "int8", "unrolled"),
+    ("mla", None, "scan"), ("moe", None, "unrolled")])
+def test_continuous_batching_equals_generate_alone(params, name, cache_dtype, decode_impl):
+    """7 requests through 3 rows (3 steps per dispatch; the slots start at 64 and must grow to
+    fit the longest): each one's greedy tokens and log-probabilities equal `generate` alone."""
+    config, p = CONFIGS[name], params[name]
+    engine = Engine(config, p, max_batch=3, max_seq_len=80, stop_ids=[],
+                    cache_dtype=cache_dtype, decode_impl=decode_impl, steps_per_dispatch=3)
+    engine.start()
+    try:
+        batch = prompts(config.vocab_size)
+        results = run(engine, [dict(prompt=q, max_tokens=n) for q, n in zip(batch, NEW)])
+    finally:
+        assert engine.stop(30)
+    # One ragged batch (each row generates what it would alone: test_generate.py), cut to
+    # each request's length: greedy tokens never depend on how many follow.
+    tokens, logprobs = generate(config, p, batch, max(NEW), stop_tokens=[],
+                                cache_dtype=cache_dtype, decode_impl=decode_impl,
+                                return_logprobs=True)
+    for n, result, row, row_logprobs in zip(NEW, results, tokens, logprobs):
+        assert result["tokens"] == row[:n] and result["reason"] == "length"
+        np.testing.assert_allclose(result["logprobs"], row_logprobs[:n], atol=1e-4)
+
+
+def test_sampled_requests_equal_generate_with_their_seed_and_stop_tokens_stop(params):
+    config, p = CONFIGS["gqa"], params["gqa"]
+    batch = prompts(config.vocab_size, [5, 9, 14, 3], seed=1)
+    settings = [dict(temperature=0.8, top_p=0.9, seed=3), dict(temperature=1.0, top_k=7, seed=4),
+                dict(temperature=0.0), dict(temperature=0.7, min_p=0.1, seed=5)]
+    stop = generate(config, p, [batch[2]], 6, stop_tokens=[])[0][4]  # greedy row's 5th token
+    engine = Engine(config, p, max_batch=2, max_seq_len=64, stop_ids=[stop],
+                    steps_per_dispatch=4)
+    engine.start()
+    try:
+        results = run(engine, [dict(prompt=q, max_tokens=20, **s)
+                               for q, s in zip(batch, settings)])
+    finally:
+        assert engine.stop(30)
+    for q, s, result in zip(batch, settings, results):
+        expected = generate(config, p, [q], 20, stop_tokens=[stop], **s)[0]
+        assert result["tokens"] == expected
+        assert result["reason"] == ("stop" if len(expected) < 20 else "length")
+    assert results[2]["reason"] == "stop" and len(results[2]["tokens"]) <= 4
+
+
+def test_a_failing_prefill_fails_only_its_request(params, monkeypatch):
+    """A program that raises before it runs: its request gets the error, the others finish,
+    and the engine serves the next request."""
+    config, p = CONFIGS["gqa"], params["gqa"]
+    engine = Engine(config, p, max_batch=2, max_seq_len=64, stop_ids=[], steps_per_dispatch=4)
+    prefill = engine._prefill
+
+    def faulty(prompt_1T, n, *args):
+        if int(n) == 7:
+            raise RuntimeError("injected")
+        return prefill(prompt_1T, n, *args)
+    monkeypatch.setattr(engine, "_prefill", faulty)
+    engine.start()
+    try:
+        batch = prompts(config.vocab_size, [5, 7, 9], seed=2)
+        results = run(engine, [dict(prompt=q, max_tokens=8) for q in batch])
+        again = run(engine, [dict(prompt=batch[0], max_tokens=8)])
+    finally:
+        assert engine.stop(30)
+    assert str(results[1]["error"]) == "injected"
+    assert results[0]["reason"] == results[2]["reason"] == "length"
+    assert again[0]["tokens"] == results[0]["tokens"]
+    assert engine.finished == {"length": 3, "error": 1}
+
+
+def test_requests_that_cannot_run_are_refused_with_the_lengths(params):
+    engine = Engine(CONFIGS["gqa"], params["gqa"], max_batch=2, max_seq_len=32)
+    with pytest.raises(GenerateError, match="20 tokens and 13 more.*33 > .*32"):
+        engine.submit(Request([1] * 20, 13, lambda _: None))
+    with pytest.raises(GenerateError, match="outside the vocabulary"):
+        engine.submit(Request([1, 10 ** 6], 3, lambda _: None))
+    with pytest.raises(GenerateError, match="max_seq_len=999"):
+        Engine(CONFIGS["gqa"], params["gqa"], max_seq_len=999)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per_layer"])
+@pytest.mark.parametrize("name", ["gqa", "mla"])
+def test_moving_and_resizing_slots_keeps_every_row(layout, name):
+    """`shifted` then `resized` moves each row's stored vectors with its start and end, and
+    `with_row` replaces one row alone."""
+    config = CONFIGS[name]
+    rng = np.random.default_rng(0)
+    cache = init_cache(config, 3, 16, "float32", layout=layout)
+    cache = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(x.dtype), cache)
+    cache = cache.replace(start=jnp.array([2, 5, 9], jnp.int32), end=jnp.int32(12))
+    moved = resized(shifted(resized(cache, 32), 7), 24)
+    assert moved.max_len == 24 and int(moved.end) == 19
+    assert moved.start.tolist() == [9, 12, 16]
+    for (_, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(cache.groups),
+                              jax.tree_util.tree_leaves_with_path(moved.groups)):
+        assert _slots(b, config, layout, 24)[..., 7:19, :].tolist() == \
+            _slots(a, config, layout, 16)[..., :12, :].tolist()
+    one = init_cache(config, 1, 16, "float32", start_B=jnp.array([4]), layout=layout)
+    one = one.replace(groups=jax.tree.map(lambda x: np.full(x.shape, 3.0, x.dtype), one.groups))
+    replaced = with_row(cache, 1, one)
+    assert replaced.start.tolist() == [2, 4, 9]
+    for a, b in zip(jax.tree.leaves(cache.groups), jax.tree.leaves(replaced.groups)):
+        rows = np.moveaxis(np.asarray(b), 1 if layout == "stacked" else 0, 0)
+        before = np.moveaxis(np.asarray(a), 1 if layout == "stacked" else 0, 0)
+        assert (rows[1] == 3.0).all() and (rows[[0, 2]] == before[[0, 2]]).all()
+
+
+def _slots(x, config, layout, S):
+    """A stored cache array with its slots on the second to last axis."""
+    x = np.asarray(x)
+    if layout == "per_layer" and config.attention == "gqa":  # [B, K·S, H]
+        return x.reshape(x.shape[0], -1, S, x.shape[-1])
+    return x  # [L, B, K, S, H], [L, B, S, W], [B, S, W]
+
+
+# ------------------------------------------------------------------------- text and chat
+
+class Pieces:
+    """A tokenizer whose tokens are given strings (ids 0..): decoding joins them."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids):
+        data = b"".join(self.pieces[i] for i in ids)
+        return data.decode("utf-8", errors="replace")
+
+
+def test_stop_text_releases_whole_characters_and_stops_exactly():
+    snow = "\u2603".encode()  # 3 bytes, split over tokens 1, 2, 3
+    tok = Pieces([b"ab", snow[:1], snow[1:2], snow[2:], b"c<", b"/s", b">tail", b"<x"])
+    text = StopText(tok, [], stops=["</s>", "zz"])
+    assert text.push([0, 1]) == "ab"  # the partial character is held back
+    assert text.push([2]) == ""
+    assert text.push([3]) == "\u2603"
+    assert text.push([4]) == "c"  # "<" may begin "</s>"
+    assert text.push([5]) == "" and not text.stopped
+    assert text.push([6]) == "" and text.stopped
+    assert text.text == "ab\u2603c" and text.flush() == ""
+    held = StopText(tok, [], stops=["<y"])
+    assert held.push([4]) == "c" and held.flush() == "<" and not held.stopped
+    assert StopText(tok, [], stops=["<y"]).push([7]) == "<x"  # "<x" cannot begin "<y"
+
+
+def test_llama3_chat_equals_metas_format():
+    llama_models = pytest.importorskip("llama_models")
+    from llama_models.datatypes import RawMessage, StopReason
+    from llama_models.llama3.chat_format import ChatFormat
+    from llama_models.llama3.tokenizer import Tokenizer as MetaTokenizer
+
+    path = Path(llama_models.__file__).parent / "llama3" / "tokenizer.model"
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What is 2 + 2?"},
+                {"role": "assistant", "content": "4"}, {"role": "user", "content": " And 3+3?\n"}]
+    expected = ChatFormat(MetaTokenizer(path)).encode_dialog_prompt([
+        RawMessage(role=m["role"], content=m["content"], stop_reason=StopReason.end_of_turn)
+        for m in messages]).tokens
+    assert llama3_chat(llama_jax.load_tokenizer(path), messages) == expected
+
+
+def test_llama2_chat_format_and_its_refusals(tmp_path):
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(["[INST] hello there [/INST]"] * 50),
+                                   model_writer=model, vocab_size=300, model_type="bpe",
+                                   byte_fallback=True, minloglevel=2)
+    (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
+    tok = llama_jax.load_tokenizer(tmp_path)
+    ids = llama2_chat(tok, [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"},
+                            {"role": "assistant", "content": "a1"},
+                            {"role": "user", "content": "u2"}])
+    assert ids == (tok.encode("[INST] <<SYS>>\nS\n<</SYS>>\n\nu1 [/INST] a1 ", eos=True)
+                   + tok.encode("[INST] u2 [/INST]"))
+    with pytest.raises(GenerateError, match="alternate"):
+        llama2_chat(tok, [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}])
+    assert encode_with_special_tokens(tok, "<s>hello</s>") == (
+        [tok.bos_id] + tok.encode("hello", bos=False) + [tok.eos_ids[0]])
+
+
+def test_a_checkpoints_chat_template_is_rendered(tmp_path):
+    template = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+                "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "bos_token": {"content": "<s>"}}))
+
+    class Tok:
+        special_tokens = {"<s>": 1}
+        bos_id = 1
+
+        def encode(self, text, bos=True):
+            return [1] * bos + [ord(c) for c in text]
+
+    ids = chat_format(tmp_path, Tok())([{"role": "user", "content": "hi"}])
+    assert ids == [1] + [ord(c) for c in "<|user|>hi<|assistant|>"]
