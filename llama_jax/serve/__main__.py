@@ -22,9 +22,9 @@ import sys
 from pathlib import Path
 
 from llama_jax.cli import add_int8_arguments, user_errors_exit
-from llama_jax.config import DTYPES, MeshConfig
-from llama_jax.errors import GenerateError
+from llama_jax.config import DTYPES
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
+from llama_jax.plan.info import parse_mesh
 
 log = logging.getLogger("llama_jax.serve")
 
@@ -65,17 +65,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def mesh_config(text: str) -> MeshConfig:
-    """`data=D,fsdp=F,tensor=T[,expert=E]` as a MeshConfig."""
-    sizes = {}
-    for part in text.split(","):
-        name, _, value = part.partition("=")
-        if not value.isdigit() or name not in ("data", "fsdp", "tensor", "expert"):
-            raise GenerateError(f"--mesh {text!r}: expected data=D,fsdp=F,tensor=T[,expert=E]")
-        sizes[name] = int(value)
-    return MeshConfig(**sizes)
-
-
 def _shutdown_on_signals() -> list[int]:
     """SIGINT and SIGTERM end the server gracefully (uvicorn handles them while it runs and
     raises them again afterwards; then they are only recorded, so the process exits 0)."""
@@ -90,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    mesh = mesh_config(args.mesh) if args.mesh else None  # bad flags fail before loading
+    mesh = parse_mesh(args.mesh) if args.mesh else None  # bad flags fail before loading
     import uvicorn
 
     from llama_jax.serve.app import build
