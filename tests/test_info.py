@@ -90,6 +90,18 @@ def test_cli_json(capsys):
         "n_params_non_embedding"] == out["n_params"]
 
 
+def test_cli_serving_cache(capsys):
+    """--max-batch slots of --max-seq-len tokens, plus the server's slack of 3 dispatches of 8
+    steps (the engine's own cache at its largest: test_serve_engine.py)."""
+    argv = ["llama3-8b", "--max-batch", "16", "--max-seq-len", "8192"]
+    assert info.main([*argv, "--json"]) == 0
+    serving = json.loads(capsys.readouterr().out)["serving"]
+    assert serving["kv_cache_bytes"] == 16 * (8192 + 24) * 131072
+    assert info.main([*argv, "--cache-dtype", "int8"]) == 0
+    assert "serving KV cache     8.3 GiB (int8) for 16 slots of 8192 + 24" in \
+        capsys.readouterr().out
+
+
 def test_cli_text_and_config_file(tmp_path, capsys):
     path = tmp_path / "mine.yaml"
     path.write_text("base: llama3.2-1b\nmodel: {n_layers: 8}\n")
@@ -101,6 +113,8 @@ def test_cli_text_and_config_file(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["llama9-1t"], "neither a file nor a preset"),
     (["llama3-8b", "--batch", "0"], "--batch=0 must be > 0"),
+    (["llama3-8b", "--max-seq-len", "9000"], "--max-seq-len=9000 is more than the model's "
+                                             "context (8192)"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert info.main(argv) == 2

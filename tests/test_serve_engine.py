@@ -142,6 +142,43 @@ def test_a_failing_prefill_fails_only_its_request(params, monkeypatch):
     assert engine.finished == {"length": 3, "error": 1}
 
 
+def test_the_slots_at_their_largest_hold_what_the_planner_counts(params):
+    from llama_jax.plan.costs import serving_cache_bytes
+
+    for cache_dtype in ("bfloat16", "int8"):
+        engine = Engine(CONFIGS["mla"], params["mla"], max_batch=3, max_seq_len=100,
+                        cache_dtype=cache_dtype, steps_per_dispatch=5)
+        engine._place(0, engine.max_slots)
+        stored = sum(x.nbytes for x in jax.tree.leaves(engine.slots.cache.groups))
+        assert stored == serving_cache_bytes(CONFIGS["mla"], 3, 100, cache_dtype, 5)
+
+
+def test_the_server_refuses_a_cache_that_does_not_fit(tmp_path, monkeypatch, capsys):
+    """Before compiling anything, with the numbers, in one line."""
+    from llama_jax.serve import app
+    from llama_jax.serve.__main__ import main
+
+    config = dataclasses.replace(TINY, vocab_size=320)
+    llama_jax.save_native(config, llama_jax.init_params(config, jax.random.key(0)), tmp_path)
+    _sentencepiece(tmp_path)
+    monkeypatch.setattr(app, "free_memory_bytes", lambda: 1 << 20)
+    assert main(["--checkpoint", str(tmp_path), "--max-batch", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the KV cache of --max-batch 64 slots of --max-seq-len 256 "
+                          "tokens (float32) needs 0.01 GiB, but 0.00 GiB is free")
+
+
+def _sentencepiece(directory):
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(["[INST] hello there [/INST]"] * 50),
+                                   model_writer=model, vocab_size=300, model_type="bpe",
+                                   byte_fallback=True, minloglevel=2)
+    (directory / "tokenizer.model").write_bytes(model.getvalue())
+    return llama_jax.load_tokenizer(directory)
+
+
 def test_requests_that_cannot_run_are_refused_with_the_lengths(params):
     engine = Engine(CONFIGS["gqa"], params["gqa"], max_batch=2, max_seq_len=32)
     with pytest.raises(GenerateError, match="20 tokens and 13 more.*33 > .*32"):
@@ -233,14 +270,7 @@ def test_llama3_chat_equals_metas_format():
 
 
 def test_llama2_chat_format_and_its_refusals(tmp_path):
-    import sentencepiece as spm
-
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(["[INST] hello there [/INST]"] * 50),
-                                   model_writer=model, vocab_size=300, model_type="bpe",
-                                   byte_fallback=True, minloglevel=2)
-    (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
-    tok = llama_jax.load_tokenizer(tmp_path)
+    tok = _sentencepiece(tmp_path)
     ids = llama2_chat(tok, [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"},
                             {"role": "assistant", "content": "a1"},
                             {"role": "user", "content": "u2"}])

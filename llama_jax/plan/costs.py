@@ -85,10 +85,12 @@ def kv_cache_bytes_per_token(config: ModelConfig, dtype: str = "bfloat16") -> in
 # A server's cache holds, per decode slot, its request's tokens and the decode steps of the
 # dispatches that run while the host learns that it stopped (serve/engine.py).
 SERVING_SLACK_DISPATCHES = 3
+SERVING_STEPS_PER_DISPATCH = 8  # the server's default --steps-per-dispatch
 
 
 def serving_cache_bytes(config: ModelConfig, max_batch: int, max_seq_len: int,
-                        cache_dtype: str = "bfloat16", steps_per_dispatch: int = 8) -> int:
+                        cache_dtype: str = "bfloat16",
+                        steps_per_dispatch: int = SERVING_STEPS_PER_DISPATCH) -> int:
     """The KV cache of a server's `max_batch` decode slots at its largest: `max_seq_len`
     tokens each plus the slack of SERVING_SLACK_DISPATCHES dispatches."""
     slots = max_seq_len + SERVING_SLACK_DISPATCHES * steps_per_dispatch

@@ -199,6 +199,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "\n\n")[0])
     parser.add_argument("config", help="preset name (e.g. llama3-8b) or path to a config file")
     parser.add_argument("--batch", type=int, default=1, help="batch size B (default 1)")
+    parser.add_argument("--max-batch", type=int, default=None,
+                        help="serving: the KV cache of this many decode slots (with "
+                             "--max-seq-len; default 8 when that is given)")
+    parser.add_argument("--max-seq-len", type=int, default=None,
+                        help="serving: tokens per slot (default: the model's context when "
+                             "--max-batch is given)")
     parser.add_argument("--seq", type=int, default=None,
                         help="sequence / context length S (default: the model's max_seq_len)")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
@@ -248,8 +254,37 @@ def main(argv: list[str] | None = None) -> int:
             mfu=args.mfu, kv_dtype=args.cache_dtype or args.dtype,
             attention_impl=args.attention_impl)
         text += "\n" + render_training(result["training"], args.batch, seq)
+    if args.max_batch is not None or args.max_seq_len is not None:
+        result["serving"] = plan_serving(config, args.max_batch or 8,
+                                         args.max_seq_len or config.max_seq_len,
+                                         args.cache_dtype or args.dtype)
+        text += "\n" + render_serving(result["serving"])
     print(json.dumps(result, indent=2) if args.json else text)
     return 0
+
+
+def plan_serving(config: ModelConfig, max_batch: int, max_seq_len: int,
+                 cache_dtype: str) -> dict:
+    """The KV cache a server (`python -m llama_jax.serve`) holds at its largest."""
+    for flag, value in (("--max-batch", max_batch), ("--max-seq-len", max_seq_len)):
+        if value <= 0:
+            raise ConfigError(f"{flag}={value} must be > 0")
+    if max_seq_len > config.max_seq_len:
+        raise ConfigError(f"--max-seq-len={max_seq_len} is more than the model's context "
+                          f"({config.max_seq_len})")
+    steps = costs.SERVING_STEPS_PER_DISPATCH
+    return {"max_batch": max_batch, "max_seq_len": max_seq_len, "cache_dtype": cache_dtype,
+            "steps_per_dispatch": steps,
+            "kv_cache_bytes": costs.serving_cache_bytes(config, max_batch, max_seq_len,
+                                                        cache_dtype, steps)}
+
+
+def render_serving(s: dict) -> str:
+    slack = costs.SERVING_SLACK_DISPATCHES * s["steps_per_dispatch"]
+    return (f"serving KV cache     {_bytes(s['kv_cache_bytes'])} ({s['cache_dtype']}) for "
+            f"{s['max_batch']} slots of {s['max_seq_len']} + {slack} tokens "
+            f"(--max-seq-len, plus {costs.SERVING_SLACK_DISPATCHES} dispatches of "
+            f"{s['steps_per_dispatch']} steps)")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 from llama_jax.cli import add_int8_arguments, user_errors_exit
 from llama_jax.config import DTYPES
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
+from llama_jax.plan.costs import SERVING_STEPS_PER_DISPATCH
 from llama_jax.plan.info import parse_mesh
 
 log = logging.getLogger("llama_jax.serve")
@@ -54,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mesh", default=None,
                         help="place the parameters on a mesh of this process's devices, e.g. "
                              "data=1,fsdp=1,tensor=8")
-    parser.add_argument("--steps-per-dispatch", type=int, default=8,
+    parser.add_argument("--steps-per-dispatch", type=int, default=SERVING_STEPS_PER_DISPATCH,
                         help="decode steps per device program")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="requests that may wait for a slot (more get 429)")

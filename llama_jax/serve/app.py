@@ -10,7 +10,7 @@ from llama_jax.data.tokenizer import load_tokenizer
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.formats.checkpoint import load_checkpoint
 from llama_jax.parallel.sharding import make_mesh
-from llama_jax.plan.costs import serving_cache_bytes
+from llama_jax.plan.costs import SERVING_STEPS_PER_DISPATCH, serving_cache_bytes
 from llama_jax.plan.hardware import free_memory_bytes
 from llama_jax.serve.api import Server
 from llama_jax.serve.chat import chat_format
@@ -23,7 +23,7 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
           quantize: str | None = None, quantize_head: bool = False, cache_dtype=None,
           max_batch: int = 8, max_seq_len: int | None = None, attention_impl: str = "auto",
           decode_impl: str = "auto", mesh: MeshConfig | None = None,
-          steps_per_dispatch: int = 8, max_queue: int = 64,
+          steps_per_dispatch: int = SERVING_STEPS_PER_DISPATCH, max_queue: int = 64,
           model_name: str | None = None) -> tuple[Server, Engine]:
     """The API state and its (not yet started) engine for `checkpoint`."""
     tok = load_tokenizer(tokenizer or checkpoint)

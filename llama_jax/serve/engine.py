@@ -59,7 +59,7 @@ from llama_jax.model.params import Params
 from llama_jax.model.transformer import apply
 from llama_jax.nn.heads import lm_head
 from llama_jax.parallel import sharding
-from llama_jax.plan.costs import SERVING_SLACK_DISPATCHES
+from llama_jax.plan.costs import SERVING_SLACK_DISPATCHES, SERVING_STEPS_PER_DISPATCH
 
 log = logging.getLogger("llama_jax.serve")
 
@@ -250,8 +250,9 @@ class Engine:
 
     def __init__(self, config: ModelConfig, params: Params, *, max_batch: int = 8,
                  max_seq_len: int | None = None, stop_ids: Sequence[int] | None = None,
-                 cache_dtype=None, decode_impl: str = "auto", steps_per_dispatch: int = 8,
-                 max_queue: int = 64, mesh_config: MeshConfig | None = None):
+                 cache_dtype=None, decode_impl: str = "auto",
+                 steps_per_dispatch: int = SERVING_STEPS_PER_DISPATCH, max_queue: int = 64,
+                 mesh_config: MeshConfig | None = None):
         self.config = config
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len or config.max_seq_len
