@@ -22,6 +22,7 @@ import time
 
 import httpx
 import jax
+import numpy as np
 import pytest
 
 import llama_jax
@@ -33,7 +34,7 @@ openai = pytest.importorskip("openai")
 
 TEXT = ["The cat sat on the mat and looked at the dog.",
         "A dog is a good friend; a cat is a proud one.", "Numbers: 12 34 56 78 90."] * 40
-MAX_SEQ_LEN = 128
+MAX_SEQ_LEN = 96
 SLOTS = 4
 START_TIMEOUT_S = 240
 REQUEST_TIMEOUT_S = 60
@@ -176,6 +177,27 @@ def test_token_id_prompts_and_echo(server, model):
     for choice, prompt in zip(out.choices, ids):
         assert choice.text == tokenizer.decode(prompt) + reference(model, prompt, 10)[2]
     assert [c.index for c in out.choices] == [0, 1]
+
+
+def test_echo_with_logprobs_scores_the_prompt(server, model):
+    """lm-eval's `local-completions` log-likelihood request: token ids, echo, logprobs=1,
+    max_tokens 0 (or 1): each prompt token's log-probability given those before it, and the
+    most likely token at each position, as the full forward computes them."""
+    config, params, tokenizer = model
+    ids = tokenizer.encode(PROMPTS[2] + " and more words")
+    logprobs_TV = np.asarray(jax.nn.log_softmax(llama_jax.forward(config, params,
+                                                                  np.asarray([ids]))[0], -1))
+    for max_tokens in (0, 1):
+        out = server.client.completions.create(model="tiny", prompt=ids, max_tokens=max_tokens,
+                                               temperature=0, logprobs=1, echo=True)
+        lp = out.choices[0].logprobs
+        assert len(lp.tokens) == len(ids) + max_tokens and lp.token_logprobs[0] is None
+        np.testing.assert_allclose(lp.token_logprobs[1:len(ids)],
+                                   logprobs_TV[np.arange(len(ids) - 1), ids[1:]], atol=1e-4)
+        for top, row in zip(lp.top_logprobs[1:len(ids)], logprobs_TV):
+            assert list(top.values()) == pytest.approx([row.max()], abs=1e-4)
+        assert lp.text_offset[:len(ids)] == sorted(lp.text_offset[:len(ids)])
+        assert out.choices[0].text.startswith(tokenizer.decode(ids))
 
 
 def test_chat_completion_equals_generate_on_the_chat_prompt(server, model):

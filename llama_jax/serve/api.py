@@ -66,6 +66,9 @@ class Choice:
         self.top: list[list[tuple[int, float]]] = []
         self.offsets: list[int] = []  # where each token's text begins, in the generated text
         self.finish_reason: str | None = None
+        self.limit: int | None = None  # tokens to keep (0: the prompt's scores alone)
+        self.prompt_logprobs: list[float] = []
+        self.prompt_top: list[list[tuple[int, float]]] = []
         self._events, self._loop = events, loop
         self._per_token = per_token or bool(stops)  # find the token a stop string ends in
         self.request: Request | None = None
@@ -74,6 +77,10 @@ class Choice:
         """On the engine thread: takes a chunk's tokens; True once a stop string appeared."""
         if self.finish_reason is not None:
             return True
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top = chunk.prompt_logprobs, chunk.prompt_top or []
+        if self.limit is not None and chunk.tokens:
+            chunk = dataclasses.replace(chunk, tokens=[], finish_reason="length")
         first, text = len(self.tokens), ""
         groups = [[t] for t in chunk.tokens] if self._per_token else [chunk.tokens]
         for group in groups:
@@ -133,7 +140,8 @@ class Server:
         return max_tokens
 
     def _start(self, prompts: list[list[int]], limits: list[int], body, top_logprobs: int,
-               per_token: bool) -> tuple[list[Choice], asyncio.Queue]:
+               per_token: bool, score_prompt: bool = False
+               ) -> tuple[list[Choice], asyncio.Queue]:
         """Submits `n` choices per prompt; refuses all of them if the queue cannot take them."""
         if body.n > self.engine.max_batch:
             raise OpenAIError(400, f"n={body.n} is more than this server's "
@@ -145,18 +153,16 @@ class Server:
             for j in range(body.n):
                 choice = Choice(len(choices), prompt, body.stops, self.tokenizer, events, loop,
                                 per_token)
+                if limit == 0:  # the prompt alone: one token is decoded and dropped
+                    choice.limit, limit = 0, 1
                 choice.request = Request(
                     prompt, limit, choice.deliver, temperature=body.temperature,
                     top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
-                    seed=seed + j, top_logprobs=top_logprobs)
+                    seed=seed + j, top_logprobs=top_logprobs, prompt_logprobs=score_prompt)
                 choices.append(choice)
         submitted = []
         try:
             for choice in choices:
-                if choice.request.max_tokens == 0:  # echo alone: nothing to generate
-                    choice.finish_reason = "length"
-                    events.put_nowait(Event(choice.index, "", 0, 0, "length"))
-                    continue
                 self.engine.submit(choice.request)
                 submitted.append(choice.request)
         except (QueueFull, queue.Full):
@@ -176,12 +182,30 @@ class Server:
     def _token_text(self, token: int) -> str:
         return self.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
 
-    def completion_logprobs(self, choice: Choice, first: int, last: int, offset: int) -> dict:
-        return {"tokens": [self._token_text(t) for t in choice.tokens[first:last]],
-                "token_logprobs": choice.logprobs[first:last],
-                "top_logprobs": [{self._token_text(t): lp for t, lp in top}
-                                 for top in choice.top[first:last]] or None,
-                "text_offset": [offset + o for o in choice.offsets[first:last]]}
+    def completion_logprobs(self, choice: Choice, first: int, last: int, offset: int,
+                            prompt: bool = False) -> dict:
+        """OpenAI's `logprobs` of tokens first..last - 1, whose text starts at `offset`; with
+        `prompt`, the prompt's tokens first (the first has no log-probability)."""
+        tops = lambda pairs: {self._token_text(t): lp for t, lp in pairs}  # noqa: E731
+        out = {"tokens": [self._token_text(t) for t in choice.tokens[first:last]],
+               "token_logprobs": choice.logprobs[first:last],
+               "top_logprobs": [tops(top) for top in choice.top[first:last]] or None,
+               "text_offset": [offset + o for o in choice.offsets[first:last]]}
+        if not prompt:
+            return out
+        return {"tokens": [self._token_text(t) for t in choice.prompt] + out["tokens"],
+                "token_logprobs": [None, *choice.prompt_logprobs, *out["token_logprobs"]],
+                "top_logprobs": [None, *map(tops, choice.prompt_top),
+                                 *(out["top_logprobs"] or [{}] * (last - first))],
+                "text_offset": self._offsets(choice.prompt) + out["text_offset"]}
+
+    def _offsets(self, ids: Sequence[int]) -> list[int]:
+        """Where each token's text begins in the text of `ids`."""
+        text, offsets = StopText(self.tokenizer, []), []
+        for token in ids:
+            offsets.append(text.decoded)
+            text.push([token])
+        return offsets
 
     def chat_logprobs(self, choice: Choice, first: int, last: int) -> dict:
         def entry(token: int, logprob: float) -> dict:
@@ -272,19 +296,18 @@ def create_app(server: Server) -> FastAPI:
         limits = [server._limit(p, body.max_tokens, "max_tokens", "prompt") for p in prompts]
         if body.max_tokens == 0 and not body.echo:
             raise OpenAIError(400, "max_tokens=0 generates nothing: it needs echo", "max_tokens")
-        if body.echo and body.logprobs is not None:
-            raise OpenAIError(400, "echo with logprobs (the prompt's log-probabilities) is not "
-                                   "supported", "echo")
+        scored = body.echo and body.logprobs is not None  # the prompt's logprobs too
         choices, events = server._start(prompts, limits, body, body.logprobs or 0,
-                                        body.logprobs is not None)
+                                        body.logprobs is not None, scored)
         echoes = [(body.prompts()[c.index // body.n] if isinstance(
             body.prompts()[c.index // body.n], str) else server.tokenizer.decode(c.prompt))
             if body.echo else "" for c in choices]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def choice_json(choice: Choice, text: str, first: int, last: int, finish):
+        def choice_json(choice: Choice, text: str, first: int, last: int, finish,
+                        prompt: bool = False):
             logprobs = None if body.logprobs is None else server.completion_logprobs(
-                choice, first, last, len(echoes[choice.index]))
+                choice, first, last, len(echoes[choice.index]), prompt)
             return {"index": choice.index, "text": text, "logprobs": logprobs,
                     "finish_reason": finish}
 
@@ -295,19 +318,21 @@ def create_app(server: Server) -> FastAPI:
             return {"id": rid, "object": "text_completion", "created": created,
                     "model": server.model_name,
                     "choices": [choice_json(c, echoes[c.index] + c.text.text, 0, len(c.tokens),
-                                            c.finish_reason) for c in choices],
+                                            c.finish_reason, scored) for c in choices],
                     "usage": server.usage(prompts, choices)}
 
         async def stream():
             head = {"id": rid, "object": "text_completion", "created": created,
                     "model": server.model_name}
-            for c in choices:
-                if echoes[c.index]:
-                    yield _sse({**head, "choices": [choice_json(c, echoes[c.index], 0, 0, None)]})
+            echoed = set()  # the prompt goes first, with its logprobs once they are in
             async for event in _events(choices, events, http, poll_disconnect=False):
                 if event.error is not None:
                     yield _sse(_failure(event).body())
                     continue
+                if body.echo and event.index not in echoed:
+                    echoed.add(event.index)
+                    yield _sse({**head, "choices": [choice_json(
+                        choices[event.index], echoes[event.index], 0, 0, None, scored)]})
                 if event.text or event.last > event.first or event.finish_reason:
                     yield _sse({**head, "choices": [choice_json(
                         choices[event.index], event.text, event.first, event.last,

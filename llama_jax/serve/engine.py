@@ -86,6 +86,10 @@ class Chunk:
     top: list[list[tuple[int, float]]]
     finish_reason: str | None = None
     error: BaseException | None = None
+    # With the first tokens of a request that asked for them: the log-probability of each
+    # prompt token after the first given those before it, and its top alternatives.
+    prompt_logprobs: list[float] | None = None
+    prompt_top: list[list[tuple[int, float]]] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -105,6 +109,7 @@ class Request:
     seed: int = 0
     key: jax.Array | None = None
     top_logprobs: int = 0
+    prompt_logprobs: bool = False  # also score the prompt (its top_logprobs alternatives)
     cancelled: bool = False  # set from any thread: the engine frees its row at the next chance
     generated: int = dataclasses.field(default=0, init=False)
     finished: bool = dataclasses.field(default=False, init=False)
@@ -187,22 +192,32 @@ def _decode(slots: Slots, params: Params, *, config: ModelConfig, n_steps: int,
         return _decode_steps(config, params, slots, n_steps, strategy, top)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "cache_dtype", "layout", "placement"))
+@functools.partial(jax.jit, static_argnames=("config", "cache_dtype", "layout", "placement",
+                                             "score_prompt"))
 def _prefill(params: Params, prompt_1T: jax.Array, n: jax.Array, sampling: SamplingParams,
              key_1: jax.Array, *, config: ModelConfig, cache_dtype: str, layout: str,
-             placement: tuple | None) -> tuple[KVCache, Emitted]:
+             placement: tuple | None, score_prompt: bool
+             ) -> tuple[KVCache, Emitted, Emitted | None]:
     """The one-row cache of a request whose `n` prompt tokens end `prompt_1T` (left-padded to
-    T), and its first token."""
+    T), its first token and, with `score_prompt`, the log-probabilities of the prompt's tokens
+    1..T-1 given those before them (and their top alternatives)."""
     with placed(placement):
         T = prompt_1T.shape[1]
         one = init_cache(config, 1, T, cache_dtype, (T - n)[None], layout=layout)
         h_1TD, one, _ = apply(config, params, prompt_1T, cache=one)
-        logits_1V = lm_head(config, params, h_1TD[:, -1:])[:, 0]
+        logits_1TV = lm_head(config, params, h_1TD if score_prompt else h_1TD[:, -1:])
         token_1, logprob_1, top_ids, top_logprobs = _choose(
-            logits_1V, key_1, jnp.zeros((1,), jnp.int32), sampling, PREFILL_STRATEGY,
+            logits_1TV[:, -1], key_1, jnp.zeros((1,), jnp.int32), sampling, PREFILL_STRATEGY,
             TOP_LOGPROBS)
-        return one, Emitted(token_1[:, None], logprob_1[:, None], top_ids[:, None],
-                            top_logprobs[:, None])
+        first = Emitted(token_1[:, None], logprob_1[:, None], top_ids[:, None],
+                        top_logprobs[:, None])
+        if not score_prompt:
+            return one, first, None
+        logprobs_1TV = jax.nn.log_softmax(logits_1TV[:, :-1].astype(jnp.float32))
+        top_logprobs_1Tn, top_ids_1Tn = jax.lax.top_k(logprobs_1TV, TOP_LOGPROBS)
+        next_1T = prompt_1T[:, 1:]
+        return one, first, Emitted(next_1T, jnp.take_along_axis(
+            logprobs_1TV, next_1T[..., None], -1)[..., 0], top_ids_1Tn, top_logprobs_1Tn)
 
 
 @functools.partial(jax.jit, donate_argnames=("slots",))
@@ -239,6 +254,7 @@ class _Program:
 
     emitted: Emitted
     owners: list[Request | None]
+    prompt: Emitted | None = None  # a prefill's prompt log-probabilities, if asked for
 
 
 class Engine:
@@ -344,10 +360,10 @@ class Engine:
                      time.perf_counter() - start)
         return self._executables[key](*args)
 
-    def _prefill(self, prompt_1T, n, sampling, key_1) -> tuple[KVCache, Emitted]:
+    def _prefill(self, prompt_1T, n, sampling, key_1, score_prompt: bool = False):
         return self._run(_prefill, self.params, prompt_1T, n, sampling, key_1,
                          config=self.config, cache_dtype=self.cache_dtype, layout=self.layout,
-                         placement=self.placement)
+                         placement=self.placement, score_prompt=score_prompt)
 
     def _insert(self, b: int, one: KVCache, first: Emitted, max_new: int,
                 sampling: SamplingParams, key_1: jax.Array) -> None:
@@ -369,12 +385,13 @@ class Engine:
         key_1 = (jax.random.key(request.seed) if request.key is None else request.key)[None]
         sampling = SamplingParams.broadcast(1, request.temperature, request.top_k,
                                             request.top_p, request.min_p)
-        one, first = self._prefill(prompt_1T, np.int32(n), sampling, key_1)
+        one, first, prompt = self._prefill(prompt_1T, np.int32(n), sampling, key_1,
+                                           request.prompt_logprobs)
         self._arrange(T)
         self._insert(b, one, first, request.max_tokens, sampling, key_1)
         self.row_start[b] = self.end - n
         self.owners[b] = request
-        return _Program(first, [request])
+        return _Program(first, [request], prompt)
 
     def _dispatch(self) -> _Program:
         """`steps` decode steps of every row, under the strategy its requests need."""
@@ -398,7 +415,7 @@ class Engine:
         prefilled = [self._prefill(np.zeros((1, T), np.int32), np.int32(1), sampling, key_1)
                      for T in buckets]
         for size in sizes:
-            for T, (one, first) in zip(buckets, prefilled):
+            for T, (one, first, _) in zip(buckets, prefilled):
                 if T + self.steps <= size:
                     self._place(T, size)
                     self._insert(0, one, first, 1, sampling, key_1)
@@ -473,6 +490,8 @@ class Engine:
             if request is None or request.finished:
                 continue
             chunk, reason = Chunk([], [], []), None
+            if program.prompt is not None:
+                self._prompt_logprobs(chunk, jax.device_get(program.prompt), request)
             for k, token in enumerate(e.tokens_BK[b].tolist()):
                 if token == NO_TOKEN:
                     break
@@ -490,12 +509,23 @@ class Engine:
                 if request.generated >= request.max_tokens:
                     reason = "length"
                     break
-            if chunk.tokens and self._deliver(request, chunk) and not request.finished:
+            if (chunk.tokens or chunk.prompt_logprobs is not None) and \
+                    self._deliver(request, chunk) and not request.finished:
                 reason = "stop"
             if request.cancelled and reason is None:
                 reason = "cancelled"
             if reason is not None and not request.finished:
                 self._finish(request, Chunk([], [], [], finish_reason=reason))
+
+    @staticmethod
+    def _prompt_logprobs(chunk: Chunk, prompt: Emitted, request: Request) -> None:
+        """The scores of the prompt's tokens after the first (the last n - 1 of the T - 1)."""
+        n, top = len(request.prompt), request.top_logprobs
+        chunk.prompt_logprobs = prompt.logprobs_BK[0, 1 - n:].tolist() if n > 1 else []
+        chunk.prompt_top = [list(zip(ids[:top].tolist(), lps[:top].tolist()))
+                            for ids, lps in zip(prompt.top_ids_BKn[0, 1 - n:],
+                                                prompt.top_logprobs_BKn[0, 1 - n:])
+                            ] if n > 1 else []
 
     def _fail(self, requests, error: BaseException) -> None:
         for request in requests:

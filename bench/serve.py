@@ -1,0 +1,308 @@
+"""Serving throughput and latency: `python -m llama_jax.serve` (continuous batching) under a
+load of concurrent requests, against `generate` on the same requests one at a time and in
+static batches, and against transformers' own OpenAI-compatible server (`transformers serve
+--continuous-batching`) when it runs here.
+
+    python bench/serve.py [--requests 32] [--rounds 3] [--max-batch 8] [--steps-per-dispatch 8]
+                          [--no-transformers]
+
+The benchmark model (D=512, L=8, N=8, K=4, F=1536, V=8192, random fp32 weights) is saved once
+with a small SentencePiece tokenizer; prompts are random token ids, sampling is greedy, and
+every implementation gets the same requests. Two workloads:
+
+- mixed: `--requests` requests with prompts of 16-128 tokens and 16-128 new tokens each, all
+  sent at once (the load generator is the `openai` async client, bounded in count and time,
+  to 127.0.0.1 only).
+- equal: the same number of requests of 64 prompt and 128 new tokens: full static batches are
+  the best `generate` can do with `--max-batch` rows, the ceiling for the server's slots.
+
+Peers on the same requests, each in its own process: `generate` one request at a time, and
+`generate` on static batches of `--max-batch` requests in arrival order (a batch decodes until
+its longest request is done; only the tokens asked for count). Throughput = output tokens /
+wall time from the first request sent to the last token received (compile excluded: every
+program is warmed up first). For the servers, time to first token (TTFT) and time per output
+token after the first (TPOT, per request) are reported as p50/p99. Rounds alternate the
+implementations; medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import io
+import json
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import llama_jax
+from llama_jax.decode.generate import generate
+
+from common import BENCH_MODEL, run_child
+
+MAX_SEQ_LEN = 256  # the longest request: 128 prompt + 128 new tokens
+START_TIMEOUT_S = 900
+REQUEST_TIMEOUT_S = 600
+WORKLOADS = ("mixed", "equal")
+
+
+def requests_of(workload: str, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt ids, new tokens) of each request."""
+    rng = np.random.default_rng(seed)
+    if workload == "mixed":
+        lengths = rng.integers(16, 129, n), rng.integers(16, 129, n)
+    else:
+        lengths = np.full(n, 64), np.full(n, 128)
+    return [(rng.integers(3, BENCH_MODEL.vocab_size, p).tolist(), int(m))
+            for p, m in zip(*lengths)]
+
+
+def make_checkpoint(root: Path) -> Path:
+    """The benchmark model with a SentencePiece tokenizer (whose EOS the model never sees in
+    these prompts); HF files beside it for transformers."""
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    text = ["The cat sat on the mat.", "A dog is a good friend.", "Numbers: 12 34 56."] * 40
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=model,
+                                   vocab_size=300, model_type="bpe", byte_fallback=True,
+                                   minloglevel=2)
+    config = dataclasses.replace(BENCH_MODEL, eos_ids=(2,))
+    params = llama_jax.init_params(config, jax.random.key(0))
+    llama_jax.save_native(config, params, root / "native")
+    (root / "native" / "tokenizer.model").write_bytes(model.getvalue())
+    llama_jax.export_hf(config, params, root / "hf")
+    shutil.copy(root / "native" / "tokenizer.model", root / "hf" / "tokenizer.model")
+    return root
+
+
+# --------------------------------------------------------------------------- the servers
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server process, started and stopped here, ready once `ready_line` is printed (or
+    /health answers)."""
+
+    def __init__(self, argv: list[str], port: int, ready_line: str | None):
+        self.port = port
+        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        ready = threading.Event()
+
+        def read():
+            for line in self.process.stdout:
+                self.lines.append(line)
+                if ready_line and line.startswith(ready_line):
+                    ready.set()
+            ready.set()
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready.wait(1.0):
+            if ready_line is None and self._healthy():
+                break
+            if time.monotonic() > deadline:
+                break
+        if self.process.poll() is not None or not (ready.is_set() or self._healthy()):
+            self.stop()
+            raise RuntimeError("the server did not start:\n" + "".join(self.lines[-20:]))
+
+    def _healthy(self) -> bool:
+        import httpx
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).is_success
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def ours(root: Path, max_batch: int, steps: int) -> Server:
+    port = free_port()
+    return Server([sys.executable, "-m", "llama_jax.serve", "--checkpoint",
+                   str(root / "native"), "--port", str(port), "--served-model-name", "bench",
+                   "--max-batch", str(max_batch), "--max-seq-len", str(MAX_SEQ_LEN),
+                   "--steps-per-dispatch", str(steps), "--max-queue", "1024",
+                   "--log-level", "warning"], port, "serving bench on ")
+
+
+def transformers_server(root: Path, max_batch: int) -> Server:
+    port = free_port()
+    return Server([str(Path(sys.executable).with_name("transformers")), "serve",
+                   str(root / "hf"), "--port", str(port), "--host", "127.0.0.1",
+                   "--device", "cpu", "--continuous-batching",
+                   "--cb-max-batch-tokens", str(max_batch * MAX_SEQ_LEN)], port, None)
+
+
+async def load(port: int, model: str, requests, timeout_s: float) -> dict:
+    """All requests at once, streamed; throughput and latencies. A request's time per output
+    token (TPOT) is (its last chunk - its first) / (its tokens - 1)."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                                  max_retries=0, timeout=REQUEST_TIMEOUT_S) as client:
+        async def one(prompt, new):
+            sent, first, last, tokens = time.perf_counter(), None, None, 0
+            stream = await client.completions.create(
+                model=model, prompt=prompt, max_tokens=new, temperature=0, stream=True,
+                stream_options={"include_usage": True})
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+                elif chunk.choices:  # a chunk of tokens (their text may be empty: most of
+                    last = time.perf_counter()  # the model's ids are past the tokenizer's)
+                    first = first or last
+            return sent, first, last, tokens
+
+        start = time.perf_counter()
+        results = await asyncio.wait_for(asyncio.gather(*(one(p, m) for p, m in requests)),
+                                         timeout_s)
+    wall = max(last for _, _, last, _ in results if last) - start
+    ttft = [first - sent for sent, first, _, _ in results if first]
+    tpot = [(last - first) / (n - 1) for _, first, last, n in results if first and n > 1]
+    tokens = sum(n for *_, n in results)
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)),
+            "ttft_p99_ms": 1e3 * float(np.percentile(ttft, 99)),
+            "tpot_p50_ms": 1e3 * float(np.percentile(tpot, 50)),
+            "tpot_p99_ms": 1e3 * float(np.percentile(tpot, 99))}
+
+
+# ---------------------------------------------------------------------- generate, in a child
+
+def generate_worker(root: Path, workload: str, n: int, max_batch: int) -> dict:
+    """`generate` on the workload one at a time and in static batches (each warmed up)."""
+    config, params = llama_jax.load_checkpoint(root / "native")
+    requests = requests_of(workload, n)
+    batches = [requests[i:i + max_batch] for i in range(0, len(requests), max_batch)]
+
+    def run_batch(batch):
+        generate(config, params, [p for p, _ in batch], max(m for _, m in batch),
+                 stop_tokens=[])
+
+    out = {}
+    for name, units in (("one_at_a_time", [[r] for r in requests]), ("static", batches)):
+        for unit in units:
+            run_batch(unit)  # untimed: every program this mode meets is compiled
+        start = time.perf_counter()
+        for unit in units:
+            run_batch(unit)
+        wall = time.perf_counter() - start
+        tokens = sum(m for _, m in requests)
+        out[name] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+    return out
+
+
+# ---------------------------------------------------------------------------------- main
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--steps-per-dispatch", type=int, default=8)
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--worker", choices=WORKLOADS, help=argparse.SUPPRESS)
+    parser.add_argument("--root", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def median(rounds: list[dict], key: str):
+    values = [r[key] for r in rounds if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        print(json.dumps(generate_worker(Path(args.root), args.worker, args.requests,
+                                         args.max_batch)))
+        return 0
+    root = make_checkpoint(Path(tempfile.mkdtemp(prefix="bench_serve_")))
+    print(f"# {platform.processor() or platform.machine()}, jax {jax.__version__}, "
+          f"{args.requests} requests, --max-batch {args.max_batch}, --steps-per-dispatch "
+          f"{args.steps_per_dispatch}, {args.rounds} rounds", flush=True)
+    workloads = {w: requests_of(w, args.requests) for w in WORKLOADS}
+    results: dict = {}
+
+    def record(name, workload, result):
+        results.setdefault((name, workload), []).append(result)
+
+    server = ours(root, args.max_batch, args.steps_per_dispatch)
+    try:
+        for w in WORKLOADS:  # warm the server's caches and connections
+            asyncio.run(load(server.port, "bench", workloads[w][:args.max_batch], 600))
+        for round_ in range(args.rounds):
+            for w in WORKLOADS:
+                record("ours", w, asyncio.run(load(server.port, "bench", workloads[w], 1800)))
+                peers = run_child(__file__, "--worker", w, "--root", str(root),
+                                  "--requests", str(args.requests),
+                                  "--max-batch", str(args.max_batch))
+                for name, result in peers.items():
+                    record(f"generate {name}", w, result)
+            print(f"# round {round_ + 1} done", flush=True)
+    finally:
+        server.stop()
+    if not args.no_transformers:
+        try:
+            peer = transformers_server(root, args.max_batch)
+        except (RuntimeError, OSError) as e:
+            print(f"# transformers serve did not run here: {str(e).splitlines()[0]}")
+        else:
+            try:
+                for w in WORKLOADS:
+                    asyncio.run(load(peer.port, str(root / "hf"), workloads[w][:2], 1800))
+                for _ in range(args.rounds):
+                    for w in WORKLOADS:
+                        record("transformers serve", w, asyncio.run(load(
+                            peer.port, str(root / "hf"), workloads[w], 3600)))
+            except Exception as e:  # the peer's failure is reported, not ours
+                print(f"# transformers serve failed: {type(e).__name__}: {e}")
+            finally:
+                peer.stop()
+    report(results)
+    shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+def report(results: dict) -> None:
+    print("\n| workload | implementation | tokens/s | ours vs it | TTFT p50 / p99 ms | "
+          "TPOT p50 / p99 ms |\n|---|---|---|---|---|---|")
+    for w in WORKLOADS:
+        base = median(results.get(("ours", w), []), "tokens_per_s")
+        for (name, workload), rounds in results.items():
+            if workload != w:
+                continue
+            tps = median(rounds, "tokens_per_s")
+            lat = lambda k: (f"{median(rounds, k + '_p50_ms'):.0f} / "  # noqa: E731
+                             f"{median(rounds, k + '_p99_ms'):.0f}"
+                             if median(rounds, k + "_p50_ms") is not None else "")
+            print(f"| {w} | {name} | {tps:.1f} | {base / tps:.2f}x | {lat('ttft')} | "
+                  f"{lat('tpot')} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
