@@ -7,8 +7,9 @@ static batches, and against transformers' own OpenAI-compatible server (`transfo
                           [--no-transformers]
 
 The benchmark model (D=512, L=8, N=8, K=4, F=1536, V=8192, random fp32 weights) is saved once
-with a small SentencePiece tokenizer; prompts are random token ids, sampling is greedy, and
-every implementation gets the same requests. Two workloads:
+with a small SentencePiece tokenizer; prompts are random pieces of that tokenizer, sampling is
+greedy, and every implementation gets the same requests (text for the servers, its ids for
+`generate`). Two workloads:
 
 - mixed: `--requests` requests with prompts of 16-128 tokens and 16-128 new tokens each, all
   sent at once (the load generator is the `openai` async client, bounded in count and time,
@@ -18,7 +19,9 @@ every implementation gets the same requests. Two workloads:
 
 Peers on the same requests, each in its own process: `generate` one request at a time, and
 `generate` on static batches of `--max-batch` requests in arrival order (a batch decodes until
-its longest request is done; only the tokens asked for count). Throughput = output tokens /
+its longest request is done; only the tokens asked for count). "engine" is the server's
+continuous batching called in-process, without HTTP or a client: the part of the server's time
+that the engine itself takes. Throughput = output tokens /
 wall time from the first request sent to the last token received (compile excluded: every
 program is warmed up first). For the servers, time to first token (TTFT) and time per output
 token after the first (TPOT, per request) are reported as p50/p99. Rounds alternate the
@@ -49,24 +52,32 @@ import numpy as np
 
 import llama_jax
 from llama_jax.decode.generate import generate
+from llama_jax.serve.engine import Engine, Request
 
 from common import BENCH_MODEL, run_child
 
-MAX_SEQ_LEN = 256  # the longest request: 128 prompt + 128 new tokens
+MAX_SEQ_LEN = 320  # the longest request: about 128 prompt + 128 new tokens
+BYTE_PIECES = 256  # a SentencePiece model with byte fallback: ids 3..258 are bytes
 START_TIMEOUT_S = 900
 REQUEST_TIMEOUT_S = 600
 WORKLOADS = ("mixed", "equal")
 
 
-def requests_of(workload: str, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """(prompt ids, new tokens) of each request."""
+def requests_of(workload: str, n: int, tokenizer, seed: int = 0) -> list[tuple]:
+    """(prompt text, its ids, new tokens) of each request. The text joins random pieces of the
+    tokenizer's own (not its byte pieces), so that any tokenizer of the same file reads it as
+    about as many tokens; the ids are what this one reads."""
     rng = np.random.default_rng(seed)
     if workload == "mixed":
         lengths = rng.integers(16, 129, n), rng.integers(16, 129, n)
     else:
         lengths = np.full(n, 64), np.full(n, 128)
-    return [(rng.integers(3, BENCH_MODEL.vocab_size, p).tolist(), int(m))
-            for p, m in zip(*lengths)]
+    pieces = range(BYTE_PIECES + 3, tokenizer.vocab_size)
+    out = []
+    for p, m in zip(*lengths):
+        text = tokenizer.decode(rng.choice(pieces, p - 1).tolist())
+        out.append((text, tokenizer.encode(text), int(m)))
+    return out
 
 
 def make_checkpoint(root: Path) -> Path:
@@ -165,20 +176,21 @@ async def load(port: int, model: str, requests, timeout_s: float) -> dict:
     async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                   max_retries=0, timeout=REQUEST_TIMEOUT_S) as client:
         async def one(prompt, new):
-            sent, first, last, tokens = time.perf_counter(), None, None, 0
+            sent, first, last, tokens, chunks = time.perf_counter(), None, None, 0, 0
             stream = await client.completions.create(
                 model=model, prompt=prompt, max_tokens=new, temperature=0, stream=True,
                 stream_options={"include_usage": True})
             async for chunk in stream:
                 if chunk.usage is not None:
                     tokens = chunk.usage.completion_tokens
-                elif chunk.choices:  # a chunk of tokens (their text may be empty: most of
+                if chunk.choices:  # a chunk of tokens (their text may be empty: most of
                     last = time.perf_counter()  # the model's ids are past the tokenizer's)
                     first = first or last
-            return sent, first, last, tokens
+                    chunks += 1
+            return sent, first, last, tokens or chunks  # no usage: a chunk per token
 
         start = time.perf_counter()
-        results = await asyncio.wait_for(asyncio.gather(*(one(p, m) for p, m in requests)),
+        results = await asyncio.wait_for(asyncio.gather(*(one(t, m) for t, _, m in requests)),
                                          timeout_s)
     wall = max(last for _, _, last, _ in results if last) - start
     ttft = [first - sent for sent, first, _, _ in results if first]
@@ -193,10 +205,29 @@ async def load(port: int, model: str, requests, timeout_s: float) -> dict:
 
 # ---------------------------------------------------------------------- generate, in a child
 
-def generate_worker(root: Path, workload: str, n: int, max_batch: int) -> dict:
-    """`generate` on the workload one at a time and in static batches (each warmed up)."""
+def engine_run(engine: Engine, requests) -> tuple[int, float]:
+    """All requests submitted at once to a running engine: (tokens, seconds until the last)."""
+    done, tokens = threading.Semaphore(0), []
+
+    def deliver(chunk):
+        tokens.append(len(chunk.tokens))
+        if chunk.finish_reason or chunk.error:
+            done.release()
+    start = time.perf_counter()
+    for prompt, new in requests:
+        engine.submit(Request(prompt, new, deliver))
+    for _ in requests:
+        if not done.acquire(timeout=REQUEST_TIMEOUT_S):
+            raise RuntimeError("the engine did not finish the requests")
+    return sum(tokens), time.perf_counter() - start
+
+
+def generate_worker(root: Path, workload: str, n: int, max_batch: int, steps: int) -> dict:
+    """`generate` on the workload one at a time and in static batches, and the server's engine
+    without HTTP (each warmed up)."""
     config, params = llama_jax.load_checkpoint(root / "native")
-    requests = requests_of(workload, n)
+    requests = [(ids, m) for _, ids, m in requests_of(
+        workload, n, llama_jax.load_tokenizer(root / "native"))]
     batches = [requests[i:i + max_batch] for i in range(0, len(requests), max_batch)]
 
     def run_batch(batch):
@@ -213,6 +244,16 @@ def generate_worker(root: Path, workload: str, n: int, max_batch: int) -> dict:
         wall = time.perf_counter() - start
         tokens = sum(m for _, m in requests)
         out[name] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+    engine = Engine(config, params, max_batch=max_batch, max_seq_len=MAX_SEQ_LEN, stop_ids=[],
+                    steps_per_dispatch=steps, max_queue=len(requests))
+    engine.warm_up()
+    engine.start()
+    try:
+        engine_run(engine, requests)  # untimed
+        tokens, wall = engine_run(engine, requests)
+    finally:
+        engine.stop()
+    out["engine"] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
     return out
 
 
@@ -239,13 +280,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         print(json.dumps(generate_worker(Path(args.root), args.worker, args.requests,
-                                         args.max_batch)))
+                                         args.max_batch, args.steps_per_dispatch)))
         return 0
     root = make_checkpoint(Path(tempfile.mkdtemp(prefix="bench_serve_")))
     print(f"# {platform.processor() or platform.machine()}, jax {jax.__version__}, "
           f"{args.requests} requests, --max-batch {args.max_batch}, --steps-per-dispatch "
           f"{args.steps_per_dispatch}, {args.rounds} rounds", flush=True)
-    workloads = {w: requests_of(w, args.requests) for w in WORKLOADS}
+    tokenizer = llama_jax.load_tokenizer(root / "native")
+    workloads = {w: requests_of(w, args.requests, tokenizer) for w in WORKLOADS}
     results: dict = {}
 
     def record(name, workload, result):
@@ -260,9 +302,10 @@ def main(argv=None) -> int:
                 record("ours", w, asyncio.run(load(server.port, "bench", workloads[w], 1800)))
                 peers = run_child(__file__, "--worker", w, "--root", str(root),
                                   "--requests", str(args.requests),
-                                  "--max-batch", str(args.max_batch))
+                                  "--max-batch", str(args.max_batch),
+                                  "--steps-per-dispatch", str(args.steps_per_dispatch))
                 for name, result in peers.items():
-                    record(f"generate {name}", w, result)
+                    record(name if name == "engine" else f"generate {name}", w, result)
             print(f"# round {round_ + 1} done", flush=True)
     finally:
         server.stop()
