@@ -347,9 +347,11 @@ class Engine:
     # --------------------------------------------------------------------------- programs
 
     def _run(self, fn, *args, **static):
-        """`fn(*args, **static)`, compiled once per static arguments and argument shapes."""
+        """`fn(*args, **static)`, compiled once per static arguments and argument shapes (and
+        shardings: on a mesh, programs lay out their outputs by the sharding rules)."""
         key = (fn, tuple(sorted(static.items())), tuple(
-            (np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(args)))
+            (np.shape(x), jnp.result_type(x), getattr(x, "sharding", None))
+            for x in jax.tree.leaves(args)))
         if key not in self._executables:
             start = time.perf_counter()
             with warnings.catch_warnings():  # a resize cannot reuse the donated buffers
