@@ -3,7 +3,7 @@ load of concurrent requests, against `generate` on the same requests one at a ti
 static batches, and against transformers' own OpenAI-compatible server (`transformers serve
 --continuous-batching`) when it runs here.
 
-    python bench/serve.py [--requests 32] [--rounds 3] [--max-batch 8] [--steps-per-dispatch 8]
+    python bench/serve.py [--requests 32] [--rounds 3] [--max-batch 8] [--steps-per-dispatch 4]
                           [--no-transformers]
 
 The benchmark model (D=512, L=8, N=8, K=4, F=1536, V=8192, random fp32 weights) is saved once
@@ -52,6 +52,7 @@ import numpy as np
 
 import llama_jax
 from llama_jax.decode.generate import generate
+from llama_jax.plan.costs import SERVING_STEPS_PER_DISPATCH
 from llama_jax.serve.engine import Engine, Request
 
 from common import BENCH_MODEL, run_child
@@ -264,7 +265,7 @@ def parse_args(argv):
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-batch", type=int, default=8)
-    parser.add_argument("--steps-per-dispatch", type=int, default=8)
+    parser.add_argument("--steps-per-dispatch", type=int, default=SERVING_STEPS_PER_DISPATCH)
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--worker", choices=WORKLOADS, help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)

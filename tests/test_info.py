@@ -91,14 +91,14 @@ def test_cli_json(capsys):
 
 
 def test_cli_serving_cache(capsys):
-    """--max-batch slots of --max-seq-len tokens, plus the server's slack of 3 dispatches of 8
+    """--max-batch slots of --max-seq-len tokens, plus the server's slack of 3 dispatches of 4
     steps (the engine's own cache at its largest: test_serve_engine.py)."""
     argv = ["llama3-8b", "--max-batch", "16", "--max-seq-len", "8192"]
     assert info.main([*argv, "--json"]) == 0
     serving = json.loads(capsys.readouterr().out)["serving"]
-    assert serving["kv_cache_bytes"] == 16 * (8192 + 24) * 131072
+    assert serving["kv_cache_bytes"] == 16 * (8192 + 12) * 131072
     assert info.main([*argv, "--cache-dtype", "int8"]) == 0
-    assert "serving KV cache     8.3 GiB (int8) for 16 slots of 8192 + 24" in \
+    assert "serving KV cache     8.3 GiB (int8) for 16 slots of 8192 + 12" in \
         capsys.readouterr().out
 
 

@@ -3,7 +3,7 @@
     python -m llama_jax.serve --checkpoint DIR [--tokenizer PATH] [--host 127.0.0.1]
         [--port 8000] [--max-batch 8] [--max-seq-len N] [--dtype bfloat16]
         [--served-model-name NAME] [--attention-impl auto] [--mesh data=D,fsdp=F,tensor=T]
-        [--quantize int8 [--quantize-head]] [--cache-dtype int8] [--steps-per-dispatch 8]
+        [--quantize int8 [--quantize-head]] [--cache-dtype int8] [--steps-per-dispatch 4]
         [--max-queue 64] [--drain-timeout 30]
 
 It loads any checkpoint `load_checkpoint` reads, refuses a configuration whose weights and KV
