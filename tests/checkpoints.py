@@ -8,6 +8,36 @@ from pathlib import Path
 
 import numpy as np
 
+# A tokenizer's training text for the tiny SentencePiece checkpoint.
+TEXT = ["The cat sat on the mat and looked at the dog.",
+        "A dog is a good friend; a cat is a proud one.", "Numbers: 12 34 56 78 90."] * 40
+
+
+def tiny_checkpoint_with_tokenizer(path: Path) -> Path:
+    """The tiny preset (vocabulary 320) with random weights, saved natively at `path` with a
+    SentencePiece tokenizer (300 pieces, byte fallback) whose EOS is the model's."""
+    import dataclasses
+    import io
+
+    import jax
+    import sentencepiece as spm
+
+    import llama_jax
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXT), model_writer=model,
+                                   vocab_size=300, model_type="bpe", byte_fallback=True,
+                                   minloglevel=2)
+    file = path.with_name(path.name + ".tokenizer.model")
+    file.write_bytes(model.getvalue())
+    tokenizer = llama_jax.load_tokenizer(file)
+    config = dataclasses.replace(llama_jax.load_model_config("tiny"), vocab_size=320,
+                                 eos_ids=tokenizer.eos_ids)
+    llama_jax.save_native(config, llama_jax.init_params(config, jax.random.key(0)), path)
+    (path / "tokenizer.model").write_bytes(model.getvalue())
+    return path
+
+
 HF_BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5)
 HF_CASES = {

@@ -1,37 +1,16 @@
 """sample.py end to end on a tiny native checkpoint with a SentencePiece tokenizer."""
 
-import dataclasses
-import io
-import shutil
-
-import jax
 import pytest
 
 import llama_jax
 import sample
 from llama_jax.decode.generate import generate, stream
-
-TEXT = ["The cat sat on the mat and looked at the dog.",
-        "A dog is a good friend; a cat is a proud one.", "Numbers: 12 34 56 78 90."] * 40
+from checkpoints import tiny_checkpoint_with_tokenizer
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    import sentencepiece as spm
-
-    root = tmp_path_factory.mktemp("ckpt")
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXT), model_writer=model,
-                                   vocab_size=300, model_type="bpe", byte_fallback=True,
-                                   minloglevel=2)
-    (root / "tok").mkdir()
-    (root / "tok" / "tokenizer.model").write_bytes(model.getvalue())
-    tokenizer = llama_jax.load_tokenizer(root / "tok")
-    config = dataclasses.replace(llama_jax.load_model_config("tiny"), vocab_size=320,
-                                 eos_ids=tokenizer.eos_ids)
-    llama_jax.save_native(config, llama_jax.init_params(config, jax.random.key(0)), root / "m")
-    shutil.copy(root / "tok" / "tokenizer.model", root / "m" / "tokenizer.model")
-    return root / "m"
+    return tiny_checkpoint_with_tokenizer(tmp_path_factory.mktemp("ckpt") / "m")
 
 
 @pytest.mark.parametrize("decode_impl", ["scan", "unrolled"])

@@ -9,10 +9,7 @@ that disconnects frees its slot, bad requests get OpenAI's error body and the se
 a full queue answers 429, and SIGTERM lets the requests in flight finish and exits 0."""
 
 import asyncio
-import dataclasses
-import io
 import math
-import shutil
 import signal
 import socket
 import subprocess
@@ -29,11 +26,10 @@ import llama_jax
 from llama_jax.data.tokenizer import TextStream
 from llama_jax.decode.generate import generate
 from llama_jax.serve.chat import llama2_chat
+from checkpoints import tiny_checkpoint_with_tokenizer
 
 openai = pytest.importorskip("openai")
 
-TEXT = ["The cat sat on the mat and looked at the dog.",
-        "A dog is a good friend; a cat is a proud one.", "Numbers: 12 34 56 78 90."] * 40
 MAX_SEQ_LEN = 96
 SLOTS = 4
 START_TIMEOUT_S = 240
@@ -42,23 +38,7 @@ REQUEST_TIMEOUT_S = 60
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    import sentencepiece as spm
-
-    root = tmp_path_factory.mktemp("serve")
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXT), model_writer=model,
-                                   vocab_size=300, model_type="bpe", byte_fallback=True,
-                                   minloglevel=2)
-    (root / "m").mkdir()
-    (root / "m" / "tokenizer.model").write_bytes(model.getvalue())
-    tokenizer = llama_jax.load_tokenizer(root / "m")
-    config = dataclasses.replace(llama_jax.load_model_config("tiny"), vocab_size=320,
-                                 eos_ids=tokenizer.eos_ids)
-    params = llama_jax.init_params(config, jax.random.key(0))
-    llama_jax.save_native(config, params, root / "native")
-    for item in (root / "native").iterdir():
-        shutil.move(str(item), root / "m")
-    return root / "m"
+    return tiny_checkpoint_with_tokenizer(tmp_path_factory.mktemp("serve") / "m")
 
 
 @pytest.fixture(scope="module")

@@ -247,6 +247,13 @@ async def _events(choices: list[Choice], events: asyncio.Queue, http: HttpReques
                 choice.request.cancel()
 
 
+async def _finished(choices: list[Choice], events: asyncio.Queue, http: HttpRequest) -> None:
+    """Waits until every choice of a non-streaming request finished; a failure raises."""
+    async for event in _events(choices, events, http, poll_disconnect=True):
+        if event.error is not None:
+            raise _failure(event)
+
+
 def _failure(event: Event) -> OpenAIError:
     log.error("a request failed: %r", event.error)
     return OpenAIError(500, f"The engine failed on this request: {event.error}",
@@ -312,9 +319,7 @@ def create_app(server: Server) -> FastAPI:
                     "finish_reason": finish}
 
         if not body.stream:
-            async for event in _events(choices, events, http, poll_disconnect=True):
-                if event.error is not None:
-                    raise _failure(event)
+            await _finished(choices, events, http)
             return {"id": rid, "object": "text_completion", "created": created,
                     "model": server.model_name,
                     "choices": [choice_json(c, echoes[c.index] + c.text.text, 0, len(c.tokens),
@@ -358,9 +363,7 @@ def create_app(server: Server) -> FastAPI:
             return server.chat_logprobs(choice, first, last) if body.logprobs else None
 
         if not body.stream:
-            async for event in _events(choices, events, http, poll_disconnect=True):
-                if event.error is not None:
-                    raise _failure(event)
+            await _finished(choices, events, http)
             return {"id": rid, "object": "chat.completion", "created": created,
                     "model": server.model_name,
                     "choices": [{"index": c.index,
