@@ -16,7 +16,6 @@ import dataclasses
 import json
 import logging
 import os
-import queue
 import re
 import time
 import uuid
@@ -165,7 +164,7 @@ class Server:
             for choice in choices:
                 self.engine.submit(choice.request)
                 submitted.append(choice.request)
-        except (QueueFull, queue.Full):
+        except QueueFull:
             for request in submitted:
                 request.cancel()
             raise OpenAIError(429, "The server is busy: too many requests are waiting; retry "

@@ -458,7 +458,10 @@ class Engine:
         self.check(request)
         if self._stopping.is_set():
             raise QueueFull("the server is shutting down")
-        self._queue.put_nowait(request)  # queue.Full is QueueFull's cause
+        try:
+            self._queue.put_nowait(request)
+        except queue.Full:
+            raise QueueFull(f"{self._queue.maxsize} requests are waiting already") from None
         self._wake.set()
 
     def stats(self) -> dict:
