@@ -1,7 +1,7 @@
 """Serving throughput and latency: `python -m llama_jax.serve` (continuous batching) under a
 load of concurrent requests, against `generate` on the same requests one at a time and in
 static batches, and against transformers' own OpenAI-compatible server (`transformers serve
---continuous-batching`) when it runs here.
+--continuous-batching`, given as much KV cache as ours) when it runs here.
 
     python bench/serve.py [--requests 32] [--rounds 3] [--max-batch 8] [--steps-per-dispatch 4]
                           [--no-transformers]
@@ -25,7 +25,8 @@ that the engine itself takes. Throughput = output tokens /
 wall time from the first request sent to the last token received (compile excluded: every
 program is warmed up first). For the servers, time to first token (TTFT) and time per output
 token after the first (TPOT, per request) are reported as p50/p99. Rounds alternate the
-implementations; medians are reported.
+implementations; medians are reported. Last, the decode steps that static batches and ideal
+continuous batching (no row ever idle) need for the requests bound what the engine can gain.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import heapq
 import io
 import json
 import platform
@@ -58,6 +60,7 @@ from llama_jax.serve.engine import Engine, Request
 from common import BENCH_MODEL, run_child
 
 MAX_SEQ_LEN = 320  # the longest request: about 128 prompt + 128 new tokens
+PAGE = 32  # the KV-cache page of transformers' server, in tokens
 BYTE_PIECES = 256  # a SentencePiece model with byte fallback: ids 3..258 are bytes
 START_TIMEOUT_S = 900
 REQUEST_TIMEOUT_S = 600
@@ -162,11 +165,29 @@ def ours(root: Path, max_batch: int, steps: int) -> Server:
 
 
 def transformers_server(root: Path, max_batch: int) -> Server:
+    """transformers' server with as much KV cache as ours (`max_batch` sequences of
+    MAX_SEQ_LEN tokens, in pages of PAGE tokens): by default it would run every request at
+    once, each in the pages it needs."""
     port = free_port()
     return Server([str(Path(sys.executable).with_name("transformers")), "serve",
                    str(root / "hf"), "--port", str(port), "--host", "127.0.0.1",
                    "--device", "cpu", "--continuous-batching",
+                   "--cb-block-size", str(PAGE),
+                   "--cb-num-blocks", str(max_batch * MAX_SEQ_LEN // PAGE),
                    "--cb-max-batch-tokens", str(max_batch * MAX_SEQ_LEN)], port, None)
+
+
+def batching_bound(requests, max_batch: int) -> tuple[int, int]:
+    """Decode steps of (static batches of `max_batch` in arrival order, each as long as its
+    longest request; continuous batching on `max_batch` rows in arrival order with no row ever
+    idle): the most that continuous batching can gain on these requests when every step costs
+    the same whatever its rows hold."""
+    new = [m for *_, m in requests]
+    static = sum(max(new[i:i + max_batch]) for i in range(0, len(new), max_batch))
+    rows = [0] * max_batch  # when each row is next free
+    for m in new:
+        heapq.heappush(rows, heapq.heappop(rows) + m)
+    return static, max(rows)
 
 
 async def load(port: int, model: str, requests, timeout_s: float) -> dict:
@@ -328,6 +349,10 @@ def main(argv=None) -> int:
             finally:
                 peer.stop()
     report(results)
+    for w in WORKLOADS:
+        static, continuous = batching_bound(workloads[w], args.max_batch)
+        print(f"# {w}: static batches decode {static} steps; continuous batching with no row "
+              f"ever idle, {continuous}: at most {static / continuous:.2f}x on decode")
     shutil.rmtree(root, ignore_errors=True)
     return 0
 

@@ -364,8 +364,11 @@ def test_a_full_queue_answers_429_and_sigterm_drains(checkpoint):
     """One slot and a queue of one: of a burst of requests while a long one decodes, one
     waits and the others are refused with Retry-After. SIGTERM then lets the requests in
     flight finish (the long one to its last token) and the process exits 0."""
-    live = Live(checkpoint, "--max-batch", "1", "--max-queue", "1", "--drain-timeout", "60")
-    long = {"model": "tiny", "prompt": "The", "max_tokens": MAX_SEQ_LEN - 8, "temperature": 0,
+    # The whole context of the model for the long request, so that the burst meets it decoding.
+    context = llama_jax.load_model_config("tiny").max_seq_len
+    live = Live(checkpoint, "--max-batch", "1", "--max-queue", "1", "--drain-timeout", "60",
+                "--max-seq-len", str(context))
+    long = {"model": "tiny", "prompt": "The", "max_tokens": context - 8, "temperature": 0,
             "stream": True, "stop": ["\u2603"]}
     clients = [httpx.Client(timeout=REQUEST_TIMEOUT_S) for _ in range(4)]
     answers = [None] * len(clients)

@@ -13,8 +13,10 @@ them. The engine thread, between programs:
   written over the row (`_insert`);
 - runs `steps_per_dispatch` decode steps for every row in one program (`_decode`), and reads the
   previous program's tokens while this one runs; it hands each request its tokens (`deliver`),
-  and frees a row once its request has stopped, run out of tokens, asked to stop (a stop string)
-  or been cancelled. Rows that stopped mid-dispatch idle on the device until then.
+  and frees a row once its request has stopped, asked to stop (a stop string) or been
+  cancelled; a row whose request will have all its `max_tokens` once the programs dispatched so
+  far have run is free at once, before their tokens are read (the host counts them). Rows that
+  stopped mid-dispatch idle on the device until then.
 
 The rows share the cache's write slot `end` (each row's sequence ends there; `start` marks where
 it begins). A prompt of T padded tokens needs end >= T, and K decode steps need K free slots
@@ -313,6 +315,7 @@ class Engine:
         if self.placement is not None:
             self.slots = jax.device_put(self.slots, sharding.replicated(self.placement[0]))
         self.owners: list[Request | None] = [None] * B
+        self.dispatched = [0] * B  # each row's tokens once the programs dispatched have run
         self.end, self.size = 0, self.min_slots
         self.row_start = [0] * B  # each row's first slot
 
@@ -323,7 +326,7 @@ class Engine:
         """Makes `end >= min_end` with `steps` free slots after it: moves every row's slots
         (later; or back to the start of the longest row in use, when the cache would
         otherwise grow or could halve) and resizes the cache to fit."""
-        rows = [self.row_start[b] for b, r in enumerate(self.owners) if r is not None]
+        rows = [self.row_start[b] for b in range(self.max_batch) if self._decoding(b)]
         first = min(rows, default=self.end)  # where the longest row in use starts
         end = max(self.end, min_end) if rows else min_end
         size = self.size
@@ -393,16 +396,24 @@ class Engine:
         self._insert(b, one, first, request.max_tokens, sampling, key_1)
         self.row_start[b] = self.end - n
         self.owners[b] = request
+        self.dispatched[b] = 1
         return _Program(first, [request], prompt)
+
+    def _decoding(self, b: int) -> bool:
+        """Whether row `b` holds a request that the programs dispatched so far leave short of
+        its `max_tokens` (it may still stop earlier)."""
+        request = self.owners[b]
+        return request is not None and self.dispatched[b] < request.max_tokens
 
     def _dispatch(self) -> _Program:
         """`steps` decode steps of every row, under the strategy its requests need."""
         self._arrange(0)
-        live = [r for r in self.owners if r is not None]
+        live = [r for b, r in enumerate(self.owners) if self._decoding(b)]
         strategy = Strategy(draw=any(r.strategy.draw for r in live),
                             sort=any(r.strategy.sort for r in live))
         emitted = self._decode(strategy, TOP_LOGPROBS if any(r.top_logprobs for r in live) else 0)
         self.end += self.steps
+        self.dispatched = [n + self.steps for n in self.dispatched]
         return _Program(emitted, list(self.owners))
 
     def warm_up(self) -> float:
@@ -562,8 +573,10 @@ class Engine:
         return self._queue.empty() and all(r is None for r in self.owners)
 
     def _admit(self, pending: collections.deque) -> None:
+        """Admits waiting requests into the rows that are free, or will be once the programs
+        dispatched so far have run (their tokens are read from those programs)."""
         for b in range(self.max_batch):
-            if self.owners[b] is not None:
+            if self._decoding(b):
                 continue
             request = self._next_request()
             if request is None:
@@ -601,7 +614,8 @@ class Engine:
             if self._stopping.is_set() and self.idle() and not pending:
                 return
             self._admit(pending)
-            if any(r is not None for r in self.owners):
+            decoding = any(self._decoding(b) for b in range(self.max_batch))
+            if decoding:
                 try:
                     pending.append(self._dispatch())
                 except Exception as e:
@@ -609,7 +623,7 @@ class Engine:
                     self._recover(self.owners, e)
             # Read a program's tokens once the next one is queued behind it (the device runs
             # that one meanwhile), or when nothing else will be queued.
-            while pending and (len(pending) > 1 or all(r is None for r in self.owners)):
+            while pending and (len(pending) > 1 or not decoding):
                 program = pending.popleft()
                 try:
                     self._collect(program)
