@@ -39,7 +39,7 @@ def test_planned_memory_agrees_with_the_compiled_step(mesh, remat, attention, ba
     model = dataclasses.replace(base, remat=remat, attention_impl=attention,
                                 attention_block_q=64, attention_block_kv=64)
     run = RunConfig(model=model, train=TRAIN, data=DataConfig(corpus="unused"), mesh=mesh)
-    compiled = trainer._programs(run, 1, sharding.make_mesh(mesh)).step
+    compiled = trainer.compile_programs(run, 1, sharding.make_mesh(mesh), evaluate=False).step
     measured = compiled.memory_analysis()
     plan = memory.plan_memory(model, mesh, 8, batch=TRAIN.batch_size, seq=TRAIN.seq_len,
                               remat=remat)

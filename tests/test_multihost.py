@@ -2,6 +2,7 @@
 train one 8-device run with train.py, checkpoint, resume, and match a single-process run."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -34,8 +35,10 @@ def _free_port() -> int:
 
 
 def _train(config: Path, workdir: Path, steps: int, processes: int) -> None:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // processes}",
-           "JAX_PLATFORMS": "cpu"}
+    # The conftest's XLA flags (fast compiles) stay; only the device count is per process.
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ["XLA_FLAGS"])
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS":
+           f"{flags} --xla_force_host_platform_device_count={8 // processes}".strip()}
     command = [sys.executable, str(REPO / "train.py"), "--config", str(config), "--workdir",
                str(workdir), "--steps", str(steps), "--no-progress"]
     if processes > 1:

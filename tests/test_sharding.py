@@ -13,7 +13,8 @@ import llama_jax
 from llama_jax.parallel import sharding
 from llama_jax.training import trainer
 from llama_jax.formats.checkpoint import load_checkpoint
-from llama_jax.config import (DataConfig, MeshConfig, MlaConfig, ModelConfig, MoeConfig, RunConfig, TrainConfig)
+from llama_jax.config import (DataConfig, MeshConfig, MlaConfig, ModelConfig, MoeConfig,
+                              RunConfig, TrainConfig)
 from llama_jax.errors import ConfigError
 from reference import relative_error
 
@@ -56,7 +57,7 @@ def _run(model: ModelConfig, mesh: MeshConfig) -> RunConfig:
 def _programs(model, mesh_config, devices=None):
     devices = jax.devices() if devices is None else devices
     mesh = sharding.make_mesh(mesh_config, devices)
-    return trainer._programs(_run(model, mesh_config), BOS, mesh)
+    return trainer.compile_programs(_run(model, mesh_config), BOS, mesh, evaluate=False)
 
 
 def _batch(seed: int) -> np.ndarray:
@@ -116,7 +117,9 @@ def test_parameters_and_optimizer_state_are_really_split():
     model = MODELS["gqa"]
     total = sum(np.prod(a.shape) * 4 for a in jax.tree.leaves(llama_jax.abstract_params(model)))
     for mesh_name, ways in (("fsdp8", 8), ("tp8", 8), ("fsdp4-tp2", 8), ("dp8", 1)):
-        state = _programs(model, MESHES[mesh_name]).init(jax.random.key(0))
+        mesh = sharding.make_mesh(MESHES[mesh_name])
+        state = trainer.initializer(_run(model, MESHES[mesh_name]), mesh).init(
+            jax.random.key(0))
         norms = (model.n_layers * 2 + 1) * model.dim * 4  # replicated by design
         assert sharding.bytes_per_device(state.params) <= (total - norms) / ways + norms
         mu = state.opt_state.inner_state[1][0].mu  # adamw's first moment mirrors the params
@@ -195,7 +198,7 @@ def test_mesh_sizes_are_checked(mesh, match):
 
 
 def test_batch_must_split_over_the_batch_shards(corpus_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer, "_programs", lambda *a: pytest.fail("compiled"))
+    monkeypatch.setattr(trainer, "compile_programs", lambda *a: pytest.fail("compiled"))
     run = RunConfig(model=MODELS["gqa"], train=dataclasses.replace(TRAIN, batch_size=12),
                     data=DataConfig(corpus=str(corpus_dir)), mesh=MeshConfig(data=8))
     with pytest.raises(ConfigError, match="12 sequences per micro-batch do not split across "

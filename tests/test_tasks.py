@@ -325,8 +325,8 @@ def test_fine_tuning_starts_from_a_hugging_face_checkpoint(tokenizer_dir, task_f
     config.write_text(yaml.safe_dump(tree))
     run = finetune.load_run_config(config)
     assert (run.model.dim, run.model.head, run.model.pad_id) == (64, "sequence_classification", 2)
-    programs = trainer._programs(run, 1, sharding.make_mesh(run.mesh, jax.devices()[:1]))
-    params = programs.init(jax.random.key(0)).params
+    mesh = sharding.make_mesh(run.mesh, jax.devices()[:1])
+    params = trainer.initializer(run, mesh).init(jax.random.key(0)).params
     _, hf = load_checkpoint(tmp_path / "hf")
     assert set(params) == {"embed", "groups", "final_norm", "head"}
     for path, leaf in flat_paths({k: v for k, v in hf.items() if k != "lm_head"}).items():
@@ -353,7 +353,7 @@ def test_a_sharded_task_step_equals_the_single_device_step(finetuned):
                                  (llama_jax.MeshConfig(data=2, fsdp=2, tensor=2), None)):
         sharded = dataclasses.replace(run, mesh=mesh_config)
         mesh = sharding.make_mesh(mesh_config, devices or jax.devices())
-        programs = trainer._programs(sharded, 1, mesh)
+        programs = trainer.compile_programs(sharded, 1, mesh, evaluate=False)
         state = programs.init(jax.random.key(0))
         state, metrics = programs.step(state, trainer._on_devices(programs.batch_sharding,
                                                                   batch))
@@ -380,7 +380,8 @@ def test_a_frozen_backbone_has_no_backward_pass(finetuned):
     for name in ("full", "head"):
         run = dataclasses.replace(finetuned[name][0], init_from=None)
         mesh = sharding.make_mesh(run.mesh, jax.devices()[:1])
-        flops[name] = trainer._programs(run, 1, mesh).step.cost_analysis()["flops"]
+        programs = trainer.compile_programs(run, 1, mesh, evaluate=False)
+        flops[name] = programs.step.cost_analysis()["flops"]
     run = finetuned["head"][0]
     formula = {name: costs.train_flops_per_token(run.model, run.train.seq_len,
                                                  frozen_backbone=name == "head")
@@ -427,7 +428,7 @@ def test_predict_without_a_pad_id_runs_each_example_unpadded():
 # -------------------------------------------------------------------------------- bad input
 
 def _refused(monkeypatch, config: Path, match: str, error=DataError):
-    monkeypatch.setattr(trainer, "_programs", lambda *a: pytest.fail("compiled"))
+    monkeypatch.setattr(trainer, "compile_programs", lambda *a: pytest.fail("compiled"))
     run = finetune.load_run_config(config)
     with pytest.raises(error, match=match):
         trainer.train(run, config.parent / "run", log=lambda _: None, progress=False)

@@ -267,7 +267,7 @@ def test_rerunning_a_finished_run_does_nothing(run, straight):
      "attention_impl='cudnn' needs an NVIDIA GPU; the backend is 'cpu'"),
 ])
 def test_bad_input_fails_before_compiling(run, tmp_path, monkeypatch, change, error, match):
-    monkeypatch.setattr(trainer, "_programs", lambda *a: pytest.fail("compiled"))
+    monkeypatch.setattr(trainer, "compile_programs", lambda *a: pytest.fail("compiled"))
     sections = {name: dataclasses.replace(getattr(run, name), **fields)
                 for name, fields in change.items()}
     with pytest.raises(error, match=match):
@@ -275,7 +275,7 @@ def test_bad_input_fails_before_compiling(run, tmp_path, monkeypatch, change, er
 
 
 def test_a_given_tokenizer_must_fit_the_model(run, straight, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer, "_programs", lambda *a: pytest.fail("compiled"))
+    monkeypatch.setattr(trainer, "compile_programs", lambda *a: pytest.fail("compiled"))
     small = dataclasses.replace(
         run, model=dataclasses.replace(MODEL, vocab_size=300),
         data=dataclasses.replace(run.data, tokenizer=str(straight / "tokenizer.model")))
@@ -284,7 +284,7 @@ def test_a_given_tokenizer_must_fit_the_model(run, straight, tmp_path, monkeypat
 
 
 def test_a_workdir_of_another_run_is_refused_and_kept(run, straight, monkeypatch):
-    monkeypatch.setattr(trainer, "_programs", lambda *a: pytest.fail("compiled"))
+    monkeypatch.setattr(trainer, "compile_programs", lambda *a: pytest.fail("compiled"))
     files = {p: p.stat().st_mtime_ns for p in straight.rglob("*") if p.is_file()}
     other = dataclasses.replace(run, train=dataclasses.replace(TRAIN, learning_rate=1e-3))
     with pytest.raises(ConfigError, match=r"different config \(train.learning_rate: 0.003 -> "

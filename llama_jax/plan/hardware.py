@@ -91,22 +91,25 @@ def bandwidth_probe(n_bytes: int = 1 << 30) -> Callable[[], float]:
 
 
 @functools.lru_cache(maxsize=None)  # once per process: every run of a process shares a machine
-def measure_matmul_flops(dtype: str = "float32", size: int = 1536, repeats: int = 5) -> float:
+def measure_matmul_flops(dtype: str = "float32", size: int = 1536, repeats: int = 3,
+                         chain: int = 2) -> float:
     """Best-of-`repeats` rate of a jitted [size, size] @ [size, size] matmul on device 0, run
-    eight times per timing so dispatch overhead does not count."""
+    `chain` times per timing. One matmul takes tens of milliseconds on a CPU, so dispatch
+    overhead does not count, and the measurement costs every training run well under a
+    second."""
     keys = jax.random.split(jax.random.key(0), 2)
     a, b = (jax.random.normal(k, (size, size), jnp.float32).astype(dtype) for k in keys)
 
     @jax.jit
-    def chain(a, b):
-        for _ in range(8):
+    def matmuls(a, b):
+        for _ in range(chain):
             a = jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype) * 1e-3
         return a
 
-    chain(a, b).block_until_ready()
+    matmuls(a, b).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        chain(a, b).block_until_ready()
+        matmuls(a, b).block_until_ready()
         best = min(best, time.perf_counter() - start)
-    return 8 * 2 * size ** 3 / best
+    return chain * 2 * size ** 3 / best

@@ -25,17 +25,19 @@ import math
 import signal
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 from llama_jax.plan import costs, hardware
 from llama_jax.data import batches, tasks as task_data
-from llama_jax.data.corpus import cache_root, find_corpus, keep_tokenizer, prepare_tokenizer, tokenize_corpus, unigram_entropy
+from llama_jax.data.corpus import (cache_root, find_corpus, keep_tokenizer, prepare_tokenizer,
+                                   tokenize_corpus, unigram_entropy)
 from llama_jax.training import finetune, tasks
 from llama_jax.parallel import sharding
 from llama_jax.formats import workdir as run_dir
@@ -122,7 +124,7 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
             f"`python -m llama_jax.formats.convert {workdir} NEW_DIR` and start a new run, or resume "
             "with llama_jax 0.1")
 
-    programs = _programs(run, source.bos_id, mesh)
+    programs = compile_programs(run, source.bos_id, mesh)
     batch_sharding, abstract, compile_s = (programs.batch_sharding, programs.abstract,
                                            programs.compile_s)
     if start:
@@ -223,11 +225,13 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
 
 
 @dataclasses.dataclass(frozen=True)
-class _Programs:
+class Programs:
+    """A run's compiled programs (`compile_programs`)."""
+
     init: Callable  # seed key -> TrainState, created sharded
     abstract: TrainState  # shapes, dtypes and shardings of the state
     step: Callable  # (state, batch) -> (state, metrics), compiled ahead of time, state donated
-    evaluate: Callable  # (params, batch) -> (sums: loss_sum, count, ...; aux), compiled
+    evaluate: Callable | None  # (params, batch) -> (sums: loss_sum, count, ...; aux)
     compile_s: float
     batch_sharding: NamedSharding
     step_bytes: int | None  # XLA's footprint of the step per device; None if not reported
@@ -258,24 +262,45 @@ def _mib(size: int | None) -> str:
     return "size not reported" if size is None else f"{size / 2**20:,.1f} MiB"
 
 
-@functools.lru_cache(maxsize=4)
-def _programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh) -> _Programs:
-    """The run's jitted functions with explicit in/out shardings, compiled now (cached per
-    process, so a resumed run in the same process does not compile again)."""
+@dataclasses.dataclass(frozen=True)
+class Initializer:
+    """A run's first state, before anything compiles."""
+
+    init: Callable  # seed key -> TrainState, created sharded
+    abstract: TrainState  # shapes, dtypes and shardings of the state
+    optimizer: optax.GradientTransformation
+    params_sharding: Any  # the parameters' shardings (a tree like the parameters)
+    state_sharding: TrainState
+
+
+def initializer(run: RunConfig, mesh: jax.sharding.Mesh) -> Initializer:
+    """How `run` creates its state on `mesh`: every leaf laid out by the sharding rules."""
     optimizer = make_optimizer(run.model, run.train)
-    replicated = sharding.replicated(mesh)
     params_sharding = sharding.param_shardings(param_specs(run.model), mesh, run.mesh)
     state_sharding = TrainState(
-        step=replicated, params=params_sharding,
+        step=sharding.replicated(mesh), params=params_sharding,
         opt_state=sharding.optimizer_state_shardings(optimizer, abstract_params(run.model),
                                                      params_sharding, mesh))
-    batch_sharding = sharding.batch_sharding(mesh, run.mesh, ndim=1)  # rows of every leaf
     init = jax.jit(functools.partial(init_state, run.model, optimizer),
                    out_shardings=state_sharding)
     abstract = jax.eval_shape(init, jax.random.key(0))
     if run.init_from is not None:
         init = functools.partial(_init_from_checkpoint, run, optimizer, params_sharding,
                                  state_sharding, mesh)
+    return Initializer(init, abstract, optimizer, params_sharding, state_sharding)
+
+
+@functools.lru_cache(maxsize=4)
+def compile_programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh,
+                     evaluate: bool = True) -> Programs:
+    """The run's jitted functions with explicit in/out shardings, compiled now (cached per
+    process, so a resumed run in the same process does not compile again). Without
+    `evaluate`, the evaluation program is left out (None): what reads only the step (its
+    memory, its FLOPs) compiles less."""
+    start_state = initializer(run, mesh)
+    abstract, optimizer = start_state.abstract, start_state.optimizer
+    replicated = sharding.replicated(mesh)
+    batch_sharding = sharding.batch_sharding(mesh, run.mesh, ndim=1)  # rows of every leaf
     if run.task is None:
         batch = jax.ShapeDtypeStruct((run.train.batch_size, run.train.seq_len + 1), jnp.int32)
     else:
@@ -284,18 +309,19 @@ def _programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh) -> _Programs
                                                         sharding=batch_sharding), batch)
     loss_fn = objective(run, bos_id)
     step = jax.jit(functools.partial(train_step, run.model, run.train, optimizer, loss_fn),
-                   in_shardings=(state_sharding, batch_sharding),
-                   out_shardings=(state_sharding, replicated), donate_argnums=0)
-    evaluate = jax.jit(functools.partial(eval_sums, loss_fn),
-                       in_shardings=(params_sharding, batch_sharding), out_shardings=replicated)
+                   in_shardings=(start_state.state_sharding, batch_sharding),
+                   out_shardings=(start_state.state_sharding, replicated), donate_argnums=0)
+    evaluator = jax.jit(functools.partial(eval_sums, loss_fn),
+                        in_shardings=(start_state.params_sharding, batch_sharding),
+                        out_shardings=replicated)
     with sharding.use_mesh(mesh, run.mesh):  # activation constraints are traced in
         start = time.perf_counter()
         compiled = step.lower(abstract, batch).compile()
         compile_s = time.perf_counter() - start
-        evaluate = evaluate.lower(abstract.params, batch).compile()
-    return _Programs(init=init, abstract=abstract, step=compiled, evaluate=evaluate,
-                     compile_s=compile_s, batch_sharding=batch_sharding,
-                     step_bytes=_footprint(compiled))
+        evaluator = evaluator.lower(abstract.params, batch).compile() if evaluate else None
+    return Programs(init=start_state.init, abstract=abstract, step=compiled, evaluate=evaluator,
+                    compile_s=compile_s, batch_sharding=batch_sharding,
+                    step_bytes=_footprint(compiled))
 
 
 def _init_from_checkpoint(run: RunConfig, optimizer, params_sharding, state_sharding,
