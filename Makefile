@@ -78,6 +78,7 @@ bench: install
 	$(PY) bench/moe.py
 	$(PY) bench/mla.py
 	$(PY) bench/score.py
+	$(PY) bench/decode_matmuls.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

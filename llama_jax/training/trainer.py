@@ -121,8 +121,8 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
             f"{workdir / run_dir.CHECKPOINTS / str(start)} was written by llama_jax 0.1 (flat "
             "`layers` parameter tree): its weights load (load_checkpoint, sample.py), but its "
             "optimizer state cannot resume training in this version. Convert the weights with "
-            f"`python -m llama_jax.formats.convert {workdir} NEW_DIR` and start a new run, or resume "
-            "with llama_jax 0.1")
+            f"`python -m llama_jax.formats.convert {workdir} NEW_DIR` and start a new run, or "
+            "resume with llama_jax 0.1")
 
     programs = compile_programs(run, source.bos_id, mesh)
     batch_sharding, abstract, compile_s = (programs.batch_sharding, programs.abstract,
@@ -375,7 +375,8 @@ class _Source:
 
 
 def _corpus_data(run: RunConfig, workdir: Path, log: Callable[[str], None]) -> _Source:
-    """Language modelling: the corpus, tokenized, in packed windows (data/corpus.py, data/batches.py)."""
+    """Language modelling: the corpus, tokenized, in packed windows (data/corpus.py,
+    data/batches.py)."""
     train_cfg = run.train
     corpus = find_corpus(run.data.corpus, run.data.val_fraction)
     tokenizer = prepare_tokenizer(run.data, corpus, run.model.vocab_size, workdir, log)
