@@ -19,6 +19,8 @@ MOE = dataclasses.replace(MODEL, mlp="moe", ffn_dim=384, moe=MoeConfig(capacity_
 DROPLESS = dataclasses.replace(MOE, moe=MoeConfig(), moe_dispatch="dropless")
 MLA = dataclasses.replace(MODEL, attention="mla", n_kv_heads=None, head_dim=None, mla=MlaConfig(
     q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32))
+# A vocabulary whose logits outweigh the blocks, taken 32 positions at a time
+BIG_VOCAB = dataclasses.replace(MODEL, vocab_size=16384, loss_chunk=32)
 TRAIN = TrainConfig(seq_len=256, batch_size=16)
 
 
@@ -34,6 +36,7 @@ TRAIN = TrainConfig(seq_len=256, batch_size=16)
     (MeshConfig(data=1, fsdp=2, expert=4), "none", "chunked", DROPLESS),
     (MeshConfig(data=2, fsdp=2, tensor=2), "none", "chunked", MLA),
     (MeshConfig(data=8), "dots", "xla", MLA),
+    (MeshConfig(data=1, fsdp=8), "full", "chunked", BIG_VOCAB),
 ])
 def test_planned_memory_agrees_with_the_compiled_step(mesh, remat, attention, base):
     model = dataclasses.replace(base, remat=remat, attention_impl=attention,
@@ -70,11 +73,25 @@ def test_planner_cli_prints_a_training_plan(capsys):
     assert plan["optimizer_bytes"] == 2 * plan["weights_bytes"]
 
 
+def test_the_plan_counts_the_logits_of_one_piece_under_loss_chunk(capsys):
+    """LLaMA-3-8B at 8K tokens: the dense loss's fp32 logits and their two companions take
+    12·V bytes a position; with 1K positions at a time, 1/8 of that and the head's gradient."""
+    args = ["llama3-8b", "--batch", "1", "--seq", "8192", "--hardware", "h100", "--json"]
+    plans = []
+    for extra in ([], ["--loss-chunk", "1024"]):
+        assert info.main([*args, *extra]) == 0
+        plans.append(json.loads(capsys.readouterr().out)["training"])
+    V, D = 128256, 4096
+    saved = plans[0]["activations_bytes"] - plans[1]["activations_bytes"]
+    assert saved == (8192 - 1024) * 12 * V - 4 * D * V
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--mesh", "data=2,model=4"], "expected data=D,fsdp=F,tensor=T"),
     (["--mesh", "data=-1,fsdp=8"], "give every size"),
     (["--mesh", "data=3", "--batch", "8"], "does not split over data x fsdp x expert = 3"),
     (["--mfu", "1.5", "--hardware", "v5p"], "must be in"),
+    (["--loss-chunk", "0", "--hardware", "h100"], "--loss-chunk=0 must be > 0"),
 ])
 def test_planner_refuses_bad_plans(argv, match, capsys):
     assert info.main(["llama3-8b", *argv]) == 2

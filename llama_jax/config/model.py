@@ -283,6 +283,10 @@ class ModelConfig:
     remat: str = setting("none", type="str", choices=REMAT_POLICIES, role=EXECUTION,
                          doc="what the backward pass recomputes: none | full | dots | "
                              "dots_no_batch")
+    loss_chunk: int | None = setting(None, type="int", above=0, null=True, role=EXECUTION,
+                                     doc="the LM loss computes the logits of this many "
+                                         "positions per row at a time (memory B x chunk x V "
+                                         "instead of B x T x V); null: all at once")
     scan_layers: bool = setting(True, type="bool", role=EXECUTION,
                                 doc="false unrolls the layer loop in training (compile time "
                                     "grows with L)")
@@ -387,6 +391,10 @@ class ModelConfig:
         if POSITIONS[self.positions].rotary:
             self._check_rope()
         self._check_head()
+        if self.loss_chunk is not None:
+            require(not HEADS[self.head].task, "loss_chunk", self.loss_chunk,
+                    f"applies to the LM head's loss; a task head ({self.head}) has no "
+                    "vocabulary to split")
         if self.quantize_head:
             require(self.quantize is not None, "quantize_head", self.quantize_head,
                     "needs quantize (e.g. quantize: int8)")

@@ -90,11 +90,13 @@ def plan(config: ModelConfig, *, batch: int, seq: int, dtype: str,
 
 def plan_training(config: ModelConfig, mesh: MeshConfig, *, batch: int, seq: int, remat: str,
                   compute_dtype: str, device: hardware.Hardware, mfu: float,
-                  kv_dtype: str, attention_impl: str = "auto") -> dict:
+                  kv_dtype: str, attention_impl: str = "auto",
+                  loss_chunk: int | None = None) -> dict:
     """Per-device memory and step time of training `config` on `mesh` of `device`s."""
     n_devices = math.prod(mesh.sizes)
     config = config.with_execution(remat=remat, compute_dtype=compute_dtype,
-                                   param_dtype="float32", attention_impl=attention_impl)
+                                   param_dtype="float32", attention_impl=attention_impl,
+                                   loss_chunk=loss_chunk)
     batch_ways = sharding.batch_shards(mesh, dict(zip(MESH_AXES, mesh.sizes)))
     if batch % batch_ways:
         raise ConfigError(f"--batch {batch} does not split over data x fsdp x expert = "
@@ -106,6 +108,7 @@ def plan_training(config: ModelConfig, mesh: MeshConfig, *, batch: int, seq: int
     return {"mesh": m.mesh, "devices": n_devices, "hardware": device.name,
             "device_memory_bytes": device.memory_bytes,
             "peak_flops_per_device": device.peak_bf16_flops, "remat": remat,
+            "loss_chunk": loss_chunk,
             "attention": chosen_attention(config, device.backend),
             "compute_dtype": compute_dtype, "weights_bytes": m.weights,
             "gradients_bytes": m.gradients, "optimizer_bytes": m.optimizer,
@@ -122,7 +125,8 @@ def render_training(t: dict, batch: int, seq: int) -> str:
         f"training plan        mesh {mesh} ({t['devices']} x {t['hardware']}: "
         f"{_bytes(t['device_memory_bytes'])}, {t['peak_flops_per_device'] / 1e12:,.0f} TFLOP/s "
         f"each); global batch {batch} x {seq} tokens, fp32 params + AdamW, "
-        f"{t['compute_dtype']} compute, remat {t['remat']}, {t['attention']} attention",
+        f"{t['compute_dtype']} compute, remat {t['remat']}, {t['attention']} attention"
+        + (f", loss {t['loss_chunk']} positions at a time" if t["loss_chunk"] else ""),
         f"  per device: weights {_bytes(t['weights_bytes'])}, gradients "
         f"{_bytes(t['gradients_bytes'])}, optimizer {_bytes(t['optimizer_bytes'])}, "
         f"activations {_bytes(t['activations_bytes'])}",
@@ -226,6 +230,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--attention-impl", choices=ATTENTION_IMPLS, default="auto",
                         help="attention implementation of the training plan (auto: cuDNN on "
                              "GPUs, splash on TPUs, chunked on CPUs; xla: dense)")
+    parser.add_argument("--loss-chunk", type=int, default=None,
+                        help="the training plan's loss takes the logits of this many positions "
+                             "per row at a time (default: all at once)")
     return parser.parse_args(argv)
 
 
@@ -238,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     device = hardware.hardware(args.hardware or "h100")
     if args.bandwidth is None:
         args.bandwidth = device.bandwidth / 1e9 if args.hardware else DEFAULT_BANDWIDTH_GBPS
-    for flag, value in (("--batch", args.batch), ("--seq", seq), ("--bandwidth", args.bandwidth)):
+    for flag, value in (("--batch", args.batch), ("--seq", seq), ("--bandwidth", args.bandwidth),
+                        ("--loss-chunk", 1 if args.loss_chunk is None else args.loss_chunk)):
         if value <= 0:
             raise ConfigError(f"{flag}={value} must be > 0")
     if not 0 < args.mfu <= 1:
@@ -252,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             model, mesh or MeshConfig(data=1), batch=args.batch, seq=seq, remat=args.remat,
             compute_dtype=args.compute_dtype, device=device,
             mfu=args.mfu, kv_dtype=args.cache_dtype or args.dtype,
-            attention_impl=args.attention_impl)
+            attention_impl=args.attention_impl, loss_chunk=args.loss_chunk)
         text += "\n" + render_training(result["training"], args.batch, seq)
     if args.max_batch is not None or args.max_seq_len is not None:
         result["serving"] = plan_serving(config, args.max_batch or 8,

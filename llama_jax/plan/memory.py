@@ -22,7 +22,9 @@ bias per layer, b·T per token, except under the recomputing policies.
 Heads and the FFN width are divided by the tensor axis when the activation rules shard them.
 Working set on top: one whole layer's activations (the layer being back-propagated, recomputed
 under remat), the fp32 logits, their softmax and its gradient, 3·4·V per token (over tensor when
-the vocabulary is sharded), and the embedded input, b·D; for the blockwise paths, a few fp32
+the vocabulary is sharded; under `loss_chunk` C, for C positions of each row instead of T, plus
+the head's fp32 gradient 4·D·V, which the pieces add to, unsharded over fsdp), and the embedded
+input, b·D; for the blockwise paths, a few fp32
 tiles of scores (3·4·N·block_q·block_kv per row). The figures are estimates; `python -m
 llama_jax.plan.info` prints them, and tests/test_memory.py checks them against XLA's
 `compiled.memory_analysis()` on CPU.
@@ -103,8 +105,12 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
         per_token += group.n_layers * layer[remat]
         whole_layer = max(whole_layer, layer["none"])
     # Working set of the backward pass: one layer's activations (recomputed under remat), the
-    # logits, their softmax and its gradient, and attention's tiles.
-    outside = whole_layer + 3 * 4 * V // _ways(rules, shape, "vocab", V) + b * D
+    # logits, their softmax and its gradient (of one piece of positions under loss_chunk), and
+    # attention's tiles.
+    vocab_ways = _ways(rules, shape, "vocab", V)
+    logits = rows * min(config.loss_chunk or seq, seq) * 3 * 4 * V // vocab_ways
+    if config.loss_chunk is not None and config.loss_chunk < seq:
+        logits += 4 * D * V // vocab_ways  # the head's gradient, summed over the pieces
     kv_seq = seq if kv_seq is None else kv_seq
     cache = mesh.cache_rules
     kv = (costs.kv_cache_bytes_per_token(config, kv_dtype) * kv_batch * kv_seq
@@ -112,7 +118,8 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
           // _ways(cache, shape, *mixer_of(config).cache_split(config)))
     return MemoryPlan(mesh=shape, weights=state_elems * param_bytes,
                       gradients=state_elems * param_bytes, optimizer=2 * 4 * state_elems,
-                      activations=tokens * (per_token + outside) + rows * attn.tiles + gathered,
+                      activations=tokens * (per_token + whole_layer + b * D) + logits
+                      + rows * attn.tiles + gathered,
                       kv_cache=kv)
 
 

@@ -1,7 +1,8 @@
 """The training and evaluation steps as pure functions of (state, batch).
 
 Loss (`objective`): for language modelling, next-token cross-entropy in fp32 averaged over the
-scored tokens of the whole batch (a target that begins the next packed document is not scored),
+scored tokens of the whole batch (a target that begins the next packed document is not scored;
+the logits computed whole or a piece at a time, cross_entropy.py),
 plus an optional z-loss `z · mean(log Z)²` (PaLM) that keeps the softmax normaliser near 1; for
 a downstream task, its loss (tasks.py). Either is a sum with its count, so the step divides
 once by the whole batch's count.
@@ -26,10 +27,10 @@ import optax
 from flax import struct
 
 from llama_jax.training import tasks
+from llama_jax.training.cross_entropy import log_z_and_target
 from llama_jax.config import ModelConfig, RunConfig, TrainConfig
 from llama_jax.data.batches import features
 from llama_jax.model.transformer import apply, aux_loss, aux_metrics, update_outside_gradient
-from llama_jax.nn.heads import lm_head
 from llama_jax.model.params import Params, init_params
 
 
@@ -60,9 +61,7 @@ def loss_sums(config: ModelConfig, params: Params, window_BT1: jax.Array, bos_id
     f = features(window_BT1, bos_id)
     out = apply(config, params, f.inputs_BT, positions_BT=f.positions_BT,
                 segment_ids_BT=f.segment_ids_BT)
-    logits_BTV = lm_head(config, params, out.hidden_BTD)
-    log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-    target_logit_BT = jnp.take_along_axis(logits_BTV, f.targets_BT[..., None], axis=-1)[..., 0]
+    log_z_BT, target_logit_BT = log_z_and_target(config, params, out.hidden_BTD, f.targets_BT)
     ce_sum = jnp.sum((log_z_BT - target_logit_BT) * f.weights_BT)
     count = jnp.sum(f.weights_BT)
     total = ce_sum + z_loss * jnp.sum(jnp.square(log_z_BT) * f.weights_BT)

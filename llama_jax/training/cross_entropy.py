@@ -1,0 +1,61 @@
+"""The LM head's next-token log-normaliser and target logit per position, for the loss.
+
+Dense (`config.loss_chunk` null): the fp32 logits `[B, T, V]` of the whole batch at once; the
+backward pass holds them, their softmax and its gradient, 3·4·V bytes per token, which at
+V = 128K and T = 8K is 12 GiB a row, more than the model's activations.
+
+Chunked (`loss_chunk: C`): the positions of every row are taken C at a time by a `lax.scan`
+whose body is rematerialised (`jax.checkpoint`), so only one piece's logits `[B, C, V]` ever
+exist, in the forward pass and again in the backward one, which recomputes them from the
+piece's hidden states. The cost is one more head matmul per token (2·D·V FLOPs, the forward
+one repeated); the values are the dense ones up to summation order. Pieces run along T, not
+over flattened tokens, so that rows keep their batch sharding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from llama_jax.config import ModelConfig
+from llama_jax.nn.heads import lm_head
+
+
+def log_z_and_target(config: ModelConfig, params: dict, h_BTD: jax.Array,
+                     targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """fp32 `(log Z, logit of the target)`, each `[B, T]`: the cross-entropy of a position is
+    their difference."""
+    T = h_BTD.shape[1]
+    if config.loss_chunk is None or config.loss_chunk >= T:
+        return _piece(config, params, h_BTD, targets_BT)
+    C = config.loss_chunk
+    n = -(-T // C)
+    pad = n * C - T  # the last piece is padded with zero states, and its padding dropped
+    h_nBCD = _pieces(jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0))), n)
+    targets_nBC = _pieces(jnp.pad(targets_BT, ((0, 0), (0, pad))), n)
+
+    @jax.checkpoint
+    def piece(_, xs):
+        return None, _piece(config, params, *xs)
+
+    _, (log_z_nBC, target_nBC) = jax.lax.scan(piece, None, (h_nBCD, targets_nBC))
+    return _joined(log_z_nBC, T), _joined(target_nBC, T)
+
+
+def _piece(config: ModelConfig, params: dict, h_BCD: jax.Array,
+           targets_BC: jax.Array) -> tuple[jax.Array, jax.Array]:
+    logits_BCV = lm_head(config, params, h_BCD)
+    target_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits_BCV, axis=-1), target_BC
+
+
+def _pieces(x_BT: jax.Array, n: int) -> jax.Array:
+    """`[B, n·C, ...]` -> `[n, B, C, ...]`: the scan runs over the leading axis."""
+    B, T = x_BT.shape[:2]
+    return jnp.moveaxis(x_BT.reshape(B, n, T // n, *x_BT.shape[2:]), 1, 0)
+
+
+def _joined(x_nBC: jax.Array, T: int) -> jax.Array:
+    """`[n, B, C]` -> `[B, T]`, without the padding."""
+    n, B, C = x_nBC.shape
+    return jnp.moveaxis(x_nBC, 0, 1).reshape(B, n * C)[:, :T]
