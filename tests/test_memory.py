@@ -37,6 +37,9 @@ TRAIN = TrainConfig(seq_len=256, batch_size=16)
     (MeshConfig(data=2, fsdp=2, tensor=2), "none", "chunked", MLA),
     (MeshConfig(data=8), "dots", "xla", MLA),
     (MeshConfig(data=1, fsdp=8), "full", "chunked", BIG_VOCAB),
+    (MeshConfig(data=8), "attention", "chunked", MODEL),
+    (MeshConfig(data=2, fsdp=2, tensor=2), "dots_with_attention", "chunked", MODEL),
+    (MeshConfig(data=1, fsdp=8), "attention", "chunked", MLA),
 ])
 def test_planned_memory_agrees_with_the_compiled_step(mesh, remat, attention, base):
     model = dataclasses.replace(base, remat=remat, attention_impl=attention,

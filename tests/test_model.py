@@ -106,19 +106,42 @@ def loss_and_grads(config, params, toks):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
-@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch"])
-def test_remat_does_not_change_values_or_gradients(policy, params):
-    toks = tokens(TINY, 2, 17)
-    loss, grads = loss_and_grads(TINY, params["gqa"], toks)
-    remat_loss, remat_grads = loss_and_grads(dataclasses.replace(TINY, remat=policy),
-                                             params["gqa"], toks)
+# Blocks of 8 make attention at T = 16 blockwise (the chunked path's own backward pass)
+BLOCKWISE = dataclasses.replace(TINY, attention_impl="chunked", attention_block_q=8,
+                                attention_block_kv=8)
+
+
+@pytest.mark.parametrize("policy, base", [
+    ("full", TINY), ("dots", TINY), ("dots_no_batch", TINY), ("attention", TINY),
+    ("dots_with_attention", TINY), ("full", BLOCKWISE), ("attention", BLOCKWISE),
+    ("dots_with_attention", BLOCKWISE)], ids=lambda x: getattr(x, "attention_impl", x))
+def test_remat_does_not_change_values_or_gradients(policy, base, params):
+    toks = tokens(base, 2, 17)
+    loss, grads = loss_and_grads(base, params["gqa"], toks)
+    remat_config = dataclasses.replace(base, remat=policy)
+    remat_loss, remat_grads = loss_and_grads(remat_config, params["gqa"], toks)
     assert remat_loss == pytest.approx(float(loss), rel=1e-6)
-    remat_config = dataclasses.replace(TINY, remat=policy)
     jaxpr = str(jax.make_jaxpr(llama_jax.forward, static_argnums=0)(remat_config, params["gqa"],
                                                                     toks))
     assert "checkpoint" in jaxpr or "remat" in jaxpr  # the block really is rematerialised
     for (path, g), rg in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(remat_grads)):
         assert_close(rg, g, 1e-5, err_msg=jax.tree_util.keystr(path))  # on each leaf's scale
+
+
+def test_the_attention_policies_keep_blockwise_attention_from_running_twice(params):
+    """The blockwise forward is one loop over query blocks per layer scan; a policy that
+    saves attention's output and log-sum-exp leaves the backward pass without a rerun of it,
+    as no remat does, while `full` reruns it."""
+    toks = tokens(BLOCKWISE, 2, 17)
+
+    def loops(policy):
+        config = dataclasses.replace(BLOCKWISE, remat=policy)
+        loss = lambda p: jnp.sum(llama_jax.forward(config, p, toks))  # noqa: E731
+        return jax.jit(jax.grad(loss)).lower(params["gqa"]).as_text().count("stablehlo.while")
+
+    none = loops("none")
+    assert loops("full") > none
+    assert loops("attention") == loops("dots_with_attention") == none
 
 
 def test_bf16_compute_with_fp32_params_equals_bf16_params(params):

@@ -34,7 +34,7 @@ from llama_jax.quant import QUANTIZATIONS
 # fields' choices.
 ROPE_TYPES = ("default", "llama3", "yarn")
 MLA_DECODES = ("absorbed", "expanded")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "attention", "dots_with_attention")
 NORM_POSITIONS = ("pre", "post")
 MOE = "moe"  # the block MLP that routes tokens to expert MLPs (nn/moe.py), besides MLPS' kinds
 MOE_DISPATCHES = ("auto", "capacity", "dropless")  # see nn/moe.py
@@ -282,7 +282,7 @@ class ModelConfig:
                                  doc="activations and matmul inputs")
     remat: str = setting("none", type="str", choices=REMAT_POLICIES, role=EXECUTION,
                          doc="what the backward pass recomputes: none | full | dots | "
-                             "dots_no_batch")
+                             "dots_no_batch | attention | dots_with_attention")
     loss_chunk: int | None = setting(None, type="int", above=0, null=True, role=EXECUTION,
                                      doc="the LM loss computes the logits of this many "
                                          "positions per row at a time (memory B x chunk x V "

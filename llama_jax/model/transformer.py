@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from llama_jax.config import ModelConfig
 from llama_jax.model.kv_cache import KVCache
 from llama_jax.nn.attention.gqa import Context
-from llama_jax.nn.attention.dot_product import Mask
+from llama_jax.nn.attention.dot_product import ATTENTION_NAMES, Mask
 from llama_jax.nn.heads import apply_head, is_task_head, padding_layout
 from llama_jax.nn.attention.mixers import mixer_of
 from llama_jax.nn.mlp import apply_mlp
@@ -46,10 +46,23 @@ from llama_jax.nn.positions import add_positions, rotation
 from llama_jax.model.params import LayerGroup, Params, layer_groups
 from llama_jax.parallel.sharding import constrain
 
+_policies = jax.checkpoint_policies
+# Attention's inputs (q, k, v after RoPE), output and log-sum-exp (nn/attention/), which a
+# blockwise backward pass needs to skip the forward's rerun; cuDNN's forward call, whose
+# outputs (the attention output and its softmax statistics) JAX's wrapper does not name, is
+# matched by its primitive.
+_ATTENTION = _policies.save_from_both_policies(
+    _policies.save_only_these_names(*ATTENTION_NAMES),
+    lambda prim, *_, **__: prim.name == "dot_product_attention_fwd_wrapper")
 REMAT_POLICY_FNS = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "dots": _policies.checkpoint_dots,
+    "dots_no_batch": _policies.checkpoint_dots_with_no_batch_dims,
+    # attention is not recomputed, the rest of the block (norms, projections, MLP) is
+    "attention": _ATTENTION,
+    # the weight matmuls and attention are not recomputed: only elementwise work is
+    "dots_with_attention": _policies.save_from_both_policies(
+        _policies.checkpoint_dots_with_no_batch_dims, _ATTENTION),
 }
 
 

@@ -16,7 +16,10 @@ Activations saved for the backward pass, per layer and per token held by the dev
   b·(2·N·H + 2·K·H + 2D + 2F) (1F for a plain MLP), plus the dense path's fp32 scores, 4·N·T,
   or the blockwise paths' log-sum-exp, 4·N;
 - dots_no_batch: the weight matmuls only (attention is recomputed): b·(N·H + 2·K·H + 2D + 2F);
-- full: the block input only, b·D (the block is recomputed).
+- full: the block input only, b·D (the block is recomputed);
+- attention: the block input and attention's q, k, v and output, b·(D + N·H + 2·K·H + N·Hv),
+  plus the blockwise paths' fp32 log-sum-exp, 4·N (the dense path recomputes its scores);
+- dots_with_attention: dots_no_batch's matmul outputs and attention's output and log-sum-exp.
 cuDNN with packed documents (as training is) also keeps its `[T, S]` document mask as a b-byte
 bias per layer, b·T per token, except under the recomputing policies.
 Heads and the FFN width are divided by the tensor axis when the activation rules shard them.
@@ -101,6 +104,9 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
             "dots": b * (2 * D + mixer["dots"]) + mlp["dots"] + attn.saved_by_dots,
             "dots_no_batch": b * (2 * D + mixer["dots_no_batch"]) + mlp["dots_no_batch"],
             "full": b * D,
+            "attention": b * (D + mixer["attention"]) + attn.residuals,
+            "dots_with_attention": b * (2 * D + mixer["dots_with_attention"])
+            + mlp["dots_no_batch"] + attn.residuals,
         }
         per_token += group.n_layers * layer[remat]
         whole_layer = max(whole_layer, layer["none"])
@@ -158,6 +164,7 @@ def _mlp_memory(config: ModelConfig, moe: bool, b: int, local,
 class _AttentionMemory:
     saved: int  # bytes per token per layer kept with no remat
     saved_by_dots: int  # of them, those the "dots" policy keeps
+    residuals: int  # those the attention policies keep besides q, k, v and the output
     tiles: int  # working set per row
 
 
@@ -169,8 +176,9 @@ def _attention_memory(config: ModelConfig, backend: str, T: int, b: int,
     block_q, block_kv = min(config.attention_block_q, T), min(config.attention_block_kv, T)
     if impl == "xla" or (impl == "chunked" and one_block(T, T, config.attention_block_q,
                                                          config.attention_block_kv)):
-        return _AttentionMemory(saved=2 * 4 * N * T, saved_by_dots=4 * N * T, tiles=0)
+        return _AttentionMemory(saved=2 * 4 * N * T, saved_by_dots=4 * N * T, residuals=0,
+                                tiles=0)
     mask = b * T if impl == "cudnn" else 0
     return _AttentionMemory(saved=b * N * config.v_head_dim + 4 * N + mask,
-                            saved_by_dots=4 * N + mask,
+                            saved_by_dots=4 * N + mask, residuals=4 * N + mask,
                             tiles=3 * 4 * N * block_q * block_kv)

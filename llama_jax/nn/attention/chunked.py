@@ -26,6 +26,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from llama_jax.nn.ops import einsum_f32
 
@@ -33,6 +34,10 @@ from llama_jax.nn.ops import einsum_f32
 MASKED = float(jnp.finfo(jnp.float32).min)
 _NEVER = jnp.iinfo(jnp.int32).max  # key index of padding slots: after every query
 
+
+# Remat names (model/transformer.py's attention policies) of attention's output and of the
+# blockwise backward pass's log-sum-exp
+OUTPUT_NAME, LSE_NAME = "attention", "attention_lse"
 
 def chunked_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
                       q_index_BT: jax.Array, kv_index_BS: jax.Array,
@@ -147,6 +152,8 @@ def _flash_forward(scale, q_QBTKGH, k_JBSKH, v_JBSKH, q_index_QBT, kv_index_JBS,
 
 def _flash_fwd(scale, q, k, v, q_index, kv_index, q_segment, kv_segment):
     out, lse, ranges = _flash_forward(scale, q, k, v, q_index, kv_index, q_segment, kv_segment)
+    # Named so that a remat policy can keep them (the backward pass then skips the forward)
+    out, lse = checkpoint_name(out, OUTPUT_NAME), checkpoint_name(lse, LSE_NAME)
     return out, (q, k, v, q_index, kv_index, q_segment, kv_segment, out, lse, ranges)
 
 

@@ -31,10 +31,12 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.ad_checkpoint import checkpoint_name
 
 from llama_jax.dtypes import dtype_name
 from llama_jax.errors import ConfigError
-from llama_jax.nn.attention.chunked import MASKED, chunked_attention, visible
+from llama_jax.nn.attention.chunked import (LSE_NAME, MASKED, OUTPUT_NAME, chunked_attention,
+                                            visible)
 from llama_jax.nn.ops import einsum_f32
 from llama_jax.parallel.sharding import per_shard
 from llama_jax.quant import Int8, as_float, is_int8
@@ -144,6 +146,10 @@ def _splash_blocks_ok(block_q: int, block_kv: int) -> None:
                               f"multiples of {_SPLASH_LANES}")
 
 
+# Remat names: attention's inputs and output, and the blockwise paths' log-sum-exp
+INPUT_NAMES = ("query", "key", "value")
+ATTENTION_NAMES = (*INPUT_NAMES, OUTPUT_NAME, LSE_NAME)
+
 def dot_product_attention(q_BTNH: jax.Array, k: jax.Array | Int8, v: jax.Array | Int8,
                           mask: Mask, *, impl: str = "xla", kv_layout: str = "BSKH",
                           scale: float | None = None, block_q: int = 512,
@@ -151,7 +157,18 @@ def dot_product_attention(q_BTNH: jax.Array, k: jax.Array | Int8, v: jax.Array |
     """Grouped-head attention `[B, T, N, Hv]` in q's dtype. `kv_layout` names the axes of k and
     v: "BSKH" (fresh projections) or "BKSH" (the KV cache, heads leading). `scale` defaults to
     1/√H of the queries' head dim. int8 keys and values (an int8 KV cache, one scale per
-    vector) are read as they are by the dense computation and dequantized for the others."""
+    vector) are read as they are by the dense computation and dequantized for the others.
+
+    q, k, v and the output carry remat names (`ATTENTION_NAMES`)."""
+    q_BTNH, k, v = (checkpoint_name(x, name) for x, name in zip((q_BTNH, k, v), INPUT_NAMES))
+    out_BTNH = _attention(q_BTNH, k, v, mask, impl=impl, kv_layout=kv_layout, scale=scale,
+                          block_q=block_q, block_kv=block_kv)
+    return checkpoint_name(out_BTNH, OUTPUT_NAME)
+
+
+def _attention(q_BTNH: jax.Array, k: jax.Array | Int8, v: jax.Array | Int8, mask: Mask, *,
+               impl: str, kv_layout: str, scale: float | None, block_q: int,
+               block_kv: int) -> jax.Array:
     B, T, N, H = q_BTNH.shape
     scale = H ** -0.5 if scale is None else scale
     impl = resolve_attention_impl(impl, compute_dtype=q_BTNH.dtype, head_dim=H,

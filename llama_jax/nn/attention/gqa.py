@@ -253,7 +253,8 @@ def saved_activations(config: ModelConfig, heads: int, kv_heads: int) -> dict[st
     v (K·H each); dots_no_batch drops the attention output."""
     H, Hv = config.H, config.v_head_dim
     q_out_k_v = (heads + kv_heads) * (H + Hv)
-    return {"none": q_out_k_v, "dots": q_out_k_v, "dots_no_batch": q_out_k_v - heads * Hv}
+    return {"none": q_out_k_v, "dots": q_out_k_v, "dots_no_batch": q_out_k_v - heads * Hv,
+            "attention": q_out_k_v, "dots_with_attention": q_out_k_v}
 
 
 def check_config(config: ModelConfig) -> None:

@@ -32,7 +32,7 @@ class Mixer:
     cache_split: Callable
     cache_vectors: Callable
     # (config, heads, kv_heads) -> elements per token kept for the backward pass, by remat
-    # policy (none, dots, dots_no_batch), for the heads a device holds
+    # policy (config.REMAT_POLICIES but full), for the heads a device holds
     saved_activations: Callable
     check_config: Callable  # (config) -> None; a ConfigError names the field
 

@@ -235,13 +235,16 @@ def saved_activations(config: ModelConfig, heads: int, kv_heads: int) -> dict[st
     k and v: q and output N·(H + Hv), k and v N·(H + Hv), plus the latents before and after
     their norms (2·(Z + I + Q)) and the parts joined into q and k (2·N·H: the shared RoPE key
     is broadcast to every head); the dots policies keep the latents' matmul outputs
-    (Z + I + Q) and q's and k's parts instead of the joined q and k."""
+    (Z + I + Q) and q's and k's parts instead of the joined q and k; the attention policies
+    attention's q, k, v and output (2·N·(H + Hv)), with the dots for dots_with_attention."""
     H, Hv, a = config.H, config.v_head_dim, config.mla
     latents = a.kv_lora_rank + a.qk_rope_head_dim + (a.q_lora_rank or 0)
     parts = 2 * heads * H
     return {"none": 2 * heads * (H + Hv) + 2 * latents + parts,
             "dots": 2 * heads * Hv + latents + parts,
-            "dots_no_batch": heads * Hv + latents + parts}
+            "dots_no_batch": heads * Hv + latents + parts,
+            "attention": 2 * heads * (H + Hv),
+            "dots_with_attention": 2 * heads * Hv + latents + parts}
 
 
 def check_config(config: ModelConfig) -> None:
