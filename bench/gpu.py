@@ -32,7 +32,8 @@ Speed:
 - training: D=2048, L=16, N=16, K=8, F=5632, V=32000, seq 2048, batch 4, random tokens; one
   step = forward, backward, global-norm clipping (1.0) and AdamW (weight decay 0.1) with fp32
   master weights and bf16 compute. Ours: the jitted `train_step` with the state donated, under
-  attention_impl cudnn, chunked and xla. transformers: `LlamaForCausalLM(ids, labels=ids)`
+  attention_impl cudnn (also with the remat policies attention and dots_with_attention, and
+  with loss_chunk 512), chunked and xla. transformers: `LlamaForCausalLM(ids, labels=ids)`
   under `torch.autocast("cuda", bfloat16)` on fp32 weights (eager, its default attention),
   backward, `clip_grad_norm_`, `torch.optim.AdamW` (default foreach), `zero_grad`, a CUDA
   synchronize per step. 3 untimed steps, then 10 timed; medians. MFU = (6·P_mm + 6·L·T·D)
@@ -124,7 +125,10 @@ TINY = Plan(attention_BTNKH=(2, 40, 4, 2, 16),
             train_batch=2, train_seq=64, train_steps=2, decode_prompt=16, decode_new=16,
             decode_batches=(1, 2), decode_repeats=1, matmul_n=256, copy_bytes=4 << 20)
 WARMUP_STEPS = 3
-TRAIN_IMPLS = ("cudnn", "chunked", "xla", "transformers")
+# Ours as "impl" or "impl+field=value+...": an attention implementation and execution settings
+# (a remat policy, the loss a piece at a time), and transformers.
+TRAIN_RUNS = ("cudnn", "cudnn+remat=attention", "cudnn+remat=dots_with_attention",
+              "cudnn+loss_chunk=512", "chunked", "xla", "transformers")
 # Ours as "impl" or "impl:weights/cache" (int8 weights: the bf16 model quantized while loading;
 # an int8 KV cache), and transformers.
 DECODE_RUNS = ("scan", "unrolled", "scan:int8/bfloat16", "scan:bfloat16/int8",
@@ -452,8 +456,11 @@ def peak_gib() -> float | None:
     return stats.get("peak_bytes_in_use", 0) / 2 ** 30 or None
 
 
-def train_ours(plan: Plan, impl: str) -> dict:
-    config = plan.big.with_execution(compute_dtype=BF16, attention_impl=impl)
+def train_ours(plan: Plan, run: str) -> dict:
+    impl, *settings = run.split("+")
+    fields = {field: int(value) if value.isdigit() else value
+              for field, _, value in (s.partition("=") for s in settings)}
+    config = plan.big.with_execution(compute_dtype=BF16, attention_impl=impl, **fields)
     train = train_config(plan)
     optimizer = make_optimizer(config, train)
     state = jax.jit(functools.partial(init_state, config, optimizer))(jax.random.key(0))
@@ -625,7 +632,7 @@ def correctness(tiny: bool, tmp: str) -> dict:
 def training(plan: Plan, tiny: bool, peak: dict) -> dict:
     if "error" in peak:
         return {"error": f"no matmul peak measured: {peak['error']}"}
-    runs = {impl: child("train", impl, tiny=tiny) for impl in TRAIN_IMPLS}
+    runs = {run: child("train", run, tiny=tiny) for run in TRAIN_RUNS}
     flops = costs.train_flops_per_token(plan.big, plan.train_seq)
     tokens = plan.train_batch * plan.train_seq
     for r in runs.values():

@@ -25,6 +25,12 @@ def log_z_and_target(config: ModelConfig, params: dict, h_BTD: jax.Array,
                      targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
     """fp32 `(log Z, logit of the target)`, each `[B, T]`: the cross-entropy of a position is
     their difference."""
+    with jax.named_scope("loss"):  # profiles (bench/profile_step.py) group by it
+        return _log_z_and_target(config, params, h_BTD, targets_BT)
+
+
+def _log_z_and_target(config: ModelConfig, params: dict, h_BTD: jax.Array,
+                      targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
     T = h_BTD.shape[1]
     if config.loss_chunk is None or config.loss_chunk >= T:
         return _piece(config, params, h_BTD, targets_BT)

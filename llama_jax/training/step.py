@@ -96,11 +96,12 @@ def train_step(config: ModelConfig, train: TrainConfig, optimizer: optax.Gradien
         (grad_sums, (sums, aux)), _ = jax.lax.scan(accumulate, zeros, parts)
     count = jnp.maximum(sums["count"], 1.0)
     grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grad_sums, state.params)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    with jax.named_scope("optimizer"):  # profiles (bench/profile_step.py) group by it
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
     metrics = {"loss": sums["loss_sum"] / count, "grad_norm": optax.tree.norm(grads),
                "nonfinite_in_row": opt_state.notfinite_count,
                "nonfinite_total": opt_state.total_notfinite, **aux_metrics(aux)}
-    params = optax.apply_updates(state.params, updates)
     if train.freeze == "backbone":  # nothing of a frozen backbone changes, by rule either
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
     # Rule-based updates (the MoE selection bias) are skipped with the step when it was not

@@ -161,8 +161,9 @@ def dot_product_attention(q_BTNH: jax.Array, k: jax.Array | Int8, v: jax.Array |
 
     q, k, v and the output carry remat names (`ATTENTION_NAMES`)."""
     q_BTNH, k, v = (checkpoint_name(x, name) for x, name in zip((q_BTNH, k, v), INPUT_NAMES))
-    out_BTNH = _attention(q_BTNH, k, v, mask, impl=impl, kv_layout=kv_layout, scale=scale,
-                          block_q=block_q, block_kv=block_kv)
+    with jax.named_scope("attention"):  # profiles (bench/profile_step.py) group by it
+        out_BTNH = _attention(q_BTNH, k, v, mask, impl=impl, kv_layout=kv_layout, scale=scale,
+                              block_q=block_q, block_kv=block_kv)
     return checkpoint_name(out_BTNH, OUTPUT_NAME)
 
 
