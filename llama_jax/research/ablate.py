@@ -99,11 +99,19 @@ class Study:
         return f"{variant.name}-{run_key(variant, seed)}"
 
 
+# Model fields added after studies had finished runs, with their defaults: a field left at its
+# default stays out of the hash, so the runs of an unchanged variant keep their keys.
+ADDED_MODEL_FIELDS = {"loss_chunk": None}
+
+
 def run_key(variant: Variant, seed: int) -> str:
     """`s{seed}-{hash}`, the hash of the resolved config (without the study's shared tokenizer
     file, which lives in the study's directory): equal keys train the same run."""
     config = variant.for_seed(seed).to_dict()
     config["data"]["tokenizer"] = None
+    for field, default in ADDED_MODEL_FIELDS.items():
+        if config["model"].get(field) == default:
+            del config["model"][field]
     resolved = json.dumps(config, sort_keys=True, default=str)
     return f"s{seed}-{hashlib.sha256(resolved.encode()).hexdigest()[:8]}"
 
