@@ -27,10 +27,9 @@ Working set on top: one whole layer's activations (the layer being back-propagat
 under remat), the fp32 logits, their softmax and its gradient, 3·4·V per token (over tensor when
 the vocabulary is sharded; under `loss_chunk` C, for C positions of each row instead of T, plus
 the head's fp32 gradient 4·D·V, which the pieces add to, unsharded over fsdp), and the embedded
-input, b·D; for the blockwise paths, a few fp32
-tiles of scores (3·4·N·block_q·block_kv per row). The figures are estimates; `python -m
-llama_jax.plan.info` prints them, and tests/test_memory.py checks them against XLA's
-`compiled.memory_analysis()` on CPU.
+input, b·D; for the blockwise paths, a few fp32 tiles of scores (3·4·N·block_q·block_kv per
+row). The figures are estimates; `python -m llama_jax.plan.info` prints them, and
+tests/test_memory.py checks them against XLA's `compiled.memory_analysis()` on CPU.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ _NEVER = jnp.iinfo(jnp.int32).max  # key index of padding slots: after every que
 # blockwise backward pass's log-sum-exp
 OUTPUT_NAME, LSE_NAME = "attention", "attention_lse"
 
+
 def chunked_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
                       q_index_BT: jax.Array, kv_index_BS: jax.Array,
                       q_segment_BT: jax.Array | None, kv_segment_BS: jax.Array | None, *,

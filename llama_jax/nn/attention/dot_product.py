@@ -150,6 +150,7 @@ def _splash_blocks_ok(block_q: int, block_kv: int) -> None:
 INPUT_NAMES = ("query", "key", "value")
 ATTENTION_NAMES = (*INPUT_NAMES, OUTPUT_NAME, LSE_NAME)
 
+
 def dot_product_attention(q_BTNH: jax.Array, k: jax.Array | Int8, v: jax.Array | Int8,
                           mask: Mask, *, impl: str = "xla", kv_layout: str = "BSKH",
                           scale: float | None = None, block_q: int = 512,
