@@ -64,9 +64,9 @@ def test_the_chunked_loss_has_the_dense_loss_and_gradients(chunk, tied):
     want, want_grads = _loss_and_grads(dense, params)
     got, grads = _loss_and_grads(dataclasses.replace(dense, loss_chunk=chunk), params)
     assert float(got) == pytest.approx(float(want), rel=1e-6)
+    wanted = dict(jax.tree_util.tree_leaves_with_path(want_grads))
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
-        want_g = dict(jax.tree_util.tree_leaves_with_path(want_grads))[path]
-        assert relative_error(g, want_g) < 1e-6, jax.tree_util.keystr(path)
+        assert relative_error(g, wanted[path]) < 1e-6, jax.tree_util.keystr(path)
 
 
 def test_the_chunked_loss_never_holds_the_whole_batch_of_logits():
