@@ -32,8 +32,9 @@ Speed:
 - training: D=2048, L=16, N=16, K=8, F=5632, V=32000, seq 2048, batch 4, random tokens; one
   step = forward, backward, global-norm clipping (1.0) and AdamW (weight decay 0.1) with fp32
   master weights and bf16 compute. Ours: the jitted `train_step` with the state donated, under
-  attention_impl cudnn (also with the remat policies attention and dots_with_attention, and
-  with loss_chunk 512), chunked and xla. transformers: `LlamaForCausalLM(ids, labels=ids)`
+  attention_impl cudnn (also with the remat policies attention and dots_with_attention, with
+  loss_chunk 512, and without the XLA flags the library sets on GPU: "-gpu-flags",
+  LLAMA_JAX_GPU_FLAGS=0), chunked and xla. transformers: `LlamaForCausalLM(ids, labels=ids)`
   under `torch.autocast("cuda", bfloat16)` on fp32 weights (eager, its default attention),
   backward, `clip_grad_norm_`, `torch.optim.AdamW` (default foreach), `zero_grad`, a CUDA
   synchronize per step. 3 untimed steps, then 10 timed; medians. MFU = (6·P_mm + 6·L·T·D)
@@ -42,11 +43,11 @@ Speed:
   torch.cuda.max_memory_allocated).
 - decode: the same model in bf16 (weights and cache; random weights exported once to a HF
   directory that both sides load), a 128-token random prompt per row, 128 new tokens, greedy,
-  batch 1 and 8. Ours: `generate` under each decode implementation, and under scan with int8
-  weights (quantized while loading), an int8 KV cache, and both; step ms = decode time
-  after the first token / 127. transformers: `generate()` with its default dynamic cache;
-  step ms = (time of 128 new tokens − time of 1) / 127. 1 compile run and 1 untimed run, then
-  3 timed; medians. Floor = (weight bytes read per step + KV bytes at the mean context of 192
+  batch 1 and 8. Ours: `generate` under each decode implementation (with and without the
+  library's GPU XLA flags), and under scan with int8 weights (quantized while loading), an
+  int8 KV cache, and both; step ms = decode time after the first token / 127. transformers:
+  `generate()` with its default dynamic cache; step ms = (time of 128 new tokens − time of 1)
+  / 127. 1 compile run and 1 untimed run, then 3 timed; medians. Floor = (weight bytes read per step + KV bytes at the mean context of 192
   tokens, int8 values and scales counted as stored) / copy bandwidth.
 
 The last lines printed are the tables; `--out` (default $OUT, else .) gets gpu.json with every
@@ -73,6 +74,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import llama_jax
+from llama_jax import xla_flags
 from llama_jax.plan import costs
 from llama_jax.config import TrainConfig
 from llama_jax.decode.generate import GenerationStats
@@ -128,11 +130,14 @@ WARMUP_STEPS = 3
 # Ours as "impl" or "impl+field=value+...": an attention implementation and execution settings
 # (a remat policy, the loss a piece at a time), and transformers.
 TRAIN_RUNS = ("cudnn", "cudnn+remat=attention", "cudnn+remat=dots_with_attention",
-              "cudnn+loss_chunk=512", "chunked", "xla", "transformers")
+              "cudnn+loss_chunk=512", "cudnn -gpu-flags", "chunked", "xla", "transformers")
 # Ours as "impl" or "impl:weights/cache" (int8 weights: the bf16 model quantized while loading;
 # an int8 KV cache), and transformers.
-DECODE_RUNS = ("scan", "unrolled", "scan:int8/bfloat16", "scan:bfloat16/int8",
-               "scan:int8/int8", "transformers")
+DECODE_RUNS = ("scan", "unrolled", "scan -gpu-flags", "unrolled -gpu-flags",
+               "scan:int8/bfloat16", "scan:bfloat16/int8", "scan:int8/int8", "transformers")
+# A run of ours ending in NO_FLAGS runs without the XLA flags the library sets on GPU
+# (LLAMA_JAX_GPU_FLAGS=0), to measure what they give.
+NO_FLAGS = " -gpu-flags"
 FP32 = "float32"
 BF16 = "bfloat16"
 # Tolerances on the relative error: fp32 arithmetic in a different order; bf16 operands.
@@ -603,17 +608,20 @@ def run_worker(kind: str, args: list[str], plan: Plan, result_path: str) -> None
     """In the child: runs `kind` and writes its JSON result (or the error) to `result_path`."""
     try:
         result = WORKERS[kind](plan, *args)
+        result["xla_flags"] = os.environ.get("XLA_FLAGS")  # as `import llama_jax` left them
     except Exception as e:  # an OOM or a backend refusal is a result to report
         traceback.print_exc()
         result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     Path(result_path).write_text(json.dumps(result))
 
 
-def child(kind: str, *args: str, tiny: bool, cpu: bool = False) -> dict:
+def child(kind: str, *args: str, tiny: bool, cpu: bool = False, gpu_flags: bool = True) -> dict:
     """Runs a worker in a fresh process (its output goes to ours) and returns its result."""
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.9")
     if cpu:
         env["JAX_PLATFORMS"] = "cpu"
+    if not gpu_flags:
+        env[xla_flags.SWITCH] = "0"
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         command = [sys.executable, __file__, "--worker", kind, *args, "--result", str(result)]
@@ -621,6 +629,12 @@ def child(kind: str, *args: str, tiny: bool, cpu: bool = False) -> dict:
         if not result.exists():
             return {"error": f"worker {kind} {' '.join(args)} exited with {code}"}
         return json.loads(result.read_text())
+
+
+def run_child(kind: str, run: str, *args: str, tiny: bool) -> dict:
+    """`child` for one run of TRAIN_RUNS or DECODE_RUNS, without the GPU flags if it says so."""
+    base = run.removesuffix(NO_FLAGS)
+    return child(kind, base, *args, tiny=tiny, gpu_flags=base == run)
 
 
 def correctness(tiny: bool, tmp: str) -> dict:
@@ -632,7 +646,7 @@ def correctness(tiny: bool, tmp: str) -> dict:
 def training(plan: Plan, tiny: bool, peak: dict) -> dict:
     if "error" in peak:
         return {"error": f"no matmul peak measured: {peak['error']}"}
-    runs = {run: child("train", run, tiny=tiny) for run in TRAIN_RUNS}
+    runs = {run: run_child("train", run, tiny=tiny) for run in TRAIN_RUNS}
     flops = costs.train_flops_per_token(plan.big, plan.train_seq)
     tokens = plan.train_batch * plan.train_seq
     for r in runs.values():
@@ -649,7 +663,7 @@ def decoding(plan: Plan, tiny: bool, peak: dict, tmp: str) -> dict:
     exported = child("export", hf_dir, tiny=tiny)
     if "error" in exported:
         return exported
-    runs = {run: child("decode", run, hf_dir, tiny=tiny) for run in DECODE_RUNS}
+    runs = {run: run_child("decode", run, hf_dir, tiny=tiny) for run in DECODE_RUNS}
     context = plan.decode_prompt + plan.decode_new // 2
 
     def floor_s(run: str, batch: int) -> float:
@@ -670,6 +684,7 @@ def print_header(results: dict, plan: Plan) -> None:
     if "bf16_matmul_flops" in peak:
         print(f"bf16 {plan.matmul_n}³ matmul {peak['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s; "
               f"copy {peak['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write)")
+        print(f"XLA_FLAGS after `import llama_jax`: {peak.get('xla_flags')}")
 
 
 def print_correctness(checks: dict, plan: Plan) -> None:
@@ -709,6 +724,14 @@ def print_training(training: dict, plan: Plan) -> None:
               f"{ratio} | {peak} | {compile_s} | {r['first_loss']:.2f}→{r['last_loss']:.2f} |")
 
 
+def base_run(run: str) -> str | None:
+    """The decode run a run's step is compared with: itself with the GPU flags, or bf16 scan
+    for an int8 one."""
+    if run.endswith(NO_FLAGS):
+        return run.removesuffix(NO_FLAGS)
+    return "scan" if ":" in run else None
+
+
 def print_decode(decode: dict, plan: Plan) -> None:
     if "error" in decode:
         print(f"decode: {decode['error']}")
@@ -716,15 +739,16 @@ def print_decode(decode: dict, plan: Plan) -> None:
     print(f"\ndecode bf16 weights and cache (int8 where a run names it: weights/cache), prompt "
           f"{plan.decode_prompt}, {plan.decode_new} new "
           f"tokens, greedy; floor = (weights + KV at context {decode['context']}) / copy "
-          "bandwidth\n| batch | implementation | step ms | floor ms | % of floor | vs transformers "
-          "(step) | step vs scan bf16 | tok/s (whole call) | compile s |\n"
+          "bandwidth; base: scan bf16 for int8 runs, the same run with flags for -gpu-flags\n"
+          "| batch | implementation | step ms | floor ms | % of floor | vs transformers "
+          "(step) | step vs base | tok/s (whole call) | compile s |\n"
           "|---|---|---|---|---|---|---|---|---|")
     runs = decode["runs"]
 
     def step_s(run: str, batch: int) -> float | None:
         return runs[run].get("per_batch", {}).get(str(batch), {}).get("step_s")
     for batch in plan.decode_batches:
-        theirs, scan = step_s("transformers", batch), step_s("scan", batch)
+        theirs = step_s("transformers", batch)
         for run, r in runs.items():
             if "error" in r:
                 print(f"| {batch} | {run} | {r['error']} | | | | | | |")
@@ -732,13 +756,14 @@ def print_decode(decode: dict, plan: Plan) -> None:
             m = r["per_batch"][str(batch)]
             name = f"transformers ({r['attention']})" if run == "transformers" else run
             ratio = f"{theirs / m['step_s']:.2f}x" if theirs else "-"
-            vs_scan = f"{m['step_s'] / scan:.2f}x" if scan and ":" in run else "-"
+            base = step_s(base_run(run), batch) if base_run(run) else None
+            vs_base = f"{m['step_s'] / base:.2f}x" if base else "-"
             floor = decode["floor_s"].get(run, {}).get(batch)
             floors = (f"{floor * 1e3:.2f} | {floor / m['step_s']:.0%}" if floor is not None
                       else "- | -")
             compile_s = f"{m['compile_s']:.1f}" if m["compile_s"] is not None else "-"
             print(f"| {batch} | {name} | {m['step_s'] * 1e3:.2f} | {floors} | {ratio} | "
-                  f"{vs_scan} | {batch * plan.decode_new / m['wall_s']:.0f} | {compile_s} |")
+                  f"{vs_base} | {batch * plan.decode_new / m['wall_s']:.0f} | {compile_s} |")
 
 
 PRINTERS = {"correctness": print_correctness, "train": print_training, "decode": print_decode}

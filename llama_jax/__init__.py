@@ -5,8 +5,8 @@ Packages, in layer order: a package imports only from those before it (`tests/te
 checks this, imports under `typing.TYPE_CHECKING` aside):
 
     errors, dtypes, files,     small shared leaves: the error classes (one base, `UserError`),
-    spec, quant, cli           dtype names, atomic file writes, tensor descriptions, int8
-                               tensors, the CLIs' error exit
+    spec, quant, cli,          dtype names, atomic file writes, tensor descriptions, int8
+    xla_flags                  tensors, the CLIs' error exit, the XLA flags set on GPU
     parallel                   device meshes, logical-axis sharding rules, multi-host start-up
     nn                         the components, each kind registered once: norms, positions,
                                MLPs, MoE routers, attention mixers, heads
@@ -24,9 +24,15 @@ checks this, imports under `typing.TYPE_CHECKING` aside):
 
 The names below are the public API. They load on first use, so `import llama_jax` stays
 light: the trainer's and the data pipeline's dependencies (grain, orbax, tqdm) load with them.
+On an NVIDIA GPU the import also adds the library's XLA flags to `XLA_FLAGS`, keeping any the
+user set (`llama_jax.xla_flags`).
 """
 
 import importlib
+
+from llama_jax.xla_flags import set_gpu_flags
+
+set_gpu_flags()  # now, before JAX starts a backend: XLA reads XLA_FLAGS once
 
 # public name -> the module that defines it
 _API = {
