@@ -33,8 +33,9 @@ Speed:
   step = forward, backward, global-norm clipping (1.0) and AdamW (weight decay 0.1) with fp32
   master weights and bf16 compute. Ours: the jitted `train_step` with the state donated, under
   attention_impl cudnn (also with the remat policies attention and dots_with_attention, with
-  loss_chunk 512, and without the XLA flags the library sets on GPU: "-gpu-flags",
-  LLAMA_JAX_GPU_FLAGS=0), chunked and xla. transformers: `LlamaForCausalLM(ids, labels=ids)`
+  loss_chunk 512, without the XLA flags the library sets on GPU ("-gpu-flags",
+  LLAMA_JAX_GPU_FLAGS=0) and with XLA's dynamic-slice fusion ("+slice-fusion")), chunked and
+  xla. transformers: `LlamaForCausalLM(ids, labels=ids)`
   under `torch.autocast("cuda", bfloat16)` on fp32 weights (eager, its default attention),
   backward, `clip_grad_norm_`, `torch.optim.AdamW` (default foreach), `zero_grad`, a CUDA
   synchronize per step. 3 untimed steps, then 10 timed; medians. MFU = (6·P_mm + 6·L·T·D)
@@ -44,10 +45,11 @@ Speed:
 - decode: the same model in bf16 (weights and cache; random weights exported once to a HF
   directory that both sides load), a 128-token random prompt per row, 128 new tokens, greedy,
   batch 1 and 8. Ours: `generate` under each decode implementation (with and without the
-  library's GPU XLA flags), and under scan with int8 weights (quantized while loading), an
-  int8 KV cache, and both; step ms = decode time after the first token / 127. transformers:
-  `generate()` with its default dynamic cache; step ms = (time of 128 new tokens − time of 1)
-  / 127. 1 compile run and 1 untimed run, then 3 timed; medians. Floor = (weight bytes read per step + KV bytes at the mean context of 192
+  library's GPU XLA flags; scan also with dynamic-slice fusion), and under scan with int8
+  weights (quantized while loading), an int8 KV cache, and both; step ms = decode time after
+  the first token / 127. transformers: `generate()` with its default dynamic cache; step
+  ms = (time of 128 new tokens − time of 1) / 127. 1 compile run and 1 untimed run, then 3
+  timed; medians. Floor = (weight bytes read per step + KV bytes at the mean context of 192
   tokens, int8 values and scales counted as stored) / copy bandwidth.
 
 The last lines printed are the tables; `--out` (default $OUT, else .) gets gpu.json with every
@@ -130,14 +132,19 @@ WARMUP_STEPS = 3
 # Ours as "impl" or "impl+field=value+...": an attention implementation and execution settings
 # (a remat policy, the loss a piece at a time), and transformers.
 TRAIN_RUNS = ("cudnn", "cudnn+remat=attention", "cudnn+remat=dots_with_attention",
-              "cudnn+loss_chunk=512", "cudnn -gpu-flags", "chunked", "xla", "transformers")
+              "cudnn+loss_chunk=512", "cudnn -gpu-flags", "cudnn +slice-fusion", "chunked",
+              "xla", "transformers")
 # Ours as "impl" or "impl:weights/cache" (int8 weights: the bf16 model quantized while loading;
 # an int8 KV cache), and transformers.
 DECODE_RUNS = ("scan", "unrolled", "scan -gpu-flags", "unrolled -gpu-flags",
-               "scan:int8/bfloat16", "scan:bfloat16/int8", "scan:int8/int8", "transformers")
-# A run of ours ending in NO_FLAGS runs without the XLA flags the library sets on GPU
-# (LLAMA_JAX_GPU_FLAGS=0), to measure what they give.
-NO_FLAGS = " -gpu-flags"
+               "scan +slice-fusion", "scan:int8/bfloat16", "scan:bfloat16/int8",
+               "scan:int8/int8", "transformers")
+# A run of ours may end in one of these: it then runs with that environment, to measure XLA
+# settings. -gpu-flags: without the XLA flags the library sets on GPU. +slice-fusion: cuBLAS
+# reads a layer's weights straight out of the stacked arrays of a scan over layers, where XLA
+# otherwise copies each layer's slice out first (a candidate for the library's flags).
+ENVIRONMENTS = {" -gpu-flags": {xla_flags.SWITCH: "0"},
+                " +slice-fusion": {"XLA_FLAGS": "--xla_gpu_enable_dynamic_slice_fusion=true"}}
 FP32 = "float32"
 BF16 = "bfloat16"
 # Tolerances on the relative error: fp32 arithmetic in a different order; bf16 operands.
@@ -615,13 +622,14 @@ def run_worker(kind: str, args: list[str], plan: Plan, result_path: str) -> None
     Path(result_path).write_text(json.dumps(result))
 
 
-def child(kind: str, *args: str, tiny: bool, cpu: bool = False, gpu_flags: bool = True) -> dict:
+def child(kind: str, *args: str, tiny: bool, cpu: bool = False, env: dict | None = None) -> dict:
     """Runs a worker in a fresh process (its output goes to ours) and returns its result."""
-    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.9")
+    run_env = env or {}
+    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.9", **run_env)
+    if "XLA_FLAGS" in run_env and os.environ.get("XLA_FLAGS"):  # add to the caller's flags
+        env["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {run_env['XLA_FLAGS']}"
     if cpu:
         env["JAX_PLATFORMS"] = "cpu"
-    if not gpu_flags:
-        env[xla_flags.SWITCH] = "0"
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         command = [sys.executable, __file__, "--worker", kind, *args, "--result", str(result)]
@@ -632,9 +640,17 @@ def child(kind: str, *args: str, tiny: bool, cpu: bool = False, gpu_flags: bool 
 
 
 def run_child(kind: str, run: str, *args: str, tiny: bool) -> dict:
-    """`child` for one run of TRAIN_RUNS or DECODE_RUNS, without the GPU flags if it says so."""
-    base = run.removesuffix(NO_FLAGS)
-    return child(kind, base, *args, tiny=tiny, gpu_flags=base == run)
+    """`child` for one run of TRAIN_RUNS or DECODE_RUNS, in the environment it names."""
+    base, env = split_run(run)
+    return child(kind, base, *args, tiny=tiny, env=env)
+
+
+def split_run(run: str) -> tuple[str, dict]:
+    """A run without its ENVIRONMENTS suffix, and that environment."""
+    for suffix, env in ENVIRONMENTS.items():
+        if run.endswith(suffix):
+            return run.removesuffix(suffix), env
+    return run, {}
 
 
 def correctness(tiny: bool, tmp: str) -> dict:
@@ -725,10 +741,11 @@ def print_training(training: dict, plan: Plan) -> None:
 
 
 def base_run(run: str) -> str | None:
-    """The decode run a run's step is compared with: itself with the GPU flags, or bf16 scan
-    for an int8 one."""
-    if run.endswith(NO_FLAGS):
-        return run.removesuffix(NO_FLAGS)
+    """The decode run a run's step is compared with: itself in the default environment, or
+    bf16 scan for an int8 one."""
+    base, env = split_run(run)
+    if env:
+        return base
     return "scan" if ":" in run else None
 
 
@@ -739,7 +756,7 @@ def print_decode(decode: dict, plan: Plan) -> None:
     print(f"\ndecode bf16 weights and cache (int8 where a run names it: weights/cache), prompt "
           f"{plan.decode_prompt}, {plan.decode_new} new "
           f"tokens, greedy; floor = (weights + KV at context {decode['context']}) / copy "
-          "bandwidth; base: scan bf16 for int8 runs, the same run with flags for -gpu-flags\n"
+          "bandwidth; base: scan bf16 for int8 runs, the same run without its -/+ setting\n"
           "| batch | implementation | step ms | floor ms | % of floor | vs transformers "
           "(step) | step vs base | tok/s (whole call) | compile s |\n"
           "|---|---|---|---|---|---|---|---|---|")
