@@ -1,11 +1,14 @@
 """The GPU execution paths: correctness against references, then training and decode speed
 against transformers (PyTorch) and the machine's own measured ceilings, in one run.
 
-    python bench/gpu.py [--sections correctness train decode] [--tiny] [--out DIR]
+    python bench/gpu.py [--sections correctness train decode] [--plan bench|llama3-8b|tiny]
+                        [--out DIR]
 
 Every part runs in a child process of its own (the parent never touches the device, so each
 child has the whole GPU), and children that are timed against each other run one after another.
-`--tiny` shrinks every size for a dry run on CPU (cuDNN rows then report that they need a GPU).
+`--plan tiny` (or `--tiny`) shrinks every size for a dry run on CPU (cuDNN rows then report that
+they need a GPU); `--plan llama3-8b` trains and decodes LLaMA-3-8B (random weights) instead of
+the benchmark model, training only when its fp32 state fits the GPU's memory.
 
 Correctness (relative error ‖out − ref‖/‖ref‖ on random inputs, PASS when ≤ the tolerance;
 everything at JAX's default matmul precision: an fp32 model's full precision is the library's
@@ -87,6 +90,23 @@ from llama_jax.nn.attention.dot_product import Mask, dot_product_attention
 from llama_jax.training.optim import make_optimizer
 from llama_jax.training.step import init_state, objective, train_step
 
+# Ours as "impl" or "impl+field=value+...": an attention implementation and execution settings
+# (a remat policy, the loss a piece at a time), and transformers.
+TRAIN_RUNS = ("cudnn", "cudnn+remat=attention", "cudnn+remat=dots_with_attention",
+              "cudnn+loss_chunk=512", "cudnn -gpu-flags", "cudnn +slice-fusion", "chunked",
+              "xla", "transformers")
+# Ours as "impl" or "impl:weights/cache" (int8 weights: the bf16 model quantized while loading;
+# an int8 KV cache), and transformers.
+DECODE_RUNS = ("scan", "unrolled", "scan -gpu-flags", "unrolled -gpu-flags",
+               "scan +slice-fusion", "scan:int8/bfloat16", "scan:bfloat16/int8",
+               "scan:int8/int8", "transformers")
+# A run of ours may end in one of these: it then runs with that environment, to measure XLA
+# settings. -gpu-flags: without the XLA flags the library sets on GPU. +slice-fusion: cuBLAS
+# reads a layer's weights straight out of the stacked arrays of a scan over layers, where XLA
+# otherwise copies each layer's slice out first (a candidate for the library's flags).
+ENVIRONMENTS = {" -gpu-flags": {xla_flags.SWITCH: "0"},
+                " +slice-fusion": {"XLA_FLAGS": "--xla_gpu_enable_dynamic_slice_fusion=true"}}
+
 BIG = llama_jax.ModelConfig(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, n_kv_heads=8,
                             ffn_dim=5632, max_seq_len=2048)
 
@@ -111,6 +131,8 @@ class Plan:
     decode_repeats: int
     matmul_n: int  # the n of the n³ bf16 peak matmul
     copy_bytes: int
+    train_runs: tuple[str, ...] = TRAIN_RUNS
+    decode_runs: tuple[str, ...] = DECODE_RUNS
 
 
 FULL = Plan(attention_BTNKH=(2, 1024, 16, 4, 128),
@@ -128,23 +150,15 @@ TINY = Plan(attention_BTNKH=(2, 40, 4, 2, 16),
                                     n_kv_heads=2, ffn_dim=128, max_seq_len=256),
             train_batch=2, train_seq=64, train_steps=2, decode_prompt=16, decode_new=16,
             decode_batches=(1, 2), decode_repeats=1, matmul_n=256, copy_bytes=4 << 20)
+# LLaMA-3-8B, random weights: a training step with remat at 8K context (when its state fits
+# the GPU), decode at batch 1 and 8 from a 2K prompt.
+LLAMA3_8B = dataclasses.replace(
+    FULL, big=llama_jax.load_model_config("llama3-8b"), train_batch=1, train_seq=8192,
+    train_steps=5, decode_prompt=2048, train_runs=(
+        "cudnn+remat=full", "cudnn+remat=dots_with_attention+loss_chunk=1024", "transformers"),
+    decode_runs=("scan", "unrolled", "transformers"))
+PLANS = {"bench": FULL, "llama3-8b": LLAMA3_8B, "tiny": TINY}
 WARMUP_STEPS = 3
-# Ours as "impl" or "impl+field=value+...": an attention implementation and execution settings
-# (a remat policy, the loss a piece at a time), and transformers.
-TRAIN_RUNS = ("cudnn", "cudnn+remat=attention", "cudnn+remat=dots_with_attention",
-              "cudnn+loss_chunk=512", "cudnn -gpu-flags", "cudnn +slice-fusion", "chunked",
-              "xla", "transformers")
-# Ours as "impl" or "impl:weights/cache" (int8 weights: the bf16 model quantized while loading;
-# an int8 KV cache), and transformers.
-DECODE_RUNS = ("scan", "unrolled", "scan -gpu-flags", "unrolled -gpu-flags",
-               "scan +slice-fusion", "scan:int8/bfloat16", "scan:bfloat16/int8",
-               "scan:int8/int8", "transformers")
-# A run of ours may end in one of these: it then runs with that environment, to measure XLA
-# settings. -gpu-flags: without the XLA flags the library sets on GPU. +slice-fusion: cuBLAS
-# reads a layer's weights straight out of the stacked arrays of a scan over layers, where XLA
-# otherwise copies each layer's slice out first (a candidate for the library's flags).
-ENVIRONMENTS = {" -gpu-flags": {xla_flags.SWITCH: "0"},
-                " +slice-fusion": {"XLA_FLAGS": "--xla_gpu_enable_dynamic_slice_fusion=true"}}
 FP32 = "float32"
 BF16 = "bfloat16"
 # Tolerances on the relative error: fp32 arithmetic in a different order; bf16 operands.
@@ -445,10 +459,22 @@ def measure_peak(plan: Plan) -> dict:
     return {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "torch": torch.__version__, "transformers": transformers.__version__,
             "bf16_matmul_flops": median_rate(jax.jit(jnp.matmul), (a, b), 2 * n ** 3),
-            "copy_bytes_per_s": median_rate(jax.jit(jnp.copy), (x,), 2 * x.nbytes)}
+            "copy_bytes_per_s": median_rate(jax.jit(jnp.copy), (x,), 2 * x.nbytes),
+            "memory_bytes": (jax.devices()[0].memory_stats() or {}).get("bytes_limit",
+                                                                       host_memory_bytes())}
+
+
+def host_memory_bytes() -> int:
+    """The host's memory (the CPU backend reports no device limit)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 # --- training -------------------------------------------------------------------------------
+
+def training_state_bytes(plan: Plan) -> int:
+    """fp32 weights, gradients and AdamW's two moments of the trained model."""
+    return 4 * 4 * costs.param_counts(plan.big).total
+
 
 def train_config(plan: Plan) -> TrainConfig:
     return TrainConfig(seq_len=plan.train_seq, batch_size=plan.train_batch, steps=10_000,
@@ -622,7 +648,7 @@ def run_worker(kind: str, args: list[str], plan: Plan, result_path: str) -> None
     Path(result_path).write_text(json.dumps(result))
 
 
-def child(kind: str, *args: str, tiny: bool, cpu: bool = False, env: dict | None = None) -> dict:
+def child(kind: str, *args: str, plan: str, cpu: bool = False, env: dict | None = None) -> dict:
     """Runs a worker in a fresh process (its output goes to ours) and returns its result."""
     run_env = env or {}
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.9", **run_env)
@@ -633,16 +659,16 @@ def child(kind: str, *args: str, tiny: bool, cpu: bool = False, env: dict | None
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         command = [sys.executable, __file__, "--worker", kind, *args, "--result", str(result)]
-        code = subprocess.run(command + ["--tiny"] * tiny, env=env).returncode
+        code = subprocess.run(command + ["--plan", plan], env=env).returncode
         if not result.exists():
             return {"error": f"worker {kind} {' '.join(args)} exited with {code}"}
         return json.loads(result.read_text())
 
 
-def run_child(kind: str, run: str, *args: str, tiny: bool) -> dict:
+def run_child(kind: str, run: str, *args: str, plan: str) -> dict:
     """`child` for one run of TRAIN_RUNS or DECODE_RUNS, in the environment it names."""
     base, env = split_run(run)
-    return child(kind, base, *args, tiny=tiny, env=env)
+    return child(kind, base, *args, plan=plan, env=env)
 
 
 def split_run(run: str) -> tuple[str, dict]:
@@ -653,16 +679,22 @@ def split_run(run: str) -> tuple[str, dict]:
     return run, {}
 
 
-def correctness(tiny: bool, tmp: str) -> dict:
+def correctness(name: str, tmp: str) -> dict:
     ref_path = str(Path(tmp) / "cpu_refs.npz")
-    refs = child("cpu-ref", ref_path, tiny=tiny, cpu=True)
-    return refs if "error" in refs else child("checks", ref_path, tiny=tiny)
+    refs = child("cpu-ref", ref_path, plan=name, cpu=True)
+    return refs if "error" in refs else child("checks", ref_path, plan=name)
 
 
-def training(plan: Plan, tiny: bool, peak: dict) -> dict:
+def training(name: str, peak: dict) -> dict:
     if "error" in peak:
         return {"error": f"no matmul peak measured: {peak['error']}"}
-    runs = {run: run_child("train", run, tiny=tiny) for run in TRAIN_RUNS}
+    plan = PLANS[name]
+    state = training_state_bytes(plan)
+    if state > peak["memory_bytes"]:
+        return {"error": f"the training state (fp32 weights, gradients and AdamW moments) is "
+                         f"{state / 2 ** 30:.0f} GiB, over the GPU's "
+                         f"{peak['memory_bytes'] / 2 ** 30:.0f} GiB: not run"}
+    runs = {run: run_child("train", run, plan=name) for run in plan.train_runs}
     flops = costs.train_flops_per_token(plan.big, plan.train_seq)
     tokens = plan.train_batch * plan.train_seq
     for r in runs.values():
@@ -672,14 +704,15 @@ def training(plan: Plan, tiny: bool, peak: dict) -> dict:
     return {"flops_per_token": flops, "tokens_per_step": tokens, "runs": runs}
 
 
-def decoding(plan: Plan, tiny: bool, peak: dict, tmp: str) -> dict:
+def decoding(name: str, peak: dict, tmp: str) -> dict:
     if "error" in peak:
         return {"error": f"no bandwidth measured: {peak['error']}"}
     hf_dir = str(Path(tmp) / "hf")
-    exported = child("export", hf_dir, tiny=tiny)
+    plan = PLANS[name]
+    exported = child("export", hf_dir, plan=name)
     if "error" in exported:
         return exported
-    runs = {run: run_child("decode", run, hf_dir, tiny=tiny) for run in DECODE_RUNS}
+    runs = {run: run_child("decode", run, hf_dir, plan=name) for run in plan.decode_runs}
     context = plan.decode_prompt + plan.decode_new // 2
 
     def floor_s(run: str, batch: int) -> float:
@@ -687,7 +720,8 @@ def decoding(plan: Plan, tiny: bool, peak: dict, tmp: str) -> dict:
         config = plan.big.with_execution(quantize=quantize)
         return (costs.decode_bytes_per_step(config, batch, context, BF16, cache_dtype)
                 / peak["copy_bytes_per_s"])
-    floors = {run: {b: floor_s(run, b) for b in plan.decode_batches} for run in DECODE_RUNS}
+    floors = {run: {b: floor_s(run, b) for b in plan.decode_batches}
+              for run in plan.decode_runs}
     return {"floor_s": floors, "context": context, "runs": runs}
 
 
@@ -790,12 +824,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sections", nargs="+", default=["correctness", "train", "decode"],
                         choices=["correctness", "train", "decode"])
-    parser.add_argument("--tiny", action="store_true", help="toy sizes, for a CPU dry run")
+    parser.add_argument("--plan", default="bench", choices=list(PLANS),
+                        help="bench: the benchmark model (default); llama3-8b: LLaMA-3-8B's "
+                             "training step and decode; tiny: toy sizes, for a CPU dry run")
+    parser.add_argument("--tiny", action="store_true", help="the same as --plan tiny")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    plan = TINY if args.tiny else FULL
+    name = "tiny" if args.tiny else args.plan
+    plan = PLANS[name]
     if args.worker:
         run_worker(args.worker[0], args.worker[1:], plan, args.result)
         return
@@ -805,19 +843,19 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         sections = {
-            "correctness": lambda: correctness(args.tiny, tmp),
-            "train": lambda: training(plan, args.tiny, results["peak"]),
-            "decode": lambda: decoding(plan, args.tiny, results["peak"], tmp)}
-        for name in args.sections:
-            if name != "correctness" and "peak" not in results:
-                results["peak"] = child("peak", tiny=args.tiny)
-            results[name] = sections[name]()
+            "correctness": lambda: correctness(name, tmp),
+            "train": lambda: training(name, results["peak"]),
+            "decode": lambda: decoding(name, results["peak"], tmp)}
+        for section in args.sections:
+            if section != "correctness" and "peak" not in results:
+                results["peak"] = child("peak", plan=name)
+            results[section] = sections[section]()
             # Kept after each section: a run cut short still leaves what it measured.
             (out / "gpu.json").write_text(json.dumps(results, indent=1, default=str))
-            PRINTERS[name](results[name], plan)
+            PRINTERS[section](results[section], plan)
     print_header(results, plan)
-    for name in args.sections:
-        PRINTERS[name](results[name], plan)
+    for section in args.sections:
+        PRINTERS[section](results[section], plan)
 
 
 if __name__ == "__main__":
