@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU measurements, in calls that each fit a 10-minute command on a lent H100/H200, in the
+# order they are worth running (device time is short). On the device machine, from the
+# repository root:
+#
+#   bash bench/lease.sh profile       # ~4 min: where the training step and a decode step go
+#   bash bench/lease.sh train         # ~6 min: bench/gpu.py training, every run vs transformers
+#   bash bench/lease.sh decode        # ~5 min: bench/gpu.py decode, every run vs the floor
+#   bash bench/lease.sh correctness   # ~7 min: bench/gpu.py's checks against references
+#   bash bench/lease.sh 8b            # ~6 min: LLaMA-3-8B decode (training when it fits)
+#
+# Python packages the machine lacks travel as wheels in .whl/ (carried; see the device
+# notes): they are installed first when present. Results go under $OUT (JSON and the tables).
+set -euo pipefail
+stages="profile train decode correctness 8b"
+stage=${1:-}
+if [[ " $stages " != *" $stage "* || -z $stage ]]; then
+  echo "usage: bash bench/lease.sh STAGE, STAGE one of: $stages" >&2
+  exit 2
+fi
+out=${OUT:-.}
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+
+case $stage in
+  profile)
+    python3 bench/profile_step.py --impl cudnn --out "$out/step"
+    python3 bench/profile_step.py --impl cudnn --set remat=dots_with_attention \
+      --out "$out/step-dots-attn"
+    for impl in scan unrolled; do
+      for batch in 1 8; do
+        python3 bench/profile_decode.py --impl $impl --batch $batch --out "$out/decode-$impl-$batch"
+      done
+    done
+    LLAMA_JAX_GPU_FLAGS=0 python3 bench/profile_decode.py --impl scan --batch 1 \
+      --out "$out/decode-scan-1-noflags" ;;
+  train|decode|correctness)
+    python3 bench/gpu.py --sections "$stage" --out "$out" ;;
+  8b)
+    python3 bench/gpu.py --plan llama3-8b --sections train decode --out "$out" ;;
+esac
