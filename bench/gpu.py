@@ -81,7 +81,8 @@ import numpy as np
 import llama_jax
 from llama_jax import xla_flags
 from llama_jax.plan import costs
-from llama_jax.config import TrainConfig
+from llama_jax.plan.memory import plan_memory
+from llama_jax.config import MeshConfig, TrainConfig
 from llama_jax.decode.generate import GenerationStats
 from llama_jax.model.kv_cache import init_cache
 from llama_jax.model.transformer import apply, unstack_layers
@@ -494,11 +495,25 @@ def peak_gib() -> float | None:
     return stats.get("peak_bytes_in_use", 0) / 2 ** 30 or None
 
 
-def train_ours(plan: Plan, run: str) -> dict:
+def run_config(plan: Plan, run: str) -> llama_jax.ModelConfig:
+    """The trained model of a run of ours, "impl+field=value+..."."""
     impl, *settings = run.split("+")
     fields = {field: int(value) if value.isdigit() else value
               for field, _, value in (s.partition("=") for s in settings)}
-    config = plan.big.with_execution(compute_dtype=BF16, attention_impl=impl, **fields)
+    return plan.big.with_execution(compute_dtype=BF16, attention_impl=impl, **fields)
+
+
+def planned_training_bytes(plan: Plan, run: str) -> int:
+    """The planner's bytes for a run of ours on one GPU; transformers' fp32 state alone."""
+    if run == "transformers":
+        return training_state_bytes(plan)
+    config = run_config(plan, run)
+    return plan_memory(config, MeshConfig(), 1, batch=plan.train_batch, seq=plan.train_seq,
+                       remat=config.remat, backend="gpu").training
+
+
+def train_ours(plan: Plan, run: str) -> dict:
+    config = run_config(plan, run)
     train = train_config(plan)
     optimizer = make_optimizer(config, train)
     state = jax.jit(functools.partial(init_state, config, optimizer))(jax.random.key(0))
@@ -648,12 +663,16 @@ def run_worker(kind: str, args: list[str], plan: Plan, result_path: str) -> None
     Path(result_path).write_text(json.dumps(result))
 
 
-def child(kind: str, *args: str, plan: str, cpu: bool = False, env: dict | None = None) -> dict:
-    """Runs a worker in a fresh process (its output goes to ours) and returns its result."""
-    run_env = env or {}
-    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.9", **run_env)
-    if "XLA_FLAGS" in run_env and os.environ.get("XLA_FLAGS"):  # add to the caller's flags
-        env["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {run_env['XLA_FLAGS']}"
+def child(kind: str, *args: str, plan: str, cpu: bool = False,
+          run_env: dict | None = None) -> dict:
+    """Runs a worker in a fresh process (its output goes to ours) and returns its result.
+    `run_env` adds to our environment; its XLA_FLAGS add to ours."""
+    run_env = run_env or {}
+    env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9", **run_env}
+    if run_env.get(xla_flags.SWITCH) == "0":  # ours has them, from `import llama_jax`
+        env["XLA_FLAGS"] = xla_flags.without_gpu_flags(os.environ.get("XLA_FLAGS", ""))
+    if "XLA_FLAGS" in run_env:
+        env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {run_env['XLA_FLAGS']}".strip()
     if cpu:
         env["JAX_PLATFORMS"] = "cpu"
     with tempfile.TemporaryDirectory() as tmp:
@@ -668,7 +687,7 @@ def child(kind: str, *args: str, plan: str, cpu: bool = False, env: dict | None 
 def run_child(kind: str, run: str, *args: str, plan: str) -> dict:
     """`child` for one run of TRAIN_RUNS or DECODE_RUNS, in the environment it names."""
     base, env = split_run(run)
-    return child(kind, base, *args, plan=plan, env=env)
+    return child(kind, base, *args, plan=plan, run_env=env)
 
 
 def split_run(run: str) -> tuple[str, dict]:
@@ -689,12 +708,13 @@ def training(name: str, peak: dict) -> dict:
     if "error" in peak:
         return {"error": f"no matmul peak measured: {peak['error']}"}
     plan = PLANS[name]
-    state = training_state_bytes(plan)
-    if state > peak["memory_bytes"]:
-        return {"error": f"the training state (fp32 weights, gradients and AdamW moments) is "
-                         f"{state / 2 ** 30:.0f} GiB, over the GPU's "
-                         f"{peak['memory_bytes'] / 2 ** 30:.0f} GiB: not run"}
-    runs = {run: run_child("train", run, plan=name) for run in plan.train_runs}
+    runs = {}
+    for run in plan.train_runs:
+        planned = planned_training_bytes(plan, split_run(run)[0])
+        runs[run] = (run_child("train", run, plan=name) if planned <= peak["memory_bytes"] else
+                     {"error": f"planned {planned / 2 ** 30:.0f} GiB (weights, gradients, "
+                               f"AdamW moments, activations) > the device's "
+                               f"{peak['memory_bytes'] / 2 ** 30:.0f} GiB: not run"})
     flops = costs.train_flops_per_token(plan.big, plan.train_seq)
     tokens = plan.train_batch * plan.train_seq
     for r in runs.values():
@@ -797,7 +817,7 @@ def print_decode(decode: dict, plan: Plan) -> None:
     runs = decode["runs"]
 
     def step_s(run: str, batch: int) -> float | None:
-        return runs[run].get("per_batch", {}).get(str(batch), {}).get("step_s")
+        return runs.get(run, {}).get("per_batch", {}).get(str(batch), {}).get("step_s")
     for batch in plan.decode_batches:
         theirs = step_s("transformers", batch)
         for run, r in runs.items():
@@ -807,7 +827,7 @@ def print_decode(decode: dict, plan: Plan) -> None:
             m = r["per_batch"][str(batch)]
             name = f"transformers ({r['attention']})" if run == "transformers" else run
             ratio = f"{theirs / m['step_s']:.2f}x" if theirs else "-"
-            base = step_s(base_run(run), batch) if base_run(run) else None
+            base = step_s(base_run(run), batch) if base_run(run) in runs else None
             vs_base = f"{m['step_s'] / base:.2f}x" if base else "-"
             floor = decode["floor_s"].get(run, {}).get(batch)
             floors = (f"{floor * 1e3:.2f} | {floor / m['step_s']:.0%}" if floor is not None

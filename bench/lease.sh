@@ -10,35 +10,40 @@
 #   bash bench/lease.sh 8b            # ~6 min: LLaMA-3-8B decode (training when it fits)
 #
 # Python packages the machine lacks travel as wheels in .whl/ (carried; see the device
-# notes): they are installed first when present. Results go under $OUT (JSON and the tables).
+# notes): they are installed first when present. Results go under $OUT/STAGE (JSON, tables).
+# In the profile stage a failing profile is reported and the next one runs.
 set -euo pipefail
 stages="profile train decode correctness 8b"
 stage=${1:-}
-if [[ " $stages " != *" $stage "* || -z $stage ]]; then
+if [[ -z $stage || $stage == *" "* || " $stages " != *" $stage "* ]]; then
   echo "usage: bash bench/lease.sh STAGE, STAGE one of: $stages" >&2
   exit 2
 fi
-out=${OUT:-.}
+out=${OUT:-.}/$stage
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
+# Runs a profile; a failure is reported and the stage goes on.
+profile() { "$@" || echo "FAILED ($?): $*"; }
+
 case $stage in
   profile)
-    python3 bench/profile_step.py --impl cudnn --out "$out/step"
-    python3 bench/profile_step.py --impl cudnn --set remat=dots_with_attention \
+    profile python3 bench/profile_step.py --impl cudnn --out "$out/step"
+    profile python3 bench/profile_step.py --impl cudnn --set remat=dots_with_attention \
       --out "$out/step-dots-attn"
     for impl in scan unrolled; do
       for batch in 1 8; do
-        python3 bench/profile_decode.py --impl $impl --batch $batch --out "$out/decode-$impl-$batch"
+        profile python3 bench/profile_decode.py --impl $impl --batch $batch \
+          --out "$out/decode-$impl-$batch"
       done
     done
-    LLAMA_JAX_GPU_FLAGS=0 python3 bench/profile_decode.py --impl scan --batch 1 \
-      --out "$out/decode-scan-1-noflags" ;;
+    LLAMA_JAX_GPU_FLAGS=0 profile python3 bench/profile_decode.py --impl scan \
+      --batch 1 --out "$out/decode-scan-1-noflags" ;;
   train|decode|correctness)
     python3 bench/gpu.py --sections "$stage" --out "$out" ;;
   8b)

@@ -11,6 +11,11 @@ From the trace's events of the decode program (the jitted while loop after the f
 - the instructions that took the most device time, by HLO name (`dynamic-slice`/`copy` ones
   in a scan over layers are weights copied out of the stacked arrays).
 
+XLA runs without command buffers (CUDA graphs) while a profiler is attached, unless told
+otherwise: this script tells it (`--xla_enable_command_buffers_during_profiling=true`), so the
+trace shows the program as it runs unprofiled. Kernels inside a graph may then be credited to
+the command-buffer thunk rather than to their own HLO instructions.
+
 Bytes per step over the measured step give the achieved bandwidth; `bench/gpu.py` compares it
 with the copy bandwidth. Prints a summary and writes profile_decode.json and the trace under
 `--out` (default $OUT, else .). `--tiny` is a CPU dry run (its "kernels" are the CPU
@@ -35,23 +40,27 @@ from gpu import BF16, FULL, TINY, decode_prompts
 from llama_jax.decode.generate import GenerationStats
 from llama_jax.plan import costs
 
-MEMCPY = ("memcpy", "MemcpyDtoH", "MemcpyHtoD")
+PROFILE_GRAPHS = "--xla_enable_command_buffers_during_profiling=true"
 
 
 def module_events(trace_path: Path, module: str) -> tuple[list, list]:
-    """(kernel events, memcpy events) of HLO module names containing `module`: complete
-    ("X") events with an `hlo_op`, and those whose name says memcpy."""
-    events = json.load(gzip.open(trace_path))
+    """(kernel events, memcpy events) of the HLO module whose name contains `module`:
+    complete ("X") events with an `hlo_op` of that module, and the copies whose name says
+    memcpy within the span of those kernels. On a GPU only the device's rows count (the
+    trace's process names "/device:GPU:..."); a CPU trace has none, and all of its rows do."""
+    with gzip.open(trace_path) as f:
+        events = json.load(f)
     events = events["traceEvents"] if isinstance(events, dict) else events
-    kernels, copies = [], []
-    for e in events:
-        args = e.get("args") or {}
-        if e.get("ph") != "X":
-            continue
-        if any(m.lower() in e.get("name", "").lower() for m in MEMCPY):
-            copies.append(e)
-        elif args.get("hlo_op") and module in args.get("hlo_module", ""):
-            kernels.append(e)
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") ==
+                "process_name" and "/device:GPU" in (e.get("args") or {}).get("name", "")}
+    complete = [e for e in events if e.get("ph") == "X" and (not gpu_pids or e["pid"] in gpu_pids)]
+    kernels = [e for e in complete if module in (e.get("args") or {}).get("hlo_module", "")
+               and (e.get("args") or {}).get("hlo_op")]
+    if not kernels:
+        return [], []
+    first, last = min(e["ts"] for e in kernels), max(e["ts"] + e.get("dur", 0) for e in kernels)
+    copies = [e for e in complete if "memcpy" in e.get("name", "").lower()
+              and first <= e["ts"] <= last]
     return kernels, copies
 
 
@@ -116,6 +125,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a CPU dry run of small sizes")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
+    # Read when JAX starts its backend, which nothing has asked for yet.
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {PROFILE_GRAPHS}".strip()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = profile(TINY if args.tiny else FULL, args.impl, args.batch, out)

@@ -4,7 +4,8 @@ XLA reads `XLA_FLAGS` once, when JAX starts its first backend, so `import llama_
 flags below to the environment then (`set_gpu_flags`): import llama_jax before anything asks
 JAX for a device. They are added only when JAX will run on CUDA: a CUDA plugin
 (`jax-cuda12-plugin`, `jax-cuda13-plugin`) is installed and `JAX_PLATFORMS`, if set, names
-`cuda` or `gpu`. On CPU and TPU the environment is left as it was.
+`cuda` or `gpu` (on a host with a CUDA plugin but no GPU they are added too, and do nothing).
+Elsewhere the environment is left as it was.
 
 Overriding, flag by flag: a flag you name in `XLA_FLAGS` yourself keeps your value, whatever it
 is (`XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=false`). All of them:
@@ -37,15 +38,28 @@ CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
 
 
 def named_flags(xla_flags: str) -> set[str]:
-    """The flag names an `XLA_FLAGS` string sets (`--name=value` or a bare `--name`)."""
+    """The flag names an `XLA_FLAGS` string sets (`--name=value` or a bare `--name`; words
+    split at whitespace, as XLA splits them)."""
     return {word[2:].partition("=")[0] for word in xla_flags.split() if word.startswith("--")}
+
+
+def with_flags(xla_flags: str, flags: dict[str, str]) -> str:
+    """`xla_flags` with each of `flags` (name -> value) it does not name added after it."""
+    named = named_flags(xla_flags)
+    added = [f"--{name}={value}" for name, value in flags.items() if name not in named]
+    return " ".join([xla_flags.strip(), *added]).strip()
 
 
 def with_gpu_flags(xla_flags: str) -> str:
     """`xla_flags` with each of GPU_FLAGS it does not name added after it."""
-    named = named_flags(xla_flags)
-    added = [f"--{name}={value}" for name, value in GPU_FLAGS.items() if name not in named]
-    return " ".join([xla_flags.strip(), *added]).strip()
+    return with_flags(xla_flags, GPU_FLAGS)
+
+
+def without_gpu_flags(xla_flags: str) -> str:
+    """`xla_flags` less the words `with_gpu_flags` adds (the same flag with another value
+    stays): the flags of a process that ran `import llama_jax`, for one that must not get them."""
+    added = {f"--{name}={value}" for name, value in GPU_FLAGS.items()}
+    return " ".join(word for word in xla_flags.split() if word not in added)
 
 
 def runs_on_cuda(environ: MutableMapping[str, str]) -> bool:

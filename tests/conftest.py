@@ -1,49 +1,50 @@
-"""Test setup, before jax is imported anywhere: 8 simulated CPU devices, and XLA:CPU set to
-compile fast. The tests' programs are tiny, so compiling them is most of the suite's time: the
-LLVM backend runs at optimisation level 0, and XLA's older loop emitters replace its fusion
-emitters (that alone took the suite from 14 minutes to 7 on two cores). They compute the same functions (every
-comparison has a tolerance, or compares two runs of one program); test_default_codegen.py
-reruns a sample of the reference checks under the codegen users get, and benchmarks and real
-runs keep XLA's default. Flags go into the environment, so the processes tests start
-(train.py, sample.py, multi-host workers) inherit them; a flag already in XLA_FLAGS is kept
-as it is, and a speed flag this XLA does not know is left out."""
+"""Test setup, before jax is imported anywhere: the CPU backend with 8 simulated devices, and
+XLA:CPU set to compile fast. The tests' programs are tiny, so compiling them is most of the
+suite's time: the LLVM backend runs at optimisation level 0, and XLA's older loop emitters
+replace its fusion emitters (that alone took the suite from 14 minutes to 7 on two cores).
+They compute the same functions (every comparison has a tolerance, or compares two runs of
+one program); test_default_codegen.py reruns a sample of the reference checks under the
+codegen users get, and benchmarks and real runs keep XLA's defaults. Flags go into the
+environment, so the processes tests start (train.py, sample.py, multi-host workers) inherit
+them. A flag already in XLA_FLAGS keeps its value, and a speed flag this XLA does not know is
+left out (the first process of a test session starts XLA with each one to find out)."""
 
 import os
 import subprocess
 import sys
 
-from llama_jax.xla_flags import named_flags
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before llama_jax: it sets GPU flags on CUDA
 
-DEVICES = ("xla_force_host_platform_device_count", "8")
-FAST_COMPILE = (("xla_backend_optimization_level", "0"), ("xla_cpu_use_fusion_emitters", "false"))
+from llama_jax.xla_flags import with_flags  # noqa: E402
 
-
-def with_flags(xla_flags: str, flags) -> str:
-    named = named_flags(xla_flags)
-    return " ".join([xla_flags, *(f"--{f}={v}" for f, v in flags if f not in named)]).strip()
+DEVICES = {"xla_force_host_platform_device_count": "8"}
+FAST_COMPILE = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false"}
+PROBED = "LLAMA_JAX_TEST_FLAGS_PROBED"  # set once the first process has probed
 
 
 def xla_knows(xla_flags: str) -> bool:
     """Whether XLA starts with these flags (it aborts on one it does not know)."""
     start = "import jax; jax.numpy.zeros(1).block_until_ready()"
     env = dict(os.environ, XLA_FLAGS=xla_flags, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-c", start], env=env, capture_output=True,
-                          timeout=120).returncode == 0
+    try:
+        return subprocess.run([sys.executable, "-c", start], env=env, capture_output=True,
+                              timeout=120).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
 
 
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    # Not set yet in this process tree (pytest-xdist's workers and the processes tests start
-    # inherit the controller's environment, so only the first process probes).
-    flags = with_flags(os.environ.get("XLA_FLAGS", ""), [DEVICES, *FAST_COMPILE])
-    os.environ["XLA_FLAGS"] = (flags if xla_knows(flags)
-                               else with_flags(os.environ.get("XLA_FLAGS", ""), [DEVICES]))
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), DEVICES)
+if PROBED not in os.environ:  # pytest-xdist's workers inherit the controller's environment
+    os.environ["XLA_FLAGS"] = with_flags(os.environ["XLA_FLAGS"], {
+        flag: value for flag, value in FAST_COMPILE.items()
+        if xla_knows(with_flags(os.environ["XLA_FLAGS"], {flag: value}))})
+    os.environ[PROBED] = "1"
 # Nothing comes from the Hugging Face Hub (lm-eval's datasets, transformers' files): the
 # suite runs offline, and subprocesses inherit this.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
-from pathlib import Path
+from pathlib import Path  # noqa: E402
 
 # The entry points (train.py, sample.py) live at the repository root.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import DEVICES, with_flags
+from conftest import DEVICES
+from llama_jax.xla_flags import with_flags
 
 TESTS = Path(__file__).parent
 CHECKS = [
@@ -20,9 +21,9 @@ CHECKS = [
 
 
 def test_reference_checks_pass_under_xla_default_codegen():
-    # The optimisation level named at its default keeps conftest from adding its own flags.
-    xla_flags = with_flags("--xla_backend_optimization_level=3", [DEVICES])
-    env = dict(os.environ, XLA_FLAGS=xla_flags)
+    # conftest keeps the values named here: XLA's defaults
+    defaults = {"xla_backend_optimization_level": "3", "xla_cpu_use_fusion_emitters": "true"}
+    env = dict(os.environ, XLA_FLAGS=with_flags("", defaults | DEVICES))
     ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           *(str(TESTS / check) for check in CHECKS)],
                          env=env, capture_output=True, text=True, timeout=600, cwd=TESTS.parent)

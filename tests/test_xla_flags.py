@@ -14,12 +14,16 @@ from llama_jax.errors import ConfigError
 ADDED = " ".join(f"--{name}={value}" for name, value in xla_flags.GPU_FLAGS.items())
 
 
-@pytest.fixture
-def cuda_installed(monkeypatch):
-    """Makes the CUDA plugins look installed to `runs_on_cuda`."""
+def pretend_cuda(monkeypatch, installed: bool):
+    """Makes the CUDA plugins look installed, or not, to `runs_on_cuda`."""
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
-        object() if name in xla_flags.CUDA_PLUGINS else real(name, *a)))
+        (object() if installed else None) if name in xla_flags.CUDA_PLUGINS else real(name, *a)))
+
+
+@pytest.fixture
+def cuda_installed(monkeypatch):
+    pretend_cuda(monkeypatch, True)
 
 
 def test_flags_are_added_after_the_users_and_never_over_one_they_named():
@@ -32,6 +36,8 @@ def test_flags_are_added_after_the_users_and_never_over_one_they_named():
             assert out.split().count(theirs) == 1
             assert xla_flags.named_flags(out) == {"xla_dump_to", *xla_flags.GPU_FLAGS}
             assert sum(w.startswith(f"--{name}") for w in out.split()) == 1
+            assert xla_flags.without_gpu_flags(out) == f"--xla_dump_to=/tmp/d {theirs}"
+    assert xla_flags.without_gpu_flags(xla_flags.with_gpu_flags(mine)) == " ".join(mine.split())
 
 
 @pytest.mark.parametrize("platforms, expected", [
@@ -44,8 +50,8 @@ def test_with_a_cuda_plugin_the_flags_follow_jax_platforms(cuda_installed, platf
     assert environ["XLA_FLAGS"] == ("--xla_dump_to=/tmp/d" + f" {ADDED}" * expected)
 
 
-def test_without_a_cuda_plugin_the_environment_is_untouched():
-    assert not any(importlib.util.find_spec(name) for name in xla_flags.CUDA_PLUGINS)
+def test_without_a_cuda_plugin_the_environment_is_untouched(monkeypatch):
+    pretend_cuda(monkeypatch, False)
     for environ in ({}, {"JAX_PLATFORMS": "cuda"}, {"XLA_FLAGS": "--xla_dump_to=/tmp/d"}):
         before = dict(environ)
         xla_flags.set_gpu_flags(environ)
@@ -68,18 +74,21 @@ def child(code: str, **env: str) -> subprocess.CompletedProcess:
 
 def test_import_llama_jax_sets_them_on_cuda_and_the_installed_xla_knows_them(tmp_path):
     """End to end: a process that sees a CUDA plugin gets the flags from `import llama_jax`,
-    after the user's own, and an XLA started with them runs (XLA aborts on a flag or value it
-    does not know, as the control with a misspelt flag shows)."""
+    after the user's own (and none with JAX_PLATFORMS=cpu), and an XLA started with them runs
+    (XLA aborts on a flag or value it does not know, as the control with a misspelt flag
+    shows)."""
     (tmp_path / "jax_cuda13_plugin").mkdir()  # found by find_spec; jax itself is not started
     (tmp_path / "jax_cuda13_plugin" / "__init__.py").write_text("")
     mine = "--xla_gpu_enable_command_buffer= --xla_force_host_platform_device_count=2"
+    shown_path = os.pathsep.join([str(tmp_path), *sys.path])
     shown = child("import os, llama_jax; print(os.environ['XLA_FLAGS'])", XLA_FLAGS=mine,
-                  PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+                  PYTHONPATH=shown_path)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.split() == [*mine.split(),
                                     "--xla_gpu_enable_latency_hiding_scheduler=true"]
-    on_cpu = child("import os, llama_jax; print(os.environ.get('XLA_FLAGS'))")
-    assert on_cpu.stdout.strip() == "None"
+    on_cpu = child("import os, llama_jax; print(os.environ.get('XLA_FLAGS'))",
+                   PYTHONPATH=shown_path, JAX_PLATFORMS="cpu")
+    assert on_cpu.stdout.strip() == "None", on_cpu.stderr
 
     run = "import jax, jax.numpy as jnp; print(int(jax.jit(jnp.sum)(jnp.arange(4))))"
     for flags, ok in ((ADDED, True), (ADDED.replace("hiding", "hidding"), False)):
