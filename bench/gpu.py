@@ -472,11 +472,6 @@ def host_memory_bytes() -> int:
 
 # --- training -------------------------------------------------------------------------------
 
-def training_state_bytes(plan: Plan) -> int:
-    """fp32 weights, gradients and AdamW's two moments of the trained model."""
-    return 4 * 4 * costs.param_counts(plan.big).total
-
-
 def train_config(plan: Plan) -> TrainConfig:
     return TrainConfig(seq_len=plan.train_seq, batch_size=plan.train_batch, steps=10_000,
                        warmup_steps=100)
@@ -504,12 +499,14 @@ def run_config(plan: Plan, run: str) -> llama_jax.ModelConfig:
 
 
 def planned_training_bytes(plan: Plan, run: str) -> int:
-    """The planner's bytes for a run of ours on one GPU; transformers' fp32 state alone."""
+    """The planner's bytes for a run on one GPU: all of ours; for transformers, whose
+    activations it does not model, the fp32 weights, gradients and AdamW moments alone."""
+    config = plan.big if run == "transformers" else run_config(plan, run)
+    planned = plan_memory(config, MeshConfig(), 1, batch=plan.train_batch, seq=plan.train_seq,
+                          remat=config.remat, backend="gpu")
     if run == "transformers":
-        return training_state_bytes(plan)
-    config = run_config(plan, run)
-    return plan_memory(config, MeshConfig(), 1, batch=plan.train_batch, seq=plan.train_seq,
-                       remat=config.remat, backend="gpu").training
+        return planned.weights + planned.gradients + planned.optimizer
+    return planned.training
 
 
 def train_ours(plan: Plan, run: str) -> dict:
