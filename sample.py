@@ -20,7 +20,8 @@ from llama_jax import load_checkpoint, load_tokenizer
 from llama_jax.cli import add_int8_arguments, user_errors_exit
 from llama_jax.config import DTYPES
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
-from llama_jax.decode.generate import DECODE_IMPLS, GenerationStats, stream
+from llama_jax.decode.generate import (DECODE_IMPLS, GenerationStats,
+                                       owned_decoder_params, stream)
 from llama_jax.errors import GenerateError
 from llama_jax.data.tokenizer import TextStream
 
@@ -42,7 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_int8_arguments(parser, cache_default="the compute dtype")
     parser.add_argument("--decode-impl", choices=DECODE_IMPLS, default="auto",
                         help="layers as a scan over stacked weights, or an unrolled loop over "
-                             "per-layer weights (auto: unrolled on CPU, scan elsewhere)")
+                             "per-layer weights (auto: unrolled on CPU and GPU when the per-layer "
+                             "copy fits, scan on TPU)")
     parser.add_argument("--attention-impl", choices=ATTENTION_IMPLS, default="auto",
                         help="how the prompt's attention is computed (auto: chunked on CPU, "
                              "cuDNN on GPUs, splash on TPUs); decode steps use one query")
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     config, params = load_checkpoint(args.checkpoint, args.dtype, quantize=args.quantize,
                                      quantize_head=args.quantize_head)
     config = config.with_execution(attention_impl=args.attention_impl)
+    params = owned_decoder_params(params, args.decode_impl)  # one copy of the weights held
     token_prompts = [tokenizer.encode(p, bos=True) for p in prompts]
     stats = GenerationStats()
     streaming = len(prompts) == 1

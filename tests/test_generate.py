@@ -291,6 +291,7 @@ def test_decode_step_updates_the_cache_in_place(model):
     (dict(top_p=1.5), "top_p=1.5"),
     (dict(top_k=-1), "top_k=-1"),
     (dict(min_p=1.0), "min_p=1.0"),
+    (dict(decode_impl="fast"), "decode_impl='fast' is not one of auto, scan, unrolled"),
 ])
 def test_bad_requests_fail_before_compiling(kwargs, message, params):
     request = {"prompts": [[1, 2, 3]], "max_new_tokens": 4, **kwargs}
@@ -338,3 +339,57 @@ def test_cpu_decoder_copy_lives_only_as_long_as_the_params():
     del p
     gc.collect()
     assert len(decoder._UNSTACKED) == 0
+
+
+@pytest.mark.parametrize("backend, impl", [("cpu", "unrolled"), ("gpu", "unrolled"),
+                                           ("tpu", "scan")])
+def test_auto_decoder_is_the_one_measured_faster_on_the_backend(backend, impl, params,
+                                                                  monkeypatch):
+    """Unstacked parameters (or stacked ones whose copy exists) decode unrolled anywhere: the
+    scan cannot read them, and the copy is already paid for."""
+    from llama_jax.decode import generate as decoder
+
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    p = llama_jax.init_params(TINY, jax.random.key(6))  # no copy of it made yet
+    assert decoder.resolve_decode_impl("auto", p) == impl
+    assert decoder.resolve_decode_impl("auto", unstack_layers(p)) == "unrolled"
+    assert decoder.resolve_decode_impl("scan", p) == "scan"
+    decoder.decoder_params(p, "unrolled")
+    assert decoder.resolve_decode_impl("auto", p) == "unrolled"
+
+
+def test_auto_decoder_scans_when_the_layer_copy_and_cache_do_not_fit(params, monkeypatch,
+                                                                     caplog):
+    from llama_jax.decode import generate as decoder
+
+    p = llama_jax.init_params(TINY, jax.random.key(7))
+    copy = sum(w.nbytes for w in jax.tree.leaves(p["groups"]))
+    assert decoder.per_device_bytes(p["groups"]) == copy
+    for free, impl in ((copy + 100, "unrolled"), (copy + 99, "scan")):
+        monkeypatch.setattr(decoder, "free_memory_bytes", lambda: free)
+        assert decoder.resolve_decode_impl("auto", p, reserve_bytes=100) == impl
+    # generate reserves its cache: B=1 row of 16 + 16 slots.
+    cache = 32 * costs.kv_cache_bytes_per_token(TINY, "float32")
+    monkeypatch.setattr(decoder, "free_memory_bytes", lambda: copy + cache - 1)
+    with caplog.at_level("INFO", logger=decoder.__name__):
+        tokens = generate(TINY, p, [[1, 2, 3]], 4, stop_tokens=[])
+    assert "decoding with 'scan'" in caplog.text
+    assert decoder._cached_copy(p) is None  # no copy was made
+    assert generate(TINY, p, [[1, 2, 3]], 4, stop_tokens=[], decode_impl="unrolled") == tokens
+
+
+def test_a_caller_that_owns_the_params_holds_one_copy():
+    """A CLI or server drops the stacked arrays once the decoder's copy is made."""
+    import gc
+    import weakref
+
+    from llama_jax.decode.generate import owned_decoder_params
+
+    p = llama_jax.init_params(TINY, jax.random.key(8))
+    expected = generate(TINY, p, [[4, 5, 6]], 4, stop_tokens=[], decode_impl="scan")
+    stacked = [weakref.ref(w) for w in jax.tree.leaves(p["groups"])]
+    p = owned_decoder_params(p, "auto")
+    gc.collect()
+    assert all(ref() is None for ref in stacked)
+    assert isinstance(p["groups"][0], tuple)
+    assert generate(TINY, p, [[4, 5, 6]], 4, stop_tokens=[]) == expected

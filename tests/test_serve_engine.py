@@ -95,6 +95,22 @@ def test_continuous_batching_equals_generate_alone(params, name, cache_dtype, de
         np.testing.assert_allclose(result["logprobs"], row_logprobs[:n], atol=1e-4)
 
 
+def test_an_engine_reserves_its_largest_cache_before_choosing_the_decoder(monkeypatch):
+    """"auto" decodes unrolled only while the per-layer copy and the slots' largest cache fit
+    in the free memory (on CPU here; the same rule on GPU)."""
+    from llama_jax.decode import generate as decoder
+    from llama_jax.plan.costs import serving_cache_bytes
+
+    p = llama_jax.init_params(TINY, jax.random.key(9))  # no copy of it made yet
+    need = (decoder.per_device_bytes(p["groups"])
+            + serving_cache_bytes(TINY, 2, 64, "float32", 4))
+    for free, layout in ((need - 1, "stacked"), (need, "per_layer")):  # no copy, then one
+        monkeypatch.setattr(decoder, "free_memory_bytes", lambda: free)
+        engine = Engine(TINY, p, max_batch=2, max_seq_len=64, cache_dtype="float32",
+                        steps_per_dispatch=4)
+        assert engine.layout == layout
+
+
 def test_an_engine_on_a_mesh_equals_generate_unsharded(params, tmp_path):
     """Parameters split over data·fsdp·tensor = 2·2·2 devices: the slots are laid out by the
     cache rules and the tokens are those of the unsharded `generate`."""

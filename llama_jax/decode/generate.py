@@ -22,6 +22,8 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import logging
+import math
 import time
 import warnings
 import weakref
@@ -39,15 +41,21 @@ from llama_jax.model.kv_cache import KVCache, init_cache
 from llama_jax.model.transformer import apply, unstack_layers
 from llama_jax.nn.heads import is_task_head, lm_head
 from llama_jax.model.params import Params
+from llama_jax.plan.costs import kv_cache_bytes_per_token
+from llama_jax.plan.hardware import free_memory_bytes
 from llama_jax.decode.sampling import SamplingParams, Strategy, sample
 
+log = logging.getLogger(__name__)
 NO_TOKEN = -1  # an empty slot in the output buffer and the padding of the stop-id table
 MIN_BUCKET = 16
 # How the decoder runs the layers: one lax.scan per group over stacked weights with the
-# stacked cache in the carry (accelerators), or an unrolled loop over per-layer weights and
-# caches (CPU, where XLA copies each layer's weights out of the stacked arrays at every scan
-# step). "auto" picks unrolled on CPU, scan elsewhere. Both compute the same function.
+# stacked cache in the carry, or an unrolled loop over per-layer weights and caches. Both
+# compute the same function; "auto" picks by backend (`resolve_decode_impl`).
 DECODE_IMPLS = ("auto", "scan", "unrolled")
+# Backends where the unrolled decoder measured faster (BENCHMARKS.md). XLA:CPU copies every
+# layer's weights out of the stacked arrays at every scan step. On an H100 the unrolled
+# decoder was 1.2x the scan at batch 1 and 1.9x at batch 8. TPUs keep the scan (not measured).
+UNROLLED_BACKENDS = ("cpu", "gpu")
 
 
 
@@ -162,18 +170,54 @@ def _unstacked(params: Params) -> bool:
     return isinstance(params["groups"][0], tuple)
 
 
-def resolve_decode_impl(decode_impl: str) -> str:
-    """"scan" or "unrolled" for `decode_impl` ("auto": unrolled on CPU, scan elsewhere)."""
+def resolve_decode_impl(decode_impl: str, params: Params, reserve_bytes: int = 0) -> str:
+    """"scan" or "unrolled" for `decode_impl`. "auto" is unrolled for parameters already
+    unstacked (or whose per-layer copy exists), and on UNROLLED_BACKENDS when that copy, held
+    while the stacked arrays live, fits in the device memory free beyond `reserve_bytes` (what
+    the caller will allocate next: its KV cache); scan otherwise."""
     if decode_impl not in DECODE_IMPLS:
         raise GenerateError(f"decode_impl={decode_impl!r} is not one of {', '.join(DECODE_IMPLS)}")
-    if decode_impl == "auto":
-        return "unrolled" if jax.default_backend() == "cpu" else "scan"
-    return decode_impl
+    if decode_impl != "auto":
+        return decode_impl
+    if _unstacked(params) or _cached_copy(params) is not None:
+        return "unrolled"
+    if jax.default_backend() not in UNROLLED_BACKENDS:
+        return "scan"
+    need, free = per_device_bytes(params["groups"]) + reserve_bytes, free_memory_bytes()
+    if free is None or need <= free:
+        return "unrolled"
+    log.info("decode_impl='auto': the per-layer copy of the weights and the cache (%.2f GiB) "
+             "exceed the %.2f GiB free; decoding with 'scan'", need / 2**30, free / 2**30)
+    return "scan"
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes of `tree`'s arrays on one device: a shard of each sharded array."""
+    def nbytes(x):
+        shape = x.sharding.shard_shape(x.shape) if isinstance(x, jax.Array) else x.shape
+        return math.prod(shape) * x.dtype.itemsize
+    return sum(nbytes(x) for x in jax.tree.leaves(tree))
+
+
+def device_count(params: Params) -> int:
+    """How many devices hold `params` (1 for host arrays)."""
+    leaf = jax.tree.leaves(params)[0]
+    return len(leaf.sharding.device_set) if isinstance(leaf, jax.Array) else 1
+
+
+def _cached_copy(params: Params) -> Params | None:
+    """The per-layer copy made of these very arrays, if it is still held."""
+    leaves = jax.tree.leaves(params)
+    refs, unstacked = _UNSTACKED.get(tuple(id(leaf) for leaf in leaves), ((), None))
+    if len(refs) == len(leaves) and all(r() is leaf for r, leaf in zip(refs, leaves)):
+        return unstacked
+    return None
 
 
 def decoder_params(params: Params, decode_impl: str) -> Params:
     """The unrolled decoder runs over unstacked layers (see `model.unstack_layers`); the copy
-    is made once per set of parameter arrays and reused while those arrays are alive."""
+    is made once per set of parameter arrays and reused while those arrays are alive. A caller
+    that drops the stacked arrays after this call holds one copy of the weights."""
     if _unstacked(params):
         if decode_impl == "scan":
             raise GenerateError("decode_impl='scan' needs stacked parameters; these were "
@@ -181,16 +225,22 @@ def decoder_params(params: Params, decode_impl: str) -> Params:
         return params
     if decode_impl == "scan":
         return params
-    leaves = jax.tree.leaves(params)
-    key = tuple(id(leaf) for leaf in leaves)
-    refs, unstacked = _UNSTACKED.get(key, ((), None))
-    if len(refs) != len(leaves) or any(r() is not leaf for r, leaf in zip(refs, leaves)):
+    unstacked = _cached_copy(params)
+    if unstacked is None:
+        leaves = jax.tree.leaves(params)
+        key = tuple(id(leaf) for leaf in leaves)
         unstacked = unstack_layers(params)
         _UNSTACKED.clear()
         # The copy goes when an original array does: no second model lingers after generation.
         drop = lambda _: _UNSTACKED.pop(key, None)  # noqa: E731
         _UNSTACKED[key] = (tuple(weakref.ref(leaf, drop) for leaf in leaves), unstacked)
     return unstacked
+
+
+def owned_decoder_params(params: Params, decode_impl: str) -> Params:
+    """`decoder_params` for a caller that drops `params` next (a CLI or a server that loaded
+    them): "auto" reserves nothing for the cache, since the stacked arrays are gone by then."""
+    return decoder_params(params, resolve_decode_impl(decode_impl, params))
 
 
 def _compiled(fn, stats: GenerationStats, mesh_config: MeshConfig | None, *args, **static):
@@ -272,7 +322,6 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     vector) defaults to the model's compute dtype; `decode_impl` is
     one of DECODE_IMPLS; parameters on a mesh decode under `mesh_config`'s rules."""
     _validate(config, prompts, max_new_tokens, temperature, top_k, top_p, min_p)
-    impl = resolve_decode_impl(decode_impl)
     try:
         cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
     except ConfigError as e:
@@ -298,6 +347,8 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     stop_BS = np.tile(np.asarray(stops, np.int32), (B, 1))
     sampling = SamplingParams.broadcast(B, temperature, top_k, top_p, min_p)
     strategy = Strategy.of(temperature, top_k, top_p)
+    cache_bytes = B * (T + N) * kv_cache_bytes_per_token(config, cache_dtype)
+    impl = resolve_decode_impl(decode_impl, params, cache_bytes // device_count(params))
     params = decoder_params(params, impl)
     args = (config, params, prompts_BT, start_B, active_B, stop_BS, sampling,
             np.int32(max_new), jax.random.key(seed))
@@ -350,7 +401,8 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
     `max_new_tokens`; ids outside the vocabulary are ignored, with a warning.
     `cache_dtype` defaults to the model's compute dtype (an fp32 model decodes with an fp32
     cache); "int8" stores int8 values with a scale per cached vector. `decode_impl`: "auto"
-    (unrolled on CPU, scan elsewhere), "scan" or "unrolled" — the same function either way. Parameters on a mesh decode under
+    (`resolve_decode_impl`: unrolled on CPU and GPU when its weight copy fits, scan on TPU),
+    "scan" or "unrolled": the same function either way. Parameters on a mesh decode under
     `mesh_config`'s sharding rules (default rules when None). With `return_logprobs`, returns
     `(tokens, logprobs)`.
     """

@@ -18,8 +18,9 @@ Layers run group by group (`layer_groups`):
   with depth; a stacked cache rides in the carry and is updated in place (passing it as scanned
   inputs/outputs would make XLA copy it). `scan_layers=False` unrolls the training loop.
 - unstacked weights (a tuple of per-layer trees, `unstack_layers`) run an unrolled loop with a
-  per-layer cache: the CPU decoder's choice (`decode_impl="unrolled"`), because XLA:CPU copies
-  each layer's weights out of the stacked arrays at every scan step.
+  per-layer cache: the decoder's choice on CPU and GPU (`decode_impl="unrolled"`), where it
+  measured faster (XLA:CPU copies each layer's weights out of the stacked arrays at every
+  scan step).
 
 `config.remat` wraps the block in `jax.checkpoint` with a named policy in training.
 """

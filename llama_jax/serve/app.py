@@ -7,6 +7,7 @@ from pathlib import Path
 
 from llama_jax.config import MeshConfig, cache_dtype_name
 from llama_jax.data.tokenizer import load_tokenizer
+from llama_jax.decode.generate import owned_decoder_params
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.formats.checkpoint import load_checkpoint
 from llama_jax.parallel.sharding import make_mesh
@@ -31,6 +32,8 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
     config, params = load_checkpoint(checkpoint, dtype, quantize=quantize,
                                      quantize_head=quantize_head, mesh=device_mesh,
                                      mesh_config=mesh)
+    # The server keeps one copy of the weights: the decoder's, made before the cache is sized.
+    params = owned_decoder_params(params, decode_impl)
     try:
         config = config.with_execution(attention_impl=attention_impl)
         cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
