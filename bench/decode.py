@@ -12,7 +12,7 @@ model quantized while loading (`quantize="int8"`: block matmul weights), cache `
 KV cache; transformers runs the float dtype (bf16 for int8 weights; its cache is the model's).
 After the table, the int8 cases' step times are given as ratios to the bf16 ones (weights:
 int8/bfloat16 vs bfloat16/bfloat16; cache: bfloat16/int8 vs bfloat16/bfloat16). Ours runs under each decode implementation (`--impls`: the unrolled loop over per-layer
-weights that "auto" picks on CPU, and the lax.scan over stacked weights of accelerators). Runs
+weights that "auto" picks on CPU and GPU, and the lax.scan over stacked weights). Runs
 alternate between the implementations and the bandwidth probe so they share the machine's
 noise; medians are reported. `--pythons` runs ours under each of several interpreters (e.g.
 the venvs of two JAX releases) in the same alternation; the jax column names the release.

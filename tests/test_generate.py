@@ -10,7 +10,7 @@ import pytest
 
 import llama_jax
 from llama_jax.plan import costs
-from llama_jax.decode.generate import GenerationStats, _EXECUTABLES, generate, stream
+from llama_jax.decode.generate import GenerationStats, generate, stream
 from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import init_cache
 from llama_jax.model.transformer import apply, unstack_layers
@@ -293,12 +293,16 @@ def test_decode_step_updates_the_cache_in_place(model):
     (dict(min_p=1.0), "min_p=1.0"),
     (dict(decode_impl="fast"), "decode_impl='fast' is not one of auto, scan, unrolled"),
 ])
-def test_bad_requests_fail_before_compiling(kwargs, message, params):
+def test_bad_requests_fail_before_compiling(kwargs, message, params, monkeypatch):
+    from llama_jax.decode import generate as decoder
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("compiled before checking the request")
+
+    monkeypatch.setattr(decoder, "_compiled", compiled)
     request = {"prompts": [[1, 2, 3]], "max_new_tokens": 4, **kwargs}
-    compiled_before = len(_EXECUTABLES)
     with pytest.raises(GenerateError, match=message):
         generate(TINY, params["gqa"], **request)
-    assert len(_EXECUTABLES) == compiled_before
 
 
 def test_compiled_programs_are_kept_least_recently_used_first(params, monkeypatch):
@@ -364,7 +368,6 @@ def test_auto_decoder_scans_when_the_layer_copy_and_cache_do_not_fit(params, mon
 
     p = llama_jax.init_params(TINY, jax.random.key(7))
     copy = sum(w.nbytes for w in jax.tree.leaves(p["groups"]))
-    assert decoder.per_device_bytes(p["groups"]) == copy
     for free, impl in ((copy + 100, "unrolled"), (copy + 99, "scan")):
         monkeypatch.setattr(decoder, "free_memory_bytes", lambda: free)
         assert decoder.resolve_decode_impl("auto", p, reserve_bytes=100) == impl
@@ -375,7 +378,14 @@ def test_auto_decoder_scans_when_the_layer_copy_and_cache_do_not_fit(params, mon
         tokens = generate(TINY, p, [[1, 2, 3]], 4, stop_tokens=[])
     assert "decoding with 'scan'" in caplog.text
     assert decoder._cached_copy(p) is None  # no copy was made
-    assert generate(TINY, p, [[1, 2, 3]], 4, stop_tokens=[], decode_impl="unrolled") == tokens
+    monkeypatch.setattr(decoder, "free_memory_bytes", lambda: copy + cache)
+    assert generate(TINY, p, [[1, 2, 3]], 4, stop_tokens=[]) == tokens
+    assert decoder._cached_copy(p) is not None  # unrolled this time
+    # With the copy made, only the cache must fit; where it does not, the copy goes.
+    for free, impl in ((cache, "unrolled"), (cache - 1, "scan")):
+        monkeypatch.setattr(decoder, "free_memory_bytes", lambda: free)
+        assert decoder.resolve_decode_impl("auto", p, reserve_bytes=cache) == impl
+    assert decoder._cached_copy(p) is None
 
 
 def test_a_caller_that_owns_the_params_holds_one_copy():

@@ -22,6 +22,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 import llama_jax
 import reference
+from llama_jax.decode import generate as decoder
 from llama_jax.decode.generate import generate
 from llama_jax.data.tokenizer import train_sentencepiece
 from llama_jax.eval import harness
@@ -178,16 +179,20 @@ def test_generate_until_is_greedy_decoding_cut_at_a_stop_string(checkpoint, mode
     requests.append(Instance("generate_until", {}, (contexts[2], {"until": "\n\n",
                                                                    "max_gen_toks": 5}), 2))
     yields = []  # per batch: the chunks of tokens it took from the decoder
+    copies = []  # whether the unrolled decoder's copy of the weights was held, per chunk
 
     def counted_stream(*args, **kwargs):
         yields.append(0)
         for chunk in decoder_stream(*args, **kwargs):
             yields[-1] += 1
+            copies.append(decoder._cached_copy(lm.params) is not None)
             yield chunk
 
     decoder_stream = harness.stream
     monkeypatch.setattr(harness, "stream", counted_stream)
     got = lm.generate_until(requests)
+    # The copy lives while generating (on CPU "auto" decodes unrolled), not for scoring after.
+    assert all(copies) and decoder._cached_copy(lm.params) is None
     pattern = "|".join(map(re.escape, stops))
     assert got == [re.split(pattern, texts[0])[0], re.split(pattern, texts[1])[0],
                    greedy_text(prompts[2], 5)]

@@ -102,7 +102,7 @@ def test_an_engine_reserves_its_largest_cache_before_choosing_the_decoder(monkey
     from llama_jax.plan.costs import serving_cache_bytes
 
     p = llama_jax.init_params(TINY, jax.random.key(9))  # no copy of it made yet
-    need = (decoder.per_device_bytes(p["groups"])
+    need = (sum(w.nbytes for w in jax.tree.leaves(p["groups"]))
             + serving_cache_bytes(TINY, 2, 64, "float32", 4))
     for free, layout in ((need - 1, "stacked"), (need, "per_layer")):  # no copy, then one
         monkeypatch.setattr(decoder, "free_memory_bytes", lambda: free)

@@ -170,6 +170,41 @@ def test_the_kv_cache_follows_the_cache_rules():
     assert sharding.bytes_per_device(cache.k) == cache.k.nbytes // 8
 
 
+@pytest.mark.parametrize("model_name, mesh_name", [("gqa", "dp2-fsdp2-tp2"), ("gqa", "tp8"),
+                                                   ("mla", "dp2-fsdp2-tp2")])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_the_decoders_cache_reserve_is_what_a_device_holds(model_name, mesh_name, batch):
+    """What "auto" reserves per device for the cache before choosing the decoder: a row or a
+    KV head the mesh cannot split is held whole (one row on 8 devices: all of it on each)."""
+    from llama_jax.decode.generate import cache_bytes_per_device
+    from llama_jax.model.kv_cache import init_cache
+
+    model, mesh_config = MODELS[model_name], MESHES[mesh_name]
+    mesh = sharding.make_mesh(mesh_config)
+    placed = jax.device_put(
+        llama_jax.init_params(model, jax.random.key(4)),
+        sharding.param_shardings(llama_jax.param_specs(model), mesh, mesh_config))
+    with sharding.use_mesh(mesh, mesh_config):
+        cache = jax.jit(lambda: init_cache(model, batch, 24, "int8"))()
+    assert cache_bytes_per_device(model, placed, batch, 24, "int8", mesh_config) == \
+        sharding.bytes_per_device(cache.groups)
+
+
+def test_cpu_devices_reserve_from_the_host_they_share(monkeypatch):
+    """On CPU the 8 devices' copies and caches all come out of the host's free memory."""
+    from llama_jax.decode import generate as decoder
+
+    model, mesh_config = MODELS["gqa"], MESHES["tp8"]
+    mesh = sharding.make_mesh(mesh_config)
+    placed = jax.device_put(
+        llama_jax.init_params(model, jax.random.key(5)),
+        sharding.param_shardings(llama_jax.param_specs(model), mesh, mesh_config))
+    need = 8 * (sharding.bytes_per_device(placed["groups"]) + 1000)
+    for free, impl in ((need, "unrolled"), (need - 1, "scan")):
+        monkeypatch.setattr(decoder, "free_memory_bytes", lambda: free)
+        assert decoder.resolve_decode_impl("auto", placed, reserve_bytes=1000) == impl
+
+
 def test_a_run_saved_on_one_mesh_continues_on_another(corpus_dir, tmp_path):
     model = MODELS["gqa"]
     data = DataConfig(corpus=str(corpus_dir))

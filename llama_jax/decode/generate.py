@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import time
 import warnings
 import weakref
@@ -35,14 +34,15 @@ import numpy as np
 from flax import struct
 
 from llama_jax.parallel import sharding
+from llama_jax.parallel.sharding import MESH_AXES
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.model.kv_cache import KVCache, init_cache
 from llama_jax.model.transformer import apply, unstack_layers
 from llama_jax.nn.heads import is_task_head, lm_head
 from llama_jax.model.params import Params
-from llama_jax.plan.costs import kv_cache_bytes_per_token
 from llama_jax.plan.hardware import free_memory_bytes
+from llama_jax.plan.memory import kv_cache_bytes_per_device
 from llama_jax.decode.sampling import SamplingParams, Strategy, sample
 
 log = logging.getLogger(__name__)
@@ -172,34 +172,42 @@ def _unstacked(params: Params) -> bool:
 
 def resolve_decode_impl(decode_impl: str, params: Params, reserve_bytes: int = 0) -> str:
     """"scan" or "unrolled" for `decode_impl`. "auto" is unrolled for parameters already
-    unstacked (or whose per-layer copy exists), and on UNROLLED_BACKENDS when that copy, held
-    while the stacked arrays live, fits in the device memory free beyond `reserve_bytes` (what
-    the caller will allocate next: its KV cache); scan otherwise."""
+    unstacked, and for stacked ones on UNROLLED_BACKENDS (or whose per-layer copy exists) when
+    that copy, held while the stacked arrays live, fits in the device memory free beyond
+    `reserve_bytes` (what the caller allocates next on each device: its KV cache); scan
+    otherwise, dropping a copy that no longer leaves room."""
     if decode_impl not in DECODE_IMPLS:
         raise GenerateError(f"decode_impl={decode_impl!r} is not one of {', '.join(DECODE_IMPLS)}")
     if decode_impl != "auto":
         return decode_impl
-    if _unstacked(params) or _cached_copy(params) is not None:
+    if _unstacked(params):
         return "unrolled"
-    if jax.default_backend() not in UNROLLED_BACKENDS:
+    copy = _cached_copy(params)
+    if copy is None and jax.default_backend() not in UNROLLED_BACKENDS:
         return "scan"
-    need, free = per_device_bytes(params["groups"]) + reserve_bytes, free_memory_bytes()
+    need = reserve_bytes + (0 if copy is not None else sharding.bytes_per_device(params["groups"]))
+    free = free_memory_bytes()
+    if jax.default_backend() == "cpu":  # CPU devices share the host's memory
+        need *= _device_count(params)
     if free is None or need <= free:
         return "unrolled"
-    log.info("decode_impl='auto': the per-layer copy of the weights and the cache (%.2f GiB) "
-             "exceed the %.2f GiB free; decoding with 'scan'", need / 2**30, free / 2**30)
+    _UNSTACKED.clear()  # a copy that exists goes: the scan has its room
+    log.info("decode_impl='auto': the per-layer copy of the weights and the cache need %.2f GiB "
+             "of the %.2f GiB free; decoding with 'scan'", need / 2**30, free / 2**30)
     return "scan"
 
 
-def per_device_bytes(tree) -> int:
-    """Bytes of `tree`'s arrays on one device: a shard of each sharded array."""
-    def nbytes(x):
-        shape = x.sharding.shard_shape(x.shape) if isinstance(x, jax.Array) else x.shape
-        return math.prod(shape) * x.dtype.itemsize
-    return sum(nbytes(x) for x in jax.tree.leaves(tree))
+def cache_bytes_per_device(config: ModelConfig, params: Params, batch: int, slots: int,
+                           cache_dtype: str, mesh_config: MeshConfig | None) -> int:
+    """Bytes one device holds of the KV cache of `batch` rows of `slots` laid out, for
+    parameters on a mesh, by `mesh_config`'s rules (the default rules when None)."""
+    mesh = sharding.mesh_of(params)
+    shape = dict.fromkeys(MESH_AXES, 1) | ({} if mesh is None else dict(mesh.shape))
+    rules = (mesh_config or MeshConfig()).cache_rules
+    return kv_cache_bytes_per_device(config, batch, slots, cache_dtype, rules, shape)
 
 
-def device_count(params: Params) -> int:
+def _device_count(params: Params) -> int:
     """How many devices hold `params` (1 for host arrays)."""
     leaf = jax.tree.leaves(params)[0]
     return len(leaf.sharding.device_set) if isinstance(leaf, jax.Array) else 1
@@ -235,6 +243,12 @@ def decoder_params(params: Params, decode_impl: str) -> Params:
         drop = lambda _: _UNSTACKED.pop(key, None)  # noqa: E731
         _UNSTACKED[key] = (tuple(weakref.ref(leaf, drop) for leaf in leaves), unstacked)
     return unstacked
+
+
+def release_decoder_copy() -> None:
+    """Drops the per-layer copy kept for stacked parameters still alive (the next unrolled
+    decode of them makes it again): for a program that goes on to other work with them."""
+    _UNSTACKED.clear()
 
 
 def owned_decoder_params(params: Params, decode_impl: str) -> Params:
@@ -347,8 +361,8 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     stop_BS = np.tile(np.asarray(stops, np.int32), (B, 1))
     sampling = SamplingParams.broadcast(B, temperature, top_k, top_p, min_p)
     strategy = Strategy.of(temperature, top_k, top_p)
-    cache_bytes = B * (T + N) * kv_cache_bytes_per_token(config, cache_dtype)
-    impl = resolve_decode_impl(decode_impl, params, cache_bytes // device_count(params))
+    impl = resolve_decode_impl(decode_impl, params, cache_bytes_per_device(
+        config, params, B, T + N, cache_dtype, mesh_config))
     params = decoder_params(params, impl)
     args = (config, params, prompts_BT, start_B, active_B, stop_BS, sampling,
             np.int32(max_new), jax.random.key(seed))

@@ -69,7 +69,7 @@ except ImportError:
                       ) from None
 
 from llama_jax.formats.checkpoint import load_checkpoint
-from llama_jax.decode.generate import stream
+from llama_jax.decode.generate import release_decoder_copy, stream
 from llama_jax.eval.scoring import score
 from llama_jax.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -228,14 +228,17 @@ class LlamaJaxLM(TemplateLM):
         for i, request in enumerate(requests):
             groups.setdefault(repr(sorted(request.args[1].items())), []).append(i)
         texts: list[str] = [""] * len(requests)
-        for indices in groups.values():
-            indices.sort(key=lambda i: -len(requests[i].args[0]))
-            for start in range(0, len(indices), self.batch_size):
-                batch = indices[start:start + self.batch_size]
-                outputs = self._generate([requests[i].args[0] for i in batch],
-                                         requests[batch[0]].args[1])
-                for i, text in zip(batch, outputs):
-                    texts[i] = text
+        try:
+            for indices in groups.values():
+                indices.sort(key=lambda i: -len(requests[i].args[0]))
+                for start in range(0, len(indices), self.batch_size):
+                    batch = indices[start:start + self.batch_size]
+                    outputs = self._generate([requests[i].args[0] for i in batch],
+                                             requests[batch[0]].args[1])
+                    for i, text in zip(batch, outputs):
+                        texts[i] = text
+        finally:  # scoring reads the stacked weights: the decoder's copy would only take room
+            release_decoder_copy()
         return texts
 
     def _generate(self, contexts: list[str], gen_kwargs: dict) -> list[str]:

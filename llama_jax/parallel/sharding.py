@@ -22,6 +22,7 @@ import math
 from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
 
 import jax
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -173,10 +174,12 @@ def shard_ways(partition: P, mesh_shape: Mapping[str, int]) -> int:
 
 
 def bytes_per_device(tree) -> int:
-    """Bytes the first device holds of the arrays in `tree` (their shards, not the whole)."""
-    device = jax.devices()[0]
-    return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree)
-               for shard in leaf.addressable_shards if shard.device == device)
+    """Bytes one device holds of the arrays in `tree`: a shard of each sharded array (the
+    whole of a host array)."""
+    def nbytes(x):
+        shape = x.sharding.shard_shape(x.shape) if isinstance(x, jax.Array) else np.shape(x)
+        return math.prod(shape) * np.dtype(x.dtype).itemsize
+    return sum(nbytes(x) for x in jax.tree.leaves(tree))
 
 
 def optimizer_state_shardings(optimizer, abstract_params, params_sharding,

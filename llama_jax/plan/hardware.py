@@ -54,8 +54,10 @@ def free_memory_bytes(device: jax.Device | None = None) -> int | None:
     accelerator's limit less what is in use, the host's available memory for a CPU; None if
     unknown."""
     device = device or jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        if "bytes_limit" not in stats:
+            return None
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     try:
         with open("/proc/meminfo") as f:

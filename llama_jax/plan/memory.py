@@ -117,15 +117,22 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
     if config.loss_chunk is not None and config.loss_chunk < seq:
         logits += 4 * D * V // vocab_ways  # the head's gradient, summed over the pieces
     kv_seq = seq if kv_seq is None else kv_seq
-    cache = mesh.cache_rules
-    kv = (costs.kv_cache_bytes_per_token(config, kv_dtype) * kv_batch * kv_seq
-          // _ways(cache, shape, "batch", kv_batch)
-          // _ways(cache, shape, *mixer_of(config).cache_split(config)))
+    kv = kv_cache_bytes_per_device(config, kv_batch, kv_seq, kv_dtype, mesh.cache_rules, shape)
     return MemoryPlan(mesh=shape, weights=state_elems * param_bytes,
                       gradients=state_elems * param_bytes, optimizer=2 * 4 * state_elems,
                       activations=tokens * (per_token + whole_layer + b * D) + logits
                       + rows * attn.tiles + gathered,
                       kv_cache=kv)
+
+
+def kv_cache_bytes_per_device(config: ModelConfig, batch: int, seq: int, dtype: str,
+                              cache_rules: tuple, mesh_shape: dict[str, int]) -> int:
+    """Bytes one device holds of a KV cache of `batch` rows of `seq` tokens laid out by
+    `cache_rules` on a mesh of `mesh_shape` (rows and heads split only where the mesh axes
+    divide them; `{}` for one device)."""
+    return (costs.kv_cache_bytes_per_token(config, dtype) * batch * seq
+            // _ways(cache_rules, mesh_shape, "batch", batch)
+            // _ways(cache_rules, mesh_shape, *mixer_of(config).cache_split(config)))
 
 
 def _mlp_memory(config: ModelConfig, moe: bool, b: int, local,

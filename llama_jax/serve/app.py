@@ -32,8 +32,6 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
     config, params = load_checkpoint(checkpoint, dtype, quantize=quantize,
                                      quantize_head=quantize_head, mesh=device_mesh,
                                      mesh_config=mesh)
-    # The server keeps one copy of the weights: the decoder's, made before the cache is sized.
-    params = owned_decoder_params(params, decode_impl)
     try:
         config = config.with_execution(attention_impl=attention_impl)
         cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
@@ -41,6 +39,8 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
         raise GenerateError(str(e)) from None
     seq_len = max_seq_len or config.max_seq_len
     check_cache_fits(config, max_batch, seq_len, cache_dtype, steps_per_dispatch)
+    # The server keeps one copy of the weights, the decoder's: the stacked arrays go here.
+    params = owned_decoder_params(params, decode_impl)
     stop_ids = sorted({*config.stop_ids, *(t for t in tok.eos_ids if t < config.vocab_size)})
     engine = Engine(config, params, max_batch=max_batch, max_seq_len=seq_len,
                     stop_ids=stop_ids, cache_dtype=cache_dtype, decode_impl=decode_impl,

@@ -52,8 +52,8 @@ import numpy as np
 from flax import struct
 
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name
-from llama_jax.decode.generate import (NO_TOKEN, bucket, decoder_params, device_count,
-                                       placed, resolve_decode_impl)
+from llama_jax.decode.generate import (NO_TOKEN, bucket, cache_bytes_per_device,
+                                       decoder_params, placed, resolve_decode_impl)
 from llama_jax.decode.sampling import SamplingParams, Strategy, sample
 from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import KVCache, init_cache, resized, shifted, with_row
@@ -61,8 +61,7 @@ from llama_jax.model.params import Params
 from llama_jax.model.transformer import apply
 from llama_jax.nn.heads import lm_head
 from llama_jax.parallel import sharding
-from llama_jax.plan.costs import (SERVING_SLACK_DISPATCHES, SERVING_STEPS_PER_DISPATCH,
-                                  serving_cache_bytes)
+from llama_jax.plan.costs import SERVING_SLACK_DISPATCHES, SERVING_STEPS_PER_DISPATCH
 
 log = logging.getLogger("llama_jax.serve")
 
@@ -283,16 +282,15 @@ class Engine:
                                 f"{steps_per_dispatch} must be >= 1")
         self.steps = steps_per_dispatch
         self.cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
-        cache_bytes = serving_cache_bytes(config, max_batch, self.max_seq_len,
-                                          self.cache_dtype, steps_per_dispatch)
-        impl = resolve_decode_impl(decode_impl, params, cache_bytes // device_count(params))
+        self.max_slots = self.max_seq_len + SERVING_SLACK_DISPATCHES * self.steps
+        impl = resolve_decode_impl(decode_impl, params, cache_bytes_per_device(
+            config, params, max_batch, self.max_slots, self.cache_dtype, mesh_config))
         self.params = decoder_params(params, impl)
         self.layout = "stacked" if impl == "scan" else "per_layer"
         mesh = sharding.mesh_of(params)
         self.placement = None if mesh is None else (mesh, mesh_config or MeshConfig())
         ids = config.stop_ids if stop_ids is None else stop_ids
         self.stop_ids = [int(t) for t in ids if 0 <= int(t) < config.vocab_size] or [NO_TOKEN]
-        self.max_slots = self.max_seq_len + SERVING_SLACK_DISPATCHES * self.steps
         self.min_slots = min(self.max_slots, MIN_SLOTS)
         self._queue: queue.Queue[Request] = queue.Queue(max_queue)
         self._executables: dict = {}
