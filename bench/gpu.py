@@ -53,7 +53,8 @@ Speed:
   the first token / 127. transformers: `generate()` with its default dynamic cache; step
   ms = (time of 128 new tokens − time of 1) / 127. 1 compile run and 1 untimed run, then 3
   timed; medians. Floor = (weight bytes read per step + KV bytes at the mean context of 192
-  tokens, int8 values and scales counted as stored) / copy bandwidth.
+  tokens, int8 values and scales counted as stored) / copy bandwidth. After the table, per
+  batch: what `decode_impl="auto"` picks on this GPU against the faster of scan and unrolled.
 
 The last lines printed are the tables; `--out` (default $OUT, else .) gets gpu.json with every
 number.
@@ -83,7 +84,8 @@ from llama_jax import xla_flags
 from llama_jax.plan import costs
 from llama_jax.plan.memory import plan_memory
 from llama_jax.config import MeshConfig, TrainConfig
-from llama_jax.decode.generate import GenerationStats
+from llama_jax.decode.generate import (GenerationStats, bucket, cache_bytes_per_device,
+                                       resolve_decode_impl)
 from llama_jax.model.kv_cache import init_cache
 from llama_jax.model.transformer import apply, unstack_layers
 from llama_jax.nn.heads import lm_head
@@ -585,6 +587,7 @@ def decode_case(run: str) -> tuple[str, str | None, str]:
 def decode_ours(plan: Plan, run: str, hf_dir: str) -> dict:
     impl, quantize, cache_dtype = decode_case(run)
     config, params = llama_jax.load_checkpoint(hf_dir, dtype=BF16, quantize=quantize)
+    auto = {b: auto_choice(plan, config, params, b, cache_dtype) for b in plan.decode_batches}
     results = {}
     for batch in plan.decode_batches:
         prompts = decode_prompts(plan, batch).tolist()
@@ -601,8 +604,16 @@ def decode_ours(plan: Plan, run: str, hf_dir: str) -> dict:
             walls.append(time.perf_counter() - start)
             steps.append(stats.decode_s / (plan.decode_new - 1))
         results[batch] = {"step_s": statistics.median(steps), "wall_s": statistics.median(walls),
-                          "compile_s": warm.compile_s}
+                          "compile_s": warm.compile_s, "auto": auto[batch]}
     return results
+
+
+def auto_choice(plan: Plan, config, params, batch: int, cache_dtype: str) -> str:
+    """What decode_impl="auto" picks for this batch (`generate`'s buckets and cache reserve),
+    with the decoder's copy of these weights not yet made."""
+    slots = bucket(plan.decode_prompt) + bucket(plan.decode_new)
+    reserve = cache_bytes_per_device(config, params, bucket(batch, 1), slots, cache_dtype, None)
+    return resolve_decode_impl("auto", params, reserve)
 
 
 def decode_transformers(plan: Plan, hf_dir: str) -> dict:
@@ -832,6 +843,13 @@ def print_decode(decode: dict, plan: Plan) -> None:
             compile_s = f"{m['compile_s']:.1f}" if m["compile_s"] is not None else "-"
             print(f"| {batch} | {name} | {m['step_s'] * 1e3:.2f} | {floors} | {ratio} | "
                   f"{vs_base} | {batch * plan.decode_new / m['wall_s']:.0f} | {compile_s} |")
+    for batch in plan.decode_batches:  # is "auto" the faster decoder here?
+        measured = {run: step_s(run, batch) for run in ("scan", "unrolled")}
+        picks = {runs[run]["per_batch"][str(batch)].get("auto") for run in measured
+                 if step_s(run, batch) is not None}
+        if None not in measured.values():
+            print(f"batch {batch}: decode_impl='auto' picks {', '.join(sorted(picks))}; "
+                  f"faster here: {min(measured, key=measured.get)}")
 
 
 PRINTERS = {"correctness": print_correctness, "train": print_training, "decode": print_decode}
