@@ -191,7 +191,7 @@ def resolve_decode_impl(decode_impl: str, params: Params, reserve_bytes: int = 0
         need *= _device_count(params)
     if free is None or need <= free:
         return "unrolled"
-    _UNSTACKED.clear()  # a copy that exists goes: the scan has its room
+    release_decoder_copy()  # a copy that exists goes: the scan has its room
     log.info("decode_impl='auto': the per-layer copy of the weights and the cache need %.2f GiB "
              "of the %.2f GiB free; decoding with 'scan'", need / 2**30, free / 2**30)
     return "scan"

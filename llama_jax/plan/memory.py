@@ -128,8 +128,8 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
 def kv_cache_bytes_per_device(config: ModelConfig, batch: int, seq: int, dtype: str,
                               cache_rules: tuple, mesh_shape: dict[str, int]) -> int:
     """Bytes one device holds of a KV cache of `batch` rows of `seq` tokens laid out by
-    `cache_rules` on a mesh of `mesh_shape` (rows and heads split only where the mesh axes
-    divide them; `{}` for one device)."""
+    `cache_rules` on a mesh of `mesh_shape` (every mesh axis named, 1 where unused; rows and
+    heads split only where the mesh axes divide them)."""
     return (costs.kv_cache_bytes_per_token(config, dtype) * batch * seq
             // _ways(cache_rules, mesh_shape, "batch", batch)
             // _ways(cache_rules, mesh_shape, *mixer_of(config).cache_split(config)))
