@@ -29,10 +29,15 @@ user set (`llama_jax.xla_flags`).
 """
 
 import importlib
+import sys
 
+from llama_jax.errors import ConfigError
 from llama_jax.xla_flags import set_gpu_flags
 
-set_gpu_flags()  # now, before JAX starts a backend: XLA reads XLA_FLAGS once
+try:
+    set_gpu_flags()  # now, before JAX starts a backend: XLA reads XLA_FLAGS once
+except ConfigError as e:  # the process's environment is wrong: one line, as the CLIs print
+    sys.exit(f"error: {e}")
 
 # public name -> the module that defines it
 _API = {

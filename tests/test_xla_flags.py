@@ -72,6 +72,16 @@ def child(code: str, **env: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+def test_a_bad_switch_stops_the_import_with_one_line():
+    """Every CLI imports the library first: the error is one line, not a traceback."""
+    env = {**os.environ, xla_flags.SWITCH: "yes"}
+    done = subprocess.run([sys.executable, "-c", "import llama_jax"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert done.stderr == (f"error: environment variable {xla_flags.SWITCH}='yes' must be 0 "
+                           "(leave XLA_FLAGS as it is) or 1 (add the library's GPU flags)\n")
+
+
 def test_import_llama_jax_sets_them_on_cuda_and_the_installed_xla_knows_them(tmp_path):
     """End to end: a process that sees a CUDA plugin gets the flags from `import llama_jax`,
     after the user's own (and none with JAX_PLATFORMS=cpu), and an XLA started with them runs
