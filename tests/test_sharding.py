@@ -205,6 +205,33 @@ def test_cpu_devices_reserve_from_the_host_they_share(monkeypatch):
         assert decoder.resolve_decode_impl("auto", placed, reserve_bytes=1000) == impl
 
 
+@pytest.mark.parametrize("backend, devices_counted", [("gpu", 1), ("cpu", 8)])
+def test_the_server_checks_the_cache_a_device_holds(backend, devices_counted, monkeypatch):
+    """On a mesh each accelerator holds its part of the server's cache, and is checked for
+    that part alone; CPU devices all draw on the host, which must hold every part."""
+    from llama_jax.model.kv_cache import init_cache
+    from llama_jax.plan.costs import serving_cache_slots
+    from llama_jax.serve import app
+
+    model, mesh_config = MODELS["gqa"], MESHES["dp2-fsdp2-tp2"]
+    mesh = sharding.make_mesh(mesh_config)
+    placed = jax.device_put(
+        llama_jax.init_params(model, jax.random.key(6)),
+        sharding.param_shardings(llama_jax.param_specs(model), mesh, mesh_config))
+    slots = serving_cache_slots(40, 4)
+    with sharding.use_mesh(mesh, mesh_config):
+        cache = jax.jit(lambda: init_cache(model, 4, slots, "bfloat16"))()
+    need = devices_counted * sharding.bytes_per_device(cache.groups)
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    check = functools.partial(app.check_cache_fits, model, placed, 4, 40, "bfloat16", 4,
+                              mesh_config)
+    monkeypatch.setattr(app, "free_memory_bytes", lambda: need)
+    check()
+    monkeypatch.setattr(app, "free_memory_bytes", lambda: need - 1)
+    with pytest.raises(llama_jax.GenerateError, match="needs"):
+        check()
+
+
 def test_a_run_saved_on_one_mesh_continues_on_another(corpus_dir, tmp_path):
     model = MODELS["gqa"]
     data = DataConfig(corpus=str(corpus_dir))

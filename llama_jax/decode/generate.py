@@ -185,10 +185,10 @@ def resolve_decode_impl(decode_impl: str, params: Params, reserve_bytes: int = 0
     copy = _cached_copy(params)
     if copy is None and jax.default_backend() not in UNROLLED_BACKENDS:
         return "scan"
-    need = reserve_bytes + (0 if copy is not None else sharding.bytes_per_device(params["groups"]))
+    need = memory_need(
+        reserve_bytes + (0 if copy is not None else sharding.bytes_per_device(params["groups"])),
+        params)
     free = free_memory_bytes()
-    if jax.default_backend() == "cpu":  # CPU devices share the host's memory
-        need *= _device_count(params)
     if free is None or need <= free:
         return "unrolled"
     release_decoder_copy()  # a copy that exists goes: the scan has its room
@@ -205,6 +205,13 @@ def cache_bytes_per_device(config: ModelConfig, params: Params, batch: int, slot
     shape = dict.fromkeys(MESH_AXES, 1) | ({} if mesh is None else dict(mesh.shape))
     rules = (mesh_config or MeshConfig()).cache_rules
     return kv_cache_bytes_per_device(config, batch, slots, cache_dtype, rules, shape)
+
+
+def memory_need(bytes_per_device: int, params: Params) -> int:
+    """What `bytes_per_device` on each device holding `params` takes from the memory
+    `free_memory_bytes()` reports: one device's own on an accelerator, every device's on CPU,
+    whose devices all draw on the host."""
+    return bytes_per_device * (_device_count(params) if jax.default_backend() == "cpu" else 1)
 
 
 def _device_count(params: Params) -> int:

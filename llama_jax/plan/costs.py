@@ -96,8 +96,15 @@ def serving_cache_bytes(config: ModelConfig, max_batch: int, max_seq_len: int,
                         steps_per_dispatch: int = SERVING_STEPS_PER_DISPATCH) -> int:
     """The KV cache of a server's `max_batch` decode slots at its largest: `max_seq_len`
     tokens each plus the slack of SERVING_SLACK_DISPATCHES dispatches."""
-    slots = max_seq_len + SERVING_SLACK_DISPATCHES * steps_per_dispatch
-    return max_batch * slots * kv_cache_bytes_per_token(config, cache_dtype)
+    return (max_batch * serving_cache_slots(max_seq_len, steps_per_dispatch)
+            * kv_cache_bytes_per_token(config, cache_dtype))
+
+
+def serving_cache_slots(max_seq_len: int, steps_per_dispatch: int) -> int:
+    """The cache positions a server's slot holds at its largest: `max_seq_len` and the slack
+    of SERVING_SLACK_DISPATCHES dispatches, which a row may run past its end before it
+    leaves."""
+    return max_seq_len + SERVING_SLACK_DISPATCHES * steps_per_dispatch
 
 
 def train_flops_per_token(config: ModelConfig, seq_len: int, frozen_backbone: bool = False

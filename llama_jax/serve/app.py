@@ -7,11 +7,11 @@ from pathlib import Path
 
 from llama_jax.config import MeshConfig, cache_dtype_name
 from llama_jax.data.tokenizer import load_tokenizer
-from llama_jax.decode.generate import owned_decoder_params
+from llama_jax.decode.generate import cache_bytes_per_device, memory_need, owned_decoder_params
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.formats.checkpoint import load_checkpoint
 from llama_jax.parallel.sharding import make_mesh
-from llama_jax.plan.costs import SERVING_STEPS_PER_DISPATCH, serving_cache_bytes
+from llama_jax.plan.costs import SERVING_STEPS_PER_DISPATCH, serving_cache_slots
 from llama_jax.plan.hardware import free_memory_bytes
 from llama_jax.serve.api import Server
 from llama_jax.serve.chat import chat_format
@@ -38,7 +38,8 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
     except ConfigError as e:
         raise GenerateError(str(e)) from None
     seq_len = max_seq_len or config.max_seq_len
-    check_cache_fits(config, max_batch, seq_len, cache_dtype, steps_per_dispatch)
+    check_cache_fits(config, params, max_batch, seq_len, cache_dtype, steps_per_dispatch,
+                     mesh)
     # The server keeps one copy of the weights, the decoder's: the stacked arrays go here.
     params = owned_decoder_params(params, decode_impl)
     stop_ids = sorted({*config.stop_ids, *(t for t in tok.eos_ids if t < config.vocab_size)})
@@ -50,10 +51,13 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
     return Server(engine, tok, name, chat_format(checkpoint, tok)), engine
 
 
-def check_cache_fits(config, max_batch: int, max_seq_len: int, cache_dtype: str,
-                     steps_per_dispatch: int) -> None:
-    """Refuses slots whose KV cache is more than the memory left after loading the model."""
-    need = serving_cache_bytes(config, max_batch, max_seq_len, cache_dtype, steps_per_dispatch)
+def check_cache_fits(config, params, max_batch: int, max_seq_len: int, cache_dtype: str,
+                     steps_per_dispatch: int, mesh: MeshConfig | None) -> None:
+    """Refuses slots whose KV cache is more than the memory left after loading the model: on
+    a mesh, the part of the cache one device holds against that device's free memory."""
+    slots = serving_cache_slots(max_seq_len, steps_per_dispatch)
+    need = memory_need(
+        cache_bytes_per_device(config, params, max_batch, slots, cache_dtype, mesh), params)
     free = free_memory_bytes()
     if free is not None and need > free:
         raise GenerateError(

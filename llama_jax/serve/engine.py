@@ -61,7 +61,7 @@ from llama_jax.model.params import Params
 from llama_jax.model.transformer import apply
 from llama_jax.nn.heads import lm_head
 from llama_jax.parallel import sharding
-from llama_jax.plan.costs import SERVING_SLACK_DISPATCHES, SERVING_STEPS_PER_DISPATCH
+from llama_jax.plan.costs import SERVING_STEPS_PER_DISPATCH, serving_cache_slots
 
 log = logging.getLogger("llama_jax.serve")
 
@@ -282,7 +282,7 @@ class Engine:
                                 f"{steps_per_dispatch} must be >= 1")
         self.steps = steps_per_dispatch
         self.cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
-        self.max_slots = self.max_seq_len + SERVING_SLACK_DISPATCHES * self.steps
+        self.max_slots = serving_cache_slots(self.max_seq_len, self.steps)
         impl = resolve_decode_impl(decode_impl, params, cache_bytes_per_device(
             config, params, max_batch, self.max_slots, self.cache_dtype, mesh_config))
         self.params = decoder_params(params, impl)
