@@ -7,7 +7,8 @@
 
 A single prompt streams to stdout as it is generated (decoded in chunks of --chunk-steps
 steps); several prompts run as one ragged batch and print when done. Time to first token,
-tokens/s and compile time go to stderr.
+tokens/s and compile time go to stderr, and so do the library's notes (`note: ...`: the
+decoder `--decode-impl auto` fell back to).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 from pathlib import Path
 
 from llama_jax import load_checkpoint, load_tokenizer
-from llama_jax.cli import add_int8_arguments, user_errors_exit
+from llama_jax.cli import add_int8_arguments, show_library_notes, user_errors_exit
 from llama_jax.config import DTYPES
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
 from llama_jax.decode.generate import (DECODE_IMPLS, GenerationStats,
@@ -72,6 +73,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 @user_errors_exit
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    show_library_notes()
     prompts = read_prompts(args)
     tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
     config, params = load_checkpoint(args.checkpoint, args.dtype, quantize=args.quantize,

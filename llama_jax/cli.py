@@ -1,10 +1,11 @@
 """Shared behaviour of the command-line entry points: bad input is one readable line and exit 2;
-the int8 flags of every CLI that decodes or plans decoding."""
+the library's notes on stderr; the int8 flags of every CLI that decodes or plans decoding."""
 
 from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import sys
 from typing import Callable
 
@@ -26,6 +27,23 @@ def user_errors_exit(main: Callable[..., int | None]) -> Callable[..., int]:
             return 2
 
     return wrapped
+
+
+class _Notes(logging.Handler):
+    """`note: <message>` on the sys.stderr of the moment (a test may have replaced it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"note: {record.getMessage()}", file=sys.stderr)
+
+
+def show_library_notes() -> None:
+    """The library's INFO lines (a choice it made for the user, such as the decoder "auto"
+    fell back to) go to stderr; other libraries' logging is left as it is."""
+    logger = logging.getLogger("llama_jax")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    if not any(isinstance(h, _Notes) for h in logger.handlers):
+        logger.addHandler(_Notes())
 
 
 def add_int8_arguments(parser: argparse.ArgumentParser, cache_default: str) -> None:

@@ -47,6 +47,23 @@ def test_quantize_streams_what_the_quantized_model_generates(checkpoint, capsys,
     assert out == "The cat" + tok.decode(expected) + "\n"
 
 
+def test_the_decoder_auto_falls_back_to_is_noted(checkpoint, capsys, monkeypatch):
+    """When the per-layer copy does not fit, "auto" decodes with the scan and says so."""
+    from llama_jax.decode import generate as decoder
+
+    monkeypatch.setattr(decoder, "free_memory_bytes", lambda: 0)
+    assert sample.main(["--checkpoint", str(checkpoint), "--prompt", "The cat",
+                        "--temperature", "0", "--max-new-tokens", "6"]) == 0
+    out, err = capsys.readouterr()
+    config, params = llama_jax.load_checkpoint(checkpoint)
+    tok = llama_jax.load_tokenizer(checkpoint)
+    expected = generate(config, params, [tok.encode("The cat")], 6, decode_impl="scan",
+                        cache_dtype="float32")[0]
+    assert out == "The cat" + tok.decode(expected) + "\n"
+    assert "note: decode_impl='auto': the per-layer copy of the weights and the cache need " \
+        in err and "decoding with 'scan'" in err.splitlines()[0]
+
+
 def test_several_prompts_and_a_prompt_file(checkpoint, tmp_path, capsys):
     (tmp_path / "prompts.txt").write_text("A dog\n\nNumbers:\n")
     assert sample.main(["--checkpoint", str(checkpoint), "--prompt", "The cat",
