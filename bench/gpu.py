@@ -36,7 +36,8 @@ Speed:
   step = forward, backward, global-norm clipping (1.0) and AdamW (weight decay 0.1) with fp32
   master weights and bf16 compute. Ours: the jitted `train_step` with the state donated, under
   attention_impl cudnn (also with the remat policies attention and dots_with_attention, with
-  loss_chunk 512, without the XLA flags the library sets on GPU ("-gpu-flags",
+  loss_chunk 512, with AdamW's first moment stored in bf16 (mu_dtype), without the XLA flags
+  the library sets on GPU ("-gpu-flags",
   LLAMA_JAX_GPU_FLAGS=0) and with XLA's dynamic-slice fusion ("+slice-fusion")), chunked and
   xla. transformers: `LlamaForCausalLM(ids, labels=ids)`
   under `torch.autocast("cuda", bfloat16)` on fp32 weights (eager, its default attention),
@@ -93,11 +94,12 @@ from llama_jax.nn.attention.dot_product import Mask, dot_product_attention
 from llama_jax.training.optim import make_optimizer
 from llama_jax.training.step import init_state, objective, train_step
 
-# Ours as "impl" or "impl+field=value+...": an attention implementation and execution settings
-# (a remat policy, the loss a piece at a time), and transformers.
+# Ours as "impl" or "impl+field=value+...": an attention implementation and settings of the
+# model's execution (a remat policy, the loss a piece at a time) or of the `train:` section
+# (AdamW's first moment in bf16), and transformers.
 TRAIN_RUNS = ("cudnn", "cudnn+remat=attention", "cudnn+remat=dots_with_attention",
-              "cudnn+loss_chunk=512", "cudnn -gpu-flags", "cudnn +slice-fusion", "chunked",
-              "xla", "transformers")
+              "cudnn+loss_chunk=512", "cudnn+mu_dtype=bfloat16", "cudnn -gpu-flags",
+              "cudnn +slice-fusion", "chunked", "xla", "transformers")
 # Ours as "impl" or "impl:weights/cache" (int8 weights: the bf16 model quantized while loading;
 # an int8 KV cache), and transformers.
 DECODE_RUNS = ("scan", "unrolled", "scan -gpu-flags", "unrolled -gpu-flags",
@@ -154,11 +156,13 @@ TINY = Plan(attention_BTNKH=(2, 40, 4, 2, 16),
             train_batch=2, train_seq=64, train_steps=2, decode_prompt=16, decode_new=16,
             decode_batches=(1, 2), decode_repeats=1, matmul_n=256, copy_bytes=4 << 20)
 # LLaMA-3-8B, random weights: a training step with remat at 8K context (when its state fits
-# the GPU), decode at batch 1 and 8 from a 2K prompt.
+# the GPU: on an H200, the planner fits only the run with AdamW's first moment in bf16 within
+# the 90% of its memory the children take), decode at batch 1 and 8 from a 2K prompt.
 LLAMA3_8B = dataclasses.replace(
     FULL, big=llama_jax.load_model_config("llama3-8b"), train_batch=1, train_seq=8192,
     train_steps=5, decode_prompt=2048, train_runs=(
-        "cudnn+remat=full", "cudnn+remat=dots_with_attention+loss_chunk=1024", "transformers"),
+        "cudnn+remat=full", "cudnn+remat=full+loss_chunk=1024+mu_dtype=bfloat16",
+        "cudnn+remat=dots_with_attention+loss_chunk=1024", "transformers"),
     decode_runs=("scan", "unrolled", "transformers"))
 PLANS = {"bench": FULL, "llama3-8b": LLAMA3_8B, "tiny": TINY}
 WARMUP_STEPS = 3
@@ -474,9 +478,20 @@ def host_memory_bytes() -> int:
 
 # --- training -------------------------------------------------------------------------------
 
-def train_config(plan: Plan) -> TrainConfig:
+def run_settings(run: str) -> tuple[str, dict, dict]:
+    """A run of ours, "impl+field=value+...": its attention implementation, then its settings
+    of the model's execution and of the `train:` section."""
+    impl, *settings = run.split("+")
+    fields = {field: int(value) if value.isdigit() else value
+              for field, _, value in (s.partition("=") for s in settings)}
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    return (impl, {k: v for k, v in fields.items() if k not in train_fields},
+            {k: v for k, v in fields.items() if k in train_fields})
+
+
+def train_config(plan: Plan, run: str = "cudnn") -> TrainConfig:
     return TrainConfig(seq_len=plan.train_seq, batch_size=plan.train_batch, steps=10_000,
-                       warmup_steps=100)
+                       warmup_steps=100, **run_settings(run)[2])
 
 
 def random_windows(plan: Plan) -> np.ndarray:
@@ -493,27 +508,27 @@ def peak_gib() -> float | None:
 
 
 def run_config(plan: Plan, run: str) -> llama_jax.ModelConfig:
-    """The trained model of a run of ours, "impl+field=value+..."."""
-    impl, *settings = run.split("+")
-    fields = {field: int(value) if value.isdigit() else value
-              for field, _, value in (s.partition("=") for s in settings)}
+    """The trained model of a run of ours."""
+    impl, fields, _ = run_settings(run)
     return plan.big.with_execution(compute_dtype=BF16, attention_impl=impl, **fields)
 
 
 def planned_training_bytes(plan: Plan, run: str) -> int:
     """The planner's bytes for a run on one GPU: all of ours; for transformers, whose
     activations it does not model, the fp32 weights, gradients and AdamW moments alone."""
-    config = plan.big if run == "transformers" else run_config(plan, run)
+    ours = run != "transformers"
+    config = run_config(plan, run) if ours else plan.big
     planned = plan_memory(config, MeshConfig(), 1, batch=plan.train_batch, seq=plan.train_seq,
-                          remat=config.remat, backend="gpu")
-    if run == "transformers":
-        return planned.weights + planned.gradients + planned.optimizer
-    return planned.training
+                          remat=config.remat, backend="gpu",
+                          mu_dtype=train_config(plan, run).mu_dtype if ours else FP32)
+    return planned.training if ours else planned.weights + planned.gradients + planned.optimizer
 
 
-def train_ours(plan: Plan, run: str) -> dict:
+def compiled_train_step(plan: Plan, run: str):
+    """(the compiled step of a run of ours, with its state donated; the first state; the
+    batch; the compile seconds)."""
     config = run_config(plan, run)
-    train = train_config(plan)
+    train = train_config(plan, run)
     optimizer = make_optimizer(config, train)
     state = jax.jit(functools.partial(init_state, config, optimizer))(jax.random.key(0))
     loss_fn = objective(llama_jax.RunConfig(model=config, train=train), 1)  # packed windows
@@ -522,7 +537,11 @@ def train_ours(plan: Plan, run: str) -> dict:
     batch = jnp.asarray(random_windows(plan))
     start = time.perf_counter()
     compiled = step.lower(state, batch).compile()
-    compile_s = time.perf_counter() - start
+    return compiled, state, batch, time.perf_counter() - start
+
+
+def train_ours(plan: Plan, run: str) -> dict:
+    compiled, state, batch, compile_s = compiled_train_step(plan, run)
     times, losses = [], []
     for i in range(WARMUP_STEPS + plan.train_steps):
         start = time.perf_counter()

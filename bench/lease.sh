@@ -4,7 +4,7 @@
 # repository root:
 #
 #   bash bench/lease.sh profile       # ~4 min: where the training step and a decode step go
-#   bash bench/lease.sh train         # ~6 min: bench/gpu.py training, every run vs transformers
+#   bash bench/lease.sh train         # ~7 min: bench/gpu.py training, every run vs transformers
 #   bash bench/lease.sh decode        # ~5 min: bench/gpu.py decode, every run vs the floor
 #   bash bench/lease.sh correctness   # ~7 min: bench/gpu.py's checks against references
 #   bash bench/lease.sh 8b            # ~6 min: LLaMA-3-8B decode (training when it fits)

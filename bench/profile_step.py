@@ -1,7 +1,8 @@
 """Where a training step's time goes: a `jax.profiler` trace of the GPU benchmark model's step
 (bench/gpu.py), its device op time summed by category.
 
-    python bench/profile_step.py [--impl cudnn] [--set remat=attention loss_chunk=512]
+    python bench/profile_step.py [--impl cudnn] [--set remat=attention loss_chunk=512
+                                                      mu_dtype=bfloat16]
                                  [--steps 5] [--tiny] [--out DIR]
 
 Categories, from the compiled program: every HLO instruction is placed by its JAX name stack
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import gzip
 import json
 import os
@@ -32,12 +32,8 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
-import llama_jax
-from gpu import BF16, FULL, TINY, WARMUP_STEPS, random_windows, train_config
-from llama_jax.training.optim import make_optimizer
-from llama_jax.training.step import init_state, objective, train_step
+from gpu import FULL, TINY, WARMUP_STEPS, compiled_train_step
 
 CATEGORIES = ("collectives", "attention", "matmuls", "loss", "optimizer", "copies",
               "norms and elementwise")
@@ -104,16 +100,9 @@ def device_op_times(trace_path: Path, module: str) -> dict[str, float]:
     return times
 
 
-def profile(plan, impl: str, settings: dict, steps: int, out: Path) -> dict:
-    config = plan.big.with_execution(compute_dtype=BF16, attention_impl=impl, **settings)
-    train = train_config(plan)
-    optimizer = make_optimizer(config, train)
-    state = jax.jit(functools.partial(init_state, config, optimizer))(jax.random.key(0))
-    loss_fn = objective(llama_jax.RunConfig(model=config, train=train), 1)
-    step = jax.jit(functools.partial(train_step, config, train, optimizer, loss_fn),
-                   donate_argnums=0)
-    batch = jnp.asarray(random_windows(plan))
-    compiled = step.lower(state, batch).compile()
+def profile(plan, run: str, steps: int, out: Path) -> dict:
+    """The profile of a run of bench/gpu.py's training ("impl+field=value+...")."""
+    compiled, state, batch, _ = compiled_train_step(plan, run)
     for _ in range(WARMUP_STEPS):
         state, metrics = compiled(state, batch)
     jax.block_until_ready(state)
@@ -136,7 +125,7 @@ def profile(plan, impl: str, settings: dict, steps: int, out: Path) -> dict:
             per_category[category(instructions[name], computations)] += seconds / steps
         else:
             unknown += seconds / steps
-    return {"device": str(jax.devices()[0].device_kind), "impl": impl, "settings": settings,
+    return {"device": str(jax.devices()[0].device_kind), "run": run,
             "steps": steps, "wall_s_per_step": wall_s, "unmatched_s_per_step": unknown,
             "op_s_per_step": {c: per_category.get(c, 0.0) for c in CATEGORIES},
             "trace": str(trace)}
@@ -145,9 +134,9 @@ def profile(plan, impl: str, settings: dict, steps: int, out: Path) -> dict:
 def render(result: dict) -> str:
     ops = result["op_s_per_step"]
     total = sum(ops.values()) or 1.0
-    settings = ", ".join(f"{k}={v}" for k, v in result["settings"].items())
-    lines = [f"{result['device']}: training step, attention {result['impl']}"
-             + (f", {settings}" if settings else "")
+    impl, *settings = result["run"].split("+")
+    lines = [f"{result['device']}: training step, attention {impl}"
+             + "".join(f", {s}" for s in settings)
              + f"; wall {result['wall_s_per_step'] * 1e3:.1f} ms per step, device ops "
              f"{total * 1e3:.1f} ms (unmatched {result['unmatched_s_per_step'] * 1e3:.2f} ms)",
              "| category | ms per step | share |", "|---|---:|---:|"]
@@ -160,18 +149,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--impl", default="cudnn", help="attention_impl (default cudnn)")
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
-                        help="execution settings of the model, e.g. remat=attention")
+                        help="settings of the model's execution or of the train: section, "
+                             "e.g. remat=attention mu_dtype=bfloat16")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="a CPU dry run of small sizes")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
-    settings = {}
-    for item in args.set:
-        field, _, value = item.partition("=")
-        settings[field] = int(value) if value.isdigit() else value
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = profile(TINY if args.tiny else FULL, args.impl, settings, args.steps, out)
+    result = profile(TINY if args.tiny else FULL, "+".join([args.impl, *args.set]), args.steps,
+                     out)
     (out / "profile.json").write_text(json.dumps(result, indent=2))
     print(render(result))
 

@@ -42,13 +42,22 @@ TRAIN = TrainConfig(seq_len=256, batch_size=16)
     (MeshConfig(data=1, fsdp=8), "attention", "chunked", MLA),
 ])
 def test_planned_memory_agrees_with_the_compiled_step(mesh, remat, attention, base):
+    _check_plan(mesh, remat, attention, base, TRAIN)
+
+
+def test_a_bf16_first_moment_is_planned_as_stored():
+    _check_plan(MeshConfig(data=1, fsdp=8), "full", "chunked", MODEL,
+                dataclasses.replace(TRAIN, mu_dtype="bfloat16"))
+
+
+def _check_plan(mesh, remat, attention, base, train):
     model = dataclasses.replace(base, remat=remat, attention_impl=attention,
                                 attention_block_q=64, attention_block_kv=64)
-    run = RunConfig(model=model, train=TRAIN, data=DataConfig(corpus="unused"), mesh=mesh)
+    run = RunConfig(model=model, train=train, data=DataConfig(corpus="unused"), mesh=mesh)
     compiled = trainer.compile_programs(run, 1, sharding.make_mesh(mesh), evaluate=False).step
     measured = compiled.memory_analysis()
-    plan = memory.plan_memory(model, mesh, 8, batch=TRAIN.batch_size, seq=TRAIN.seq_len,
-                              remat=remat)
+    plan = memory.plan_memory(model, mesh, 8, batch=train.batch_size, seq=train.seq_len,
+                              remat=remat, mu_dtype=train.mu_dtype)
     # Arguments: the state, exactly, plus this device's rows of the batch and a few scalars.
     assert 0 <= measured.argument_size_in_bytes - (plan.weights + plan.optimizer) < 16 << 10
     ratio = (measured.argument_size_in_bytes + measured.temp_size_in_bytes) / plan.training
@@ -87,6 +96,18 @@ def test_the_plan_counts_the_logits_of_one_piece_under_loss_chunk(capsys):
     V, D = 128256, 4096
     saved = plans[0]["activations_bytes"] - plans[1]["activations_bytes"]
     assert saved == (8192 - 1024) * 12 * V - 4 * D * V
+
+
+def test_the_cli_plans_a_bf16_first_moment(capsys):
+    args = ["llama3-8b", "--seq", "8192", "--hardware", "h200", "--remat", "full", "--json"]
+    plans = []
+    for extra in ([], ["--mu-dtype", "bfloat16"]):
+        assert info.main([*args, *extra]) == 0
+        plans.append(json.loads(capsys.readouterr().out)["training"])
+    fp32, bf16 = plans
+    assert bf16["optimizer_bytes"] == 3 * fp32["optimizer_bytes"] // 4
+    assert bf16["training_bytes"] == fp32["training_bytes"] - fp32["optimizer_bytes"] // 4
+    assert bf16["mu_dtype"] == "bfloat16"
 
 
 @pytest.mark.parametrize("argv, match", [

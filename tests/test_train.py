@@ -24,7 +24,7 @@ from llama_jax.formats import workdir as run_dir
 from llama_jax.formats.checkpoint import load_checkpoint
 from llama_jax.config import DataConfig, ModelConfig, MoeConfig, RunConfig, TrainConfig
 from llama_jax.errors import ConfigError, DataError, TrainingError
-from llama_jax.training.optim import learning_rate_schedule, make_optimizer
+from llama_jax.training.optim import learning_rate_schedule, make_optimizer, weight_decay_mask
 from llama_jax.model.params import flat_paths
 from llama_jax.training.step import init_state, objective, train_step
 from reference import relative_error
@@ -134,6 +134,42 @@ def test_weight_decay_spares_gains_and_biases(model):
     assert "embed/table" in decayed and "groups/0/attn/wq" in decayed
 
 
+@pytest.mark.parametrize("mu_dtype", ["float32", "bfloat16"])
+def test_adamw_matches_a_float64_reference(mu_dtype):
+    """Three updates of random gradients against AdamW in float64 (decoupled decay on
+    matrices, bias correction, the schedule's rates); with `mu_dtype: bfloat16` the first
+    moment is stored rounded to bf16 after each update, and the second stays fp32."""
+    import ml_dtypes
+
+    train = dataclasses.replace(TRAIN, clip_norm=0.0, warmup_steps=1, mu_dtype=mu_dtype)
+    optimizer = make_optimizer(MODEL, train)
+    params = init_state(MODEL, optimizer, jax.random.key(0)).params
+    opt_state = optimizer.init(params)
+    paths = flat_paths(params)
+    p64 = {k: np.asarray(v, np.float64) for k, v in paths.items()}
+    m64 = {k: np.zeros_like(v) for k, v in p64.items()}
+    v64 = {k: np.zeros_like(v) for k, v in p64.items()}
+    decays = flat_paths(weight_decay_mask(MODEL))
+    lr = learning_rate_schedule(train)
+    rng = np.random.default_rng(0)
+    for t in range(1, 4):
+        grad_tree = jax.tree.map(lambda x: rng.standard_normal(x.shape, np.float32), params)
+        grads = flat_paths(grad_tree)
+        updates, opt_state = optimizer.update(grad_tree, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        rate = float(lr(t - 1))
+        for k, g in grads.items():
+            m = train.b1 * m64[k] + (1 - train.b1) * g
+            v64[k] = train.b2 * v64[k] + (1 - train.b2) * np.float64(g) ** 2
+            step = (m / (1 - train.b1 ** t)) / (np.sqrt(v64[k] / (1 - train.b2 ** t)) + train.eps)
+            p64[k] -= rate * (step + (train.weight_decay * p64[k] if decays[k] else 0))
+            m64[k] = m.astype(ml_dtypes.bfloat16 if mu_dtype == "bfloat16" else np.float32)
+    moments = {leaf.dtype for leaf in jax.tree.leaves(opt_state) if leaf.ndim > 1}
+    assert moments == {jnp.dtype(mu_dtype), jnp.dtype("float32")}
+    for k, got in flat_paths(params).items():
+        assert relative_error(got, p64[k]) < 1e-6, k
+
+
 def test_schedules():
     base = dict(steps=100, learning_rate=1.0, warmup_steps=10, min_lr_ratio=0.1)
     cosine = learning_rate_schedule(TrainConfig(**base, schedule="cosine"))
@@ -177,6 +213,14 @@ def test_stop_and_resume_equals_training_straight_through(run, straight, tmp_pat
     second = quiet(run, tmp_path)
     assert second.step == 6 and second.stopped_by is None
     _assert_same_run(tmp_path, straight)
+
+
+def test_a_bf16_first_moment_is_checkpointed_and_resumes_exactly(run, tmp_path):
+    bf16 = dataclasses.replace(run, train=dataclasses.replace(TRAIN, mu_dtype="bfloat16"))
+    quiet(bf16, tmp_path / "straight")
+    quiet(bf16, tmp_path / "resumed", stop_at=4)
+    quiet(bf16, tmp_path / "resumed")
+    _assert_same_run(tmp_path / "resumed", tmp_path / "straight")
 
 
 def test_sigterm_saves_a_checkpoint_and_the_run_resumes_exactly(run, straight, tmp_path):

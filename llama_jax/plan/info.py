@@ -27,6 +27,7 @@ from llama_jax.parallel import sharding
 from llama_jax.cli import add_int8_arguments, user_errors_exit
 from llama_jax.parallel.sharding import MESH_AXES
 from llama_jax.config import DTYPES, REMAT_POLICIES, MeshConfig, ModelConfig, load_model_config
+from llama_jax.config.run import MU_DTYPES
 from llama_jax.errors import ConfigError
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS, chosen_attention
 
@@ -91,7 +92,7 @@ def plan(config: ModelConfig, *, batch: int, seq: int, dtype: str,
 def plan_training(config: ModelConfig, mesh: MeshConfig, *, batch: int, seq: int, remat: str,
                   compute_dtype: str, device: hardware.Hardware, mfu: float,
                   kv_dtype: str, attention_impl: str = "auto",
-                  loss_chunk: int | None = None) -> dict:
+                  loss_chunk: int | None = None, mu_dtype: str = "float32") -> dict:
     """Per-device memory and step time of training `config` on `mesh` of `device`s."""
     n_devices = math.prod(mesh.sizes)
     config = config.with_execution(remat=remat, compute_dtype=compute_dtype,
@@ -102,13 +103,14 @@ def plan_training(config: ModelConfig, mesh: MeshConfig, *, batch: int, seq: int
         raise ConfigError(f"--batch {batch} does not split over data x fsdp x expert = "
                           f"{batch_ways}")
     m = memory.plan_memory(config, mesh, n_devices, batch=batch, seq=seq, remat=remat,
-                           kv_batch=batch, kv_dtype=kv_dtype, backend=device.backend)
+                           kv_batch=batch, kv_dtype=kv_dtype, backend=device.backend,
+                           mu_dtype=mu_dtype)
     flops = costs.train_flops_per_token(config, seq) * batch * seq
     step_s = flops / (n_devices * device.peak_bf16_flops * mfu)
     return {"mesh": m.mesh, "devices": n_devices, "hardware": device.name,
             "device_memory_bytes": device.memory_bytes,
             "peak_flops_per_device": device.peak_bf16_flops, "remat": remat,
-            "loss_chunk": loss_chunk,
+            "loss_chunk": loss_chunk, "mu_dtype": mu_dtype,
             "attention": chosen_attention(config, device.backend),
             "compute_dtype": compute_dtype, "weights_bytes": m.weights,
             "gradients_bytes": m.gradients, "optimizer_bytes": m.optimizer,
@@ -124,7 +126,8 @@ def render_training(t: dict, batch: int, seq: int) -> str:
     return "\n".join([
         f"training plan        mesh {mesh} ({t['devices']} x {t['hardware']}: "
         f"{_bytes(t['device_memory_bytes'])}, {t['peak_flops_per_device'] / 1e12:,.0f} TFLOP/s "
-        f"each); global batch {batch} x {seq} tokens, fp32 params + AdamW, "
+        f"each); global batch {batch} x {seq} tokens, fp32 params + AdamW"
+        + (f" (first moment {t['mu_dtype']})" if t["mu_dtype"] != "float32" else "") + ", "
         f"{t['compute_dtype']} compute, remat {t['remat']}, {t['attention']} attention"
         + (f", loss {t['loss_chunk']} positions at a time" if t["loss_chunk"] else ""),
         f"  per device: weights {_bytes(t['weights_bytes'])}, gradients "
@@ -233,6 +236,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--loss-chunk", type=int, default=None,
                         help="the training plan's loss takes the logits of this many positions "
                              "per row at a time (default: all at once)")
+    parser.add_argument("--mu-dtype", choices=MU_DTYPES, default="float32",
+                        help="AdamW's first moment in the training plan (the second is fp32)")
     return parser.parse_args(argv)
 
 
@@ -260,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             model, mesh or MeshConfig(data=1), batch=args.batch, seq=seq, remat=args.remat,
             compute_dtype=args.compute_dtype, device=device,
             mfu=args.mfu, kv_dtype=args.cache_dtype or args.dtype,
-            attention_impl=args.attention_impl, loss_chunk=args.loss_chunk)
+            attention_impl=args.attention_impl, loss_chunk=args.loss_chunk,
+            mu_dtype=args.mu_dtype)
         text += "\n" + render_training(result["training"], args.batch, seq)
     if args.max_batch is not None or args.max_seq_len is not None:
         result["serving"] = plan_serving(config, args.max_batch or 8,

@@ -11,6 +11,12 @@ Schedules (all warm up linearly from 0 over `warmup_steps`):
 With `train.freeze: backbone` (fine-tuning, finetune.py) the chain applies to the task head
 alone (`optax.multi_transform`); every other tensor gets a zero update and keeps no moments.
 
+With `train.mu_dtype: bfloat16` AdamW's first moment is stored in bf16 between steps, half
+its memory and traffic: each update computes it in the parameters' dtype from the stored
+value, as AdamW without it would, and only the value kept for the next step is rounded
+(relative error ≤ 2⁻⁹). optax's own `mu_dtype` is not used: it also runs the decay in bf16,
+which rounds b1 = 0.9 to 0.8984.
+
 `optax.apply_if_finite` wraps the chain: a step whose gradients hold a NaN or Inf leaves the
 parameters and the optimizer state (moments, schedule count) untouched and counts it; the
 training loop stops after `max_nonfinite` such steps in a row, before optax's own limit would
@@ -20,6 +26,7 @@ let a non-finite update through.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from llama_jax.config import ModelConfig, TrainConfig
@@ -64,11 +71,35 @@ def trainable(config: ModelConfig, freeze: str) -> Params:
 
 def make_optimizer(config: ModelConfig, train: TrainConfig) -> optax.GradientTransformation:
     chain = [optax.clip_by_global_norm(train.clip_norm)] if train.clip_norm > 0 else []
-    chain.append(optax.adamw(learning_rate_schedule(train), b1=train.b1, b2=train.b2,
-                             eps=train.eps, weight_decay=train.weight_decay,
-                             mask=weight_decay_mask(config)))
+    adamw = optax.adamw(learning_rate_schedule(train), b1=train.b1, b2=train.b2, eps=train.eps,
+                        weight_decay=train.weight_decay, mask=weight_decay_mask(config))
+    if train.mu_dtype != "float32":
+        adamw = first_moment_stored_as(adamw, jnp.dtype(train.mu_dtype))
+    chain.append(adamw)
     optimizer = optax.chain(*chain)
     if train.freeze != "none":  # frozen tensors get zero updates and no optimizer state
         optimizer = optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()},
                                           trainable(config, train.freeze))
     return optax.apply_if_finite(optimizer, max_consecutive_errors=_NEVER)
+
+
+def first_moment_stored_as(adam: optax.GradientTransformation,
+                           dtype: jnp.dtype) -> optax.GradientTransformation:
+    """`adam` with the first moment of its Adam state kept in `dtype` between updates, and
+    updated in the dtype of the second moment (the parameters')."""
+    def cast(state, dtype_of):
+        def one(s):
+            if not isinstance(s, optax.ScaleByAdamState):
+                return s
+            return s._replace(mu=jax.tree.map(lambda m, like: m.astype(dtype_of(like)), s.mu,
+                                              s.nu))
+        return jax.tree.map(one, state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
+
+    def init(params):
+        return cast(adam.init(params), lambda _: dtype)
+
+    def update(updates, state, params=None):
+        updates, state = adam.update(updates, cast(state, lambda nu: nu.dtype), params)
+        return updates, cast(state, lambda _: dtype)
+
+    return optax.GradientTransformation(init, update)
