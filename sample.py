@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     config, params = load_checkpoint(args.checkpoint, args.dtype, quantize=args.quantize,
                                      quantize_head=args.quantize_head)
     config = config.with_execution(attention_impl=args.attention_impl)
-    params = owned_decoder_params(params, args.decode_impl)  # one copy of the weights held
+    params, decode_impl = owned_decoder_params(params, args.decode_impl)  # one copy held
     token_prompts = [tokenizer.encode(p, bos=True) for p in prompts]
     stats = GenerationStats()
     streaming = len(prompts) == 1
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     chunks = stream(config, params, token_prompts, args.max_new_tokens,
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                     min_p=args.min_p, seed=args.seed, cache_dtype=args.cache_dtype,
-                    decode_impl=args.decode_impl,
+                    decode_impl=decode_impl,
                     chunk_steps=args.chunk_steps if streaming else None, stats=stats)
     for i, (new_tokens, _) in enumerate(chunks):
         for row, tokens in zip(generated, new_tokens):

@@ -520,7 +520,7 @@ def planned_training_bytes(plan: Plan, run: str) -> int:
     config = run_config(plan, run) if ours else plan.big
     planned = plan_memory(config, MeshConfig(), 1, batch=plan.train_batch, seq=plan.train_seq,
                           remat=config.remat, backend="gpu",
-                          mu_dtype=train_config(plan, run).mu_dtype if ours else FP32)
+                          mu_dtype=train_config(plan, run).mu_dtype if ours else None)
     return planned.training if ours else planned.weights + planned.gradients + planned.optimizer
 
 

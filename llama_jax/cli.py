@@ -30,18 +30,21 @@ def user_errors_exit(main: Callable[..., int | None]) -> Callable[..., int]:
 
 
 class _Notes(logging.Handler):
-    """`note: <message>` on the sys.stderr of the moment (a test may have replaced it)."""
+    """`note: <message>` for INFO, `warning: <message>` and so on above it, on the sys.stderr
+    of the moment (a test may have replaced it)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        print(f"note: {record.getMessage()}", file=sys.stderr)
+        level = "note" if record.levelno == logging.INFO else record.levelname.lower()
+        print(f"{level}: {record.getMessage()}", file=sys.stderr)
 
 
 def show_library_notes() -> None:
     """The library's INFO lines (a choice it made for the user, such as the decoder "auto"
-    fell back to) go to stderr; other libraries' logging is left as it is."""
+    fell back to) and worse go to stderr. Records still reach the root logger's handlers, if
+    a program has set any; a level set on the `llama_jax` logger is kept."""
     logger = logging.getLogger("llama_jax")
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
     if not any(isinstance(h, _Notes) for h in logger.handlers):
         logger.addHandler(_Notes())
 

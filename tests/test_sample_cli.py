@@ -61,7 +61,7 @@ def test_the_decoder_auto_falls_back_to_is_noted(checkpoint, capsys, monkeypatch
                         cache_dtype="float32")[0]
     assert out == "The cat" + tok.decode(expected) + "\n"
     assert "note: decode_impl='auto': the per-layer copy of the weights and the cache need " \
-        in err and "decoding with 'scan'" in err.splitlines()[0]
+        in err and "decoding with 'scan'" in err.splitlines()[0] and err.count("note:") == 1
 
 
 def test_several_prompts_and_a_prompt_file(checkpoint, tmp_path, capsys):

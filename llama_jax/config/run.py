@@ -16,7 +16,7 @@ from llama_jax.nn.heads import HEADS
 from llama_jax.parallel.sharding import MESH_AXES, RULE_TABLES
 
 SCHEDULES = ("cosine", "wsd", "constant")
-MU_DTYPES = ("float32", "bfloat16")
+MU_DTYPES = ("bfloat16",)
 FREEZES = ("none", "backbone")
 
 
@@ -45,9 +45,10 @@ class TrainConfig:
     b1: float = setting(0.9, type="float", at_least=0, at_most=1, doc="AdamW's first moment")
     b2: float = setting(0.95, type="float", at_least=0, at_most=1, doc="AdamW's second moment")
     eps: float = setting(1e-8, type="float", at_least=0, doc="AdamW's epsilon")
-    mu_dtype: str = setting("float32", type="str", choices=MU_DTYPES,
-                            doc="AdamW's first moment as stored; bfloat16 halves it (rounded "
-                                "at every update; the second moment stays float32)")
+    mu_dtype: str | None = setting(None, type="str", choices=MU_DTYPES, null=True,
+                                   doc="AdamW's first moment as stored; null: like the "
+                                       "parameters (as the second is); bfloat16: rounded to "
+                                       "bf16 after every update")
     weight_decay: float = setting(0.1, type="float", at_least=0,
                                   doc="AdamW, decoupled; never applied to norm gains and biases")
     clip_norm: float = setting(1.0, type="float", at_least=0,

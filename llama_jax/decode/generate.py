@@ -258,10 +258,12 @@ def release_decoder_copy() -> None:
     _UNSTACKED.clear()
 
 
-def owned_decoder_params(params: Params, decode_impl: str) -> Params:
+def owned_decoder_params(params: Params, decode_impl: str) -> tuple[Params, str]:
     """`decoder_params` for a caller that drops `params` next (a CLI or a server that loaded
-    them): "auto" reserves nothing for the cache, since the stacked arrays are gone by then."""
-    return decoder_params(params, resolve_decode_impl(decode_impl, params))
+    them), and the implementation chosen, for the caller to decode with: "auto" reserves
+    nothing for the cache, since the stacked arrays are gone by then."""
+    impl = resolve_decode_impl(decode_impl, params)
+    return decoder_params(params, impl), impl
 
 
 def _compiled(fn, stats: GenerationStats, mesh_config: MeshConfig | None, *args, **static):

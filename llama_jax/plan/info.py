@@ -92,7 +92,7 @@ def plan(config: ModelConfig, *, batch: int, seq: int, dtype: str,
 def plan_training(config: ModelConfig, mesh: MeshConfig, *, batch: int, seq: int, remat: str,
                   compute_dtype: str, device: hardware.Hardware, mfu: float,
                   kv_dtype: str, attention_impl: str = "auto",
-                  loss_chunk: int | None = None, mu_dtype: str = "float32") -> dict:
+                  loss_chunk: int | None = None, mu_dtype: str | None = None) -> dict:
     """Per-device memory and step time of training `config` on `mesh` of `device`s."""
     n_devices = math.prod(mesh.sizes)
     config = config.with_execution(remat=remat, compute_dtype=compute_dtype,
@@ -127,7 +127,7 @@ def render_training(t: dict, batch: int, seq: int) -> str:
         f"training plan        mesh {mesh} ({t['devices']} x {t['hardware']}: "
         f"{_bytes(t['device_memory_bytes'])}, {t['peak_flops_per_device'] / 1e12:,.0f} TFLOP/s "
         f"each); global batch {batch} x {seq} tokens, fp32 params + AdamW"
-        + (f" (first moment {t['mu_dtype']})" if t["mu_dtype"] != "float32" else "") + ", "
+        + (f" (first moment {t['mu_dtype']})" if t["mu_dtype"] else "") + ", "
         f"{t['compute_dtype']} compute, remat {t['remat']}, {t['attention']} attention"
         + (f", loss {t['loss_chunk']} positions at a time" if t["loss_chunk"] else ""),
         f"  per device: weights {_bytes(t['weights_bytes'])}, gradients "
@@ -236,8 +236,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--loss-chunk", type=int, default=None,
                         help="the training plan's loss takes the logits of this many positions "
                              "per row at a time (default: all at once)")
-    parser.add_argument("--mu-dtype", choices=MU_DTYPES, default="float32",
-                        help="AdamW's first moment in the training plan (the second is fp32)")
+    parser.add_argument("--mu-dtype", choices=MU_DTYPES, default=None,
+                        help="AdamW's first moment in the training plan (default: fp32, as the "
+                             "parameters and the second moment)")
     return parser.parse_args(argv)
 
 

@@ -1,8 +1,8 @@
 """Per-device memory and step time of a training run on a mesh, without allocating anything.
 
 State (from the parameter descriptions and the weight rules, so it is exactly what `trainer`
-creates): parameters in `param_dtype`, gradients like them, AdamW's two moments (the first in
-`mu_dtype`, the second in fp32).
+creates): parameters in `param_dtype`, gradients like them, AdamW's two moments like them too
+(the first in `mu_dtype` when given: `train.mu_dtype`).
 
 Activations saved for the backward pass, per layer and per token held by the device, in
 `compute_dtype` bytes b (fp32 where the code computes in fp32), under each remat policy:
@@ -72,7 +72,7 @@ def _ways(rules: tuple, mesh_shape: dict[str, int], axis: str, size: int) -> int
 def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch: int,
                 seq: int, remat: str, micro_batches: int = 1, kv_batch: int = 1,
                 kv_seq: int | None = None, kv_dtype: str = "bfloat16",
-                backend: str = "cpu", mu_dtype: str = "float32") -> MemoryPlan:
+                backend: str = "cpu", mu_dtype: str | None = None) -> MemoryPlan:
     """Per-device bytes of training `config` (attention as it would run on `backend`)."""
     shape = dict(zip(MESH_AXES, mesh.shape_for(n_devices)))
     param_bytes = costs.dtype_bytes(config.param_dtype)
@@ -121,7 +121,8 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
     kv = kv_cache_bytes_per_device(config, kv_batch, kv_seq, kv_dtype, mesh.cache_rules, shape)
     return MemoryPlan(mesh=shape, weights=state_elems * param_bytes,
                       gradients=state_elems * param_bytes,
-                      optimizer=(costs.dtype_bytes(mu_dtype) + 4) * state_elems,
+                      optimizer=(costs.dtype_bytes(mu_dtype or config.param_dtype)
+                                 + param_bytes) * state_elems,
                       activations=tokens * (per_token + whole_layer + b * D) + logits
                       + rows * attn.tiles + gathered,
                       kv_cache=kv)

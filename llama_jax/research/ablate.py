@@ -99,9 +99,9 @@ class Study:
         return f"{variant.name}-{run_key(variant, seed)}"
 
 
-# Model fields added after studies had finished runs, with their defaults: a field left at its
-# default stays out of the hash, so the runs of an unchanged variant keep their keys.
-ADDED_MODEL_FIELDS = {"loss_chunk": None}
+# Fields (section, name) added after studies had finished runs, with their defaults: a field
+# left at its default stays out of the hash, so the runs of an unchanged variant keep their keys.
+ADDED_FIELDS = {("model", "loss_chunk"): None, ("train", "mu_dtype"): None}
 
 
 def run_key(variant: Variant, seed: int) -> str:
@@ -109,9 +109,9 @@ def run_key(variant: Variant, seed: int) -> str:
     file, which lives in the study's directory): equal keys train the same run."""
     config = variant.for_seed(seed).to_dict()
     config["data"]["tokenizer"] = None
-    for field, default in ADDED_MODEL_FIELDS.items():
-        if config["model"].get(field) == default:
-            del config["model"][field]
+    for (section, field), default in ADDED_FIELDS.items():
+        if config[section].get(field) == default:
+            del config[section][field]
     resolved = json.dumps(config, sort_keys=True, default=str)
     return f"s{seed}-{hashlib.sha256(resolved.encode()).hexdigest()[:8]}"
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
+
 from llama_jax.config import MeshConfig, cache_dtype_name
 from llama_jax.data.tokenizer import load_tokenizer
-from llama_jax.decode.generate import cache_bytes_per_device, memory_need, owned_decoder_params
+from llama_jax.decode.generate import (cache_bytes_per_device, memory_need,
+                                       owned_decoder_params)
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.formats.checkpoint import load_checkpoint
 from llama_jax.parallel.sharding import make_mesh
@@ -41,7 +44,7 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
     check_cache_fits(config, params, max_batch, seq_len, cache_dtype, steps_per_dispatch,
                      mesh)
     # The server keeps one copy of the weights, the decoder's: the stacked arrays go here.
-    params = owned_decoder_params(params, decode_impl)
+    params, decode_impl = owned_decoder_params(params, decode_impl)
     stop_ids = sorted({*config.stop_ids, *(t for t in tok.eos_ids if t < config.vocab_size)})
     engine = Engine(config, params, max_batch=max_batch, max_seq_len=seq_len,
                     stop_ids=stop_ids, cache_dtype=cache_dtype, decode_impl=decode_impl,
@@ -60,8 +63,11 @@ def check_cache_fits(config, params, max_batch: int, max_seq_len: int, cache_dty
         cache_bytes_per_device(config, params, max_batch, slots, cache_dtype, mesh), params)
     free = free_memory_bytes()
     if free is not None and need > free:
+        each = mesh is not None and jax.default_backend() != "cpu"  # CPU: the host's, whole
+        part, where = ("each device's part of the KV cache", " on a device") if each else \
+            ("the KV cache", "")
         raise GenerateError(
-            f"the KV cache of --max-batch {max_batch} slots of --max-seq-len {max_seq_len} "
-            f"tokens ({cache_dtype}) needs {need / GIB:.2f} GiB, but {free / GIB:.2f} GiB is "
-            "free after loading the model: lower --max-batch or --max-seq-len, or use "
+            f"{part} of --max-batch {max_batch} slots of --max-seq-len {max_seq_len} tokens "
+            f"({cache_dtype}) needs {need / GIB:.2f} GiB, but {free / GIB:.2f} GiB is "
+            f"free{where} after loading the model: lower --max-batch or --max-seq-len, or use "
             "--cache-dtype int8")

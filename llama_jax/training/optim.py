@@ -14,7 +14,7 @@ alone (`optax.multi_transform`); every other tensor gets a zero update and keeps
 With `train.mu_dtype: bfloat16` AdamW's first moment is stored in bf16 between steps, half
 its memory and traffic: each update computes it in the parameters' dtype from the stored
 value, as AdamW without it would, and only the value kept for the next step is rounded
-(relative error ≤ 2⁻⁹). optax's own `mu_dtype` is not used: it also runs the decay in bf16,
+(relative error ≤ 2⁻⁸). optax's own `mu_dtype` is not used: it also runs the decay in bf16,
 which rounds b1 = 0.9 to 0.8984.
 
 `optax.apply_if_finite` wraps the chain: a step whose gradients hold a NaN or Inf leaves the
@@ -73,7 +73,7 @@ def make_optimizer(config: ModelConfig, train: TrainConfig) -> optax.GradientTra
     chain = [optax.clip_by_global_norm(train.clip_norm)] if train.clip_norm > 0 else []
     adamw = optax.adamw(learning_rate_schedule(train), b1=train.b1, b2=train.b2, eps=train.eps,
                         weight_decay=train.weight_decay, mask=weight_decay_mask(config))
-    if train.mu_dtype != "float32":
+    if train.mu_dtype is not None:
         adamw = first_moment_stored_as(adamw, jnp.dtype(train.mu_dtype))
     chain.append(adamw)
     optimizer = optax.chain(*chain)

@@ -12,7 +12,8 @@ Gradient accumulation: the batch is split into `micro_batches` parts run one aft
 count of the whole batch once at the end, so m micro-batches give the gradient of one big batch
 (up to float summation order) and activation memory is that of one part.
 
-Mixed precision: the parameters (and optimizer moments) stay in `param_dtype` (fp32 masters);
+Mixed precision: the parameters (and optimizer moments, unless `train.mu_dtype` stores the
+first in bf16) stay in `param_dtype` (fp32 masters);
 the model casts weights to `compute_dtype` inside its matmuls, so gradients arrive in fp32.
 """
 
