@@ -7,6 +7,9 @@ from pathlib import Path
 import pytest
 
 from llama_jax.research import ablate
+from llama_jax.research.report import compare, plot_results, validation_curve, write_results
+from llama_jax.research.runner import length_batches, run_study
+from llama_jax.research.study import load_study, run_key
 from llama_jax.plan import costs
 from llama_jax.errors import ConfigError
 
@@ -29,13 +32,13 @@ def study(tmp_path, body: str):
 def test_variants_resolve_as_overrides_of_the_base(tmp_path, capsys):
     path = study(tmp_path, "seeds: [3, 5]\nvariants:\n  rms: {}\n"
                            "  ln: {model.norm: layernorm, train.learning_rate: 1.0e-3}\n")
-    s = ablate.load_study(path)
+    s = load_study(path)
     assert s.seeds == (3, 5) and [v.name for v in s.variants] == ["rms", "ln"]
     rms, ln = s.variants
     assert (rms.run.model.norm, ln.run.model.norm) == ("rmsnorm", "layernorm")
     assert ln.run.train.learning_rate == 1e-3 and ln.for_seed(5).train.seed == 5
     # run names: stable for an unchanged variant, new for an edited one or another seed
-    assert s.run_name(ln, 3) == ablate.load_study(path).run_name(ln, 3)
+    assert s.run_name(ln, 3) == load_study(path).run_name(ln, 3)
     assert len({s.run_name(ln, 3), s.run_name(ln, 5), s.run_name(rms, 3)}) == 3
     assert ablate.main([str(path), "--dry-run", "--seeds", "1"]) == 0
     out = capsys.readouterr().out
@@ -46,7 +49,7 @@ def test_validation_curves_sum_training_time_from_the_logged_windows():
     rows = [{"step": 2, "tokens_per_s": 100.0}, {"step": 3, "val_loss": 5.0},
             {"step": 4, "tokens_per_s": 50.0, "val_loss": 4.0}]
     # 2 steps of 10 tokens at 100/s, then 2 more at 50/s
-    assert ablate.validation_curve(rows, 10) == [(30, 0.2, 5.0), (40, 0.6000000000000001, 4.0)]
+    assert validation_curve(rows, 10) == [(30, 0.2, 5.0), (40, 0.6000000000000001, 4.0)]
 
 
 @pytest.mark.parametrize("match", ["params", "active_params", "flops"])
@@ -54,7 +57,7 @@ def test_equal_parameter_matching_is_within_one_percent(match, tmp_path):
     path = study(tmp_path, f"match: {match}\nmatch_field: model.ffn_dim\nvariants:\n"
                            "  swiglu: {}\n  gelu: {model.mlp: gelu}\n  relu: {model.mlp: relu}\n"
                            "  wide: {model.dim: 96, model.n_heads: 6, model.n_kv_heads: 3}\n")
-    s = ablate.load_study(path)
+    s = load_study(path)
     measure = {"params": lambda r: costs.param_counts(r.model).total,
                "active_params": lambda r: costs.param_counts(r.model).active,
                "flops": lambda r: costs.train_flops_per_token(r.model, r.train.seq_len)}[match]
@@ -70,7 +73,7 @@ def test_a_variant_can_keep_its_widths_under_matching(tmp_path):
     path = study(tmp_path, "match: params\nmatch_field: model.ffn_dim\nvariants:\n"
                            "  dense: {}\n  moe: {model.mlp: moe, match: false, model.moe: "
                            "{n_experts: 4, top_k: 2, expert_ffn_dim: 96}}\n")
-    dense, moe = ablate.load_study(path).variants
+    dense, moe = load_study(path).variants
     assert moe.matched is None and moe.run.model.ffn_dim == dense.run.model.ffn_dim
     moe_counts, dense_counts = (costs.param_counts(v.run.model) for v in (moe, dense))
     assert dense.run.model.ffn_dim == 2 * 96  # so equal active parameters, but for routers
@@ -101,7 +104,7 @@ def test_a_variant_can_keep_its_widths_under_matching(tmp_path):
 def test_bad_studies_are_refused_naming_the_variant(body, message, tmp_path, capsys):
     path = study(tmp_path, body)
     with pytest.raises(ConfigError, match=r"study\.yaml: " + message):
-        ablate.load_study(path)
+        load_study(path)
     assert ablate.main([str(path), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
@@ -114,7 +117,7 @@ def test_results_and_plots_come_from_the_runs_metrics(tmp_path):
     import json
 
     path = study(tmp_path, "seeds: 2\nvariants:\n  gqa: {}\n  mqa: {model.n_kv_heads: 1}\n")
-    s, workdir = ablate.load_study(path), tmp_path / "out"
+    s, workdir = load_study(path), tmp_path / "out"
     finals = {("gqa", 0): 5.0, ("gqa", 1): 5.2, ("mqa", 0): 5.3, ("mqa", 1): 5.6}
     for v in s.variants:
         for seed in s.seeds:
@@ -125,7 +128,7 @@ def test_results_and_plots_come_from_the_runs_metrics(tmp_path):
                     {"step": 6, "loss": 5.0, "tokens_per_s": 300.0,
                      "peak_memory_bytes": 900.0, "val_loss": finals[v.name, seed]}]
             (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    rows = {r["variant"]: r for r in csv.DictReader(ablate.write_results(s, workdir).open())}
+    rows = {r["variant"]: r for r in csv.DictReader(write_results(s, workdir).open())}
     assert float(rows["mqa"]["val_loss"]) == pytest.approx(5.45)
     assert float(rows["mqa"]["val_ppl"]) == pytest.approx((math.exp(5.3) + math.exp(5.6)) / 2)
     assert float(rows["mqa"]["delta_vs_base"]) == pytest.approx(0.35)
@@ -134,14 +137,14 @@ def test_results_and_plots_come_from_the_runs_metrics(tmp_path):
     assert float(rows["gqa"]["tokens_per_s"]) == pytest.approx(200.5)  # the median of windows
     assert int(rows["gqa"]["peak_memory_bytes"]) == 1001
     assert int(rows["mqa"]["kv_bytes_per_token"]) * 2 == int(rows["gqa"]["kv_bytes_per_token"])
-    plots = ablate.plot_results(s, workdir)
+    plots = plot_results(s, workdir)
     assert [p.name for p in plots] == ["loss_vs_tokens.png", "loss_vs_time.png",
                                        "loss_vs_kv_bytes.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in plots)
     (tmp_path / "same").mkdir()
-    same = ablate.load_study(study(tmp_path / "same",
+    same = load_study(study(tmp_path / "same",
                                    "variants:\n  a: {}\n  b: {model.norm: layernorm}\n"))
-    assert "loss_vs_kv_bytes.png" not in [p.name for p in ablate.plot_results(same, workdir)]
+    assert "loss_vs_kv_bytes.png" not in [p.name for p in plot_results(same, workdir)]
 
 
 @pytest.mark.parametrize("variant, base, expected", [
@@ -158,14 +161,14 @@ def test_results_and_plots_come_from_the_runs_metrics(tmp_path):
     ({0: 3.10}, {0: 3.00}, (0.10, None, None)),
 ])
 def test_differences_from_the_base_are_paired_by_seed(variant, base, expected):
-    got = ablate.compare(variant, base)
+    got = compare(variant, base)
     delta, se, note = expected
     assert got["delta_vs_base"] == pytest.approx(delta)
     assert (got["delta_se"] is None) == (se is None)
     if se is not None:
         assert got["delta_se"] == pytest.approx(se)
     assert got["significance"] == note
-    assert ablate.compare(base, base)["significance"] is None
+    assert compare(base, base)["significance"] is None
 
 
 def test_a_tiny_study_runs_and_reruns_nothing(corpus_dir, tmp_path, capsys):
@@ -186,8 +189,8 @@ data: {corpus: unused}
     path.write_text("base: base.yaml\nseeds: 2\neval_seq_lens: [32, 64]\nvariants:\n"
                     "  rms: {}\n  ln: {model.norm: layernorm}\n")
     corpus = str(corpus_dir)
-    study, workdir, logs = ablate.load_study(path, corpus=corpus), tmp_path / "out", []
-    results = ablate.run_study(study, workdir, log=logs.append)
+    study, workdir, logs = load_study(path, corpus=corpus), tmp_path / "out", []
+    results = run_study(study, workdir, log=logs.append)
     names = sorted(p.name for p in workdir.iterdir() if p.is_dir())
     assert len(names) == 4 and {n.split("-s")[0] for n in names} == {"rms", "ln"}
     rows = {r["variant"]: r for r in __import__("csv").DictReader(results.open())}
@@ -207,13 +210,13 @@ data: {corpus: unused}
         peak = int(rows[v.name]["peak_memory_bytes"])
         assert peak >= 3 * 4 * costs.param_counts(v.run.model).total
     # other lengths see the same validation tokens: 1 batch of 32-token windows = 2 of 16
-    assert [ablate.length_batches(study.variants[0].run, n) for n in (16, 32, 64)] == [2, 1, 1]
+    assert [length_batches(study.variants[0].run, n) for n in (16, 32, 64)] == [2, 1, 1]
     base_losses, ln_losses = (
         {s: json.loads((workdir / study.run_name(v, s) / "metrics.jsonl").read_text()
                        .splitlines()[-1])["val_loss"] for s in study.seeds}
         for v in study.variants)
     assert float(rows["ln"]["delta_vs_base"]) == pytest.approx(
-        ablate.compare(ln_losses, base_losses)["delta_vs_base"], rel=1e-9)
+        compare(ln_losses, base_losses)["delta_vs_base"], rel=1e-9)
     assert rows["rms"]["significance"] == "" and rows["ln"]["significance"] in (
         "clear", "within noise")
     assert "| ln |" in (workdir / "results.md").read_text()
@@ -245,21 +248,21 @@ data: {corpus: unused}
     assert ablate.main(["report", str(workdir)]) == 0 and results.read_text() == csv_text
 
     logs.clear()
-    ablate.run_study(ablate.load_study(path, corpus=corpus), workdir, log=logs.append)
+    run_study(load_study(path, corpus=corpus), workdir, log=logs.append)
     assert sum("finished, skipped" in line for line in logs) == 4
     # another study beside it with the same baseline: linked, not trained again
     other = tmp_path / "other.yaml"
     other.write_text("base: base.yaml\nseeds: [1]\nvariants:\n  same-as-rms: {}\n")
     logs.clear()
-    ablate.run_study(ablate.load_study(other, corpus=corpus), tmp_path / "other", log=logs.append)
-    linked = tmp_path / "other" / f"same-as-rms-{ablate.run_key(study.variants[0], 1)}"
+    run_study(load_study(other, corpus=corpus), tmp_path / "other", log=logs.append)
+    linked = tmp_path / "other" / f"same-as-rms-{run_key(study.variants[0], 1)}"
     assert linked.resolve() == (workdir / study.run_name(study.variants[0], 1)).resolve()
     assert [line for line in logs if line.startswith("[1/1]")] == [
         f"[1/1] {linked.name}: the same run as {workdir / study.run_name(study.variants[0], 1)}"
         ", linked"]
     shutil.rmtree(workdir / study.run_name(study.variants[1], 0) / "checkpoints" / "4")
     logs.clear()
-    ablate.run_study(ablate.load_study(path, corpus=corpus), workdir, log=logs.append)
+    run_study(load_study(path, corpus=corpus), workdir, log=logs.append)
     trained = [line for line in logs if line.endswith("training")]
     assert len(trained) == 1 and study.run_name(study.variants[1], 0) in trained[0]
 
@@ -282,7 +285,7 @@ def test_a_signal_stops_the_study_not_just_its_run(tmp_path, corpus_dir, monkeyp
     path.write_text("base: base.yaml\nseeds: 2\nvariants:\n  rms: {}\n"
                     "  ln: {model.norm: layernorm}\n")
     logs = []
-    assert ablate.run_study(ablate.load_study(path), tmp_path / "out", log=logs.append) is None
+    assert run_study(load_study(path), tmp_path / "out", log=logs.append) is None
     assert len(trained) == 1 and "stopped by SIGTERM" in logs[-1]
     assert not (tmp_path / "out" / "results.csv").exists()
 
@@ -327,6 +330,6 @@ SHIPPED_RUN_KEYS = {
 def test_the_shipped_studies_still_find_their_finished_runs():
     keys = {}
     for study_file in sorted((REPO / "configs" / "ablations").glob("[a-z]*.yaml")):
-        for variant in ablate.load_study(str(study_file)).variants:
-            keys[(study_file.stem, variant.name)] = ablate.run_key(variant, 0)
+        for variant in load_study(str(study_file)).variants:
+            keys[(study_file.stem, variant.name)] = run_key(variant, 0)
     assert keys == SHIPPED_RUN_KEYS

@@ -39,18 +39,26 @@ def resolve_config_path(name_or_path: str | Path, relative_to: Path | None = Non
                       f"presets: {presets}")
 
 
+def read_yaml_mapping(path: Path, what: str, keys: Sequence[str] = ()) -> dict[str, Any]:
+    """The mapping at the top level of a YAML file (an empty file: {}); the errors name the file,
+    `what` it is when it cannot be read, and the `keys` a mapping of its kind has if given."""
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: cannot read {what}: {e}") from None
+    if not isinstance(tree, dict):
+        shape = f"a mapping with keys {', '.join(keys)}" if keys else "a mapping at the top level"
+        raise ConfigError(f"{path}: expected {shape}, got {type(tree).__name__}")
+    return tree
+
+
 def load_config_tree(name_or_path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Reads a YAML config with its `base:` chain merged in (the child wins, key by key)."""
     path = resolve_config_path(name_or_path, _seen[-1].parent if _seen else None).resolve()
     if path in _seen:
         chain = " -> ".join(str(p) for p in (*_seen, path))
         raise ConfigError(f"{path}: `base` chain loops: {chain}")
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path}: cannot read config: {e}") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(tree).__name__}")
+    tree = read_yaml_mapping(path, "config")
     unknown = [k for k in tree if k not in (*SECTIONS, *SCALARS, "base")]
     if unknown:
         raise ConfigError(f"{path}: unknown top-level key(s) {unknown}; expected base, "

@@ -1,2 +1,4 @@
-"""Research workflows built on the library: ablation studies of config variants and seeds with
-tables and plots (`ablate.py`), and the demo downstream task on the Python docs (`doc_task.py`)."""
+"""Research workflows built on the library: ablation studies of config variants and seeds —
+study files (`study.py`), the resumable runner (`runner.py`), results tables and plots
+(`report.py`), their command line (`ablate.py`) — and the demo downstream task on the Python
+docs (`doc_task.py`)."""
