@@ -225,7 +225,7 @@ def test_fully_masked_rows_stay_finite(impl):
 
 @pytest.mark.parametrize("N, K", [(4, 4), (8, 2), (4, 1)], ids=["MHA", "GQA", "MQA"])
 def test_block_diagonal_decode_attention_matches_reference(N, K):
-    from llama_jax.nn.attention.gqa import decode_attention_block_diagonal
+    from llama_jax.nn.attention.dot_product import decode_attention_block_diagonal
 
     S = 13
     rng = np.random.default_rng(11)

@@ -12,7 +12,7 @@ import pytest
 import llama_jax
 from llama_jax.config import load_model_config
 from llama_jax.model.transformer import embed, run_layers
-from llama_jax.nn.attention.gqa import Context
+from llama_jax.nn.attention.context import Context
 from llama_jax.nn.attention.dot_product import Mask
 from llama_jax.nn.positions import rotation
 from llama_jax.model.params import param_specs

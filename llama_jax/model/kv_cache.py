@@ -1,8 +1,8 @@
 """The KV cache of a decoding batch: each layer group's attention cache, and the slots in use.
 
-Each mixer owns its cache layout (nn/attention/mixers.py; for GQA `StackedKV` for scanned groups and a
-tuple of per-layer `MergedKV` for the unrolled decoder, for MLA their latent counterparts);
-this container holds one entry per layer group and the bookkeeping every layer shares.
+Each mixer owns its cache layouts (nn/attention/mixers.py): its `StackedCache` for a scanned
+group, or a tuple of per-layer `LayerCache`s for the unrolled decoder (for GQA keys and values,
+for MLA latents); this container holds one entry per layer group and the bookkeeping every layer shares.
 
 Rows of a ragged batch are left-padded: row b's sequence occupies slots `start[b] .. end-1`, and
 every step writes all rows at the same slot `end`. Slots before `start[b]` are masked out of

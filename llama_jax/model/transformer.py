@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from llama_jax.config import ModelConfig
 from llama_jax.model.kv_cache import KVCache
-from llama_jax.nn.attention.gqa import Context
+from llama_jax.nn.attention.context import Context
 from llama_jax.nn.attention.dot_product import ATTENTION_NAMES, Mask
 from llama_jax.nn.heads import apply_head, is_task_head, padding_layout
 from llama_jax.nn.attention.mixers import mixer_of

@@ -1,7 +1,5 @@
-"""The attention mixer: causal dot-product attention with one code path for MHA, GQA and MQA,
-its parameters, and its KV cache; and what every attention mixer (mla.py too) shares: the
-`Context` of a forward pass and `attention_of` (the configured implementation and softmax
-scale).
+"""The GQA mixer (`attention: gqa`): causal dot-product attention with one code path for MHA,
+GQA and MQA, its parameters, and its KV cache.
 
 N query heads share K key/value heads (K = N: MHA, K = 1: MQA, otherwise GQA; Ainslie et al.
 2023). The dot product itself runs under the configured implementation (dot_product.py: dense,
@@ -15,14 +13,15 @@ in the KV cache). Segment ids keep packed documents from attending to each other
 
 The KV cache holds KV heads only (never repeated to N): 2·B·S·K·H values per layer. Two
 layouts, one per decode implementation (see model.py):
-- `StackedKV`: a layer group's `k, v: [L, B, K, S, H]`, carried through the layer scan and
+- `StackedCache`: a layer group's `k, v: [L, B, K, S, H]`, carried through the layer scan and
   updated in place. Heads come before slots so the keys of one (row, head) are contiguous: the
   batched attention matmuls read the cache in place (measured on CPU: 2.7x faster than
   [L, B, S, K, H], which makes XLA transpose every layer's slice at every step).
-- `MergedKV`: one layer's `[B, K·S, H]` (the same bytes as [B, K, S, H] with K and S merged),
-  for the unrolled decoder over per-layer weights: no per-layer slice is copied, and a decode
-  step attends with one matmul per row (`decode_attention_block_diagonal`). 16-bit values are
-  stored as their uint16 bits (kv_storage.py).
+- `LayerCache`: one layer's `[B, K·S, H]` (the same bytes as [B, K, S, H] with K and S
+  merged), for the unrolled decoder over per-layer weights: no per-layer slice is copied, and a
+  decode step attends with one matmul per row (dot_product.py's
+  `decode_attention_block_diagonal`). 16-bit values are stored as their uint16 bits
+  (kv_storage.py).
 Either holds float values or int8 ones with a scale per (token, head) (kv_storage.py).
 Rows of a ragged batch are left-padded; every step writes all rows at the same slot `end`, so
 an update is a single `dynamic_update_slice`.
@@ -30,7 +29,6 @@ an update is a single `dynamic_update_slice`.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import jax
@@ -38,12 +36,12 @@ import jax.numpy as jnp
 from flax import struct
 
 from llama_jax.nn.attention import kv_storage
+from llama_jax.nn.attention.context import MIXERS, Context, Mixer, attention_of
 from llama_jax.nn.attention.kv_storage import SlotFn
-from llama_jax.nn.attention.chunked import MASKED
-from llama_jax.nn.attention.dot_product import Mask, dot_product_attention, probs_like
-from llama_jax.nn.ops import einsum_f32, linear
+from llama_jax.nn.attention.dot_product import decode_attention_block_diagonal
+from llama_jax.nn.ops import linear
 from llama_jax.errors import require
-from llama_jax.nn.positions import POSITIONS, Rotation
+from llama_jax.nn.positions import POSITIONS
 from llama_jax.nn.rope import softmax_scale
 from llama_jax.quant import Int8, as_float
 from llama_jax.spec import bias, weight
@@ -53,62 +51,26 @@ if TYPE_CHECKING:
     from llama_jax.config import ModelConfig
 
 
-def decode_attention_block_diagonal(q_B1NH: jax.Array, k_BCH: jax.Array | Int8,
-                                    v_BCH: jax.Array | Int8, mask_BS: jax.Array,
-                                    scale: float) -> jax.Array:
-    """Attention of one query per row over a per-layer cache `[B, C = K·S, H]` (float, or
-    int8 with scales `[B, C, 1]`).
-
-    Each row is one matmul over all K·S keys, with query/key pairs of different groups masked
-    out, so the result equals dense attention. That spends K times the score FLOPs of a decode
-    step (small next to reading the cache), but XLA:CPU runs B matmuls of N rows far faster than the
-    B·K matmuls of G = N/K rows of the grouped form (measured: 2.2x on the attention alone,
-    8.6 -> 6.1 ms for a batch-8 decode step of the benchmark model).
-    """
-    N = q_B1NH.shape[2]
-    C, S = k_BCH.shape[1], mask_BS.shape[1]
-    K = C // S
-    logits_BNC = einsum_f32("BNH,BCH->BNC", q_B1NH[:, 0], k_BCH) * scale
-    same_group_NC = (jnp.arange(N) // (N // K))[:, None] == (jnp.arange(C) // S)[None, :]
-    mask_BNC = same_group_NC[None] & jnp.tile(mask_BS, (1, K))[:, None, :]
-    probs_BNC = jax.nn.softmax(jnp.where(mask_BNC, logits_BNC, MASKED), axis=-1)
-    out_BNH = einsum_f32("BNC,BCH->BNH", probs_like(probs_BNC, v_BCH), v_BCH)
-    return out_BNH[:, None].astype(q_B1NH.dtype)
-
-
 # ------------------------------------------------------------------------------- the mixer
 
-def attention_specs(config: ModelConfig, residual_scale: float) -> dict:
+def specs(config: ModelConfig, residual_scale: float) -> dict:
     """`residual_scale` shrinks the init of W_O, which writes into the residual stream."""
     dims = config.dims
-    specs = {"wq": weight(dims, "DNH", ("embed", "q_heads", "head_dim"), contract="D"),
-             "wk": weight(dims, "DKH", ("embed", "kv_heads", "head_dim"), contract="D"),
-             "wv": weight(dims, "DKH", ("embed", "kv_heads", "head_dim"), contract="D"),
-             "wo": weight(dims, "NHD", ("q_heads", "head_dim", "embed"), residual_scale,
-                           contract="NH")}
+    tensors = {"wq": weight(dims, "DNH", ("embed", "q_heads", "head_dim"), contract="D"),
+               "wk": weight(dims, "DKH", ("embed", "kv_heads", "head_dim"), contract="D"),
+               "wv": weight(dims, "DKH", ("embed", "kv_heads", "head_dim"), contract="D"),
+               "wo": weight(dims, "NHD", ("q_heads", "head_dim", "embed"), residual_scale,
+                            contract="NH")}
     if config.bias:
-        specs.update(bq=bias(dims, "NH", ("q_heads", "head_dim")),
-                     bk=bias(dims, "KH", ("kv_heads", "head_dim")),
-                     bv=bias(dims, "KH", ("kv_heads", "head_dim")),
-                     bo=bias(dims, "D", ("norm",)))
-    return specs
+        tensors.update(bq=bias(dims, "NH", ("q_heads", "head_dim")),
+                       bk=bias(dims, "KH", ("kv_heads", "head_dim")),
+                       bv=bias(dims, "KH", ("kv_heads", "head_dim")),
+                       bo=bias(dims, "D", ("norm",)))
+    return tensors
 
 
-@struct.dataclass
-class Context:
-    """What the attention layers of one forward pass share: which keys each query may see (of
-    the T new tokens in training, of the S cache slots when decoding), RoPE's rotation (None
-    without rotary positions), the cache slot of the first new token, and the index of the
-    layer running within its group (set by the layer scan, for stacked caches)."""
-
-    mask: Mask
-    rotation: Rotation | None = None
-    end: jax.Array | None = None
-    layer: jax.Array | int = 0
-
-
-def apply_attention(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Context,
-                    kv: "StackedKV | MergedKV | None" = None):
+def apply(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Context,
+          kv: "StackedCache | LayerCache | None" = None):
     """Self-attention of normed inputs `[B, T, D]`; returns `([B, T, D], kv)`. Without a cache
     the T tokens attend to each other; with one their K/V are written at `context.end` first
     and the queries attend to the whole cache."""
@@ -128,18 +90,10 @@ def apply_attention(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Con
     return linear("BTNH,NHD->BTD", out_BTNH, p["wo"], p.get("bo")), kv
 
 
-def attention_of(config: ModelConfig):
-    """`dot_product_attention` under the configured implementation, blocks and softmax scale
-    (1/√H, times YaRN's mscale²: rope.softmax_scale)."""
-    return functools.partial(dot_product_attention, impl=config.attention_impl,
-                             block_q=config.attention_block_q,
-                             block_kv=config.attention_block_kv, scale=softmax_scale(config))
-
-
 # ------------------------------------------------------------------------------- the KV cache
 
 @struct.dataclass
-class StackedKV:
+class StackedCache:
     """A layer group's cache `[L, B, K, S, H]`, read and written at `context.layer`."""
 
     k: jax.Array | Int8
@@ -148,12 +102,12 @@ class StackedKV:
 
     @classmethod
     def zeros(cls, config: ModelConfig, n_layers: int, batch: int, max_len: int,
-              dtype: str) -> "StackedKV":
+              dtype: str) -> "StackedCache":
         k, v = (_constrain_stacked(kv_storage.zeros(
             (n_layers, batch, config.K, max_len, config.H), dtype)) for _ in range(2))
         return cls(k=k, v=v, dtype=dtype)
 
-    def write(self, k_BTKH: jax.Array, v_BTKH: jax.Array, context: Context) -> "StackedKV":
+    def write(self, k_BTKH: jax.Array, v_BTKH: jax.Array, context: Context) -> "StackedCache":
         """Writes new keys and values at slot `context.end` of the layer, in place."""
         def put(cache_LBKSH, x_BTKH):
             update = jnp.swapaxes(x_BTKH, 1, 2)[None]  # [1, B, K, T, H]
@@ -167,7 +121,7 @@ class StackedKV:
                 for x in (self.k, self.v))
         return attention_of(config)(q_BTNH, k, v, context.mask, kv_layout="BKSH")
 
-    def map_seq(self, fn: SlotFn, max_len: int) -> "StackedKV":
+    def map_seq(self, fn: SlotFn, max_len: int) -> "StackedCache":
         """The cache with `fn(array, seq_axis)` applied to its stored arrays; `fn` returns
         `max_len` slots (see `KVCache.map_seq`)."""
         def put(cache_LBKSH):
@@ -176,7 +130,7 @@ class StackedKV:
 
 
 @struct.dataclass
-class MergedKV:
+class LayerCache:
     """One layer's cache `[B, K·S, H]`: head k's slots are rows k·S .. k·S + S - 1."""
 
     k: jax.Array | Int8
@@ -185,12 +139,12 @@ class MergedKV:
     dtype: str = struct.field(pytree_node=False)  # of the cached values
 
     @classmethod
-    def zeros(cls, config: ModelConfig, batch: int, max_len: int, dtype: str) -> "MergedKV":
+    def zeros(cls, config: ModelConfig, batch: int, max_len: int, dtype: str) -> "LayerCache":
         k, v = (_constrain_merged(kv_storage.zeros((batch, config.K * max_len, config.H), dtype,
                                                    bits=True)) for _ in range(2))
         return cls(k=k, v=v, max_len=max_len, dtype=dtype)
 
-    def write(self, k_BTKH: jax.Array, v_BTKH: jax.Array, context: Context) -> "MergedKV":
+    def write(self, k_BTKH: jax.Array, v_BTKH: jax.Array, context: Context) -> "LayerCache":
         def put(cache_BCH, x_BTKH):
             for head in range(x_BTKH.shape[2]):
                 cache_BCH = kv_storage.write(cache_BCH, x_BTKH[:, :, head],
@@ -213,7 +167,7 @@ class MergedKV:
                           for x in (k_BCH, v_BCH))
         return attention_of(config)(q_BTNH, k_BKSH, v_BKSH, context.mask, kv_layout="BKSH")
 
-    def map_seq(self, fn: SlotFn, max_len: int) -> "MergedKV":
+    def map_seq(self, fn: SlotFn, max_len: int) -> "LayerCache":
         """The cache with `fn(array, seq_axis)` applied to its stored arrays seen as
         `[B, K, S, ...]`; `fn` returns `max_len` slots (see `KVCache.map_seq`)."""
         def per_head(a_BCX):
@@ -225,13 +179,13 @@ class MergedKV:
         return self.replace(k=put(self.k), v=put(self.v), max_len=max_len)
 
 
-def kv_cache_vectors(config: ModelConfig) -> tuple[int, int]:
+def cache_vectors(config: ModelConfig) -> tuple[int, int]:
     """What one token caches per layer: 2·K vectors of H values (keys and values of the KV
     heads only)."""
     return 2 * config.K, config.H
 
 
-def kv_cache_split(config: ModelConfig) -> tuple[str, int]:
+def cache_split(config: ModelConfig) -> tuple[str, int]:
     """The cache dimension the cache rules may split besides the rows: the KV heads."""
     return "kv_heads", config.K
 
@@ -262,3 +216,7 @@ def check_config(config: ModelConfig) -> None:
     if POSITIONS[config.positions].rotary:
         require(config.head_dim % 2 == 0, "head_dim", config.head_dim,
                 "must be even: RoPE rotates pairs of features")
+
+
+MIXERS.register("gqa", Mixer(specs, apply, StackedCache.zeros, LayerCache.zeros, cache_split,
+                             cache_vectors, saved_activations, check_config))

@@ -16,7 +16,7 @@ checkpoints, split here):
     out = softmax(q·kᵀ · scale + mask)·v · W_O
 with scale = 1/√H (J + I, not the absorbed width Z + I) times YaRN's mscale² (rope.py).
 
-Two ways to compute it, one function of the config and the mode (`apply_mla`):
+Two ways to compute it, one function of the config and the mode (`apply`):
 - expanded (training, prefill, and decode with `mla_decode: expanded`): per-head keys and
   values are materialised from the latents and attended by `dot_product_attention` under the
   configured implementation (q/k head dim H, value head dim Y).
@@ -27,8 +27,8 @@ Two ways to compute it, one function of the config and the mode (`apply_mla`):
   and nothing per head is built for the S cached tokens (expanded rebuilds N·(J + Y) values for
   each of them).
 
-The cache is `[B, S, W]` per layer (`LatentKV`, the unrolled decoder's) or `[L, B, S, W]` per
-scanned group (`StackedLatentKV`): L·W values per token against GQA's 2·L·K·H (DeepSeek-V2:
+The cache is `[B, S, W]` per layer (`LayerCache`, the unrolled decoder's) or `[L, B, S, W]` per
+scanned group (`StackedCache`): L·W values per token against GQA's 2·L·K·H (DeepSeek-V2:
 576 per layer, where the paper's MHA baseline, 128 heads of 128, caches 32768); float, or int8
 with one scale per token's latent (kv_storage.py).
 """
@@ -42,8 +42,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from llama_jax.nn.attention import kv_storage
+from llama_jax.nn.attention.context import MIXERS, Context, Mixer, attention_of
 from llama_jax.nn.attention.kv_storage import SlotFn
-from llama_jax.nn.attention.gqa import Context, attention_of
 from llama_jax.nn.attention.dot_product import dense_attention
 from llama_jax.nn.norms import rms_norm
 from llama_jax.nn.ops import cast_weight, dense, einsum_f32
@@ -61,16 +61,16 @@ if TYPE_CHECKING:
 LATENT_NORM_EPS = 1e-6
 
 
-def mla_specs(config: ModelConfig, residual_scale: float) -> dict:
+def specs(config: ModelConfig, residual_scale: float) -> dict:
     """`residual_scale` shrinks the init of W_O, which writes into the residual stream."""
     dims = config.dims
     lora = config.mla.q_lora_rank is not None
     q_in, q_axis = ("Q", "latent") if lora else ("D", "embed")
-    specs = {}
+    tensors = {}
     if lora:
-        specs.update(wq_a=weight(dims, "DQ", ("embed", "latent"), contract="D"),
-                     q_norm=gain(dims, "Q", ("norm",)))
-    specs.update(
+        tensors.update(wq_a=weight(dims, "DQ", ("embed", "latent"), contract="D"),
+                       q_norm=gain(dims, "Q", ("norm",)))
+    tensors.update(
         wq_nope=weight(dims, q_in + "NJ", (q_axis, "q_heads", "head_dim"), contract=q_in),
         wq_rope=weight(dims, q_in + "NI", (q_axis, "q_heads", "head_dim"), contract=q_in),
         w_dkv=weight(dims, "DZ", ("embed", "latent"), contract="D"),
@@ -80,11 +80,11 @@ def mla_specs(config: ModelConfig, residual_scale: float) -> dict:
         w_uv=weight(dims, "ZNY", ("latent", "q_heads", "head_dim"), contract="Z"),
         wo=weight(dims, "NYD", ("q_heads", "head_dim", "embed"), residual_scale,
                   contract="NY"))
-    return specs
+    return tensors
 
 
-def apply_mla(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Context,
-              kv: "StackedLatentKV | LatentKV | None" = None):
+def apply(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Context,
+          kv: "StackedCache | LayerCache | None" = None):
     """Self-attention of normed inputs `[B, T, D]`; returns `([B, T, D], kv)`. With a cache
     the new tokens' latents are written at `context.end` first and the queries attend to the
     whole cache: absorbed for one token (unless `mla_decode: expanded`), expanded otherwise."""
@@ -152,7 +152,7 @@ def _absorbed(config: ModelConfig, p: dict, q_nope_BTNJ, q_rope_BTNI, latent_BSW
 # --------------------------------------------------------------------------- the latent cache
 
 @struct.dataclass
-class StackedLatentKV:
+class StackedCache:
     """A layer group's cache `[L, B, S, W]`, read and written at `context.layer`."""
 
     latent: jax.Array | Int8
@@ -160,11 +160,11 @@ class StackedLatentKV:
 
     @classmethod
     def zeros(cls, config: ModelConfig, n_layers: int, batch: int, max_len: int,
-              dtype: str) -> "StackedLatentKV":
+              dtype: str) -> "StackedCache":
         shape = (n_layers, batch, max_len, cache_width(config))
         return cls(_constrain_stacked(kv_storage.zeros(shape, dtype)), dtype)
 
-    def write(self, latent_BTW: jax.Array, context: Context) -> "StackedLatentKV":
+    def write(self, latent_BTW: jax.Array, context: Context) -> "StackedCache":
         latent = kv_storage.write(self.latent, latent_BTW[None], (context.layer, 0,
                                                                   context.end, 0), self.dtype)
         return self.replace(latent=_constrain_stacked(latent))
@@ -172,7 +172,7 @@ class StackedLatentKV:
     def read(self, context: Context, compute_dtype) -> jax.Array | Int8:
         return kv_storage.read(self.latent[context.layer], self.dtype, compute_dtype)
 
-    def map_seq(self, fn: SlotFn, max_len: int) -> "StackedLatentKV":
+    def map_seq(self, fn: SlotFn, max_len: int) -> "StackedCache":
         """The cache with `fn(array, seq_axis)` applied to its stored arrays; `fn` returns
         `max_len` slots (see `KVCache.map_seq`)."""
         return self.replace(latent=_constrain_stacked(
@@ -180,25 +180,25 @@ class StackedLatentKV:
 
 
 @struct.dataclass
-class LatentKV:
+class LayerCache:
     """One layer's cache `[B, S, W]`."""
 
     latent: jax.Array | Int8
     dtype: str = struct.field(pytree_node=False)  # of the cached values
 
     @classmethod
-    def zeros(cls, config: ModelConfig, batch: int, max_len: int, dtype: str) -> "LatentKV":
+    def zeros(cls, config: ModelConfig, batch: int, max_len: int, dtype: str) -> "LayerCache":
         latent = kv_storage.zeros((batch, max_len, cache_width(config)), dtype, bits=True)
         return cls(_constrain_layer(latent), dtype)
 
-    def write(self, latent_BTW: jax.Array, context: Context) -> "LatentKV":
+    def write(self, latent_BTW: jax.Array, context: Context) -> "LayerCache":
         latent = kv_storage.write(self.latent, latent_BTW, (0, context.end, 0), self.dtype)
         return self.replace(latent=_constrain_layer(latent))
 
     def read(self, context: Context, compute_dtype) -> jax.Array | Int8:
         return kv_storage.read(self.latent, self.dtype, compute_dtype)
 
-    def map_seq(self, fn: SlotFn, max_len: int) -> "LatentKV":
+    def map_seq(self, fn: SlotFn, max_len: int) -> "LayerCache":
         """The cache with `fn(array, seq_axis)` applied to its stored arrays; `fn` returns
         `max_len` slots (see `KVCache.map_seq`)."""
         return self.replace(latent=_constrain_layer(
@@ -215,7 +215,7 @@ def cache_vectors(config: ModelConfig) -> tuple[int, int]:
     return 1, cache_width(config)
 
 
-def latent_cache_split(config: ModelConfig) -> tuple[str, int]:
+def cache_split(config: ModelConfig) -> tuple[str, int]:
     """The cache dimension the cache rules may split besides the rows: the latent width
     (replicated by default)."""
     return "latent", cache_width(config)
@@ -261,3 +261,7 @@ def check_config(config: ModelConfig) -> None:
     require(POSITIONS[config.positions].rotary, "positions", config.positions,
             "must be 'rope' with attention 'mla' (its decoupled key is rotary)")
     require(not config.bias, "bias", config.bias, "is not supported with attention 'mla'")
+
+
+MIXERS.register("mla", Mixer(specs, apply, StackedCache.zeros, LayerCache.zeros, cache_split,
+                             cache_vectors, saved_activations, check_config))

@@ -1,0 +1,73 @@
+"""What every attention mixer shares, kept apart from the mixers so that each of them (gqa.py,
+mla.py, one of your own) imports this module and none imports another: the interface a mixer
+implements (`Mixer`) and the registry it joins (`MIXERS`, chosen by `config.attention`), the
+`Context` a forward pass hands to every layer's mixer, and `attention_of`, the dot-product
+kernel under the configured implementation and softmax scale.
+
+A mixer registers itself at the bottom of its module; mixers.py imports the built-in ones, so
+read the registry through it (`mixers.MIXERS`, `mixers.mixer_of`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Callable
+
+import jax
+from flax import struct
+
+from llama_jax.nn.attention.dot_product import Mask, dot_product_attention
+from llama_jax.nn.positions import Rotation
+from llama_jax.nn.registry import Registry
+from llama_jax.nn.rope import softmax_scale
+
+if TYPE_CHECKING:
+    from llama_jax.config import ModelConfig
+
+
+@struct.dataclass
+class Context:
+    """What the attention layers of one forward pass share: which keys each query may see (of
+    the T new tokens in training, of the S cache slots when decoding), RoPE's rotation (None
+    without rotary positions), the cache slot of the first new token, and the index of the
+    layer running within its group (set by the layer scan, for stacked caches)."""
+
+    mask: Mask
+    rotation: Rotation | None = None
+    end: jax.Array | None = None
+    layer: jax.Array | int = 0
+
+
+def attention_of(config: ModelConfig):
+    """`dot_product_attention` under the configured implementation, blocks and softmax scale
+    (1/√H, times YaRN's mscale²: rope.softmax_scale)."""
+    return functools.partial(dot_product_attention, impl=config.attention_impl,
+                             block_q=config.attention_block_q,
+                             block_kv=config.attention_block_kv, scale=softmax_scale(config))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixer:
+    """An attention mixer kind. Its caches are pytrees (flax struct dataclasses) whose arrays
+    have the batch rows on one axis and the S slots on another, with `map_seq(fn, max_len)`:
+    the cache with `fn(array, seq_axis)` applied to its arrays, `fn` returning `max_len` slots
+    (`KVCache.map_seq`, for the server's moved and resized slots); `apply` writes the T new
+    tokens at slot `context.end` (of layer `context.layer` in a stacked cache)."""
+
+    specs: Callable  # (config, residual_scale) -> the block's "attn" TensorSpecs
+    apply: Callable  # (config, p, x_BTD, context, cache or None) -> (y_BTD, cache)
+    stacked_cache: Callable  # (config, n_layers, batch, max_len, dtype) -> a group's cache
+    layer_cache: Callable  # (config, batch, max_len, dtype) -> one layer's cache
+    # (config) -> (logical axis, size) of the cache dimension the cache rules may split besides
+    # the rows; and (vectors, width): one token caches `vectors` vectors of `width` values
+    # per layer (an int8 cache adds a scale per vector)
+    cache_split: Callable
+    cache_vectors: Callable
+    # (config, heads, kv_heads) -> elements per token kept for the backward pass, by remat
+    # policy (config.REMAT_POLICIES but full), for the heads a device holds
+    saved_activations: Callable
+    check_config: Callable  # (config) -> None; a ConfigError names the field
+
+
+MIXERS: Registry[Mixer] = Registry("attention")
