@@ -53,7 +53,7 @@ def write_checkpoints(root: Path, dim: int, layers: int, vocab: int) -> dict[str
     import torch
 
     import llama_jax
-    from llama_jax.formats.layout import torch_tensors
+    from llama_jax.formats.torch_layout import torch_tensors
 
     config = llama_jax.ModelConfig(vocab_size=vocab, dim=dim, n_layers=layers,
                                    n_heads=dim // 64, n_kv_heads=dim // 256)

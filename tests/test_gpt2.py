@@ -16,7 +16,7 @@ pytest.importorskip("torch")
 import llama_jax
 from llama_jax.formats import convert as convert_mod
 from llama_jax.formats.checkpoint import load_checkpoint
-from llama_jax.formats import layout
+from llama_jax.formats import torch_layout
 from llama_jax.errors import CheckpointError
 from checkpoints import hf_logits, load_onto_a_mesh
 from reference import relative_error
@@ -161,9 +161,9 @@ def test_convert_gpt2(to, gpt2, tmp_path):
 
 
 def test_convert_gate_catches_swapped_q_and_k(gpt2, tmp_path, monkeypatch):
-    wq, wk = layout.GPT2["attn/wq"], layout.GPT2["attn/wk"]
-    monkeypatch.setitem(layout.GPT2, "attn/wq", dataclasses.replace(wq, part=wk.part))
-    monkeypatch.setitem(layout.GPT2, "attn/wk", dataclasses.replace(wk, part=wq.part))
+    wq, wk = torch_layout.GPT2["attn/wq"], torch_layout.GPT2["attn/wk"]
+    monkeypatch.setitem(torch_layout.GPT2, "attn/wq", dataclasses.replace(wq, part=wk.part))
+    monkeypatch.setitem(torch_layout.GPT2, "attn/wk", dataclasses.replace(wk, part=wq.part))
     with pytest.raises(convert_mod.ParityError, match="transformers"):
         convert_mod.convert(gpt2["gelu_new"][1], tmp_path / "out")
     assert list(tmp_path.iterdir()) == []

@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 import llama_jax
 from llama_jax.formats import convert as convert_mod
 from llama_jax.formats.checkpoint import load_checkpoint
-from llama_jax.formats import layout, native
+from llama_jax.formats import native, torch_layout
 from llama_jax.errors import CheckpointError
 from checkpoints import (HF_CASES, hf_logits, hf_model, load_onto_a_mesh, to_legacy_config,
                          write_meta)
@@ -148,7 +148,7 @@ def test_convert_refuses_tampered_weights_and_leaves_nothing(hf_dirs, tmp_path, 
 
 def test_convert_gate_catches_a_wrong_rope_permutation(models, tmp_path, monkeypatch):
     write_meta(models["gqa"], tmp_path / "meta")
-    monkeypatch.setattr(layout, "interleaved_to_half", lambda w, heads: w)  # the classic bug
+    monkeypatch.setattr(torch_layout, "interleaved_to_half", lambda w, heads: w)  # the classic bug
     with pytest.raises(convert_mod.ParityError, match="transformers"):
         convert_mod.convert(tmp_path / "meta", tmp_path / "out")
     assert not (tmp_path / "out").exists()

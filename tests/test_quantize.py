@@ -314,6 +314,20 @@ def test_sharded_quantized_decode_equals_unsharded(decode_impl, tmp_path):
                               decode_impl=decode_impl, mesh_config=rules) == expected
 
 
+@pytest.mark.parametrize("save", [llama_jax.save_native, llama_jax.export_hf])
+def test_quantizing_while_loading_places_every_leaf_on_the_mesh(save, tmp_path):
+    """Int8 values and scales go into their own shardings, from any format."""
+    config = MODELS["gqa"].with_execution()
+    save(config, random_params(config), tmp_path / "m")
+    rules = MeshConfig(data=2, fsdp=2, tensor=2)
+    mesh = sharding.make_mesh(rules)
+    qconfig, placed = llama_jax.load_checkpoint(tmp_path / "m", quantize="int8",
+                                                quantize_head=True, mesh=mesh, mesh_config=rules)
+    expected = flat_paths(sharding.param_shardings(llama_jax.param_specs(qconfig), mesh, rules))
+    for path, leaf in flat_paths(placed).items():
+        assert leaf.sharding.is_equivalent_to(expected[path], leaf.ndim), path
+
+
 PEAK_CHILD = """
 import json, sys
 import jax, llama_jax, llama_jax.formats.checkpoint

@@ -1,4 +1,5 @@
 """Checkpoints: reading and writing Hugging Face (`hf.py`), Meta (`meta.py`), native orbax
-(`native.py`) and training-run directories (`workdir.py`, `run.py`), with the tensor layouts they
-share (`layout.py`); `checkpoint.py` detects the format and loads any of them into a mesh, and
+(`native.py`) and training-run directories (`workdir.py`), with the torch tensor layout HF and
+Meta share (`torch_layout.py`) and the loading every format shares (`loading.py`: a dtype or a
+quantization, onto a mesh); `checkpoint.py` detects the format and loads any of them, and
 `convert.py` is the conversion CLI."""

@@ -14,16 +14,16 @@ from pathlib import Path
 
 import jax
 
-from llama_jax.config import (QUANTIZATIONS, MeshConfig, ModelConfig, dtype_name,
-                              load_model_config)
+from llama_jax.config import QUANTIZATIONS, MeshConfig, ModelConfig, dtype_name
 from llama_jax.errors import CheckpointError, ConfigError
 from llama_jax.files import atomic_directory
-from llama_jax.formats import hf, meta, native, run
-from llama_jax.formats.layout import Loading, family_of
+from llama_jax.formats import hf, meta, native, workdir
+from llama_jax.formats.loading import Loading
+from llama_jax.formats.torch_layout import family_of
 from llama_jax.model.params import Params, param_specs
 from llama_jax.parallel.sharding import param_shardings
 
-FORMATS = {"native": native, "hf": hf, "meta": meta, "run": run}
+FORMATS = {"native": native, "hf": hf, "meta": meta, "run": workdir}
 
 
 def detect_format(path: str | Path) -> str:
@@ -33,7 +33,7 @@ def detect_format(path: str | Path) -> str:
     if not path.is_dir():
         raise CheckpointError(f"{path}: expected a checkpoint directory, got a file")
     for name, is_format in (("native", native.is_native), ("hf", hf.is_hf),
-                            ("meta", meta.is_meta), ("run", run.is_run)):
+                            ("meta", meta.is_meta), ("run", workdir.is_workdir)):
         if is_format(path):
             return name
     found = ", ".join(sorted(p.name for p in path.iterdir())[:12]) or "nothing"
@@ -101,7 +101,4 @@ def checkpoint_config(path: str | Path) -> ModelConfig:
         return hf.read_config(path)
     if fmt == "meta":
         return meta.read_config(path, meta.open_shards(path))
-    try:  # native and training runs keep a config.yaml
-        return load_model_config(path / native.CONFIG)
-    except ConfigError as e:
-        raise CheckpointError(str(e)) from None
+    return native.read_config(path)  # native checkpoints and training runs keep a config.yaml

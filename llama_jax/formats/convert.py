@@ -33,7 +33,7 @@ from llama_jax.cli import user_errors_exit
 from llama_jax.config import DTYPES, ModelConfig
 from llama_jax.formats import hf, meta, native
 from llama_jax.errors import CheckpointError
-from llama_jax.formats.layout import names, slots, torch_shape
+from llama_jax.formats.torch_layout import names, slots, torch_shape
 from llama_jax.model.transformer import forward
 from llama_jax.model.params import Params
 

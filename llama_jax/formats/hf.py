@@ -1,5 +1,5 @@
 """Hugging Face checkpoints: `config.json` + `model.safetensors` (or shards + index), of the
-two families layout.py has tables for, chosen by config.json's `model_type` when reading and by
+families torch_layout.py has tables for, chosen by config.json's `model_type` when reading and by
 the model's architecture when writing:
 
 - Llama (`LlamaForCausalLM`). Reads both config forms found in the wild: `rope_theta` +
@@ -20,7 +20,7 @@ the model's architecture when writing:
   `routed_scaling_factor`. `head_dim` in their config.json is the RoPE head dim (unused:
   ours follows from the `mla` fields); YaRN takes the explicit `factor`. Written as V3 for
   sigmoid routers and dense MLA models, as V2 for softmax routers; RoPE rows as DeepSeek
-  stores them (interleaved: layout.py).
+  stores them (interleaved: torch_layout.py).
 - GPT-2 (`GPT2LMHeadModel`, or a bare `GPT2Model` save, whose names lack `transformer.`).
   `activation_function` gelu_new / gelu_pytorch_tanh -> mlp gelu_tanh, gelu -> gelu (exact),
   relu -> relu; the MLP width is `n_inner` or 4·D. Written as `GPT2LMHeadModel`.
@@ -39,8 +39,9 @@ import numpy as np
 
 from llama_jax.config import MlaConfig, ModelConfig, MoeConfig, RopeScaling
 from llama_jax.errors import CheckpointError, ConfigError
-from llama_jax.formats.layout import (Family, Loading, Placement, Slot, assemble, family_of,
-                                      stored_tensors, torch_shape, torch_tensors)
+from llama_jax.formats.loading import Loading, Placement, assemble
+from llama_jax.formats.torch_layout import (Family, Slot, family_of, stored_tensors,
+                                            torch_pieces, torch_shape, torch_tensors)
 from llama_jax.model.params import Params
 
 CONFIG = "config.json"
@@ -315,8 +316,8 @@ def load(path: Path, loading: Loading,
                                   f"{expected_shape} from {path / CONFIG}")
         return w
 
-    return config, assemble(config, read, np.dtype(config.param_dtype), meta=False,
-                            placement=placement)
+    return config, assemble(config, torch_pieces(config, read, meta=False),
+                            np.dtype(config.param_dtype), placement)
 
 
 def _stored_names(files: dict[str, Path], family: Family,

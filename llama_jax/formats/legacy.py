@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from llama_jax.config import ModelConfig
-from llama_jax.formats.layout import unflatten
+from llama_jax.formats.loading import unflatten
 from llama_jax.model.params import Params, flat_paths
 
 # old path -> today's path

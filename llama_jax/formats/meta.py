@@ -21,7 +21,8 @@ import numpy as np
 
 from llama_jax.config import ModelConfig, RopeScaling
 from llama_jax.errors import CheckpointError, ConfigError
-from llama_jax.formats.layout import Loading, Placement, Slot, assemble, torch_shape
+from llama_jax.formats.loading import Loading, Placement, assemble
+from llama_jax.formats.torch_layout import Slot, torch_pieces, torch_shape
 from llama_jax.model.params import Params
 
 PARAMS = "params.json"
@@ -139,5 +140,5 @@ def load(path: Path, loading: Loading,
         return gather(opened["shards"], name, torch_shape(slot), path)
 
     del shards
-    return config, assemble(config, read, np.dtype(config.param_dtype), meta=True,
-                            placement=placement)
+    return config, assemble(config, torch_pieces(config, read, meta=True),
+                            np.dtype(config.param_dtype), placement)

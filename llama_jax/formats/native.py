@@ -14,8 +14,8 @@ import yaml
 
 from llama_jax.config import ModelConfig, load_model_config
 from llama_jax.errors import CheckpointError, ConfigError
-from llama_jax.formats.layout import (Loading, Placement, placed_target, quantize_into,
-                                      unflatten)
+from llama_jax.formats.loading import (Loading, Placement, build_leaf, placed_target, put,
+                                       unflatten)
 from llama_jax.formats.legacy import from_legacy, is_legacy, legacy_target
 from llama_jax.model.params import Params, flat_paths, param_specs, quantize_params
 from llama_jax.quant import Int8
@@ -36,12 +36,17 @@ def save(config: ModelConfig, params: Params, path: Path) -> None:
     checkpointer.wait_until_finished()
 
 
-def load(path: Path, loading: Loading,
-         placement: Placement | None = None) -> tuple[ModelConfig, Params]:
+def read_config(path: Path) -> ModelConfig:
+    """The model section of `path`'s config.yaml (a training run's workdir keeps one too)."""
     try:
-        config = load_model_config(path / CONFIG)
+        return load_model_config(path / CONFIG)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
+
+
+def load(path: Path, loading: Loading,
+         placement: Placement | None = None) -> tuple[ModelConfig, Params]:
+    config = read_config(path)
     params_dir = (path / PARAMS).absolute()
     try:
         stored = ocp.StandardCheckpointer().metadata(params_dir).item_metadata.tree
@@ -87,7 +92,7 @@ def _restore_quantizing(params_dir: Path, as_stored: ModelConfig, loaded: ModelC
                         placement: Placement | None) -> Params:
     """Restores every tensor stored as `loaded` keeps it in one call; each one `loaded`
     quantizes in a call of its own (the others skipped: orbax's PLACEHOLDER) to the host,
-    where it is quantized in slices (`layout.quantize_into`) and moved into its shardings."""
+    where it is quantized (`loading.build_leaf`) and moved into its shardings."""
     abstract = placed_target(as_stored, placement)
     stored_target, treedef = flat_paths(abstract), jax.tree.structure(abstract)
     specs = flat_paths(param_specs(loaded))
@@ -111,14 +116,12 @@ def _restore_quantizing(params_dir: Path, as_stored: ModelConfig, loaded: ModelC
 
     leaves = restored([path for path in stored_target if path not in to_quantize])
     target = flat_paths(placed_target(loaded, placement))
+    dtype = np.dtype(as_stored.param_dtype)
     for path in to_quantize:
-        spec, w = specs[path], restored((), [path])[path]
-        values, scale = np.empty(spec.shape, np.int8), np.empty(spec.scale_shape, np.float32)
-        quantize_into(w, spec.contract_axes, values, scale)
-        del w
-        leaves[path + "/values"], leaves[path + "/scale"] = jax.block_until_ready(
-            jax.device_put((values, scale), (target[path + "/values"].sharding,
-                                             target[path + "/scale"].sharding)))
+        whole = specs[path].shape  # the leaf is its only piece
+        q = put(build_leaf(specs[path], whole, [restored((), [path])[path]], dtype),
+                Int8(target[path + "/values"].sharding, target[path + "/scale"].sharding))
+        leaves[path + "/values"], leaves[path + "/scale"] = q.values, q.scale
     return unflatten(loaded, {path: Int8(leaves[path + "/values"], leaves[path + "/scale"])
                               if spec.dtype == "int8" else leaves[path]
                               for path, spec in specs.items()})

@@ -13,8 +13,8 @@ checkpoint, and a different config (other than the bookkeeping fields of
 into a temporary directory and renames it when complete, so a crash while saving leaves the
 previous checkpoints as they were; `latest_step` only sees complete ones.
 
-`load_checkpoint(WORKDIR)` reads the latest step's parameters, so `sample.py --checkpoint
-WORKDIR` samples from a run directly.
+`load_checkpoint(WORKDIR)` reads the latest step's parameters (`load`), with the model section
+of config.yaml, so `sample.py --checkpoint WORKDIR` samples from a run directly.
 """
 
 from __future__ import annotations
@@ -26,9 +26,12 @@ import grain
 import orbax.checkpoint as ocp
 import yaml
 
-from llama_jax.config import RunConfig, TrainConfig
-from llama_jax.errors import ConfigError
+from llama_jax.config import ModelConfig, RunConfig, TrainConfig
+from llama_jax.errors import CheckpointError, ConfigError
 from llama_jax.files import write_atomically
+from llama_jax.formats import native
+from llama_jax.formats.loading import Loading, Placement
+from llama_jax.model.params import Params
 
 CONFIG = "config.yaml"
 CHECKPOINTS = "checkpoints"
@@ -133,3 +136,23 @@ def run_config(workdir: Path) -> RunConfig:
     path = workdir / CONFIG
     return RunConfig.from_tree(yaml.safe_load(path.read_text()) or {}, str(path))
 
+
+def load(path: Path, loading: Loading,
+         placement: Placement | None = None) -> tuple[ModelConfig, Params]:
+    """The parameters of the run's latest complete checkpoint, with the model section of its
+    config.yaml."""
+    config = native.read_config(path)
+    checkpoints = Checkpoints(path, TrainConfig(), create=False)
+    try:
+        step = checkpoints.latest_step()
+        if step is None:
+            raise CheckpointError(f"{path}: a training run without a complete checkpoint yet")
+        params_dir = checkpoints.params_dir(step)
+        stored = checkpoints.stored_params(step)
+    finally:
+        checkpoints.close()
+    try:  # onto the placement, whatever mesh the run was saved from
+        return native.restore(params_dir, stored, config, loading, placement, path / CONFIG)
+    except (ValueError, KeyError) as e:  # orbax: stored tree or shapes differ from the config
+        raise CheckpointError(f"{path}: checkpoint {step} does not match its config.yaml: "
+                              f"{e}") from None

@@ -1,4 +1,5 @@
-"""The name tables that map llama_jax parameters to PyTorch checkpoints, one per model family.
+"""How PyTorch checkpoints (Hugging Face's, Meta's) store llama_jax parameters: a name table
+per model family, and the shapes, names and conversions both ways derived from it.
 
 A checkpoint family is chosen by the model's architecture (`family_of`):
 
@@ -17,6 +18,8 @@ A checkpoint family is chosen by the model's architecture (`family_of`):
 
 A table entry (`TorchTensor`) says how one of our tensors is stored; everything else — shapes,
 splitting and joining fused tensors, the conversions both ways — is derived here, once.
+Reading yields each leaf's pieces in our layout; building the leaves from them, in a dtype or
+quantized and onto a mesh, is the formats' shared loading (loading.py).
 """
 
 from __future__ import annotations
@@ -24,17 +27,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
-import jax
 import numpy as np
 
 from llama_jax.config import ModelConfig
-from llama_jax.errors import CheckpointError, ConfigError
+from llama_jax.errors import CheckpointError
 from llama_jax.nn.heads import HEADS
-from llama_jax.quant import Int8, to_int8
 from llama_jax.spec import TensorSpec
-from llama_jax.model.params import Params, abstract_params, flat_paths, layer_groups, param_specs
+from llama_jax.model.params import Params, flat_paths, layer_groups, param_specs
+
+if TYPE_CHECKING:
+    from llama_jax.formats.loading import Pieces
 
 # How a stored tensor holds ours, and the stored axis of its output features (along which a
 # fused tensor's parts lie side by side): "same" is our shape (embeddings, norms, position
@@ -388,7 +392,7 @@ def half_to_interleaved(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, rows // heads // 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols)
 
 
-def from_torch(config: ModelConfig, slot: Slot, w: np.ndarray, meta: bool) -> np.ndarray:
+def from_torch(slot: Slot, w: np.ndarray, meta: bool) -> np.ndarray:
     """One stored tensor (torch layout) → our layout for that leaf (one layer's slice); of a
     fused tensor, the slot's part."""
     tensor = slot.tensor
@@ -401,7 +405,7 @@ def from_torch(config: ModelConfig, slot: Slot, w: np.ndarray, meta: bool) -> np
     return w.reshape(slot.shape)
 
 
-def to_torch(config: ModelConfig, slot: Slot, a: np.ndarray, meta: bool) -> np.ndarray:
+def to_torch(slot: Slot, a: np.ndarray, meta: bool) -> np.ndarray:
     """Inverse of `from_torch`: our slice → a contiguous tensor in HF (or Meta) layout (the
     slot's part only, for a fused tensor: see `torch_tensors`)."""
     tensor = slot.tensor
@@ -459,77 +463,16 @@ def stored_tensors(config: ModelConfig, meta: bool = False
 Reader = Callable[[Slot, str], np.ndarray]  # (slot, checkpoint name) -> the stored tensor
 
 
-Placement = Callable[[ModelConfig], "Params | None"]  # config -> a sharding per leaf, or None
+def torch_pieces(config: ModelConfig, read: Reader, meta: bool) -> dict[str, Pieces]:
+    """Every leaf's pieces in our layout, by path (for `loading.assemble`): each stored tensor
+    is read by `read(slot, name)` (in torch layout, shape-checked by the reader; a fused tensor
+    once per part) when the leaf's iterator reaches it, so one piece is in memory at a time."""
+    return {slot.tree_path: (slot.shape, _pieces(slot, read, meta)) for slot in slots(config)}
 
 
-def assemble(config: ModelConfig, read: Reader, dtype: np.dtype, meta: bool,
-             placement: Placement | None = None) -> Params:
-    """Builds the parameter tree leaf by leaf from `read(slot, name)` (the stored tensor in
-    torch layout, shape-checked by the reader; a fused tensor is read once per part). Each
-    leaf is filled piece by piece (layers, experts) in `dtype` — or, a weight the config
-    quantizes, as int8 values and scales, each piece quantized as it is read — and moved to
-    the devices — straight into its target sharding when `placement` gives one, each device
-    receiving only its shard — before the next is read, so host memory holds one leaf at a
-    time. The largest leaves go first: while a leaf is read it exists two or three times over
-    (file pages, the array read, the device copy), and that transient should not sit on top
-    of everything else."""
-    shardings = flat_paths(placement(config)) if placement else {}
-    leaves = {}
-    for slot in sorted(slots(config), key=lambda s: -s.spec.size):
-        pieces = (from_torch(config, slot, read(slot, name), meta)
-                  for name in names(slot, meta))  # a generator: one piece in memory at a time
-        leaf = (_quantized_leaf(slot, pieces, dtype) if slot.spec.dtype == "int8"
-                else _float_leaf(slot, pieces, dtype))
-        # Wait for the copy: an asynchronous transfer would keep the host array alive while
-        # the next leaves are read, and the peak would depend on timing.
-        leaves[slot.tree_path] = jax.block_until_ready(
-            jax.device_put(leaf, shardings.get(slot.tree_path)))
-        del leaf
-    return unflatten(config, leaves)
-
-
-def _float_leaf(slot: Slot, pieces, dtype: np.dtype) -> np.ndarray:
-    out = np.empty((len(slot.pieces), *slot.shape), dtype)
-    for j, piece in enumerate(pieces):
-        out[j] = piece
-    return out.reshape(slot.spec.shape)
-
-
-def _quantized_leaf(slot: Slot, pieces, dtype: np.dtype) -> Int8:
-    """int8 values and scales, quantized piece by piece: a piece (a layer's, an expert's
-    matrix) holds whole output channels, so each piece's scales are the leaf's. Pieces are
-    rounded to `dtype` first, so the result equals quantizing the model loaded in `dtype`."""
-    spec, lead = slot.spec, len(slot.spec.shape) - len(slot.shape)
-    axes = tuple(a - lead for a in spec.contract_axes)
-    values = np.empty((len(slot.pieces), *slot.shape), np.int8)
-    scale = np.empty((len(slot.pieces), *spec.scale_shape[lead:]), np.float32)
-    for j, piece in enumerate(pieces):
-        quantize_into(piece.astype(dtype, copy=False), axes, values[j], scale[j])
-    return Int8(values.reshape(spec.shape), scale.reshape(spec.scale_shape))
-
-
-QUANTIZE_CHUNK_BYTES = 1 << 22
-
-
-def quantize_into(w: np.ndarray, axes: tuple[int, ...], values: np.ndarray,
-                   scale: np.ndarray) -> None:
-    """Quantizes `w` into `values` and `scale` in slices of whole output channels of about
-    QUANTIZE_CHUNK_BYTES: the quantizer's float temporaries stay small next to a large piece
-    (an embedding table or LM head is one piece)."""
-    split = next(a for a in range(w.ndim) if a not in axes)  # a weight has output channels
-    step = max(1, QUANTIZE_CHUNK_BYTES * w.shape[split] // (4 * w.size))
-    for start in range(0, w.shape[split], step):
-        where = tuple(slice(start, start + step) if a == split else slice(None)
-                      for a in range(w.ndim))
-        q = to_int8(w[where], axes)
-        values[where], scale[where] = q.values, q.scale
-
-
-def unflatten(config: ModelConfig, leaves: dict[str, jax.Array]) -> Params:
-    """The parameter tree of `config` from its leaves by path."""
-    specs = param_specs(config)
-    treedef = jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, TensorSpec))
-    return jax.tree.unflatten(treedef, [leaves[path] for path in flat_paths(specs)])
+def _pieces(slot: Slot, read: Reader, meta: bool) -> Iterator[np.ndarray]:
+    for name in names(slot, meta):
+        yield from_torch(slot, read(slot, name), meta)
 
 
 def torch_tensors(config: ModelConfig, params: Params, meta: bool = False
@@ -542,53 +485,8 @@ def torch_tensors(config: ModelConfig, params: Params, meta: bool = False
         leaf = leaves[slot.tree_path]
         lead = leaf.shape[:leaf.ndim - len(slot.shape)]  # (layers, experts) of a piece
         piece = leaf[tuple(int(i) for i in np.unravel_index(j, lead))] if lead else leaf
-        return to_torch(config, slot, np.asarray(piece), meta)
+        return to_torch(slot, np.asarray(piece), meta)
 
     for name, parts in stored_tensors(config, meta).items():
         tensors = [part(slot, j) for slot, j in parts]
         yield name, tensors[0] if len(tensors) == 1 else _join_parts(parts[0][0], tensors)
-
-
-def placed_target(config: ModelConfig, placement: Placement | None) -> Params:
-    """Abstract parameters for an orbax restore: on `placement`'s shardings, or on this
-    process's first device (so a checkpoint saved on any mesh restores)."""
-    shardings = placement(config) if placement else None
-    if shardings is None:
-        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        shardings = jax.tree.map(lambda _: device, abstract_params(config))
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        abstract_params(config), shardings)
-
-
-@dataclasses.dataclass(frozen=True)
-class Loading:
-    """What `load_checkpoint` is asked for: float parameters in `dtype` (None: as stored), and
-    the weights `quantize` / `quantize_head` store as int8 (None: as stored)."""
-
-    dtype: str | None = None
-    quantize: str | None = None
-    quantize_head: bool = False
-
-    def in_dtype(self, config: ModelConfig, stored_dtype: str) -> ModelConfig:
-        """`config` with its float parameters stored and computed in `dtype` (else
-        `stored_dtype`), its quantization as it was."""
-        dtype = self.dtype or stored_dtype
-        return config.with_execution(param_dtype=dtype, compute_dtype=dtype)
-
-    def config(self, config: ModelConfig, stored_dtype: str, where: object) -> ModelConfig:
-        """The loaded model's config: float parameters stored and computed in `dtype` (else
-        `stored_dtype`), quantized as asked. A quantized checkpoint loads as it was stored: a
-        different quantization is refused (`where` names the checkpoint)."""
-        config = self.in_dtype(config, stored_dtype)
-        if self.quantize is None:
-            return config
-        stored = (config.quantize, config.quantize_head)
-        if config.quantize is not None and stored != (self.quantize, self.quantize_head):
-            raise CheckpointError(
-                f"{where}: stored with quantize={config.quantize}, quantize_head="
-                f"{config.quantize_head}; it cannot load with quantize={self.quantize}, "
-                f"quantize_head={self.quantize_head} (leave them out to load it as stored)")
-        try:
-            return config.with_execution(quantize=self.quantize, quantize_head=self.quantize_head)
-        except ConfigError as e:
-            raise CheckpointError(f"{where}: {e}") from None
