@@ -1,9 +1,12 @@
 """The package layout: imports point down the layer order written in `llama_jax/__init__.py`,
-modules import no cycle, every package says what it owns, and `import llama_jax` stays light."""
+modules import no cycle, every package says what it owns, no function runs past a screenful,
+`import llama_jax` stays light, and the console scripts are the modules' command lines."""
 
 import ast
+import importlib
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ import pytest
 import llama_jax
 
 PACKAGE = Path(llama_jax.__file__).parent
+MAX_FUNCTION_LINES = 100  # a longer function does more than one thing: split it
 
 
 def layer_order() -> list[list[str]]:
@@ -102,6 +106,15 @@ def test_every_package_says_what_it_owns(init):
     assert doc and len(doc.split()) >= 20, init
 
 
+def test_no_function_is_over_max_function_lines():
+    long = [f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+            for module, path in MODULES.items()
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, long
+
+
 def test_import_llama_jax_is_light_and_the_api_resolves():
     code = ("import sys, llama_jax\n"
             "heavy = [m for m in ('jax', 'grain', 'orbax', 'tqdm', 'optax', 'flax') "
@@ -128,3 +141,19 @@ def test_the_command_line_entry_points_catch_every_user_error():
         assert main(error) == 2
     with pytest.raises(KeyError):
         main(KeyError)
+
+
+SCRIPTS = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_each_console_script_is_a_command_line(script, monkeypatch, capsys):
+    """The installed script calls its target with no arguments and exits with what it returns:
+    the target reads the command line from sys.argv."""
+    module, _, name = SCRIPTS[script].partition(":")
+    main = getattr(importlib.import_module(module), name)
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 0
+    assert "usage:" in capsys.readouterr().out

@@ -17,8 +17,9 @@ import yaml
 
 import llama_jax
 from llama_jax.plan import costs
-from llama_jax.training import finetune, tasks, trainer
+from llama_jax.training import finetune, trainer
 from llama_jax.eval import predict
+from llama_jax.nn import heads
 from llama_jax.parallel import sharding
 from llama_jax.data import tasks as task_data
 from llama_jax.formats.checkpoint import load_checkpoint
@@ -225,10 +226,11 @@ def test_metrics_equal_scikit_learn():
     true, guess = rng.integers(0, 4, 200), rng.integers(0, 5, 200)  # class 4 only predicted
     confusion = np.zeros((6, 6))
     np.add.at(confusion, (true, guess), 1)
-    assert tasks.accuracy(confusion) == pytest.approx(accuracy_score(true, guess))
-    assert tasks.macro_f1(confusion) == pytest.approx(f1_score(true, guess, average="macro"))
+    assert heads.accuracy(confusion) == pytest.approx(accuracy_score(true, guess))
+    assert heads.macro_f1(confusion) == pytest.approx(f1_score(true, guess, average="macro"))
     sums = {"loss_sum": 6.0, "count": 3.0, "squared_error_O": np.array([1.0, 2.0])}
-    assert tasks.metrics(sums) == {"loss": 2.0, "rmse": pytest.approx(np.sqrt(3 / 6))}
+    assert heads.task_metrics("regression", sums) == {"loss": 2.0,
+                                                      "rmse": pytest.approx(np.sqrt(3 / 6))}
 
 
 # ------------------------------------------------------------------------------ fine-tuning

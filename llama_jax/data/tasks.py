@@ -1,22 +1,23 @@
 """A downstream task's data: JSONL files → tokenized, labelled examples → padded batches.
 
-One JSON object per line with `text` and, by task kind:
-- sequence_classification: `label`, a class name of `task.labels` or its index;
-- token_classification: `labels`, one per word, where `text` is a list of words or a string
-  split at whitespace; each word is tokenized on its own (after a space, as it appears in
-  running text) and its label goes to its first token, the others are not scored (as
-  transformers' token-classification recipe does);
-- regression: `target`, a number or a list of `task.labels` numbers.
+One JSON object per line with `text` and the target field of the task's kind, read as the
+kind's target shape says (`Task`, nn/heads.py):
+- one class (sequence_classification's `label`): a class name of `task.labels` or its index;
+- per token (token_classification's `labels`): a class per word, where `text` is a list of
+  words or a string split at whitespace; each word is tokenized on its own (after a space, as
+  it appears in running text) and its label goes to its first token, the others are not scored
+  (as transformers' token-classification recipe does);
+- O values (regression's `target`): a number or a list of `task.labels` numbers.
 An optional `group` (any JSON value) keeps examples together when the validation split is held
 out of the training file: by a hash of the group (else of the text), so the split is stable
 and, say, paragraphs of one document never straddle it.
 
 Every example is tokenized with BOS, truncated to `train.seq_len` tokens and padded on the
 right with the model's pad id, so every batch has one shape (one compiled step). Batches are
-dicts of arrays: `tokens [B, T]`, the targets (`label [B]`, `labels [B, T]` with -1 where not
-scored, `target [B, O]`) and `weight [B]` (0 for the rows that fill the last validation
-batch). Training order is grain's, shuffled by seed and checkpointed with the run, as for
-pretraining (batches.py).
+dicts of arrays: `tokens [B, T]`, the targets under their field (`label [B]`, `labels [B, T]`
+with -1 where not scored, `target [B, O]`) and `weight [B]` (0 for the rows that fill the last
+validation batch). Training order is grain's, shuffled by seed and checkpointed with the run,
+as for pretraining (batches.py).
 """
 
 from __future__ import annotations
@@ -34,9 +35,8 @@ from llama_jax.data.batches import shuffled_batches
 from llama_jax.data.corpus import unit_hash
 from llama_jax.errors import DataError
 from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.nn.heads import HEADS
 
-TARGET_FIELD = {"sequence_classification": "label", "token_classification": "labels",
-                "regression": "target"}
 IGNORED = -1  # a token or row label that is not scored
 
 
@@ -66,7 +66,8 @@ def read_examples(path: str | Path, task: TaskConfig, model: ModelConfig, tokeni
 
 def _example(record: Any, where: str, task: TaskConfig, model: ModelConfig,
              tokenizer: Tokenizer, seq_len: int, targets: bool) -> dict[str, Any]:
-    field = TARGET_FIELD[task.kind]
+    head_task = HEADS[task.kind].task
+    field = head_task.field
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     for name in ("text", field) if targets else ("text",):
@@ -74,7 +75,7 @@ def _example(record: Any, where: str, task: TaskConfig, model: ModelConfig,
             raise DataError(f"{where}: missing field {name!r} (a {task.kind} example has "
                             f"'text' and {field!r})")
     text, example = record["text"], {}
-    if task.kind == "token_classification":
+    if head_task.target == "T":  # per token: the words, a target on each one's first token
         words = _words(text, where)
         tokens, first = _word_tokens(words, tokenizer)
         example["first_token"] = first
@@ -85,9 +86,8 @@ def _example(record: Any, where: str, task: TaskConfig, model: ModelConfig,
             raise DataError(f"{where}: 'text' must be a string, got {type(text).__name__}")
         tokens = tokenizer.encode(text, bos=True)
         if field in record:
-            example[field] = (_label(record[field], where, field, task)
-                              if task.kind != "regression"
-                              else _target(record[field], where, task))
+            example[field] = (_target(record[field], where, task) if head_task.target == "O"
+                              else _label(record[field], where, field, task))
     example["truncated"] = len(tokens) > seq_len
     tokens = np.asarray(tokens[:seq_len], np.int32)
     if model.pad_id is not None and np.any(tokens == model.pad_id):
@@ -166,15 +166,12 @@ def padded(example: dict[str, Any], kind: str, seq_len: int, pad_id: int,
     n = len(example["tokens"])
     tokens = np.full(seq_len, pad_id, np.int32)
     tokens[:n] = example["tokens"]
-    out = {"tokens": tokens, "weight": np.float32(weight)}
-    field = TARGET_FIELD[kind]
-    if kind == "token_classification":
-        labels = np.full(seq_len, IGNORED, np.int32)  # past the last word's first token
-        labels[:len(example[field])] = example[field]
-        out[field] = labels
-    else:
-        out[field] = np.asarray(example[field], np.int32 if kind != "regression" else np.float32)
-    return out
+    head_task = HEADS[kind].task
+    target = np.asarray(example[head_task.field], head_task.dtype)
+    if head_task.target == "T":  # past the last word's first token: not scored
+        target = np.concatenate([target, np.full(seq_len - len(target), IGNORED,
+                                                 head_task.dtype)])
+    return {"tokens": tokens, "weight": np.float32(weight), head_task.field: target}
 
 
 class _Padded:

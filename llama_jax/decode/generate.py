@@ -34,6 +34,7 @@ import numpy as np
 from flax import struct
 
 from llama_jax.parallel import sharding
+from llama_jax.parallel.devices import free_memory_bytes
 from llama_jax.parallel.sharding import MESH_AXES
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name
 from llama_jax.errors import ConfigError, GenerateError
@@ -41,7 +42,6 @@ from llama_jax.model.kv_cache import KVCache, init_cache
 from llama_jax.model.transformer import apply, unstack_layers
 from llama_jax.nn.heads import is_task_head, lm_head
 from llama_jax.model.params import Params
-from llama_jax.plan.hardware import free_memory_bytes
 from llama_jax.plan.memory import kv_cache_bytes_per_device
 from llama_jax.decode.sampling import SamplingParams, Strategy, sample
 

@@ -10,9 +10,9 @@ then scored). Output, per line:
 - sequence_classification: `{"label": NAME, "probabilities": {NAME: p, ...}}`;
 - token_classification: `{"labels": [NAME per word], "probabilities": [[p per label] per
   word]}` (each word's prediction is its first token's);
-- regression: `{"target": [value per output]}`.
-When every input line carries the task's target field, the metrics (accuracy and macro-F1, or
-RMSE) over the file go to stderr.
+- regression: `{"target": [value per output]}`;
+each the `describe` of the head's task (nn/heads.py). When every input line carries the task's
+target field, its metrics (accuracy and macro-F1, or RMSE) over the file go to stderr.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llama_jax.nn import heads
-from llama_jax.training import tasks
+from llama_jax.nn.heads import HEADS, is_task_head, task_metrics
 from llama_jax.data import tasks as task_data
 from llama_jax.formats.checkpoint import load_checkpoint
 from llama_jax.cli import user_errors_exit
@@ -55,7 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def task_of(config: ModelConfig, input_path: str) -> TaskConfig:
     """The task a model's head serves, reading `input_path`."""
-    if not heads.is_task_head(config):
+    if not is_task_head(config):
         raise ConfigError("the checkpoint has the LM head, not a task head: sample from it "
                           "with sample.py, or fine-tune it on a task (train.py with `task:`)")
     return TaskConfig(kind=config.head, train=input_path,
@@ -86,35 +85,17 @@ def predict(config: ModelConfig, params, examples: list[dict[str, Any]],
     return outputs
 
 
-def describe(config: ModelConfig, example: dict[str, Any], output: np.ndarray) -> dict:
-    """One output line (see the module docstring)."""
-    names = config.names_of_labels
-    if config.head == "regression":
-        return {"target": [float(v) for v in output]}
-    probabilities = np.asarray(jax.nn.softmax(output, axis=-1))
-    if config.head == "sequence_classification":
-        return {"label": names[int(np.argmax(output))],
-                "probabilities": {n: round(float(p), 6) for n, p in zip(names, probabilities)}}
-    first = [i for i in example["first_token"] if i < len(output)]  # words past truncation
-    return {"labels": [names[int(np.argmax(output[i]))] for i in first],
-            "probabilities": [[round(float(p), 6) for p in probabilities[i]] for i in first]}
-
-
 def scores(config: ModelConfig, examples: list[dict[str, Any]],
            outputs: list[np.ndarray]) -> dict[str, float]:
-    """The task's metrics of the predictions: the sums validation adds up (tasks.py) over
-    every example (or every scored token) at once."""
-    field = task_data.TARGET_FIELD[config.head]
-    if config.head == "regression":
-        target_BO = np.stack([e[field] for e in examples])
-        sums = heads.regression_sums(np.stack(outputs), target_BO, np.ones(len(examples)))
-    else:  # rows X: the examples, or their tokens (-1: a token without a word's label)
-        rows = [(np.atleast_1d(e[field]), np.reshape(o, (-1, config.n_labels)))
-                for e, o in zip(examples, outputs)]
-        label_X = np.concatenate([labels for labels, _ in rows])
-        logits_XO = np.concatenate([logits[:len(labels)] for labels, logits in rows])
-        sums = heads.classification_sums(logits_XO, label_X, (label_X >= 0).astype(np.float32))
-    return tasks.metrics(jax.device_get(sums))
+    """The task's metrics of the predictions: the sums validation adds up (training/tasks.py)
+    over every example at once, as one batch; per-token outputs are padded to its length with
+    zeros, which are not scored."""
+    T = max(len(e["tokens"]) for e in examples)
+    [batch] = task_data.val_batches(examples, config.head, T, pad_id=0, batch_size=len(examples))
+    outputs = np.stack([np.pad(o, [(0, T - len(o)), (0, 0)]) if o.ndim == 2 else o
+                        for o in outputs])
+    sums = HEADS[config.head].task.sums(config, jnp.asarray(outputs), batch)
+    return task_metrics(config.head, jax.device_get(sums))
 
 
 @user_errors_exit
@@ -132,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     examples = task_data.read_examples(args.input, task, config, tokenizer, max_len,
                                        targets=False)
     outputs = predict(config, params, examples, args.batch_size)
+    head_task = HEADS[config.head].task
     for example, output in zip(examples, outputs):
-        print(json.dumps(describe(config, example, output)))
-    if all(task_data.TARGET_FIELD[config.head] in e for e in examples):
+        print(json.dumps(head_task.describe(config, example, output)))
+    if all(head_task.field in e for e in examples):
         print(" ".join(f"{k} {v:.4f}" for k, v in scores(config, examples, outputs).items()),
               f"({len(examples)} examples)", file=sys.stderr)
     return 0

@@ -2,25 +2,34 @@
 
 - lm: next-token logits `[B, T, V]`, through the untied `lm_head` or the embedding table (tied).
 - sequence_classification: `[B, O]` class logits of one pooled hidden state per sequence, as
-  transformers' `LlamaForSequenceClassification` (a Linear without bias, called `score`).
+  transformers' `LlamaForSequenceClassification` (a Linear without bias, called `score`);
+  cross-entropy, accuracy and macro-F1.
 - regression: the same pooled head with O real-valued targets (transformers: the same model with
-  `problem_type: regression`).
-- token_classification: `[B, T, O]` logits per token, with a bias (`LlamaForTokenClassification`).
+  `problem_type: regression`); squared error averaged over the O targets (MSE), RMSE.
+- token_classification: `[B, T, O]` logits per token, with a bias (`LlamaForTokenClassification`);
+  cross-entropy per scored token (a word's first), accuracy and macro-F1 over them.
 
 A task head replaces the LM head. Its batches are padded with `config.pad_id`: padding tokens
 form a segment of their own and real tokens take positions 0, 1, ... from their first one
 (`padding_layout`), so a row's outputs are those of the row alone whether it is padded on the
 right or on the left. Pooling takes the last real token's state (`last`: the last position whose
 token is not the pad id, transformers' rule) or the mean over the real tokens (`mean`).
+
+A task head's kind also carries its task (`Task`): its targets' field, shape and dtype, which
+the task data (data/tasks.py) and the batch shapes (training/tasks.py) are derived from, its
+objective's sums, its metrics and its prediction lines (eval/predict.py). A new task kind is one
+`HEADS.register`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from llama_jax.nn.ops import cast_weight, einsum_f32
 from llama_jax.nn.registry import Registry
@@ -32,21 +41,41 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass(frozen=True)
+class Task:
+    """What a task head's data, training and evaluation need of its kind.
+
+    - field: the JSONL field of the targets, their batch key and a prediction line's key;
+    - target: a target's shape per example, in letters, which also says how data/tasks.py
+      reads it: "" (one class: a label name or index), "O" (the head's n_labels numbers) or
+      "T" (per token: a class per word, on the word's first token and -1 elsewhere);
+    - dtype: the targets' dtype in batches;
+    - sums(config, outputs, batch): the objective's additive sums over a batch: `loss_sum`,
+      `count` and the statistics the metrics are computed from;
+    - metrics(sums): the metrics besides the mean loss, from sums over any number of batches;
+    - describe(config, example, output): a prediction's output line (eval/predict.py), from an
+      example as data/tasks.py reads it and the head's outputs for it."""
+
+    field: str
+    target: str
+    dtype: type
+    sums: Callable[[ModelConfig, jax.Array, dict], dict]
+    metrics: Callable[[dict], dict[str, float]]
+    describe: Callable[[ModelConfig, dict, np.ndarray], dict]
+
+
+@dataclasses.dataclass(frozen=True)
 class Head:
     """A head kind: its entries of the parameter tree (`specs(config)`), its fp32 outputs
     (`apply(config, params, h_BTD, tokens_BT)`), the matrix elements each token multiplies
-    (`matmul_size(config)`: FLOPs), and for a task head (`task`: n_labels, pooling, pad_id and
-    label_names apply) the output count it needs, whether it pools one row per sequence, and
-    its training objective's additive sums over a batch (`sums(config, outputs, batch)`:
-    `loss_sum`, `count` and the statistics its metrics are computed from)."""
+    (`matmul_size(config)`: FLOPs), whether it pools one row per sequence, and for a task head
+    (n_labels, pooling, pad_id and label_names apply) its task and the output count it needs."""
 
     specs: Callable[[ModelConfig], dict]
     apply: Callable[[ModelConfig, dict, jax.Array, jax.Array], jax.Array]
     matmul_size: Callable[[ModelConfig], int]
-    task: bool = False
+    task: Task | None = None
     pooled: bool = False
     min_labels: int = 0
-    sums: Callable[[ModelConfig, jax.Array, dict], dict] | None = None
 
 
 HEADS: Registry[Head] = Registry("head")
@@ -72,8 +101,17 @@ def apply_head(config: ModelConfig, params: dict, h_BTD: jax.Array,
 
 
 def is_task_head(config: ModelConfig) -> bool:
-    return HEADS[config.head].task
+    return HEADS[config.head].task is not None
 
+
+def task_metrics(kind: str, sums: dict) -> dict[str, float]:
+    """A task's metrics from its sums over batches (`Task.sums`, added up): the mean loss and
+    its kind's metrics."""
+    return {"loss": float(sums["loss_sum"]) / _count(sums), **HEADS[kind].task.metrics(sums)}
+
+
+def _count(sums: dict) -> float:
+    return max(float(sums["count"]), 1e-12)  # no scored row: a loss of 0, not a division by 0
 
 
 def lm_head(config: ModelConfig, params: dict, h_BTD: jax.Array) -> jax.Array:
@@ -176,22 +214,79 @@ def _token_classification_sums(config: ModelConfig, logits_BTO: jax.Array,
                                batch["labels"].reshape(-1), weight_BT.reshape(-1))
 
 
+def accuracy(confusion_OO: np.ndarray) -> float:
+    confusion_OO = np.asarray(confusion_OO, np.float64)
+    return float(np.trace(confusion_OO) / max(confusion_OO.sum(), 1e-12))
+
+
+def macro_f1(confusion_OO: np.ndarray) -> float:
+    """The mean over classes of F1 = 2·TP / (2·TP + FP + FN), over the classes that occur as
+    a label or a prediction (scikit-learn's `f1_score(average="macro")`)."""
+    confusion_OO = np.asarray(confusion_OO, np.float64)
+    tp_O = np.diag(confusion_OO)
+    true_O, predicted_O = confusion_OO.sum(axis=1), confusion_OO.sum(axis=0)
+    present_O = (true_O + predicted_O) > 0
+    f1_O = 2 * tp_O / np.maximum(true_O + predicted_O, 1e-12)
+    return float(f1_O[present_O].mean()) if present_O.any() else 0.0
+
+
+def _classification_metrics(sums: dict) -> dict[str, float]:
+    return {"accuracy": accuracy(sums["confusion_OO"]), "macro_f1": macro_f1(sums["confusion_OO"])}
+
+
+def _regression_metrics(sums: dict) -> dict[str, float]:
+    """RMSE over every target of every row."""
+    squared_error_O = sums["squared_error_O"]
+    return {"rmse": math.sqrt(float(np.sum(squared_error_O))
+                              / (_count(sums) * len(squared_error_O)))}
+
+
+def _rounded(probabilities_O: np.ndarray) -> list[float]:
+    return [round(float(p), 6) for p in probabilities_O]
+
+
+def _describe_class(config: ModelConfig, example: dict, logits_O: np.ndarray) -> dict:
+    """`{"label": NAME, "probabilities": {NAME: p, ...}}`."""
+    names = config.names_of_labels
+    probabilities_O = np.asarray(jax.nn.softmax(logits_O, axis=-1))
+    return {"label": names[int(np.argmax(logits_O))],
+            "probabilities": dict(zip(names, _rounded(probabilities_O)))}
+
+
+def _describe_words(config: ModelConfig, example: dict, logits_TO: np.ndarray) -> dict:
+    """`{"labels": [NAME per word], "probabilities": [[p per label] per word]}`: a word's
+    prediction is its first token's."""
+    names = config.names_of_labels
+    probabilities_TO = np.asarray(jax.nn.softmax(logits_TO, axis=-1))
+    first = [i for i in example["first_token"] if i < len(logits_TO)]  # words past truncation
+    return {"labels": [names[int(np.argmax(logits_TO[i]))] for i in first],
+            "probabilities": [_rounded(probabilities_TO[i]) for i in first]}
+
+
+def _describe_values(config: ModelConfig, example: dict, values_O: np.ndarray) -> dict:
+    """`{"target": [value per output]}`."""
+    return {"target": [float(v) for v in values_O]}
+
+
 def _labels_matmul(config: ModelConfig) -> int:
     return config.dim * config.n_labels
 
 
+def _pooled_head(min_labels: int, task: Task) -> Head:
+    """A task head on one pooled state per sequence, without a bias (transformers' `score`)."""
+    return Head(lambda config: _task_specs(config, with_bias=False), _pooled, _labels_matmul,
+                pooled=True, min_labels=min_labels, task=task)
+
+
 HEADS.register("lm", Head(_lm_specs, lambda config, params, h_BTD, tokens_BT: lm_head(
     config, params, h_BTD), lambda config: config.dim * config.vocab_size))
-HEADS.register("sequence_classification", Head(
-    lambda config: _task_specs(config, with_bias=False), _pooled, _labels_matmul, task=True,
-    pooled=True, min_labels=2,
-    sums=lambda config, logits_BO, batch: classification_sums(logits_BO, batch["label"],
-                                                              batch["weight"])))
+HEADS.register("sequence_classification", _pooled_head(min_labels=2, task=Task(
+    "label", "", np.int32, lambda config, logits_BO, batch: classification_sums(
+        logits_BO, batch["label"], batch["weight"]), _classification_metrics, _describe_class)))
 HEADS.register("token_classification", Head(
-    lambda config: _task_specs(config, with_bias=True), _per_token, _labels_matmul, task=True,
-    min_labels=2, sums=_token_classification_sums))
-HEADS.register("regression", Head(
-    lambda config: _task_specs(config, with_bias=False), _pooled, _labels_matmul, task=True,
-    pooled=True, min_labels=1,
-    sums=lambda config, predicted_BO, batch: regression_sums(predicted_BO, batch["target"],
-                                                             batch["weight"])))
+    lambda config: _task_specs(config, with_bias=True), _per_token, _labels_matmul,
+    min_labels=2, task=Task("labels", "T", np.int32, _token_classification_sums,
+                            _classification_metrics, _describe_words)))
+HEADS.register("regression", _pooled_head(min_labels=1, task=Task(
+    "target", "O", np.float32, lambda config, predicted_BO, batch: regression_sums(
+        predicted_BO, batch["target"], batch["weight"]), _regression_metrics, _describe_values)))

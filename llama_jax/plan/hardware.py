@@ -16,6 +16,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     name: str
@@ -47,24 +48,6 @@ def hardware(name: str) -> Hardware:
         return Hardware("cpu", measure_matmul_flops("float32"), memory,
                         max(probe() for _ in range(3)), "cpu")
     return HARDWARE[name]
-
-
-def free_memory_bytes(device: jax.Device | None = None) -> int | None:
-    """Memory a new allocation can still take on `device` (default: the first): an
-    accelerator's limit less what is in use, the host's available memory for a CPU; None if
-    unknown."""
-    device = device or jax.devices()[0]
-    if device.platform != "cpu":
-        stats = device.memory_stats() or {}
-        if "bytes_limit" not in stats:
-            return None
-        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
 
 
 def peak_flops_per_device(dtype: str = "float32") -> float:

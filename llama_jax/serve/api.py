@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import os
 import re
 import time
 import uuid
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
@@ -71,6 +72,7 @@ class Choice:
         self._events, self._loop = events, loop
         self._per_token = per_token or bool(stops)  # find the token a stop string ends in
         self.request: Request | None = None
+        self.echo = ""  # a completion with `echo`: its prompt's text, sent before its own
 
     def deliver(self, chunk: Chunk) -> bool:
         """On the engine thread: takes a chunk's tokens; True once a stop string appeared."""
@@ -103,13 +105,98 @@ class Choice:
 
 
 class Server:
-    """The API's state: the engine, the tokenizer, the served name and chat format."""
+    """The API's state (the engine, the tokenizer, the served name and chat format) and its
+    endpoints, one method each, which `create_app` routes to."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str,
                  chat_format: ChatFormat):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.chat_format = chat_format
         self.created = int(time.time())
+
+    # ------------------------------------------------------------------------ endpoints
+
+    async def health(self) -> dict:
+        return {"status": "ok", **self.engine.stats()}
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created,
+            "owned_by": "llama_jax", "max_model_len": self.engine.max_seq_len}]}
+
+    async def completions(self, body: CompletionRequest, http: HttpRequest):
+        """POST /v1/completions: `n` choices per prompt, the prompt echoed before each when
+        asked (with its log-probabilities too when `logprobs` is given)."""
+        self._check_model(body.model)
+        texts = body.prompts()
+        prompts = [self._encode(p) for p in texts]
+        if not all(prompts):
+            raise OpenAIError(400, "a prompt is empty", "prompt")
+        limits = [self._limit(p, body.max_tokens, "max_tokens", "prompt") for p in prompts]
+        if body.max_tokens == 0 and not body.echo:
+            raise OpenAIError(400, "max_tokens=0 generates nothing: it needs echo", "max_tokens")
+        scored = body.echo and body.logprobs is not None  # the prompt's logprobs too
+        choices, events = self._start(prompts, limits, body, body.logprobs or 0,
+                                      body.logprobs is not None, scored)
+        for choice in choices if body.echo else ():
+            text = texts[choice.index // body.n]
+            choice.echo = text if isinstance(text, str) else self.tokenizer.decode(choice.prompt)
+        head = _head("cmpl", "text_completion", self.model_name)
+        as_json = functools.partial(self._completion_choice, body.logprobs is not None)
+        if not body.stream:
+            await _finished(choices, events, http)
+            return {**head, "choices": [as_json(c, c.echo + c.text.text, 0, len(c.tokens),
+                                                c.finish_reason, scored) for c in choices],
+                    "usage": _usage(prompts, choices)}
+        echoed = set()  # the prompt goes first, with its logprobs once they are in
+
+        def chunks(event: Event) -> list[dict]:
+            choice, out = choices[event.index], []
+            if body.echo and event.index not in echoed:
+                echoed.add(event.index)
+                out.append(as_json(choice, choice.echo, 0, 0, None, scored))
+            if _news(event):
+                out.append(as_json(choice, event.text, event.first, event.last,
+                                   event.finish_reason))
+            return out
+
+        return _streamed(head, [], chunks, choices, events, http, body, prompts)
+
+    async def chat_completions(self, body: ChatCompletionRequest, http: HttpRequest):
+        """POST /v1/chat/completions: `n` replies to the messages, in the checkpoint's chat
+        format; streamed, each reply opens with an empty assistant delta."""
+        self._check_model(body.model)
+        try:
+            prompt = self.chat_format(body.chat_messages())
+        except GenerateError as e:
+            raise OpenAIError(400, str(e), "messages") from None
+        limit = self._limit(prompt, body.limit, "max_completion_tokens", "messages")
+        top = (body.top_logprobs or 0) if body.logprobs else 0
+        choices, events = self._start([prompt], [limit], body, top, body.logprobs)
+        head = _head("chatcmpl", "chat.completion", self.model_name)
+
+        def logprobs(choice: Choice, first: int, last: int) -> dict | None:
+            return self.chat_logprobs(choice, first, last) if body.logprobs else None
+
+        if not body.stream:
+            await _finished(choices, events, http)
+            return {**head, "choices": [{"index": c.index,
+                                         "message": {"role": "assistant", "content": c.text.text},
+                                         "logprobs": logprobs(c, 0, len(c.tokens)),
+                                         "finish_reason": c.finish_reason} for c in choices],
+                    "usage": _usage([prompt], choices)}
+        opening = [{"index": c.index, "logprobs": None,
+                    "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                   for c in choices]
+
+        def chunks(event: Event) -> list[dict]:
+            return [{"index": event.index,
+                     "delta": {"content": event.text} if event.text else {},
+                     "logprobs": logprobs(choices[event.index], event.first, event.last),
+                     "finish_reason": event.finish_reason}] if _news(event) else []
+
+        return _streamed({**head, "object": "chat.completion.chunk"}, opening, chunks, choices,
+                         events, http, body, [prompt])
 
     # ------------------------------------------------------------------------ requests
 
@@ -181,6 +268,15 @@ class Server:
     def _token_text(self, token: int) -> str:
         return self.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
 
+    def _completion_choice(self, logprobs: bool, choice: Choice, text: str, first: int,
+                           last: int, finish: str | None, prompt: bool = False) -> dict:
+        """A completion's choice with `text`, the tokens first..last - 1 (and with `prompt`,
+        the prompt's) scored when `logprobs`."""
+        scores = self.completion_logprobs(choice, first, last, len(choice.echo),
+                                          prompt) if logprobs else None
+        return {"index": choice.index, "text": text, "logprobs": scores,
+                "finish_reason": finish}
+
     def completion_logprobs(self, choice: Choice, first: int, last: int, offset: int,
                             prompt: bool = False) -> dict:
         """OpenAI's `logprobs` of tokens first..last - 1, whose text starts at `offset`; with
@@ -216,12 +312,23 @@ class Server:
                             for t, lp, top in zip(choice.tokens[first:last],
                                                   choice.logprobs[first:last], tops)]}
 
-    @staticmethod
-    def usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
-        prompt_tokens = sum(len(p) for p in prompts)
-        completion_tokens = sum(len(c.tokens) for c in choices)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+
+def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(len(c.tokens) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _head(prefix: str, kind: str, model: str) -> dict:
+    """The fields every response (and every chunk of a streamed one) starts with."""
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+            "model": model}
+
+
+def _news(event: Event) -> bool:
+    """Whether an event has anything to stream: text, tokens or the end."""
+    return bool(event.text or event.last > event.first or event.finish_reason)
 
 
 async def _events(choices: list[Choice], events: asyncio.Queue, http: HttpRequest,
@@ -263,134 +370,50 @@ def _sse(payload) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+def _streamed(head: dict, opening: list[dict], chunks: Callable[[Event], list[dict]],
+              choices: list[Choice], events: asyncio.Queue, http: HttpRequest, body,
+              prompts: list[list[int]]) -> StreamingResponse:
+    """A streamed response: a chunk for each `opening` choice, then for each of the choices
+    that `chunks` makes of an event (a failure's error body instead), the usage if asked, and
+    `[DONE]`."""
+    async def stream() -> AsyncIterator[str]:
+        for choice in opening:
+            yield _sse({**head, "choices": [choice]})
+        async for event in _events(choices, events, http, poll_disconnect=False):
+            if event.error is not None:
+                yield _sse(_failure(event).body())
+                continue
+            for choice in chunks(event):
+                yield _sse({**head, "choices": [choice]})
+        if body.stream_options and body.stream_options.include_usage:
+            yield _sse({**head, "choices": [], "usage": _usage(prompts, choices)})
+        yield _sse("[DONE]")
+    return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+async def _openai_error(_, e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _invalid(_, e: RequestValidationError) -> JSONResponse:
+    """A request that does not parse: OpenAI's 400 body, naming the first bad field."""
+    error = e.errors()[0]
+    # The field's path, without the names of the union members pydantic tried ("str").
+    where = ".".join(str(x) for x in error.get("loc", ())[1:] if not UNION_MEMBER.match(str(x)))
+    if error.get("type") == "json_invalid":
+        message = f"The body is not valid JSON: {error.get('ctx', {}).get('error', '')}"
+    else:
+        message = f"{where}: {error.get('msg')}" if where else error.get("msg")
+    return JSONResponse(OpenAIError(400, message, where or None).body(), status_code=400)
+
+
 def create_app(server: Server) -> FastAPI:
     """The FastAPI application of `server`."""
     app = FastAPI(title="llama_jax", docs_url=None, redoc_url=None)
-
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(_, e: OpenAIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_, e: RequestValidationError):
-        error = e.errors()[0]
-        # The field's path, without the names of the union members pydantic tried ("str").
-        where = ".".join(str(x) for x in error.get("loc", ())[1:]
-                         if not UNION_MEMBER.match(str(x)))
-        if error.get("type") == "json_invalid":
-            message = f"The body is not valid JSON: {error.get('ctx', {}).get('error', '')}"
-        else:
-            message = f"{where}: {error.get('msg')}" if where else error.get("msg")
-        return JSONResponse(OpenAIError(400, message, where or None).body(), status_code=400)
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", **server.engine.stats()}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{
-            "id": server.model_name, "object": "model", "created": server.created,
-            "owned_by": "llama_jax", "max_model_len": server.engine.max_seq_len}]}
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: HttpRequest):
-        server._check_model(body.model)
-        prompts = [server._encode(p) for p in body.prompts()]
-        if not all(prompts):
-            raise OpenAIError(400, "a prompt is empty", "prompt")
-        limits = [server._limit(p, body.max_tokens, "max_tokens", "prompt") for p in prompts]
-        if body.max_tokens == 0 and not body.echo:
-            raise OpenAIError(400, "max_tokens=0 generates nothing: it needs echo", "max_tokens")
-        scored = body.echo and body.logprobs is not None  # the prompt's logprobs too
-        choices, events = server._start(prompts, limits, body, body.logprobs or 0,
-                                        body.logprobs is not None, scored)
-        echoes = [(body.prompts()[c.index // body.n] if isinstance(
-            body.prompts()[c.index // body.n], str) else server.tokenizer.decode(c.prompt))
-            if body.echo else "" for c in choices]
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def choice_json(choice: Choice, text: str, first: int, last: int, finish,
-                        prompt: bool = False):
-            logprobs = None if body.logprobs is None else server.completion_logprobs(
-                choice, first, last, len(echoes[choice.index]), prompt)
-            return {"index": choice.index, "text": text, "logprobs": logprobs,
-                    "finish_reason": finish}
-
-        if not body.stream:
-            await _finished(choices, events, http)
-            return {"id": rid, "object": "text_completion", "created": created,
-                    "model": server.model_name,
-                    "choices": [choice_json(c, echoes[c.index] + c.text.text, 0, len(c.tokens),
-                                            c.finish_reason, scored) for c in choices],
-                    "usage": server.usage(prompts, choices)}
-
-        async def stream():
-            head = {"id": rid, "object": "text_completion", "created": created,
-                    "model": server.model_name}
-            echoed = set()  # the prompt goes first, with its logprobs once they are in
-            async for event in _events(choices, events, http, poll_disconnect=False):
-                if event.error is not None:
-                    yield _sse(_failure(event).body())
-                    continue
-                if body.echo and event.index not in echoed:
-                    echoed.add(event.index)
-                    yield _sse({**head, "choices": [choice_json(
-                        choices[event.index], echoes[event.index], 0, 0, None, scored)]})
-                if event.text or event.last > event.first or event.finish_reason:
-                    yield _sse({**head, "choices": [choice_json(
-                        choices[event.index], event.text, event.first, event.last,
-                        event.finish_reason)]})
-            if body.stream_options and body.stream_options.include_usage:
-                yield _sse({**head, "choices": [], "usage": server.usage(prompts, choices)})
-            yield _sse("[DONE]")
-        return StreamingResponse(stream(), media_type="text/event-stream")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
-        server._check_model(body.model)
-        try:
-            prompt = server.chat_format(body.chat_messages())
-        except GenerateError as e:
-            raise OpenAIError(400, str(e), "messages") from None
-        limit = server._limit(prompt, body.limit, "max_completion_tokens", "messages")
-        top = (body.top_logprobs or 0) if body.logprobs else 0
-        choices, events = server._start([prompt], [limit], body, top, body.logprobs)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def logprobs(choice: Choice, first: int, last: int):
-            return server.chat_logprobs(choice, first, last) if body.logprobs else None
-
-        if not body.stream:
-            await _finished(choices, events, http)
-            return {"id": rid, "object": "chat.completion", "created": created,
-                    "model": server.model_name,
-                    "choices": [{"index": c.index,
-                                 "message": {"role": "assistant", "content": c.text.text},
-                                 "logprobs": logprobs(c, 0, len(c.tokens)),
-                                 "finish_reason": c.finish_reason} for c in choices],
-                    "usage": server.usage([prompt], choices)}
-
-        async def stream():
-            head = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                    "model": server.model_name}
-            for c in choices:
-                yield _sse({**head, "choices": [{"index": c.index, "logprobs": None,
-                                                 "delta": {"role": "assistant", "content": ""},
-                                                 "finish_reason": None}]})
-            async for event in _events(choices, events, http, poll_disconnect=False):
-                if event.error is not None:
-                    yield _sse(_failure(event).body())
-                    continue
-                if event.text or event.last > event.first or event.finish_reason:
-                    delta = {"content": event.text} if event.text else {}
-                    yield _sse({**head, "choices": [{
-                        "index": event.index, "delta": delta,
-                        "logprobs": logprobs(choices[event.index], event.first, event.last),
-                        "finish_reason": event.finish_reason}]})
-            if body.stream_options and body.stream_options.include_usage:
-                yield _sse({**head, "choices": [], "usage": server.usage([prompt], choices)})
-            yield _sse("[DONE]")
-        return StreamingResponse(stream(), media_type="text/event-stream")
-
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.get("/health")(server.health)
+    app.get("/v1/models")(server.models)
+    app.post("/v1/completions")(server.completions)
+    app.post("/v1/chat/completions")(server.chat_completions)
     return app

@@ -13,9 +13,9 @@ from llama_jax.decode.generate import (cache_bytes_per_device, memory_need,
                                        owned_decoder_params)
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.formats.checkpoint import load_checkpoint
+from llama_jax.parallel.devices import free_memory_bytes
 from llama_jax.parallel.sharding import make_mesh
 from llama_jax.plan.costs import SERVING_STEPS_PER_DISPATCH, serving_cache_slots
-from llama_jax.plan.hardware import free_memory_bytes
 from llama_jax.serve.api import Server
 from llama_jax.serve.chat import chat_format
 from llama_jax.serve.engine import Engine

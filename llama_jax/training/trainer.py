@@ -41,18 +41,17 @@ from llama_jax.data.corpus import (cache_root, find_corpus, keep_tokenizer, prep
 from llama_jax.training import finetune, tasks
 from llama_jax.parallel import sharding
 from llama_jax.formats import workdir as run_dir
-from llama_jax.config import RunConfig
+from llama_jax.config import RunConfig, TaskConfig
 from llama_jax.errors import ConfigError, TrainingError
 from llama_jax.formats.legacy import is_legacy
 from llama_jax.model.params import abstract_params, param_specs
 from llama_jax.training.metrics import MetricsLog
 from llama_jax.nn.attention.dot_product import chosen_attention, describe_attention
-from llama_jax.nn.heads import is_task_head
+from llama_jax.nn.heads import is_task_head, task_metrics
 from llama_jax.training.optim import learning_rate_schedule, make_optimizer
 from llama_jax.model.transformer import aux_metrics
 from llama_jax.training.step import TrainState, eval_sums, init_state, objective, train_step
 
-TASK_METRICS = ("val_accuracy", "val_macro_f1", "val_rmse")  # printed with val_loss
 
 
 
@@ -115,14 +114,8 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
         checkpoints.close()
         log(f"nothing to do: the latest checkpoint is at step {start}, the run ends at {end}")
         return Outcome(step=start)
-    if start and is_legacy(checkpoints.stored_params(start)):
-        checkpoints.close()
-        raise TrainingError(
-            f"{workdir / run_dir.CHECKPOINTS / str(start)} was written by llama_jax 0.1 (flat "
-            "`layers` parameter tree): its weights load (load_checkpoint, sample.py), but its "
-            "optimizer state cannot resume training in this version. Convert the weights with "
-            f"`python -m llama_jax.formats.convert {workdir} NEW_DIR` and start a new run, or "
-            "resume with llama_jax 0.1")
+    if start:
+        _check_resumable(checkpoints, start, workdir)
 
     programs = compile_programs(run, source.bos_id, mesh)
     batch_sharding, abstract, compile_s = (programs.batch_sharding, programs.abstract,
@@ -138,12 +131,6 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
         if run.init_from is not None:
             log(f"initialised from {run.init_from}")
 
-    tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
-    flops_per_step = tokens_per_step * costs.train_flops_per_token(
-        model, train_cfg.seq_len, frozen_backbone=train_cfg.freeze == "backbone")
-    peak = (train_cfg.peak_flops or hardware.peak_flops_per_device(model.compute_dtype)) \
-        * len(devices)
-    schedule = learning_rate_schedule(train_cfg)
     metrics = MetricsLog(workdir / run_dir.METRICS, workdir / run_dir.TENSORBOARD, start)
     outcome = Outcome(step=start, compile_s=compile_s,
                       val_unigram_entropy=source.val_unigram_entropy)
@@ -152,69 +139,48 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
         f"{train_cfg.steps} on {len(devices)} {devices[0].platform} device(s), mesh "
         f"{dict(mesh.shape)}")
 
-    def save(step: int, state: TrainState) -> None:
-        if not bool(_all_finite(state.params)):
-            raise TrainingError(f"parameters are not finite at step {step}; not saving over "
-                                "the last good checkpoint")
-        checkpoints.save(step, state.params, state.opt_state, iterator)
-
     bar = tqdm(total=train_cfg.steps, initial=start, disable=not progress or
                jax.process_index() != 0, dynamic_ncols=True, unit="step")
     say = bar.write if not bar.disable else log
-    run_start = window_start = time.perf_counter()
-    window_steps, window_paused = 0, 0.0  # evaluation and saving do not count as training time
+    window = _Window.of(run, len(devices), functools.partial(_peak_memory, local,
+                                                              programs.step_bytes))
+    run_start = window.start
     try:
         with _stop_signals() as received:
             for step in range(start + 1, end + 1):
                 batch = _on_devices(batch_sharding, next(iterator))
                 state, step_metrics = programs.step(state, batch)
                 values = jax.device_get(step_metrics)
-                window_steps += 1
+                window.steps += 1
                 record = {"loss": values["loss"]}
-                if values["nonfinite_in_row"] >= train_cfg.max_nonfinite:
-                    raise TrainingError(
-                        f"step {step}: the loss or gradients were non-finite for "
-                        f"{values['nonfinite_in_row']} steps in a row (train.max_nonfinite="
-                        f"{train_cfg.max_nonfinite}); stopped without saving. Lower "
-                        f"train.learning_rate or check the data; the last checkpoint "
-                        f"({checkpoints.latest_step()}) is intact")
+                _check_nonfinite(step, values, train_cfg.max_nonfinite, checkpoints)
                 if step % train_cfg.log_every == 0 or step == end:
-                    elapsed = time.perf_counter() - window_start - window_paused
-                    record.update(
-                        lr=schedule(step - 1 - int(values["nonfinite_total"])),
-                        grad_norm=values["grad_norm"],
-                        tokens_per_s=window_steps * tokens_per_step / elapsed,
-                        mfu=window_steps * flops_per_step / elapsed / peak,
-                        nonfinite_total=values["nonfinite_total"],
-                        **_memory_record(_peak_memory(local, programs.step_bytes)),
-                        **{k: v for k, v in values.items() if k.startswith("moe_")})
+                    record.update(window.close(step, values))
                     bar.set_postfix(loss=f"{values['loss']:.3f}",
                                     tok_s=f"{record['tokens_per_s']:.0f}",
                                     mfu=f"{record['mfu']:.0%}", refresh=False)
-                    window_start, window_steps, window_paused = time.perf_counter(), 0, 0.0
-                paused_from = time.perf_counter()
-                if step % train_cfg.eval_every == 0 or step == train_cfg.steps:
-                    val_metrics = _validation(programs.evaluate, state.params, val,
-                                              batch_sharding, run.task is not None)
-                    outcome.val_loss = val_metrics["val_loss"]
-                    outcome.val_metrics = val_metrics
-                    record.update(val_metrics)
-                    say(f"step {step}: " + " ".join(
-                        f"{k} {v:.4f}" for k, v in val_metrics.items()
-                        if k in ("val_loss", "val_ppl", *TASK_METRICS)))
-                metrics.write(step, record)
-                bar.update(1)
-                outcome.step = step
-                stopping = received or (["stop_at"] if step == end < train_cfg.steps else [])
-                if stopping or step % train_cfg.checkpoint_every == 0 or step == end:
-                    save(step, state)
-                window_paused += time.perf_counter() - paused_from
+                with window.paused():
+                    if step % train_cfg.eval_every == 0 or step == train_cfg.steps:
+                        val_metrics = _validation(programs.evaluate, state.params, val,
+                                                  batch_sharding, run.task)
+                        outcome.val_loss = val_metrics["val_loss"]
+                        outcome.val_metrics = val_metrics
+                        record.update(val_metrics)
+                        say(f"step {step}: " + " ".join(
+                            f"{k} {v:.4f}" for k, v in val_metrics.items()
+                            if run.task is not None or k in ("val_loss", "val_ppl")))
+                    metrics.write(step, record)
+                    bar.update(1)
+                    outcome.step = step
+                    stopping = received or (["stop_at"] if step == end < train_cfg.steps else [])
+                    if stopping or step % train_cfg.checkpoint_every == 0 or step == end:
+                        _save(checkpoints, step, state, iterator)
                 if stopping:
                     outcome.stopped_by = stopping[0]
                     log(f"stopped by {stopping[0]} after step {step}; checkpoint saved, "
                         "rerun the same command to resume")
                     break
-        outcome.tokens_per_s = (outcome.step - start) * tokens_per_step / (
+        outcome.tokens_per_s = (outcome.step - start) * window.tokens_per_step / (
             time.perf_counter() - run_start)
         outcome.peak_memory_bytes = _peak_memory(local, programs.step_bytes)
     finally:
@@ -222,6 +188,83 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
         checkpoints.close()
         metrics.close()
     return outcome
+
+
+@dataclasses.dataclass
+class _Window:
+    """The steps since the last logged one, timed without the evaluation and saving between
+    them, and the rates and statistics that a logged step adds to its record."""
+
+    tokens_per_step: int
+    flops_per_step: float
+    peak: float  # FLOP/s of all the devices together
+    schedule: Callable[[int], float]  # the learning rate by optimizer step
+    memory: Callable[[], int | None]  # the peak memory so far (`_peak_memory`)
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+    steps: int = 0
+    paused_s: float = 0.0
+
+    @classmethod
+    def of(cls, run: RunConfig, n_devices: int, memory: Callable[[], int | None]) -> _Window:
+        """The first window of `run` on `n_devices`, starting now."""
+        train_cfg = run.train
+        tokens = train_cfg.batch_size * train_cfg.seq_len
+        flops = tokens * costs.train_flops_per_token(
+            run.model, train_cfg.seq_len, frozen_backbone=train_cfg.freeze == "backbone")
+        peak = train_cfg.peak_flops or hardware.peak_flops_per_device(run.model.compute_dtype)
+        return cls(tokens, flops, peak * n_devices, learning_rate_schedule(train_cfg), memory)
+
+    def close(self, step: int, values: dict) -> dict:
+        """What `step` logs over the window (`values`: the step's metrics); the next window
+        starts now."""
+        elapsed = time.perf_counter() - self.start - self.paused_s
+        record = dict(
+            lr=self.schedule(step - 1 - int(values["nonfinite_total"])),
+            grad_norm=values["grad_norm"],
+            tokens_per_s=self.steps * self.tokens_per_step / elapsed,
+            mfu=self.steps * self.flops_per_step / elapsed / self.peak,
+            nonfinite_total=values["nonfinite_total"],
+            **_memory_record(self.memory()),
+            **{k: v for k, v in values.items() if k.startswith("moe_")})
+        self.start, self.steps, self.paused_s = time.perf_counter(), 0, 0.0
+        return record
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """A block (evaluation, saving) whose time does not count as training time."""
+        since = time.perf_counter()
+        yield
+        self.paused_s += time.perf_counter() - since
+
+
+def _save(checkpoints: run_dir.Checkpoints, step: int, state: TrainState,
+          iterator: Iterator) -> None:
+    if not bool(_all_finite(state.params)):
+        raise TrainingError(f"parameters are not finite at step {step}; not saving over "
+                            "the last good checkpoint")
+    checkpoints.save(step, state.params, state.opt_state, iterator)
+
+
+def _check_nonfinite(step: int, values: dict, max_nonfinite: int,
+                     checkpoints: run_dir.Checkpoints) -> None:
+    if values["nonfinite_in_row"] >= max_nonfinite:
+        raise TrainingError(
+            f"step {step}: the loss or gradients were non-finite for "
+            f"{values['nonfinite_in_row']} steps in a row (train.max_nonfinite="
+            f"{max_nonfinite}); stopped without saving. Lower train.learning_rate or check "
+            f"the data; the last checkpoint ({checkpoints.latest_step()}) is intact")
+
+
+def _check_resumable(checkpoints: run_dir.Checkpoints, start: int, workdir: Path) -> None:
+    """Refuses (closing `checkpoints`) to resume from a checkpoint of the flat layout."""
+    if is_legacy(checkpoints.stored_params(start)):
+        checkpoints.close()
+        raise TrainingError(
+            f"{workdir / run_dir.CHECKPOINTS / str(start)} was written by llama_jax 0.1 (flat "
+            "`layers` parameter tree): its weights load (load_checkpoint, sample.py), but its "
+            "optimizer state cannot resume training in this version. Convert the weights with "
+            f"`python -m llama_jax.formats.convert {workdir} NEW_DIR` and start a new run, or "
+            "resume with llama_jax 0.1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,17 +390,17 @@ def _on_devices(batch_sharding: NamedSharding, batch):
 
 
 def _validation(evaluate, params, batches: list, sharding: NamedSharding,
-                task: bool) -> dict[str, float]:
+                task: TaskConfig | None) -> dict[str, float]:
     """Validation metrics (`val_` names) from the loss's sums over the batches: the mean loss
     and perplexity (language modelling: with the blocks' statistics, `model.aux_metrics`, the
-    MoE's drops, loads and router entropy), or the task's metrics (tasks.py)."""
+    MoE's drops, loads and router entropy), or the task's metrics (nn/heads.py)."""
     sums = aux = None
     for batch in batches:
         batch_sums, batch_aux = jax.device_get(evaluate(params, _on_devices(sharding, batch)))
         sums = batch_sums if sums is None else jax.tree.map(np.add, sums, batch_sums)
         aux = batch_aux if aux is None else jax.tree.map(np.add, aux, batch_aux)
-    if task:
-        return {f"val_{k}": v for k, v in tasks.metrics(sums).items()}
+    if task is not None:
+        return {f"val_{k}": v for k, v in task_metrics(task.kind, sums).items()}
     loss = float(sums["loss_sum"]) / max(float(sums["count"]), 1.0)
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700)),
             **{f"val_{k}": float(v) for k, v in aux_metrics(aux or ()).items()}}
