@@ -37,7 +37,8 @@ TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-# The main job: train the demo model on the Python docs (~10 min on 2 cores), then sample.
+# The main job: train the demo model on the Python docs (10-15 min on 2 cores; ~20 min from a
+# fresh clone, the install included), then sample.
 # Rerunning resumes (or, when finished, goes straight to sampling); `rm -rf runs/demo` restarts.
 demo: install corpus
 	$(PY) train.py --config configs/demo.yaml --workdir runs/demo

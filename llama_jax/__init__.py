@@ -7,7 +7,8 @@ checks this, imports under `typing.TYPE_CHECKING` aside):
     errors, dtypes, files,     small shared leaves: the error classes (one base, `UserError`),
     spec, quant, cli,          dtype names, atomic file writes, tensor descriptions, int8
     xla_flags                  tensors, the CLIs' error exit, the XLA flags set on GPU
-    parallel                   device meshes, logical-axis sharding rules, multi-host start-up
+    parallel                   device meshes, logical-axis sharding rules, multi-host start-up,
+                               a device's free memory
     nn                         the components, each kind registered once: norms, positions,
                                MLPs, MoE routers, attention mixers, heads
     config                     the model and run schemas (component choices from nn's
