@@ -88,7 +88,8 @@ def register_mean():
         cache_vectors=lambda config: (1, config.H),
         saved_activations=lambda config, heads, kv_heads: dict.fromkeys(
             ("none", "dots", "dots_no_batch", "attention", "dots_with_attention"), 2 * config.H),
-        check_config=mean_check_config))
+        check_config=mean_check_config,
+        context_flops=lambda config, seq_len: seq_len * config.H))  # sums T/2 vectors of H
 
 
 VOCAB = 64
@@ -153,9 +154,14 @@ def check_it_decodes(config: ModelConfig, params):
 def check_it_is_planned(config: ModelConfig, params):
     """The planner's figures come from the toy's hooks: parameters from its specs (equal to
     the leaves), cache bytes from `cache_vectors` (equal to the cache `stacked_cache`
-    builds), and both in the memory plan and `plan.info`."""
+    builds), both in the memory plan and `plan.info`, and the training FLOPs from its
+    `context_flops` (no softmax attention's)."""
     leaves = sum(x.size for x in jax.tree.leaves(params))
     assert costs.param_counts(config).total == leaves
+    D, H, F, L = config.D, config.H, config.F, config.n_layers  # W_V, W_O; SwiGLU; the head
+    matmul = L * (2 * D * H + 3 * D * F) + D * VOCAB
+    assert costs.param_counts(config).matmul == matmul
+    assert costs.train_flops_per_token(config, 8) == 6 * matmul + 3 * L * 8 * H
     cache = init_cache(config, 3, 8, "float32")
     cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache.groups))
     assert cache_bytes == 3 * 8 * config.n_layers * config.H * 4

@@ -8,7 +8,8 @@ a matmul — the blocks' projection matrices (their decayed tensors; gains and b
 matrices) and the LM head, which counts even when tied — but not the gathered input-embedding or
 position tables; 3·L·T·N·(H + Hv) is causal attention, scores over query/key head dims H and the
 weighted sum over value head dims Hv (6·L·T·N·H when they are equal: half of PaLM's non-causal
-12·L·T·D; N·H = D for every LLaMA preset). MLA's up-projections of the latents are weights in P_mm
+12·L·T·D; N·H = D for every LLaMA preset); a mixer of another kind brings its own term (three
+times its `context_flops`). MLA's up-projections of the latents are weights in P_mm
 (its training runs the expanded form). With MoE, P_mm counts *active* weights: each routed expert
 matrix times top_k/E (a token runs top_k of the E experts; `TensorSpec.used`), the router and shared
 experts whole. Capacity padding and dropped tokens are not counted (model FLOPs).
@@ -112,7 +113,7 @@ def train_flops_per_token(config: ModelConfig, seq_len: int, frozen_backbone: bo
     """6·P_mm + attention (module docstring). With a frozen backbone (a task head trained
     alone) only the head has a backward pass: 2·P_mm + 4·(the head's matmul weights) + the
     attention's forward third."""
-    attention = 3 * config.n_layers * seq_len * config.n_heads * (config.H + config.v_head_dim)
+    attention = 3 * config.n_layers * mixer_of(config).context_flops(config, seq_len)
     if frozen_backbone:
         return 2 * param_counts(config).matmul + 4 * head_matmul_size(config) + attention // 3
     return 6 * param_counts(config).matmul + attention

@@ -68,6 +68,15 @@ class Mixer:
     # policy (config.REMAT_POLICIES but full), for the heads a device holds
     saved_activations: Callable
     check_config: Callable  # (config) -> None; a ConfigError names the field
+    # (config, seq_len) -> forward FLOPs per token of one layer besides its weights' matmuls:
+    # the work against the other tokens of a sequence (the planner's and the MFU's FLOPs)
+    context_flops: Callable
+
+
+def causal_attention_flops(config: ModelConfig, seq_len: int) -> int:
+    """Dot-product attention's `context_flops`: a token's scores over H and weighted sum over
+    Hv against the T/2 keys a causal query sees on average, for N heads: 2·(T/2)·N·(H + Hv)."""
+    return seq_len * config.n_heads * (config.H + config.v_head_dim)
 
 
 MIXERS: Registry[Mixer] = Registry("attention")

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from llama_jax.nn.attention import kv_storage
-from llama_jax.nn.attention.context import MIXERS, Context, Mixer, attention_of
+from llama_jax.nn.attention.context import (MIXERS, Context, Mixer, attention_of,
+                                           causal_attention_flops)
 from llama_jax.nn.attention.kv_storage import SlotFn
 from llama_jax.nn.attention.dot_product import decode_attention_block_diagonal
 from llama_jax.nn.ops import linear
@@ -219,4 +220,5 @@ def check_config(config: ModelConfig) -> None:
 
 
 MIXERS.register("gqa", Mixer(specs, apply, StackedCache.zeros, LayerCache.zeros, cache_split,
-                             cache_vectors, saved_activations, check_config))
+                             cache_vectors, saved_activations, check_config,
+                             causal_attention_flops))

@@ -42,7 +42,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from llama_jax.nn.attention import kv_storage
-from llama_jax.nn.attention.context import MIXERS, Context, Mixer, attention_of
+from llama_jax.nn.attention.context import (MIXERS, Context, Mixer, attention_of,
+                                           causal_attention_flops)
 from llama_jax.nn.attention.kv_storage import SlotFn
 from llama_jax.nn.attention.dot_product import dense_attention
 from llama_jax.nn.norms import rms_norm
@@ -264,4 +265,5 @@ def check_config(config: ModelConfig) -> None:
 
 
 MIXERS.register("mla", Mixer(specs, apply, StackedCache.zeros, LayerCache.zeros, cache_split,
-                             cache_vectors, saved_activations, check_config))
+                             cache_vectors, saved_activations, check_config,
+                             causal_attention_flops))
