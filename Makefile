@@ -37,8 +37,8 @@ TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-# The main job: train the demo model on the Python docs (9-25 min on 2 cores by the VM's phase;
-# 20-30 min from a fresh clone, the install included), then sample.
+# The main job: train the demo model on the Python docs (9-27 min on 2 cores by the VM's phase;
+# 20-35 min from a fresh clone, the install included), then sample.
 # Rerunning resumes (or, when finished, goes straight to sampling); `rm -rf runs/demo` restarts.
 demo: install corpus
 	$(PY) train.py --config configs/demo.yaml --workdir runs/demo
