@@ -338,6 +338,20 @@ def test_a_workdir_of_another_run_is_refused_and_kept(run, straight, monkeypatch
     assert {p: p.stat().st_mtime_ns for p in straight.rglob("*") if p.is_file()} == files
 
 
+@pytest.mark.parametrize("stored, error", [
+    ("model: [1\n", "cannot read run config: while parsing"),
+    ("- 1\n", "expected a mapping at the top level, got list")])
+def test_a_workdir_whose_run_config_is_unreadable_is_refused(run, tmp_path, stored, error):
+    """Checkpoints beside a config.yaml that does not read as a run config: refused, naming
+    the file, before anything in the workdir changes."""
+    (tmp_path / run_dir.CHECKPOINTS / "5").mkdir(parents=True)
+    (tmp_path / run_dir.CONFIG).write_text(stored)
+    with pytest.raises(ConfigError, match=f"holds an unreadable run config: "
+                                          f"{tmp_path / run_dir.CONFIG}: {error}"):
+        run_dir.claim(tmp_path, run)
+    assert (tmp_path / run_dir.CONFIG).read_text() == stored
+
+
 def test_empty_and_unreadable_corpora(run, straight, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 import yaml
 
 from llama_jax.config import ModelConfig, RunConfig, TrainConfig
+from llama_jax.config.loading import read_yaml_mapping
 from llama_jax.errors import CheckpointError, ConfigError
 from llama_jax.files import write_atomically
 from llama_jax.formats import native
@@ -54,7 +55,7 @@ def claim(workdir: Path, run: RunConfig) -> None:
                               "directory; use another --workdir")
         try:
             stored = run_config(workdir)
-        except (ConfigError, yaml.YAMLError) as e:
+        except ConfigError as e:
             raise ConfigError(f"{workdir} holds an unreadable run config: {e}") from None
         differences = config_differences(stored, run)
         if differences:
@@ -134,7 +135,7 @@ class Checkpoints:
 
 def run_config(workdir: Path) -> RunConfig:
     path = workdir / CONFIG
-    return RunConfig.from_tree(yaml.safe_load(path.read_text()) or {}, str(path))
+    return RunConfig.from_tree(read_yaml_mapping(path, "run config"), str(path))
 
 
 def load(path: Path, loading: Loading,
