@@ -17,7 +17,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_PROMPTS := --prompt "The json module" --prompt "To open a file, use" \
 	--prompt "A list comprehension"
 
-.PHONY: test demo doc-task corpus bench install clean
+.PHONY: test test-pods demo doc-task corpus bench install clean
 
 install: $(VENV)/.installed
 
@@ -30,12 +30,16 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-# Tests simulate an 8-device mesh on the CPU (tests/conftest.py sets it, and XLA's flags for
-# fast compiles) and run in TEST_WORKERS processes, each taking whole test files, so that a
-# module's compiled programs and fixtures are built once.
-TEST_WORKERS ?= 2
-test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+# Tests compile for TPU slices (tests/test_topology.py) with libtpu, installed beside the venv's
+# packages rather than among them: JAX then finds it only through TPU_LIBRARY_PATH, which the
+# test targets set, so the demo and a user's CPU runs never start a TPU backend (libtpu's
+# start-up warnings). The version is the one the installed jax asks for in its `tpu` extra.
+LIBTPU_DIR := $(VENV)/libtpu
+LIBTPU := $(LIBTPU_DIR)/libtpu/libtpu.so
+LIBTPU_REQUIREMENT := import importlib.metadata as m; \
+  print(next(r.split(";")[0] for r in m.requires("jax") if r.startswith("libtpu")))
+$(LIBTPU): $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps --target $(LIBTPU_DIR) "$$($(PY) -c '$(LIBTPU_REQUIREMENT)')"
 
 # The main job: train the demo model on the Python docs (9-27 min on 2 cores by the VM's phase;
 # 20-35 min from a fresh clone, the install included), then sample.
@@ -83,3 +87,16 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Tests simulate an 8-device mesh on the CPU (tests/conftest.py sets it, and XLA's flags for
+# fast compiles) and run in TEST_WORKERS processes, each taking whole test files, so that a
+# module's compiled programs and fixtures are built once.
+TEST_WORKERS ?= 2
+test: install $(LIBTPU)
+	TPU_LIBRARY_PATH=$(abspath $(LIBTPU)) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# The big deviceless compiles behind docs/scale-out.md's table (LLaMA-3 8B / 70B on v5p slices,
+# Mixtral, an MLA model): minutes each, so not part of `make test`.
+test-pods: install $(LIBTPU)
+	TPU_LIBRARY_PATH=$(abspath $(LIBTPU)) $(PY) -m pytest -q -m pods tests/test_pods.py
+

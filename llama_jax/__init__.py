@@ -8,7 +8,8 @@ checks this, imports under `typing.TYPE_CHECKING` aside):
     spec, quant, cli,          dtype names, atomic file writes, tensor descriptions, int8
     xla_flags                  tensors, the CLIs' error exit, the XLA flags set on GPU
     parallel                   device meshes, logical-axis sharding rules, multi-host start-up,
-                               a device's free memory
+                               a device's free memory, the platform compiled for, named
+                               TPU / GPU topologies
     nn                         the components, each kind registered once: norms, positions,
                                MLPs, MoE routers, attention mixers, heads
     config                     the model and run schemas (component choices from nn's
@@ -21,6 +22,8 @@ checks this, imports under `typing.TYPE_CHECKING` aside):
     training                   the optimizer, the train step, the training loop, fine-tuning
     eval                       log-likelihood scoring, perplexity, lm-eval, `predict`
     serve                      the OpenAI-compatible server: continuous batching, the API
+    aot                        programs compiled for TPU slices and GPU nodes this host does
+                               not have, and what the compiler says of their memory
     research                   ablation studies, the demo downstream task
 
 The names below are the public API. They load on first use, so `import llama_jax` stays
@@ -59,6 +62,7 @@ _API = {
     "generate": "decode.generate", "stream": "decode.generate",
     "load_run_config": "training.finetune", "train": "training.trainer",
     "make_mesh": "parallel.sharding",
+    "compile_training": "aot.training",
     "score": "eval.scoring", "perplexity": "eval.scoring", "Score": "eval.scoring",
     "Perplexity": "eval.scoring",
 }

@@ -71,12 +71,21 @@ def runs_on_cuda(environ: MutableMapping[str, str]) -> bool:
     return any(importlib.util.find_spec(name) is not None for name in CUDA_PLUGINS)
 
 
-def set_gpu_flags(environ: MutableMapping[str, str] = os.environ) -> None:
-    """Adds GPU_FLAGS to `environ["XLA_FLAGS"]` when JAX will run on CUDA, keeping every flag
-    the user set; does nothing when `LLAMA_JAX_GPU_FLAGS=0`."""
+def added_gpu_flags(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """The GPU flags the library adds to a CUDA compile (name -> value): GPU_FLAGS less those
+    `XLA_FLAGS` names; none when `LLAMA_JAX_GPU_FLAGS=0`."""
     switch = environ.get(SWITCH, "1")
     if switch not in ("0", "1"):
         raise ConfigError(f"environment variable {SWITCH}={switch!r} must be 0 (leave "
                           "XLA_FLAGS as it is) or 1 (add the library's GPU flags)")
-    if switch == "1" and runs_on_cuda(environ):
-        environ["XLA_FLAGS"] = with_gpu_flags(environ.get("XLA_FLAGS", ""))
+    named = named_flags(environ.get("XLA_FLAGS", ""))
+    return {} if switch == "0" else {k: v for k, v in GPU_FLAGS.items() if k not in named}
+
+
+def set_gpu_flags(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Adds GPU_FLAGS to `environ["XLA_FLAGS"]` when JAX will run on CUDA, keeping every flag
+    the user set; does nothing when `LLAMA_JAX_GPU_FLAGS=0`. (A compile for a GPU target from
+    another host passes them to the compiler instead: `parallel.target.compiler_options`.)"""
+    added = added_gpu_flags(environ)
+    if added and runs_on_cuda(environ):
+        environ["XLA_FLAGS"] = with_flags(environ.get("XLA_FLAGS", ""), added)

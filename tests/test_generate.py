@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import llama_jax
+from llama_jax.parallel import target
 from llama_jax.plan import costs
 from llama_jax.decode.generate import GenerationStats, generate, stream
 from llama_jax.errors import GenerateError
@@ -353,7 +354,8 @@ def test_auto_decoder_is_the_one_measured_faster_on_the_backend(backend, impl, p
     scan cannot read them, and the copy is already paid for."""
     from llama_jax.decode import generate as decoder
 
-    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    # the parameters' devices are of that platform (parallel/target.py)
+    monkeypatch.setattr(target, "platform_of_tree", lambda tree: backend)
     p = llama_jax.init_params(TINY, jax.random.key(6))  # no copy of it made yet
     assert decoder.resolve_decode_impl("auto", p) == impl
     assert decoder.resolve_decode_impl("auto", unstack_layers(p)) == "unrolled"

@@ -15,6 +15,9 @@ import llama_jax
 
 PACKAGE = Path(llama_jax.__file__).parent
 MAX_FUNCTION_LINES = 100  # a longer function does more than one thing: split it
+# The imports allowed up the layer order, each a command line that runs what sits above it:
+# the planner's CLI compiles the plan it printed (`--compile`); its library never does.
+UPWARD = {("llama_jax.plan.info", "llama_jax.aot.training")}
 
 
 def layer_order() -> list[list[str]]:
@@ -78,8 +81,8 @@ def test_imports_point_down_the_layer_order(module):
     for imported in llama_imports(MODULES[module]):
         assert imported in MODULES or imported.rsplit(".", 1)[0] in MODULES, imported
         theirs = rank[unit_of(imported)]
-        assert theirs <= mine, (f"{module} (layer {mine}) imports {imported} "
-                                f"(layer {theirs}, above it)")
+        assert theirs <= mine or (module, imported) in UPWARD, (
+            f"{module} (layer {mine}) imports {imported} (layer {theirs}, above it)")
 
 
 def test_no_import_cycle_between_modules():

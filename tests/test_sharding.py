@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import llama_jax
-from llama_jax.parallel import sharding
+from llama_jax.parallel import sharding, target
 from llama_jax.training import trainer
 from llama_jax.formats.checkpoint import load_checkpoint
 from llama_jax.config import (DataConfig, MeshConfig, MlaConfig, ModelConfig, MoeConfig,
@@ -222,7 +222,8 @@ def test_the_server_checks_the_cache_a_device_holds(backend, devices_counted, mo
     with sharding.use_mesh(mesh, mesh_config):
         cache = jax.jit(lambda: init_cache(model, 4, slots, "bfloat16"))()
     need = devices_counted * sharding.bytes_per_device(cache.groups)
-    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    # the parameters' devices are of that platform (parallel/target.py)
+    monkeypatch.setattr(target, "platform_of_tree", lambda tree: backend)
     check = functools.partial(app.check_cache_fits, model, placed, 4, 40, "bfloat16", 4,
                               mesh_config)
     monkeypatch.setattr(app, "free_memory_bytes", lambda: need)

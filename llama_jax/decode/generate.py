@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from llama_jax.parallel import sharding
+from llama_jax.parallel import sharding, target
 from llama_jax.parallel.devices import free_memory_bytes
 from llama_jax.parallel.sharding import MESH_AXES
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name
@@ -183,7 +183,7 @@ def resolve_decode_impl(decode_impl: str, params: Params, reserve_bytes: int = 0
     if _unstacked(params):
         return "unrolled"
     copy = _cached_copy(params)
-    if copy is None and jax.default_backend() not in UNROLLED_BACKENDS:
+    if copy is None and target.platform_of_tree(params) not in UNROLLED_BACKENDS:
         return "scan"
     need = memory_need(
         reserve_bytes + (0 if copy is not None else sharding.bytes_per_device(params["groups"])),
@@ -211,7 +211,8 @@ def memory_need(bytes_per_device: int, params: Params) -> int:
     """What `bytes_per_device` on each device holding `params` takes from the memory
     `free_memory_bytes()` reports: one device's own on an accelerator, every device's on CPU,
     whose devices all draw on the host."""
-    return bytes_per_device * (_device_count(params) if jax.default_backend() == "cpu" else 1)
+    on_cpu = target.platform_of_tree(params) == "cpu"
+    return bytes_per_device * (_device_count(params) if on_cpu else 1)
 
 
 def _device_count(params: Params) -> int:

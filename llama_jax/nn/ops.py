@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from llama_jax.quant import Int8, is_int8
+from llama_jax.parallel import target
 
 
 def einsum_f32(equation: str, a: jax.Array, b: jax.Array | Int8) -> jax.Array:
@@ -68,8 +69,9 @@ def matmul_precision(a: jax.Array, b: jax.Array) -> jax.lax.Precision:
 
 
 def _widened_on_cpu(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """16-bit operands widened to fp32 on CPU (see `einsum_f32`); unchanged elsewhere."""
-    if jax.default_backend() != "cpu":
+    """16-bit operands widened to fp32 when compiling for a CPU (see `einsum_f32`); unchanged
+    elsewhere."""
+    if target.platform() != "cpu":
         return a, b
     return (a.astype(jnp.promote_types(a.dtype, jnp.float32)),
             b.astype(jnp.promote_types(b.dtype, jnp.float32)))
@@ -119,10 +121,10 @@ CPU_INT8_SLICE = 256
 
 
 def _int8_matmul(x_MK: jax.Array, values_KN: jax.Array) -> jax.Array:
-    """x·values in fp32, for int8 `values_KN`: in K-slices on CPU (see CPU_INT8_SLICE), one
-    matmul elsewhere."""
+    """x·values in fp32, for int8 `values_KN`: in K-slices when compiling for a CPU (see
+    CPU_INT8_SLICE), one matmul elsewhere."""
     K, c = values_KN.shape[0], CPU_INT8_SLICE
-    if jax.default_backend() != "cpu" or K % c or K == c:
+    if target.platform() != "cpu" or K % c or K == c:
         return einsum_f32("MK,KN->MN", x_MK, values_KN)
 
     def add_slice(acc_MN, slice_):

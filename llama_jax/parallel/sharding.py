@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
 import jax
 import numpy as np
 import optax
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from llama_jax.errors import ConfigError
 from llama_jax.quant import Int8
 from llama_jax.spec import map_specs
 
@@ -66,10 +68,22 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh, MeshConfig] | None] = contextvars.Co
 
 
 def make_mesh(mesh: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The mesh of `mesh`'s sizes over `devices` (default: all), laid out along the physical
+    interconnect. Devices of several TPU slices (multi-slice) split the data axis across the
+    slices: its one gradient reduction per step is the traffic the data-centre network
+    between slices carries well; every other axis stays inside a slice."""
     devices = list(devices if devices is not None else jax.devices())
     shape = mesh.shape_for(len(devices))
-    return jax.make_mesh(shape, MESH_AXES, devices=devices,
-                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+    axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if slices == 1:
+        return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=axis_types)
+    if shape[0] % slices:
+        raise ConfigError(f"mesh {dict(zip(MESH_AXES, shape))} over {slices} slices: the data "
+                          f"axis spans the slices, so mesh.data must be a multiple of {slices}")
+    per_slice = (shape[0] // slices, *shape[1:])
+    grid = mesh_utils.create_hybrid_device_mesh(per_slice, (slices, 1, 1, 1), devices)
+    return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 def spec(axes: Sequence[str | None], shape: Sequence[int], rules: tuple,
@@ -174,10 +188,11 @@ def shard_ways(partition: P, mesh_shape: Mapping[str, int]) -> int:
 
 
 def bytes_per_device(tree) -> int:
-    """Bytes one device holds of the arrays in `tree`: a shard of each sharded array (the
-    whole of a host array)."""
+    """Bytes one device holds of the arrays in `tree`: a shard of each sharded array or
+    abstract array (`jax.ShapeDtypeStruct` with a sharding), the whole of a host array."""
     def nbytes(x):
-        shape = x.sharding.shard_shape(x.shape) if isinstance(x, jax.Array) else np.shape(x)
+        placed = getattr(x, "sharding", None)
+        shape = placed.shard_shape(x.shape) if placed is not None else np.shape(x)
         return math.prod(shape) * np.dtype(x.dtype).itemsize
     return sum(nbytes(x) for x in jax.tree.leaves(tree))
 

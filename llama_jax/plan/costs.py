@@ -147,3 +147,11 @@ def stored_bytes(spec: TensorSpec, dtype: str) -> int:
     if spec.dtype == "int8":
         return spec.size + quant.SCALE_BYTES * math.prod(spec.scale_shape)
     return spec.size * dtype_bytes(dtype)
+
+
+def format_bytes(n: float) -> str:
+    """A byte count for people: B, KiB, MiB, GiB or TiB, one decimal."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n):,} B"
+        n /= 1024

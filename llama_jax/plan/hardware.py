@@ -27,12 +27,19 @@ class Hardware:
     device_kinds: tuple[str, ...] = ()  # prefixes of `jax.Device.device_kind` it goes by
 
 
-# Vendor datasheets. "cpu" has no entry: it is measured on the machine instead.
+def _gib(n: float) -> int:
+    return round(n * 2**30)
+
+
+# Peaks and bandwidths from vendor datasheets. A TPU's memory is what XLA:TPU lets a program
+# use per chip (its "exceeds available HBM (X)" limit, read from libtpu 0.0.42 compiling for
+# each generation): less than the datasheet's HBM, and the figure that decides whether a plan
+# fits. "cpu" has no entry: it is measured on the machine instead.
 HARDWARE = {h.name: h for h in (
-    Hardware("v4", 275e12, 32 << 30, 1200e9, "tpu", ("TPU v4",)),
-    Hardware("v5e", 197e12, 16 << 30, 819e9, "tpu", ("TPU v5 lite", "TPU v5e")),
-    Hardware("v5p", 459e12, 95 << 30, 2765e9, "tpu", ("TPU v5p", "TPU v5")),
-    Hardware("v6e", 918e12, 32 << 30, 1640e9, "tpu", ("TPU v6 lite", "TPU v6e")),
+    Hardware("v4", 275e12, _gib(30.75), 1200e9, "tpu", ("TPU v4",)),
+    Hardware("v5e", 197e12, _gib(15.75), 819e9, "tpu", ("TPU v5 lite", "TPU v5e")),
+    Hardware("v5p", 459e12, _gib(95.74), 2765e9, "tpu", ("TPU v5p", "TPU v5")),
+    Hardware("v6e", 918e12, _gib(31.25), 1640e9, "tpu", ("TPU v6 lite", "TPU v6e")),
     Hardware("a100", 312e12, 80 << 30, 2039e9, "gpu", ("NVIDIA A100",)),
     Hardware("h100", 989e12, 80 << 30, 3350e9, "gpu", ("NVIDIA H100",)),
     Hardware("h200", 989e12, 141 << 30, 4800e9, "gpu", ("NVIDIA H200",)),

@@ -23,7 +23,7 @@ import math
 import sys
 
 from llama_jax.plan import costs, hardware, memory
-from llama_jax.parallel import sharding
+from llama_jax.parallel import sharding, topology
 from llama_jax.cli import add_int8_arguments, user_errors_exit
 from llama_jax.parallel.sharding import MESH_AXES
 from llama_jax.config import DTYPES, REMAT_POLICIES, MeshConfig, ModelConfig, load_model_config
@@ -125,19 +125,19 @@ def render_training(t: dict, batch: int, seq: int) -> str:
     fits = "fits" if t["fits"] else "does NOT fit"
     return "\n".join([
         f"training plan        mesh {mesh} ({t['devices']} x {t['hardware']}: "
-        f"{_bytes(t['device_memory_bytes'])}, {t['peak_flops_per_device'] / 1e12:,.0f} TFLOP/s "
+        f"{costs.format_bytes(t['device_memory_bytes'])}, {t['peak_flops_per_device'] / 1e12:,.0f} TFLOP/s "
         f"each); global batch {batch} x {seq} tokens, fp32 params + AdamW"
         + (f" (first moment {t['mu_dtype']})" if t["mu_dtype"] else "") + ", "
         f"{t['compute_dtype']} compute, remat {t['remat']}, {t['attention']} attention"
         + (f", loss {t['loss_chunk']} positions at a time" if t["loss_chunk"] else ""),
-        f"  per device: weights {_bytes(t['weights_bytes'])}, gradients "
-        f"{_bytes(t['gradients_bytes'])}, optimizer {_bytes(t['optimizer_bytes'])}, "
-        f"activations {_bytes(t['activations_bytes'])}",
-        f"  total {_bytes(t['training_bytes'])} per device: {fits} in "
-        f"{_bytes(t['device_memory_bytes'])}",
+        f"  per device: weights {costs.format_bytes(t['weights_bytes'])}, gradients "
+        f"{costs.format_bytes(t['gradients_bytes'])}, optimizer {costs.format_bytes(t['optimizer_bytes'])}, "
+        f"activations {costs.format_bytes(t['activations_bytes'])}",
+        f"  total {costs.format_bytes(t['training_bytes'])} per device: {fits} in "
+        f"{costs.format_bytes(t['device_memory_bytes'])}",
         f"  step {t['step_s']:.3f} s at {t['mfu']:.0%} MFU = {t['tokens_per_s']:,.0f} tokens/s "
         f"({t['step_flops']:.3e} FLOPs per step, {costs.TRAIN_FLOPS_FORMULA})",
-        f"  decode KV cache of B={batch} x S={seq}: {_bytes(t['kv_cache_bytes'])} per device",
+        f"  decode KV cache of B={batch} x S={seq}: {costs.format_bytes(t['kv_cache_bytes'])} per device",
     ])
 
 
@@ -154,13 +154,6 @@ def parse_mesh(text: str) -> MeshConfig:
         raise ConfigError(f"--mesh {text!r}: give every size (the planner has no devices "
                           "to fill -1 from)")
     return mesh
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n):,} B"
-        n /= 1024
 
 
 def render(name: str, p: dict) -> str:
@@ -182,20 +175,20 @@ def render(name: str, p: dict) -> str:
         + ("" if p["n_params_active"] == p["n_params"] else "  (MoE: top_k of E routed experts)"),
         f"  in matmuls (P_mm)  {p['n_params_matmul']:>20,}  (active)",
         "weight bytes         "
-        + "  ".join(f"{d} {_bytes(b)}" for d, b in p["weight_bytes"].items())
-        + (f"  {p['quantize']} {_bytes(p['weight_bytes_quantized'])} (with scales; other "
+        + "  ".join(f"{d} {costs.format_bytes(b)}" for d, b in p["weight_bytes"].items())
+        + (f"  {p['quantize']} {costs.format_bytes(p['weight_bytes_quantized'])} (with scales; other "
            f"tensors {p['dtype']})" if p["quantize"] else ""),
-        f"KV cache ({p['cache_dtype']})    {_bytes(p['kv_cache_bytes_per_token'])} per token "
+        f"KV cache ({p['cache_dtype']})    {costs.format_bytes(p['kv_cache_bytes_per_token'])} per token "
         + ("(L*(Z+I)*bytes: MLA's latent and RoPE key" if c["mla"] else "(2*L*K*H*bytes")
         + (", plus a 4-byte scale per vector)" if p["cache_dtype"] == "int8" else ")")
-        + f"; {_bytes(p['kv_cache_bytes'])} for B={p['batch']} x S={p['seq']}",
-        f"  vs these heads as  MHA {_bytes(p['kv_cache_mha_bytes_per_token'])}, MQA "
-        f"{_bytes(p['kv_cache_mqa_bytes_per_token'])} per token (GQA: K/N of MHA)",
+        + f"; {costs.format_bytes(p['kv_cache_bytes'])} for B={p['batch']} x S={p['seq']}",
+        f"  vs these heads as  MHA {costs.format_bytes(p['kv_cache_mha_bytes_per_token'])}, MQA "
+        f"{costs.format_bytes(p['kv_cache_mqa_bytes_per_token'])} per token (GQA: K/N of MHA)",
         f"training FLOPs/token {p['train_flops_per_token']:,.4g} at T={p['seq']}  "
         f"[{p['train_flops_formula']}]",
         f"decode floor         {p['decode_floor_s_per_step'] * 1e3:.3f} ms/step, "
         f"{p['decode_floor_tokens_per_s']:,.1f} tokens/s at B={p['batch']}, S={p['seq']}, "
-        f"{p['bandwidth_gbps']:g} GB/s  [{_bytes(p['decode_bytes_per_step'])} per step = "
+        f"{p['bandwidth_gbps']:g} GB/s  [{costs.format_bytes(p['decode_bytes_per_step'])} per step = "
         f"{p['decode_bytes_formula']}]",
     ]
     return "\n".join(lines)
@@ -239,7 +232,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mu-dtype", choices=MU_DTYPES, default=None,
                         help="AdamW's first moment in the training plan (default: fp32, as the "
                              "parameters and the second moment)")
-    return parser.parse_args(argv)
+    parser.add_argument("--topology", help="plan for this TPU slice or GPU node (v5p-256, "
+                        "v5e-64, h100x8, ...): its hardware and device count; the mesh "
+                        "defaults to fsdp over every device")
+    parser.add_argument("--slices", type=int, default=1, help="with --topology: that many "
+                        "TPU slices (multi-slice; the data axis spans them)")
+    parser.add_argument("--compile", action="store_true", help="with --topology: also compile "
+                        "the planned training step for it and print XLA's figures beside the "
+                        "plan (needs libtpu or jax's CUDA plugin)")
+    args = parser.parse_args(argv)
+    if args.topology and args.hardware:
+        parser.error("--topology names the hardware: leave out --hardware")
+    if (args.compile or args.slices != 1) and not args.topology:
+        parser.error("--compile and --slices need --topology")
+    return args
 
 
 @user_errors_exit
@@ -248,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model_config(args.config)
     config = model.with_execution(quantize=args.quantize, quantize_head=args.quantize_head)
     seq = config.max_seq_len if args.seq is None else args.seq
+    named = topology.parse(args.topology, args.slices) if args.topology else None
+    if named is not None:
+        args.hardware = named.hardware
+        args.mesh = args.mesh or f"fsdp={named.n_devices}"
     device = hardware.hardware(args.hardware or "h100")
     if args.bandwidth is None:
         args.bandwidth = device.bandwidth / 1e9 if args.hardware else DEFAULT_BANDWIDTH_GBPS
@@ -258,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.mfu <= 1:
         raise ConfigError(f"--mfu={args.mfu} must be in (0, 1]")
     mesh = parse_mesh(args.mesh) if args.mesh else None
+    if named is not None and math.prod(mesh.sizes) != named.n_devices:
+        raise ConfigError(f"--mesh {args.mesh} has {math.prod(mesh.sizes)} devices; "
+                          f"{named.describe()}")
     result = plan(config, batch=args.batch, seq=seq, dtype=args.dtype,
                   bandwidth_gbps=args.bandwidth, cache_dtype=args.cache_dtype)
     text = render(args.config, result)
@@ -274,8 +287,20 @@ def main(argv: list[str] | None = None) -> int:
                                          args.max_seq_len or config.max_seq_len,
                                          args.cache_dtype or args.dtype)
         text += "\n" + render_serving(result["serving"])
+    if args.compile:
+        # The one call up the layer order: the planner's command line compiles the plan it
+        # printed (llama_jax.aot, above training); the planner's library never does.
+        from llama_jax.aot.training import compile_planned
+
+        report, text_report = compile_planned(
+            args.config, args.topology, args.slices, batch=args.batch, seq=seq, mesh=mesh,
+            remat=args.remat, compute_dtype=args.compute_dtype,
+            attention_impl=args.attention_impl, loss_chunk=args.loss_chunk,
+            mu_dtype=args.mu_dtype)
+        result["compiled"] = report.as_dict()
+        text += "\ncompiled training step\n" + text_report
     print(json.dumps(result, indent=2) if args.json else text)
-    return 0
+    return 0 if not args.compile or report.fits else 1
 
 
 def plan_serving(config: ModelConfig, max_batch: int, max_seq_len: int,
@@ -296,7 +321,7 @@ def plan_serving(config: ModelConfig, max_batch: int, max_seq_len: int,
 
 def render_serving(s: dict) -> str:
     slack = costs.SERVING_SLACK_DISPATCHES * s["steps_per_dispatch"]
-    return (f"serving KV cache     {_bytes(s['kv_cache_bytes'])} ({s['cache_dtype']}) for "
+    return (f"serving KV cache     {costs.format_bytes(s['kv_cache_bytes'])} ({s['cache_dtype']}) for "
             f"{s['max_batch']} slots of {s['max_seq_len']} + {slack} tokens "
             f"(--max-seq-len, plus {costs.SERVING_SLACK_DISPATCHES} dispatches of "
             f"{s['steps_per_dispatch']} steps)")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
 
 from llama_jax.config import MeshConfig, cache_dtype_name
 from llama_jax.data.tokenizer import load_tokenizer
@@ -13,6 +12,7 @@ from llama_jax.decode.generate import (cache_bytes_per_device, memory_need,
                                        owned_decoder_params)
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.formats.checkpoint import load_checkpoint
+from llama_jax.parallel import target
 from llama_jax.parallel.devices import free_memory_bytes
 from llama_jax.parallel.sharding import make_mesh
 from llama_jax.plan.costs import SERVING_STEPS_PER_DISPATCH, serving_cache_slots
@@ -63,7 +63,8 @@ def check_cache_fits(config, params, max_batch: int, max_seq_len: int, cache_dty
         cache_bytes_per_device(config, params, max_batch, slots, cache_dtype, mesh), params)
     free = free_memory_bytes()
     if free is not None and need > free:
-        each = mesh is not None and jax.default_backend() != "cpu"  # CPU: the host's, whole
+        # CPU: the host's memory, whole
+        each = mesh is not None and target.platform_of_tree(params) != "cpu"
         part, where = ("each device's part of the KV cache", " on a device") if each else \
             ("the KV cache", "")
         raise GenerateError(

@@ -39,7 +39,7 @@ from llama_jax.data import batches, tasks as task_data
 from llama_jax.data.corpus import (cache_root, find_corpus, keep_tokenizer, prepare_tokenizer,
                                    tokenize_corpus, unigram_entropy)
 from llama_jax.training import finetune, tasks
-from llama_jax.parallel import sharding
+from llama_jax.parallel import sharding, target
 from llama_jax.formats import workdir as run_dir
 from llama_jax.config import RunConfig, TaskConfig
 from llama_jax.errors import ConfigError, TrainingError
@@ -68,7 +68,7 @@ class Outcome:
 
 
 def check_run(run: RunConfig, mesh: jax.sharding.Mesh) -> None:
-    """Config errors that only show against the mesh, the backend or across sections."""
+    """Config errors that only show against the mesh, its platform or across sections."""
     model, train = run.model, run.train
     if run.task is None and is_task_head(model):
         raise ConfigError(f"model.head={model.head!r} needs a `task:` section (language "
@@ -76,7 +76,7 @@ def check_run(run: RunConfig, mesh: jax.sharding.Mesh) -> None:
     if run.task is None and train.freeze != "none":
         raise ConfigError(f"train.freeze={train.freeze!r} needs a `task:` section (it trains "
                           "a task head alone)")
-    chosen_attention(model)
+    chosen_attention(model, target.platform_name(mesh.devices.flat[0]))
     if model.quantize is not None:
         raise ConfigError(f"model.quantize={model.quantize!r} is for inference: training "
                           "updates float weights (train or fine-tune from the float "
@@ -102,7 +102,7 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
     mesh = sharding.make_mesh(run.mesh, devices)
     check_run(run, mesh)
     run_dir.claim(workdir, run)
-    log(describe_attention(model, train_cfg.seq_len))
+    log(describe_attention(model, train_cfg.seq_len, target.platform_name(devices[0])))
 
     source = (_corpus_data if run.task is None else _task_data)(run, workdir, log)
     iterator, val = source.train, source.val
@@ -333,15 +333,28 @@ def initializer(run: RunConfig, mesh: jax.sharding.Mesh) -> Initializer:
     return Initializer(init, abstract, optimizer, params_sharding, state_sharding)
 
 
-@functools.lru_cache(maxsize=4)
-def compile_programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh,
-                     evaluate: bool = True) -> Programs:
-    """The run's jitted functions with explicit in/out shardings, compiled now (cached per
-    process, so a resumed run in the same process does not compile again). Without
-    `evaluate`, the evaluation program is left out (None): what reads only the step (its
-    memory, its FLOPs) compiles less."""
+@dataclasses.dataclass(frozen=True)
+class Jitted:
+    """A run's programs before they compile (`jitted_programs`): each jitted function with the
+    abstract arguments it lowers for."""
+
+    start: Initializer
+    step: Callable  # jitted (state, batch) -> (state, metrics), state donated
+    evaluate: Callable  # jitted (params, batch) -> (sums, aux)
+    batch: Any  # the abstract batch (a task's dict of them), sharded
+    batch_sharding: NamedSharding
+
+    def lower_step(self) -> jax.stages.Lowered:
+        return self.step.lower(self.start.abstract, self.batch)
+
+    def lower_evaluate(self) -> jax.stages.Lowered:
+        return self.evaluate.lower(self.start.abstract.params, self.batch)
+
+
+def jitted_programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh) -> Jitted:
+    """The run's jitted functions with explicit in/out shardings on `mesh` (lower them inside
+    `sharding.use_mesh` and `target.compiling_for`, as `compile_programs` does)."""
     start_state = initializer(run, mesh)
-    abstract, optimizer = start_state.abstract, start_state.optimizer
     replicated = sharding.replicated(mesh)
     batch_sharding = sharding.batch_sharding(mesh, run.mesh, ndim=1)  # rows of every leaf
     if run.task is None:
@@ -351,20 +364,34 @@ def compile_programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh,
     batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                         sharding=batch_sharding), batch)
     loss_fn = objective(run, bos_id)
-    step = jax.jit(functools.partial(train_step, run.model, run.train, optimizer, loss_fn),
+    step = jax.jit(functools.partial(train_step, run.model, run.train, start_state.optimizer,
+                                     loss_fn),
                    in_shardings=(start_state.state_sharding, batch_sharding),
                    out_shardings=(start_state.state_sharding, replicated), donate_argnums=0)
-    evaluator = jax.jit(functools.partial(eval_sums, loss_fn),
-                        in_shardings=(start_state.params_sharding, batch_sharding),
-                        out_shardings=replicated)
-    with sharding.use_mesh(mesh, run.mesh):  # activation constraints are traced in
+    evaluate = jax.jit(functools.partial(eval_sums, loss_fn),
+                       in_shardings=(start_state.params_sharding, batch_sharding),
+                       out_shardings=replicated)
+    return Jitted(start_state, step, evaluate, batch, batch_sharding)
+
+
+@functools.lru_cache(maxsize=4)
+def compile_programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh,
+                     evaluate: bool = True) -> Programs:
+    """The run's jitted functions with explicit in/out shardings, compiled now for the mesh's
+    devices (cached per process, so a resumed run in the same process does not compile again).
+    Without `evaluate`, the evaluation program is left out (None): what reads only the step
+    (its memory, its FLOPs) compiles less."""
+    with target.compiling_for(mesh), sharding.use_mesh(mesh, run.mesh):
+        # activation constraints are traced in under the mesh
+        jitted = jitted_programs(run, bos_id, mesh)
+        options = target.compiler_options()
         start = time.perf_counter()
-        compiled = step.lower(abstract, batch).compile()
+        compiled = jitted.lower_step().compile(options)
         compile_s = time.perf_counter() - start
-        evaluator = evaluator.lower(abstract.params, batch).compile() if evaluate else None
-    return Programs(init=start_state.init, abstract=abstract, step=compiled, evaluate=evaluator,
-                    compile_s=compile_s, batch_sharding=batch_sharding,
-                    step_bytes=_footprint(compiled))
+        evaluator = jitted.lower_evaluate().compile(options) if evaluate else None
+    return Programs(init=jitted.start.init, abstract=jitted.start.abstract, step=compiled,
+                    evaluate=evaluator, compile_s=compile_s,
+                    batch_sharding=jitted.batch_sharding, step_bytes=_footprint(compiled))
 
 
 def _init_from_checkpoint(run: RunConfig, optimizer, params_sharding, state_sharding,

@@ -42,6 +42,7 @@ from llama_jax.errors import ConfigError
 from llama_jax.nn.attention.chunked import (LSE_NAME, MASKED, OUTPUT_NAME, chunked_attention,
                                             visible)
 from llama_jax.nn.ops import einsum_f32
+from llama_jax.parallel import target
 from llama_jax.parallel.sharding import per_shard
 from llama_jax.quant import Int8, as_float, is_int8
 
@@ -88,11 +89,11 @@ def resolve_attention_impl(impl: str, backend: str | None = None,
                            compute_dtype: str = "float32", head_dim: int = 128,
                            block_q: int = 512, block_kv: int = 512,
                            v_head_dim: int | None = None) -> str:
-    """The implementation `impl` stands for on `backend` (default: JAX's): "auto" picks, and an
-    explicit choice the backend or the settings cannot run is a `ConfigError`. `v_head_dim`
-    (default: head_dim) is the values' head dim, which `jax.nn.dot_product_attention` (cuDNN)
-    needs equal to the keys'."""
-    backend = backend or jax.default_backend()
+    """The implementation `impl` stands for on `backend` (default: the platform being compiled
+    for, `parallel.target.platform()`): "auto" picks, and an explicit choice the backend or the
+    settings cannot run is a `ConfigError`. `v_head_dim` (default: head_dim) is the values'
+    head dim, which `jax.nn.dot_product_attention` (cuDNN) needs equal to the keys'."""
+    backend = backend or target.platform()
     dtype = dtype_name(compute_dtype, "compute_dtype")
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     cudnn_ok = (dtype in _CUDNN_DTYPES and head_dim <= 128 and head_dim % 8 == 0
@@ -130,7 +131,7 @@ def chosen_attention(config: ModelConfig, backend: str | None = None) -> str:
 
 def describe_attention(config: ModelConfig, seq_len: int, backend: str | None = None) -> str:
     """One line for a run's log: the implementation, why, and its blocks at `seq_len`."""
-    backend = backend or jax.default_backend()
+    backend = backend or target.platform()
     impl = chosen_attention(config, backend)
     why = f"auto on {backend}" if config.attention_impl == "auto" else "attention_impl"
     blocks = ""

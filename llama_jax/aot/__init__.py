@@ -1,0 +1,4 @@
+"""Ahead of time: the library's programs compiled for hardware this host does not have (TPU
+slices, GPU nodes: `parallel/topology.py`) and what the compiler says of them per device,
+beside the planner's figures. `training.py`: the training step and evaluation of a run
+(`train.py --compile-only --topology NAME`)."""
