@@ -30,6 +30,11 @@ ROWS = {
     "70b-8k-tp8": ("configs/llama3-70b.yaml", "v5p-1024", 512, 8192,
                    {"fsdp": 64, "tensor": 8}, "full"),
     "70b-32k": ("configs/llama3.1-70b.yaml", "v5p-1024", 512, 32768, {"fsdp": 512}, "full"),
+    # over the memory: a v5e chip's 15.75 GiB, and 8 sequences of 32K per tensor group
+    "8b-8k-v5e": ("configs/llama3-8b.yaml", "v5e-256", 256, 8192,
+                  {"fsdp": 256}, "dots_no_batch"),
+    "70b-32k-tp8": ("configs/llama3.1-70b.yaml", "v5p-1024", 512, 32768,
+                    {"fsdp": 64, "tensor": 8}, "full"),
     "405b-8k": ("configs/llama3.1-405b.yaml", "v5p-2048", 1024, 8192, {"fsdp": 1024},
                 "full"),
     "mixtral-4k": ("configs/mixtral-8x7b.yaml", "v5p-256", 128, 4096,
@@ -69,7 +74,7 @@ def run_row(row: str, timeout: float = 1800) -> dict:
     result = subprocess.run([sys.executable, __file__, "--rows", row, "--json", "--here"],
                             cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if result.returncode:
-        raise RuntimeError(f"{row}: {result.stderr[-3000:]}")
+        return {"row": row, "failed": result.stderr[-3000:]}
     return json.loads(result.stdout)[0]
 
 
@@ -78,6 +83,10 @@ def markdown(results: list[dict]) -> str:
              "XLA / planned | XLA:TPU | planner | compile s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         config, _, batch, seq, mesh, remat = ROWS[r["row"]]
+        if "failed" in r:
+            lines.append(f"| {Path(config).stem}, {batch} x {seq} | failed: "
+                         f"{r['failed'].strip().splitlines()[-1]} |")
+            continue
         xla = "fits" if r["xla_fits"] else "does not fit"
         planner = "fits" if r["planned_fits"] else "does not fit"
         lines.append(
@@ -98,10 +107,7 @@ def main() -> int:
     results = []
     for row in args.rows:
         results.append(compile_row(row) if args.here else run_row(row))
-        if not args.json:
-            print(f"{row}: {results[-1]['xla_peak'] / GIB:.1f} GiB XLA, "
-                  f"{results[-1]['planned'] / GIB:.1f} planned, "
-                  f"{results[-1]['compile_s']:.0f} s", file=sys.stderr)
+        print(json.dumps(results[-1]), file=sys.stderr)  # each row as it comes
     print(json.dumps(results, indent=1) if args.json else markdown(results))
     return 0
 

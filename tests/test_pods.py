@@ -17,5 +17,6 @@ pytestmark = pytest.mark.pods
 @pytest.mark.parametrize("row", list(pods.ROWS))
 def test_the_planner_agrees_with_xla_tpu(row):
     result = pods.run_row(row)
+    assert "failed" not in result, result.get("failed")
     assert result["planned_fits"] == result["xla_fits"], result
     assert 0.9 <= result["xla_peak"] / result["planned"] <= 1.1, result

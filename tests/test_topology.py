@@ -176,6 +176,23 @@ def test_splash_forward_and_backward_compile_to_mosaic_kernels():
     assert backward.count(f'custom_call_target="{MOSAIC}"') >= 2
 
 
+@pytest.mark.skipif(topology.cuda_plugin() is None,
+                    reason="jax's CUDA plugin is not installed (pip install 'jax[cuda12]', "
+                           "several GB; make test leaves it out)")
+def test_a_gpu_step_runs_cudnn_attention_with_the_gpu_flags(tiny_run):
+    report = compile_training(tiny_run, "h100x8")
+    step = report.programs[0]
+    assert report.platform == "gpu" and report.n_devices == 8 and report.fits
+    assert report.attention.startswith("attention: cudnn (auto on gpu")
+    assert any(call.startswith("__cudnn$fmha") for call in step.custom_calls), step
+    # the library's GPU flags, as compile options: XLA's default command buffers and loops
+    options = report.compiler_options
+    assert options["xla_gpu_enable_latency_hiding_scheduler"] is True
+    assert {"WHILE", "CONDITIONAL", "FUSION"} <= set(
+        options["xla_gpu_enable_command_buffer"].split(","))
+    assert report.versions["jax-cuda12-plugin"] == jax.__version__
+
+
 def test_multislice_puts_the_data_axis_across_slices(tiny_run):
     devices = tpu_devices("v5e:2x2", slices=2)
     mesh = sharding.make_mesh(tiny_run.mesh, devices)
@@ -243,3 +260,38 @@ def test_the_planner_compiles_what_it_planned():
     assert compiled["plan"]["training"] == planned["training_bytes"]
     assert compiled["fits"] and [p["name"] for p in compiled["programs"]] == ["train step"]
     assert planned["attention"] == "splash" and "splash" in compiled["attention"]
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+def test_int8_decode_on_a_tpu_is_one_matmul_per_weight(platform):
+    """The CPU's int8 workaround (each weight's matmul in slices of 256 rows inside a loop) must
+    stay on CPUs: an unrolled decode step compiled for one v5e chip has no loop at all, where
+    the same step lowered for the CPU has one per int8 weight."""
+    from llama_jax.decode.generate import lower_programs
+    from llama_jax.model.transformer import unstack_layers
+
+    config = load_run_config("configs/tiny.yaml", [
+        "model.dim=512", "model.n_heads=8", "model.n_kv_heads=4", "model.quantize=int8",
+        "model.compute_dtype=bfloat16", "model.param_dtype=bfloat16"]).model
+    device = (tpu_devices("v5e-1") if platform == "tpu" else jax.devices())[0]
+    here = NamedSharding(jax.sharding.Mesh(np.array([device]), ("x",)), P())
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here),
+                          jax.eval_shape(unstack_layers, abstract_params(config)))
+    with target.compiling_for([device]):
+        prefill, step = lower_programs(config, params, batch=2, prompt_len=16, new_tokens=16,
+                                       cache_dtype="int8")
+        text = step.as_text()
+        prefill.compile()
+    loops = text.count("stablehlo.while")
+    assert (loops == 0) if platform == "tpu" else (loops >= 4 * config.L), loops
+
+
+def test_compile_only_on_this_host_counts_what_xla_cpu_allocates():
+    """Without a topology the run compiles for this host's devices, where XLA reports no
+    meaningful peak: the total is arguments + outputs + temporaries, near the planner's."""
+    run = load_run_config("configs/tiny.yaml", ["train.batch_size=8"])
+    report = compile_training(run)
+    step = report.programs[0]
+    assert report.platform == "cpu" and report.limit is None and step.peak is None
+    assert step.total == step.arguments + step.outputs + step.temporaries
+    assert 0.8 < step.total / report.plan.training < 1.25

@@ -93,7 +93,7 @@ def compile_training(run: RunConfig, topology: str | None = None, slices: int = 
         if evaluate:
             lowerings.append(("evaluation", jitted.lower_evaluate))
         for name, lower in lowerings:
-            memory, _ = compile_program(name, lower, options)
+            memory, _ = compile_program(name, lower, options, platform)
             log(f"{name}: compiled in {memory.compile_s:.1f} s")
             programs.append(memory)
     state = jitted.start.abstract

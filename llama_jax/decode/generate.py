@@ -150,12 +150,19 @@ def _decode_steps(config, params, state, n_steps, strategy) -> DecodeState:
 
     def step(carry):
         i, st = carry
-        h_B1D, cache, _ = apply(config, params, st.last_B[:, None], cache=st.cache)
-        logits_BV = lm_head(config, params, h_B1D)[:, 0]
-        return i + 1, _emit(st.replace(cache=cache), logits_BV, strategy)
+        return i + 1, decode_step(config, params, st, strategy)
 
     _, state = jax.lax.while_loop(keep_going, step, (jnp.zeros((), jnp.int32), state))
     return state
+
+
+def decode_step(config: ModelConfig, params: Params, state: DecodeState,
+                strategy: Strategy) -> DecodeState:
+    """One token for every row: the model over each row's last token against its cache, the
+    LM head, and the next token drawn and recorded."""
+    h_B1D, cache, _ = apply(config, params, state.last_B[:, None], cache=state.cache)
+    logits_BV = lm_head(config, params, h_B1D)[:, 0]
+    return _emit(state.replace(cache=cache), logits_BV, strategy)
 
 
 # Compiled prefill/decode programs by signature, least recently used first. Bounded: every
@@ -400,6 +407,37 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
                            strategy=strategy)
         start = time.perf_counter()
         state = decode(params, state, n_steps)
+
+
+def lower_programs(config: ModelConfig, params: Params, *, batch: int, prompt_len: int,
+                   new_tokens: int, cache_dtype: str) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
+    """The greedy prefill program `stream` would run for `batch` prompts of `prompt_len` tokens
+    and `new_tokens` more, and one step of its decode loop (`decode_step`, whose cost is the
+    loop's per token), lowered without running anything: `params` may
+    be abstract (`jax.ShapeDtypeStruct`s placed on one device of any platform, stacked for the
+    scan decoder or unstacked for the unrolled one), and every other input is placed beside
+    them. What `llama_jax.aot` compiles for hardware this host does not have."""
+    device = next(iter(jax.tree.leaves(params)[0].sharding.device_set))
+    here = jax.sharding.SingleDeviceSharding(device)
+
+    def placed_like(tree):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype,
+                                                           sharding=here), tree)
+
+    B, T, N = batch, bucket(prompt_len), bucket(new_tokens)
+    inputs = placed_like((
+        np.zeros((B, T), np.int32), np.zeros((B,), np.int32), np.ones((B,), bool),
+        np.zeros((B, 1), np.int32), SamplingParams.broadcast(B), np.int32(N)))
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=here)
+    static = dict(strategy=Strategy.of(0.0, 0, 1.0), placement=None)
+    prefill = _prefill.lower(config, params, *inputs, key, cache_len=T + N, n_out=N,
+                             cache_dtype=cache_dtype, **static)
+    state = placed_like(jax.eval_shape(functools.partial(
+        _prefill, config, cache_len=T + N, n_out=N, cache_dtype=cache_dtype, **static),
+        params, *inputs, key))
+    one_step = jax.jit(functools.partial(decode_step, config, strategy=static["strategy"]),
+                       donate_argnames="state")
+    return prefill, one_step.lower(params, state)
 
 
 def _new_tokens(tokens_BN: np.ndarray, logprobs_BN: np.ndarray, begin: int, end: int,

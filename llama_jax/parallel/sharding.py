@@ -77,7 +77,16 @@ def make_mesh(mesh: MeshConfig, devices: Sequence[jax.Device] | None = None) -> 
     axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     slices = len({getattr(d, "slice_index", 0) for d in devices})
     if slices == 1:
-        return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=axis_types)
+        try:
+            return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=axis_types)
+        except NotImplementedError:
+            # An axis that is no product of whole sides of the chips' torus (8 ways on a v5p
+            # slice of 4x4x4 chips): one side is split between two mesh axes.
+            log.info("mesh %s splits a side of the devices' physical torus",
+                     dict(zip(MESH_AXES, shape)))
+            grid = mesh_utils.create_device_mesh(shape, devices,
+                                                 allow_split_physical_axes=True)
+            return Mesh(grid, MESH_AXES, axis_types=axis_types)
     if shape[0] % slices:
         raise ConfigError(f"mesh {dict(zip(MESH_AXES, shape))} over {slices} slices: the data "
                           f"axis spans the slices, so mesh.data must be a multiple of {slices}")

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import re
 from typing import Iterator, Sequence
 
 import jax
 import numpy as np
+from jaxlib import xla_client
 
 from llama_jax import xla_flags
 
@@ -66,13 +68,30 @@ def platform_of_tree(tree) -> str:
     return platform()
 
 
-def compiler_options() -> dict[str, str]:
+def compiler_options() -> dict[str, str | bool]:
     """XLA options that a compile for the current target passes beside the process's own
     `XLA_FLAGS`: the library's GPU flags (`xla_flags`) for a GPU target compiled on a host
     whose XLA started without them. A GPU host has them in `XLA_FLAGS` already."""
     if platform() != "gpu" or host_platform() == "gpu":
         return {}
-    return xla_flags.added_gpu_flags()
+    return {name: _as_option(name, value)
+            for name, value in xla_flags.added_gpu_flags().items()}
+
+
+def _as_option(name: str, value: str) -> str | bool:
+    """An `XLA_FLAGS` value as a compile option: booleans as bools, and a list's edits
+    ("+WHILE,-FUSION", which only the flag parser reads) applied to XLA's default list."""
+    if value in ("true", "false"):
+        return value == "true"
+    if not value.startswith(("+", "-")):
+        return value
+    compile_options = xla_client.CompileOptions()  # held: its parts point into it
+    build_options = compile_options.executable_build_options
+    defaults = str(build_options.debug_options)
+    items = set(re.findall(rf"^{name}: (\w+)$", defaults, re.MULTILINE))
+    for edit in value.split(","):
+        (items.add if edit[0] == "+" else items.discard)(edit[1:])
+    return ",".join(sorted(items))
 
 
 @contextlib.contextmanager

@@ -235,5 +235,16 @@ def compiler_versions(platform: str) -> dict[str, str]:
     try:
         versions[package] = importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
-        versions[package] = os.environ.get("TPU_LIBRARY_PATH", "not installed")
+        versions[package] = _libtpu_at_path() or "not installed"
     return versions
+
+
+def _libtpu_at_path() -> str | None:
+    """The version of the libtpu that TPU_LIBRARY_PATH names, from the metadata pip left beside
+    it (`pip install --target DIR libtpu`: DIR/libtpu/libtpu.so, DIR/libtpu-V.dist-info), else
+    its path."""
+    path = os.environ.get("TPU_LIBRARY_PATH")
+    if not path:
+        return None
+    found = sorted(Path(path).parent.parent.glob("libtpu-*.dist-info"))
+    return found[-1].name[len("libtpu-"):-len(".dist-info")] if found else path

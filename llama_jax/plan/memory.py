@@ -24,13 +24,20 @@ Activations saved for the backward pass, per layer and per token held by the dev
 cuDNN with packed documents (as training is) also keeps its `[T, S]` document mask as a b-byte
 bias per layer, b·T per token, except under the recomputing policies.
 Heads and the FFN width are divided by the tensor axis when the activation rules shard them.
-Working set on top: one whole layer's activations (the layer being back-propagated, recomputed
-under remat), the fp32 logits, their softmax and its gradient, 3·4·V per token (over tensor when
-the vocabulary is sharded; under `loss_chunk` C, for C positions of each row instead of T, plus
-the head's fp32 gradient 4·D·V, which the pieces add to, unsharded over fsdp), and the embedded
-input, b·D; for the blockwise paths, a few fp32 tiles of scores (3·4·N·block_q·block_kv per
-row). The figures are estimates; `python -m llama_jax.plan.info` prints them, and
-tests/test_memory.py checks them against XLA's `compiled.memory_analysis()` on CPU.
+Kept besides: the embedded input, b·D per token; with the dropless MoE dispatch on a mesh and
+no remat, each layer's experts, gathered in the compute dtype.
+Working set on top, two parts: the loss's — the fp32 logits, their softmax and its gradient,
+3·4·V per token (over tensor when the vocabulary is sharded; under `loss_chunk` C, for C
+positions of each row instead of T, plus the head's fp32 gradient 4·D·V, which the pieces add
+to, unsharded over fsdp) — and the backward pass of one layer: its activations (recomputed
+under remat), for the blockwise paths a few fp32 tiles of scores (3·4·N·block_q·block_kv per
+row), the dropless path's gathered experts and their gradient. On TPUs (`LOGIT_BYTES`,
+`SHARED_WORKING_SETS`) XLA fuses the softmax into the gradient (2·4·V per token), the two parts
+share memory (the larger counts), and the layer FSDP gathers (weights in the compute dtype,
+their fp32 gradient) counts with the layer's part; on CPUs the parts add, as XLA:CPU's
+buffers do. The figures are estimates; `python -m llama_jax.plan.info` prints them,
+tests/test_memory.py checks them against XLA's `compiled.memory_analysis()` on CPU, and
+bench/pods.py against XLA:TPU's peak per chip for pod-scale runs (docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -50,6 +57,19 @@ from llama_jax.spec import count, spec_leaves
 from llama_jax.model.params import layer_groups, param_specs
 
 
+# Bytes per logit (token x vocabulary entry) the loss holds at once: the fp32 logits, their
+# softmax and its gradient, as XLA:CPU keeps them; XLA:TPU fuses the softmax into the gradient
+# (8 fitted over the LLaMA-3 8B and 70B steps compiled for v5p slices, docs/scale-out.md).
+# GPUs are planned as CPUs until measured.
+LOGIT_BYTES = {"cpu": 12, "gpu": 12, "tpu": 8}
+# Where XLA's peak is planned from the working sets as they live: the loss's logits and the
+# layers' backward pass share memory (the peak has the larger, not the sum), and the layer an
+# FSDP step gathers counts with the latter (LLaMA-3.1 405B on a v5p slice: 0.95x of XLA:TPU's
+# peak with it, 1.25x without). XLA:CPU's buffers (tests/test_memory.py) take the sum, with
+# the gathered layer inside the other terms.
+SHARED_WORKING_SETS = ("tpu",)
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     mesh: dict[str, int]
@@ -62,6 +82,12 @@ class MemoryPlan:
     @property
     def training(self) -> int:
         return self.weights + self.gradients + self.optimizer + self.activations
+
+
+def _elements_per_device(specs, rules: tuple, shape: dict[str, int]) -> int:
+    """Elements one device holds of the tensors `specs` describes, laid out by `rules`."""
+    return sum(s.size // sharding.shard_ways(sharding.spec(s.axes, s.shape, rules, shape), shape)
+               for s in spec_leaves(specs))
 
 
 def _ways(rules: tuple, mesh_shape: dict[str, int], axis: str, size: int) -> int:
@@ -77,10 +103,7 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
     shape = dict(zip(MESH_AXES, mesh.shape_for(n_devices)))
     param_bytes = costs.dtype_bytes(config.param_dtype)
     specs = param_specs(config)
-    state_elems = sum(
-        s.size // sharding.shard_ways(sharding.spec(s.axes, s.shape, mesh.weight_rules, shape),
-                                      shape)
-        for s in spec_leaves(specs))
+    state_elems = _elements_per_device(specs, mesh.weight_rules, shape)
     rules = mesh.activation_rules
     rows = batch // micro_batches // _ways(rules, shape, "batch", batch // micro_batches)
     tokens = rows * seq
@@ -90,15 +113,19 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
     attn = _attention_memory(config, backend, T, b, heads)
     mixer = mixer_of(config).saved_activations(config, heads,
                                                 config.K // _ways(rules, shape, "kv_heads", config.K))
-    per_token, whole_layer, gathered = 0, 0, 0
+    per_token, whole_layer, gathered_kept, gathered_working, gathered_layer = 0, 0, 0, 0, 0
     for group, group_specs in zip(layer_groups(config), specs["groups"]):
         mlp = _mlp_memory(config, group.moe, b, lambda width: width // _ways(
             rules, shape, "mlp", width), exchanged=shape["expert"] > 1)
         if group.moe and dispatch_of(config, drop=True) == "dropless" and \
                 math.prod(shape.values()) > 1:
-            # Each device runs its rows' grouped matmuls on every expert's weights, gathered
-            # (kept for the backward pass) and their gradient before it is reduce-scattered.
-            gathered += 2 * param_bytes * count(group_specs["mlp"]["experts"])  # [L, E, ...]
+            # Each device runs its rows' grouped matmuls on every expert's weights of a layer,
+            # gathered in the compute dtype (XLA casts before it gathers), and their gradient
+            # before it is reduce-scattered; without remat every layer's gathered weights are
+            # kept for the backward pass, with any policy they are gathered again there.
+            layer_experts = b * count(group_specs["mlp"]["experts"]) // group.n_layers
+            gathered_kept += layer_experts * (group.n_layers if remat == "none" else 0)
+            gathered_working = max(gathered_working, 2 * layer_experts)
         layer = {
             "none": b * (4 * D + mixer["none"]) + mlp["none"] + attn.saved,
             "dots": b * (2 * D + mixer["dots"]) + mlp["dots"] + attn.saved_by_dots,
@@ -110,21 +137,33 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
         }
         per_token += group.n_layers * layer[remat]
         whole_layer = max(whole_layer, layer["none"])
-    # Working set of the backward pass: one layer's activations (recomputed under remat), the
-    # logits, their softmax and its gradient (of one piece of positions under loss_chunk), and
-    # attention's tiles.
+        # FSDP gathers the layer being computed: its weights in the compute dtype and, in the
+        # backward pass, their fp32 gradient before it is reduce-scattered (the experts of the
+        # dropless path are counted above).
+        dense_part = {k: v for k, v in group_specs.items() if k != "mlp"} | {
+            "mlp": {k: v for k, v in group_specs["mlp"].items() if k != "experts"}}
+        gathered_layer = max(gathered_layer, (b + 4) * _elements_per_device(
+            dense_part, mesh.weight_rules, shape | {"fsdp": 1}) // group.n_layers)
+    # Working set on top of what is kept: the loss's logits (live while the head's backward
+    # runs) and the backward of one layer (its activations, recomputed under remat;
+    # attention's tiles; gathered experts): the larger of the two where XLA's buffers for one
+    # are reused for the other (SHARED_WORKING_SETS), else both.
     vocab_ways = _ways(rules, shape, "vocab", V)
-    logits = rows * min(config.loss_chunk or seq, seq) * 3 * 4 * V // vocab_ways
+    logits = rows * min(config.loss_chunk or seq, seq) * LOGIT_BYTES.get(
+        backend, LOGIT_BYTES["cpu"]) * V // vocab_ways
     if config.loss_chunk is not None and config.loss_chunk < seq:
         logits += 4 * D * V // vocab_ways  # the head's gradient, summed over the pieces
+    layer_backward = tokens * whole_layer + rows * attn.tiles + gathered_working + (
+        gathered_layer if shape["fsdp"] > 1 and backend in SHARED_WORKING_SETS else 0)
     kv_seq = seq if kv_seq is None else kv_seq
     kv = kv_cache_bytes_per_device(config, kv_batch, kv_seq, kv_dtype, mesh.cache_rules, shape)
     return MemoryPlan(mesh=shape, weights=state_elems * param_bytes,
                       gradients=state_elems * param_bytes,
                       optimizer=(costs.dtype_bytes(mu_dtype or config.param_dtype)
                                  + param_bytes) * state_elems,
-                      activations=tokens * (per_token + whole_layer + b * D) + logits
-                      + rows * attn.tiles + gathered,
+                      activations=tokens * (per_token + b * D) + gathered_kept
+                      + (max if backend in SHARED_WORKING_SETS else sum)(
+                          (logits, layer_backward)),
                       kv_cache=kv)
 
 
