@@ -35,11 +35,10 @@ MOSAIC = "tpu_custom_call"
 TINY = ["model.dim=256", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
         "model.vocab_size=2048", "model.max_seq_len=1024", "model.compute_dtype=bfloat16",
         "model.param_dtype=float32", "train.seq_len=1024", "train.batch_size=16"]
-# XLA:TPU's peak / the planner's total for TINY. The planner is an upper bound on TPUs: at
-# this size its fixed working set (one layer's activations, the loss's fp32 logits three
-# times) is most of its figure, and XLA:TPU fuses much of it away (0.46-0.54x measured by
-# remat policy; LLaMA-3 8B: 0.85x, docs/scale-out.md).
-PLAN_BOUND = (0.4, 1.0)
+# XLA:TPU's peak / the planner's total for TINY (remat none): 0.81 on v5e, 1.03 on v5p. At
+# this size XLA's fixed buffers and its fusion choices move the ratio more than at pod scale
+# (0.93-1.06 from 8B to 405B, docs/scale-out.md), hence the wider band.
+PLAN_BOUND = (0.75, 1.15)
 
 
 def tpu_devices(name: str, slices: int = 1) -> list:
@@ -295,3 +294,18 @@ def test_compile_only_on_this_host_counts_what_xla_cpu_allocates():
     assert report.platform == "cpu" and report.limit is None and step.peak is None
     assert step.total == step.arguments + step.outputs + step.temporaries
     assert 0.8 < step.total / report.plan.training < 1.25
+
+
+def test_int8_weights_are_dequantized_inside_their_matmuls_on_a_tpu():
+    """A decode step with int8 weights, at a width whose matrices do not fit a TPU core's own
+    memory (LLaMA-3 8B's, one layer), compiled for a v5e chip: no dequantized copy of a weight
+    is written to HBM (a copy forced with an optimization barrier is found: 12 of them)."""
+    from llama_jax.aot.decoding import compile_decoding
+
+    config = dataclasses.replace(load_run_config("configs/llama3-8b.yaml").model, n_layers=1,
+                                 vocab_size=1024)
+    tpu_devices("v5e-1")
+    (case,) = compile_decoding(config, "v5e-1", context=64,
+                               cases=[("unrolled", "int8", "int8")])
+    assert case.step.fits and case.dequantized_copies == 0
+    assert 0 < case.floor_bytes < case.bytes_accessed

@@ -1,4 +1,5 @@
 """Ahead of time: the library's programs compiled for hardware this host does not have (TPU
 slices, GPU nodes: `parallel/topology.py`) and what the compiler says of them per device,
 beside the planner's figures. `training.py`: the training step and evaluation of a run
-(`train.py --compile-only --topology NAME`)."""
+(`train.py --compile-only --topology NAME`); `decoding.py`: a model's prefill and decode step
+on one chip (`python -m llama_jax.aot.decoding MODEL --topology NAME`)."""

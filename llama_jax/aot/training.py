@@ -16,6 +16,8 @@ import dataclasses
 import os
 from typing import Callable
 
+import jax
+
 from llama_jax.aot.compiled import ProgramMemory, compile_program
 from llama_jax.config import MeshConfig, RunConfig
 from llama_jax.nn.attention.dot_product import describe_attention
@@ -70,8 +72,6 @@ def compile_training(run: RunConfig, topology: str | None = None, slices: int = 
     """Compiles `run`'s training step (and, with `evaluate`, its evaluation) for `topology`
     (`parallel.topology` names; None: this host's devices) and reports their memory."""
     if topology is None:
-        import jax
-
         devices, described, entry = jax.devices(), "this host", None
     else:
         named = topologies.parse(topology, slices)
@@ -145,15 +145,14 @@ def render(report: TrainingReport, run: RunConfig) -> str:
         f"compiler   {versions}; XLA_FLAGS {flags}",
         f"run        mesh {', '.join(f'{k}={v}' for k, v in report.mesh.items())}; batch "
         f"{train.batch_size} x {train.seq_len} tokens ({train.micro_batches} micro-batch"
-        f"{'es' if train.micro_batches > 1 else ''}); remat {run.model.remat}; "
-        f"{run.model.compute_dtype} compute, {run.model.param_dtype} parameters; "
-        f"{report.attention}",
+        f"{'es' if train.micro_batches > 1 else ''})",
+        f"           remat {run.model.remat}; {run.model.compute_dtype} compute, "
+        f"{run.model.param_dtype} parameters; {report.attention}",
         "per device           XLA            planner",
         f"  parameters         {_gib(report.parameters):>12}   {_gib(plan.weights):>12}",
         f"  optimizer state    {_gib(report.optimizer):>12}   {_gib(plan.optimizer):>12}",
         f"  gradients          {'':>12}   {_gib(plan.gradients):>12}",
-        f"  temporaries        {_gib(step.temporaries if step.fits else None):>12}   "
-        f"{'':>12}",
+        f"  temporaries        {_gib(step.temporaries if step.fits else None):>12}",
         f"  activations        {'':>12}   {_gib(plan.activations):>12}",
         f"  train step total   {_gib(step.total):>12}   {_gib(plan.training):>12}{ratio}",
         f"  memory XLA allows  {_gib(report.limit):>12}",
