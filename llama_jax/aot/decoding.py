@@ -83,25 +83,30 @@ def compile_decoding(config: ModelConfig, topology: str, *, batch: int = 1,
             impl, weights, cache, prefill_memory, step_memory,
             _bytes_accessed(compiled) if impl == "unrolled" else None,
             costs.decode_bytes_per_step(model, batch, context, "bfloat16", cache),
-            dequantized_copies(compiled, params) if weights == "int8" and compiled else None))
+            dequantized_copies(compiled, params, impl == "scan")
+            if weights == "int8" and compiled else None))
     return results
 
 
-def dequantized_copies(compiled, params) -> int:
-    """How many values of the compiled program's entry computation are float arrays shaped like
-    one of the int8 matrices of `params` (or one layer of a stacked one): dequantized copies
-    written to device memory (HBM). A dequantization fused into its matmul is none (fusions'
-    insides are other computations), nor one converted in a TPU core's own memory."""
-    shapes = set()
-    for leaf in jax.tree.leaves(params, is_leaf=is_int8):
-        if is_int8(leaf):  # a layer's matrix, whole or (stacked layers) one slice of it
-            shapes |= {leaf.values.shape, leaf.values.shape[1:]}
-    text = compiled.as_text()
-    entry = text[text.index("\nENTRY"):]
-    found = re.findall(r"= (?:bf16|f16|f32)\[([\d,]+)\](\{[^}]*\})? (\w+)", entry)
+def dequantized_copies(compiled, params, stacked: bool) -> int:
+    """How many values of the compiled program (outside fusions) are float arrays shaped like
+    one layer's int8 matrix of `params` (layers `stacked` along a leading axis, or not):
+    dequantized copies written to device memory (HBM). A dequantization fused into its matmul
+    is none, nor one converted in a TPU core's own memory."""
+    shapes = {leaf.values.shape[1:] if stacked else leaf.values.shape  # one layer's matrix
+              for leaf in jax.tree.leaves(params, is_leaf=is_int8) if is_int8(leaf)}
+    found = re.findall(r"= (?:bf16|f16|f32)\[([\d,]+)\](\{[^}]*\})? (\w+)",
+                       _unfused(compiled.as_text()))
     return sum(1 for shape, layout, op in found
                if tuple(map(int, shape.split(","))) in shapes and op != "parameter"
                and "S(" not in layout)  # S(n): an on-chip memory space (a TPU's VMEM)
+
+
+def _unfused(hlo_text: str) -> str:
+    """The computations of an HLO module whose values live in memory: the entry, loop bodies
+    and conditions, calls; not the insides of fusions (computations named *fus*)."""
+    blocks = re.split(r"\n(?=ENTRY |%\S+ \()", hlo_text)
+    return "\n".join(b for b in blocks if "fus" not in b.split("(", 1)[0])
 
 
 def _bytes_accessed(compiled) -> float | None:
