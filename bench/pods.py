@@ -80,7 +80,8 @@ def run_row(row: str, timeout: float = 1800) -> dict:
 
 def markdown(results: list[dict]) -> str:
     lines = ["| run | topology, mesh | remat | XLA peak GiB per chip | planned GiB | "
-             "XLA / planned | XLA:TPU | planner | compile s |", "|---|---|---|---|---|---|---|---|---|"]
+             "XLA / planned | XLA:TPU | planner | compile s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         config, _, batch, seq, mesh, remat = ROWS[r["row"]]
         if "failed" in r:

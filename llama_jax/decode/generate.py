@@ -410,7 +410,8 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
 
 
 def lower_programs(config: ModelConfig, params: Params, *, batch: int, prompt_len: int,
-                   new_tokens: int, cache_dtype: str) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
+                   new_tokens: int, cache_dtype: str,
+                   ) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
     """The greedy prefill program `stream` would run for `batch` prompts of `prompt_len` tokens
     and `new_tokens` more, and one step of its decode loop (`decode_step`, whose cost is the
     loop's per token), lowered without running anything: `params` may

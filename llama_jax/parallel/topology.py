@@ -133,11 +133,11 @@ def parse(name: str, slices: int = 1) -> Topology:
     power_of_two = chips >= 1 and not chips & (chips - 1)
     if (spec.megacore and count % 2) or not power_of_two or chips == 2 or \
             not smallest <= chips <= spec.max_chips:
-        smallest *= 2 if spec.megacore else 1
+        per_chip = 2 if spec.megacore else 1
+        sizes = f"{smallest * per_chip}" if spec.dims == 3 else "1, 4"
         raise ConfigError(f"topology {name!r}: {generation}-N names a slice of N "
                           f"{'TensorCores (2 per chip)' if spec.megacore else 'chips'}; N is "
-                          f"{smallest} or a larger power of two up to "
-                          f"{spec.max_chips * (2 if spec.megacore else 1)}")
+                          f"{sizes} or a larger power of two up to {spec.max_chips * per_chip}")
     return _tpu(name, generation, grid_of(chips, spec.dims), slices)
 
 

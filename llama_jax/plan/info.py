@@ -23,6 +23,7 @@ import math
 import sys
 
 from llama_jax.plan import costs, hardware, memory
+from llama_jax.plan.costs import format_bytes
 from llama_jax.parallel import sharding, topology
 from llama_jax.cli import add_int8_arguments, user_errors_exit
 from llama_jax.parallel.sharding import MESH_AXES
@@ -125,19 +126,19 @@ def render_training(t: dict, batch: int, seq: int) -> str:
     fits = "fits" if t["fits"] else "does NOT fit"
     return "\n".join([
         f"training plan        mesh {mesh} ({t['devices']} x {t['hardware']}: "
-        f"{costs.format_bytes(t['device_memory_bytes'])}, {t['peak_flops_per_device'] / 1e12:,.0f} TFLOP/s "
-        f"each); global batch {batch} x {seq} tokens, fp32 params + AdamW"
+        f"{format_bytes(t['device_memory_bytes'])}, "
+        f"{t['peak_flops_per_device'] / 1e12:,.0f} TFLOP/s each); global batch {batch} x {seq} tokens, fp32 params + AdamW"
         + (f" (first moment {t['mu_dtype']})" if t["mu_dtype"] else "") + ", "
         f"{t['compute_dtype']} compute, remat {t['remat']}, {t['attention']} attention"
         + (f", loss {t['loss_chunk']} positions at a time" if t["loss_chunk"] else ""),
-        f"  per device: weights {costs.format_bytes(t['weights_bytes'])}, gradients "
-        f"{costs.format_bytes(t['gradients_bytes'])}, optimizer {costs.format_bytes(t['optimizer_bytes'])}, "
-        f"activations {costs.format_bytes(t['activations_bytes'])}",
-        f"  total {costs.format_bytes(t['training_bytes'])} per device: {fits} in "
-        f"{costs.format_bytes(t['device_memory_bytes'])}",
+        f"  per device: weights {format_bytes(t['weights_bytes'])}, gradients "
+        f"{format_bytes(t['gradients_bytes'])}, optimizer {format_bytes(t['optimizer_bytes'])}, "
+        f"activations {format_bytes(t['activations_bytes'])}",
+        f"  total {format_bytes(t['training_bytes'])} per device: {fits} in "
+        f"{format_bytes(t['device_memory_bytes'])}",
         f"  step {t['step_s']:.3f} s at {t['mfu']:.0%} MFU = {t['tokens_per_s']:,.0f} tokens/s "
         f"({t['step_flops']:.3e} FLOPs per step, {costs.TRAIN_FLOPS_FORMULA})",
-        f"  decode KV cache of B={batch} x S={seq}: {costs.format_bytes(t['kv_cache_bytes'])} per device",
+        f"  decode KV cache of B={batch} x S={seq}: {format_bytes(t['kv_cache_bytes'])} per device",
     ])
 
 
@@ -175,20 +176,20 @@ def render(name: str, p: dict) -> str:
         + ("" if p["n_params_active"] == p["n_params"] else "  (MoE: top_k of E routed experts)"),
         f"  in matmuls (P_mm)  {p['n_params_matmul']:>20,}  (active)",
         "weight bytes         "
-        + "  ".join(f"{d} {costs.format_bytes(b)}" for d, b in p["weight_bytes"].items())
-        + (f"  {p['quantize']} {costs.format_bytes(p['weight_bytes_quantized'])} (with scales; other "
+        + "  ".join(f"{d} {format_bytes(b)}" for d, b in p["weight_bytes"].items())
+        + (f"  {p['quantize']} {format_bytes(p['weight_bytes_quantized'])} (with scales; other "
            f"tensors {p['dtype']})" if p["quantize"] else ""),
-        f"KV cache ({p['cache_dtype']})    {costs.format_bytes(p['kv_cache_bytes_per_token'])} per token "
+        f"KV cache ({p['cache_dtype']})    {format_bytes(p['kv_cache_bytes_per_token'])} per token "
         + ("(L*(Z+I)*bytes: MLA's latent and RoPE key" if c["mla"] else "(2*L*K*H*bytes")
         + (", plus a 4-byte scale per vector)" if p["cache_dtype"] == "int8" else ")")
-        + f"; {costs.format_bytes(p['kv_cache_bytes'])} for B={p['batch']} x S={p['seq']}",
-        f"  vs these heads as  MHA {costs.format_bytes(p['kv_cache_mha_bytes_per_token'])}, MQA "
-        f"{costs.format_bytes(p['kv_cache_mqa_bytes_per_token'])} per token (GQA: K/N of MHA)",
+        + f"; {format_bytes(p['kv_cache_bytes'])} for B={p['batch']} x S={p['seq']}",
+        f"  vs these heads as  MHA {format_bytes(p['kv_cache_mha_bytes_per_token'])}, MQA "
+        f"{format_bytes(p['kv_cache_mqa_bytes_per_token'])} per token (GQA: K/N of MHA)",
         f"training FLOPs/token {p['train_flops_per_token']:,.4g} at T={p['seq']}  "
         f"[{p['train_flops_formula']}]",
         f"decode floor         {p['decode_floor_s_per_step'] * 1e3:.3f} ms/step, "
         f"{p['decode_floor_tokens_per_s']:,.1f} tokens/s at B={p['batch']}, S={p['seq']}, "
-        f"{p['bandwidth_gbps']:g} GB/s  [{costs.format_bytes(p['decode_bytes_per_step'])} per step = "
+        f"{p['bandwidth_gbps']:g} GB/s  [{format_bytes(p['decode_bytes_per_step'])} per step = "
         f"{p['decode_bytes_formula']}]",
     ]
     return "\n".join(lines)
@@ -321,7 +322,7 @@ def plan_serving(config: ModelConfig, max_batch: int, max_seq_len: int,
 
 def render_serving(s: dict) -> str:
     slack = costs.SERVING_SLACK_DISPATCHES * s["steps_per_dispatch"]
-    return (f"serving KV cache     {costs.format_bytes(s['kv_cache_bytes'])} ({s['cache_dtype']}) for "
+    return (f"serving KV cache     {format_bytes(s['kv_cache_bytes'])} ({s['cache_dtype']}) for "
             f"{s['max_batch']} slots of {s['max_seq_len']} + {slack} tokens "
             f"(--max-seq-len, plus {costs.SERVING_SLACK_DISPATCHES} dispatches of "
             f"{s['steps_per_dispatch']} steps)")

@@ -113,7 +113,7 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
     attn = _attention_memory(config, backend, T, b, heads)
     mixer = mixer_of(config).saved_activations(config, heads,
                                                 config.K // _ways(rules, shape, "kv_heads", config.K))
-    per_token, whole_layer, gathered_kept, gathered_working, gathered_layer = 0, 0, 0, 0, 0
+    per_token = whole_layer = gathered_kept = gathered_working = gathered_layer = 0
     for group, group_specs in zip(layer_groups(config), specs["groups"]):
         mlp = _mlp_memory(config, group.moe, b, lambda width: width // _ways(
             rules, shape, "mlp", width), exchanged=shape["expert"] > 1)
