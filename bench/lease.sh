@@ -8,12 +8,14 @@
 #   bash bench/lease.sh decode        # ~5 min: bench/gpu.py decode, every run vs the floor
 #   bash bench/lease.sh correctness   # ~7 min: bench/gpu.py's checks against references
 #   bash bench/lease.sh 8b            # ~6 min: LLaMA-3-8B decode (training when it fits)
+#   bash bench/lease.sh aot           # ~3 min: the deviceless GPU compile against the device's
+#                                     #   own; saves the device's target description
 #
 # Python packages the machine lacks travel as wheels in .whl/ (carried; see the device
 # notes): they are installed first when present. Results go under $OUT/STAGE (JSON, tables).
 # In the profile stage a failing profile is reported and the next one runs.
 set -euo pipefail
-stages="profile train decode correctness 8b"
+stages="profile train decode correctness 8b aot"
 stage=${1:-}
 if [[ -z $stage || $stage == *" "* || " $stages " != *" $stage "* ]]; then
   echo "usage: bash bench/lease.sh STAGE, STAGE one of: $stages" >&2
@@ -48,4 +50,6 @@ case $stage in
     python3 bench/gpu.py --sections "$stage" --out "$out" ;;
   8b)
     python3 bench/gpu.py --plan llama3-8b --sections train decode --out "$out" ;;
+  aot)
+    python3 bench/aot_gpu.py --out "$out" ;;
 esac

@@ -67,15 +67,16 @@ class TrainingReport:
 
 
 def compile_training(run: RunConfig, topology: str | None = None, slices: int = 1,
-                     evaluate: bool = True,
-                     log: Callable[[str], None] = lambda _: None) -> TrainingReport:
+                     evaluate: bool = True, log: Callable[[str], None] = lambda _: None,
+                     gpu_target: str | None = None) -> TrainingReport:
     """Compiles `run`'s training step (and, with `evaluate`, its evaluation) for `topology`
-    (`parallel.topology` names; None: this host's devices) and reports their memory."""
+    (`parallel.topology` names; None: this host's devices) and reports their memory.
+    `gpu_target`: a GPU target description instead of the repository's (`topology.devices`)."""
     if topology is None:
         devices, described, entry = jax.devices(), "this host", None
     else:
         named = topologies.parse(topology, slices)
-        devices, described = topologies.devices(named), named.describe()
+        devices, described = topologies.devices(named, gpu_target), named.describe()
         entry = hardware.HARDWARE[named.hardware]
     mesh = sharding.make_mesh(run.mesh, devices)
     check_run(run, mesh)

@@ -172,8 +172,9 @@ def _gpu(name: str, kind: str, count: int, slices: int) -> Topology:
     return Topology(name, "gpu", kind, count, 1)
 
 
-def devices(topology: Topology) -> list:
-    """Compile-only JAX devices of `topology` (loads libtpu or the CUDA plugin)."""
+def devices(topology: Topology, gpu_target: str | None = None) -> list:
+    """Compile-only JAX devices of `topology` (loads libtpu or the CUDA plugin). `gpu_target`:
+    a GPU target description to use instead of the repository's (a real device's own)."""
 
     if topology.platform == "tpu":
         _require(_tpu_compiler_found(), "compiling for a TPU needs libtpu: pip install "
@@ -199,7 +200,7 @@ def devices(topology: Topology) -> list:
              "pip install 'jax[cuda12]' (the version matching jax)")
     hosts = math.ceil(topology.devices_per_slice / GPUS_PER_HOST)
     per_host = topology.devices_per_slice // hosts
-    config = (GPU_TARGETS / f"{topology.hardware}.txtpb").read_text()
+    config = gpu_target or (GPU_TARGETS / f"{topology.hardware}.txtpb").read_text()
     return list(topologies.get_topology_desc(platform="cuda", topology_name="",
                                              target_config=config,
                                              topology=f"1x{hosts}x{per_host}").devices)
