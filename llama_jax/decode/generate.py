@@ -433,9 +433,7 @@ def lower_programs(config: ModelConfig, params: Params, *, batch: int, prompt_le
     static = dict(strategy=Strategy.of(0.0, 0, 1.0), placement=None)
     prefill = _prefill.lower(config, params, *inputs, key, cache_len=T + N, n_out=N,
                              cache_dtype=cache_dtype, **static)
-    state = placed_like(jax.eval_shape(functools.partial(
-        _prefill, config, cache_len=T + N, n_out=N, cache_dtype=cache_dtype, **static),
-        params, *inputs, key))
+    state = placed_like(prefill.out_info)  # the decode loop's state, as prefill leaves it
     one_step = jax.jit(functools.partial(decode_step, config, strategy=static["strategy"]),
                        donate_argnames="state")
     return prefill, one_step.lower(params, state)
