@@ -16,8 +16,10 @@ import llama_jax
 PACKAGE = Path(llama_jax.__file__).parent
 MAX_FUNCTION_LINES = 100  # a longer function does more than one thing: split it
 # The imports allowed up the layer order, each a command line that runs what sits above it:
-# the planner's CLI compiles the plan it printed (`--compile`); its library never does.
-UPWARD = {("llama_jax.plan.info", "llama_jax.aot.training")}
+# the planner's CLI compiles the plan it printed (`--compile`), the server's compiles its programs
+# (`--compile-only`); their libraries never do.
+UPWARD = {("llama_jax.plan.info", "llama_jax.aot.training"),
+          ("llama_jax.serve.__main__", "llama_jax.aot.serving")}
 
 
 def layer_order() -> list[list[str]]:

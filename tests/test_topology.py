@@ -20,13 +20,17 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from llama_jax import load_run_config
 from llama_jax.aot.compiled import custom_calls, out_of_memory
+from llama_jax.aot.serving import compile_serving, render as render_serving
 from llama_jax.aot.training import compile_training, render
 from llama_jax.decode.generate import memory_need, resolve_decode_impl
+from llama_jax.config import MeshConfig
 from llama_jax.errors import ConfigError
 from llama_jax.model.params import abstract_params
 from llama_jax.nn.attention.dot_product import Mask, chosen_attention, dot_product_attention
 from llama_jax.parallel import sharding, target, topology
 from llama_jax.training.trainer import jitted_programs
+
+from checkpoints import tiny_checkpoint_with_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 MOSAIC = "tpu_custom_call"
@@ -309,3 +313,52 @@ def test_int8_weights_are_dequantized_inside_their_matmuls_on_a_tpu():
                                cases=[("unrolled", "int8", "int8")])
     assert case.step.fits and case.dequantized_copies == 0
     assert 0 < case.floor_bytes < case.bytes_accessed
+
+
+def test_a_server_compiled_for_a_tpu_holds_its_part_of_the_cache():
+    """A tiny model's server (`aot.serving`, the engine's own programs) on v5e chips: alone on
+    one chip with the TPU's scan decoder, and over data=2 x tensor=2 with the unrolled one.
+    Each chip holds the part of the slots' KV cache that `serve`'s start-up check counts (a
+    quarter over the mesh: rows over data, KV heads over tensor), and the decode program
+    holds the weights and the cache."""
+    config = load_run_config("configs/tiny.yaml", TINY).model
+    tpu_devices("v5e:2x2")
+    shape = dict(max_batch=8, max_seq_len=256, cache_dtype="int8")
+    alone = compile_serving(config, "v5e:2x2", **shape)
+    split = compile_serving(config, "v5e:2x2", mesh=MeshConfig(data=2, tensor=2),
+                            decode_impl="unrolled", **shape)
+    assert (alone.decode_impl, split.decode_impl) == ("scan", "unrolled")
+    for report in (alone, split):
+        assert report.platform == "tpu" and report.fits, render_serving(report)
+        assert report.cache == report.planned_cache
+        prefill, insert, decode = report.programs
+        assert decode.total >= report.parameters + report.cache
+        assert report.need >= prefill.total + report.cache
+    assert alone.cache == 4 * split.cache
+    assert split.parameters < alone.parameters and split.n_devices == 4
+
+
+def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_a_server_that_does_not_fit_a_chip_is_reported_in_one_line(tmp_path):
+    """131,072 slots of a tiny model: a 17 GiB KV cache for one v5e chip. The same server
+    checked on this host from a checkpoint fits; --topology alone is refused."""
+    big = run_module("llama_jax.aot.serving", "configs/tiny.yaml", "--topology", "v5e-1",
+                     "--max-batch", "131072")
+    assert big.returncode == 1, big.stderr[-2000:]
+    assert re.search(r"^decode: compiled in [\d.]+ s; does not fit: needs [\d.]+ GiB of "
+                     r"15\.8 GiB per chip$",
+                     big.stdout, re.M), big.stdout
+    assert "server: does not fit" in big.stdout and "Traceback" not in big.stderr
+    checkpoint = tiny_checkpoint_with_tokenizer(tmp_path / "m")
+    here = run_module("llama_jax.serve", "--checkpoint", str(checkpoint), "--compile-only",
+                      "--max-batch", "4")
+    assert here.returncode == 0, here.stderr[-2000:]
+    assert re.search(r"^server: fits: needs [\d.]+ [KM]iB of [\d.]+ GiB per device",
+                     here.stdout, re.M), here.stdout
+    refused = run_module("llama_jax.serve", "--checkpoint", str(checkpoint), "--topology",
+                         "v5e-1")
+    assert refused.returncode == 2 and "--topology needs --compile-only" in refused.stderr

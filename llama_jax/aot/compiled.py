@@ -67,6 +67,14 @@ class ProgramMemory:
             (f" of {format_bytes(limit)} per device)" if limit else " per device)")
 
 
+    def report_lines(self, limit: int | None) -> list[str]:
+        """"NAME: compiled in S s; <verdict>", and the compiler's message when it did not fit."""
+        lines = [f"{self.name}: compiled in {self.compile_s:.1f} s; {self.verdict(limit)}"]
+        if not self.fits and self.error:
+            lines.append(f"  XLA: {self.error}")
+        return lines
+
+
 def compile_program(name: str, lower: Callable[[], jax.stages.Lowered],
                     options: dict[str, str], platform: str,
                     ) -> tuple[ProgramMemory, jax.stages.Compiled | None]:

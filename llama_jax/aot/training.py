@@ -159,8 +159,5 @@ def render(report: TrainingReport, run: RunConfig) -> str:
         f"  memory XLA allows  {_gib(report.limit):>12}",
     ]
     for program in report.programs:
-        lines.append(f"{program.name}: compiled in {program.compile_s:.1f} s; "
-                     f"{program.verdict(report.limit)}")
-        if not program.fits and program.error:
-            lines.append(f"  XLA: {program.error}")
+        lines += program.report_lines(report.limit)
     return "\n".join(lines)

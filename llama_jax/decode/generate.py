@@ -160,9 +160,16 @@ def decode_step(config: ModelConfig, params: Params, state: DecodeState,
                 strategy: Strategy) -> DecodeState:
     """One token for every row: the model over each row's last token against its cache, the
     LM head, and the next token drawn and recorded."""
-    h_B1D, cache, _ = apply(config, params, state.last_B[:, None], cache=state.cache)
-    logits_BV = lm_head(config, params, h_B1D)[:, 0]
+    logits_BV, cache = next_logits(config, params, state.last_B, state.cache)
     return _emit(state.replace(cache=cache), logits_BV, strategy)
+
+
+def next_logits(config: ModelConfig, params: Params, last_B: jax.Array, cache: KVCache
+                ) -> tuple[jax.Array, KVCache]:
+    """The step every decoder takes (this loop and the server's slots): the model over each
+    row's last token against its cache, and the LM head's logits [B, V] for the next token."""
+    h_B1D, cache, _ = apply(config, params, last_B[:, None], cache=cache)
+    return lm_head(config, params, h_B1D)[:, 0], cache
 
 
 # Compiled prefill/decode programs by signature, least recently used first. Bounded: every

@@ -4,13 +4,15 @@
         [--port 8000] [--max-batch 8] [--max-seq-len N] [--dtype bfloat16]
         [--served-model-name NAME] [--attention-impl auto] [--mesh data=D,fsdp=F,tensor=T]
         [--quantize int8 [--quantize-head]] [--cache-dtype int8] [--steps-per-dispatch 4]
-        [--max-queue 64] [--drain-timeout 30]
+        [--max-queue 64] [--drain-timeout 30] [--compile-only [--topology v5e-8]]
 
 It loads any checkpoint `load_checkpoint` reads, refuses a configuration whose weights and KV
 cache do not fit the device's memory (with the numbers), compiles its programs, prints
 `serving NAME on http://HOST:PORT` and serves until SIGINT or SIGTERM: then it stops
 accepting connections, lets the requests in flight finish (at most --drain-timeout seconds)
-and exits 0.
+and exits 0. With `--compile-only` it reads the checkpoint's config, not its weights, compiles
+the server's largest programs for this host's devices or a `--topology` it does not have, and
+says whether they fit each device (exit 0) or not (exit 1): `llama_jax.aot.serving`.
 """
 
 from __future__ import annotations
@@ -21,49 +23,40 @@ import signal
 import sys
 from pathlib import Path
 
-from llama_jax.cli import add_int8_arguments, user_errors_exit
-from llama_jax.config import DTYPES
-from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
-from llama_jax.plan.costs import SERVING_STEPS_PER_DISPATCH
+from llama_jax.cli import user_errors_exit
 from llama_jax.plan.info import parse_mesh
+from llama_jax.serve.flags import add_server_arguments
 
 log = logging.getLogger("llama_jax.serve")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from llama_jax.decode.generate import DECODE_IMPLS
-
     parser = argparse.ArgumentParser(prog="python -m llama_jax.serve",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory")
     parser.add_argument("--tokenizer", help="tokenizer.model (default: the checkpoint's)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-batch", type=int, default=8, help="decode slots")
-    parser.add_argument("--max-seq-len", type=int, default=None,
-                        help="tokens per request, prompt and output (default: the model's "
-                             "context)")
-    parser.add_argument("--dtype", choices=DTYPES, default=None,
-                        help="parameter and compute dtype (default: as stored)")
-    add_int8_arguments(parser, cache_default="the compute dtype")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients ask for (default: the checkpoint "
                              "directory's name)")
-    parser.add_argument("--attention-impl", choices=ATTENTION_IMPLS, default="auto",
-                        help="how prompts' attention is computed")
-    parser.add_argument("--decode-impl", choices=DECODE_IMPLS, default="auto")
-    parser.add_argument("--mesh", default=None,
-                        help="place the parameters on a mesh of this process's devices, e.g. "
-                             "data=1,fsdp=1,tensor=8")
-    parser.add_argument("--steps-per-dispatch", type=int, default=SERVING_STEPS_PER_DISPATCH,
-                        help="decode steps per device program")
+    add_server_arguments(parser)
     parser.add_argument("--max-queue", type=int, default=64,
                         help="requests that may wait for a slot (more get 429)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let requests in flight finish on SIGTERM")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
-    return parser.parse_args(argv)
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile the server's largest programs and say whether they fit "
+                             "each device, then exit (no weights are read)")
+    parser.add_argument("--topology", default=None,
+                        help="with --compile-only: compile for this TPU slice or GPU node "
+                             "(v5e-8, v5p-8, h100x8, ...) instead of this host's devices")
+    args = parser.parse_args(argv)
+    if args.topology and not args.compile_only:
+        parser.error("--topology needs --compile-only: a server runs on this host's devices")
+    return args
 
 
 def _shutdown_on_signals() -> list[int]:
@@ -81,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     mesh = parse_mesh(args.mesh) if args.mesh else None  # bad flags fail before loading
+    if args.compile_only:
+        from llama_jax.aot.serving import print_report, report_for
+
+        return print_report(report_for(args.checkpoint, args, mesh), as_json=False)
     import uvicorn
 
     from llama_jax.serve.app import build

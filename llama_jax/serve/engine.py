@@ -5,27 +5,26 @@ others keep decoding.
     engine.warm_up(); engine.start()
     engine.submit(Request(prompt=[1, 415, 2936], max_tokens=64, deliver=print))
 
-The slots are one batch of `max_batch` rows: a KV cache (model/kv_cache.py) and each row's last
-token, step, settings and key, kept on the device and donated to every program that updates
-them. The engine thread, between programs:
+The slots and their device programs are `decode/slots.py`'s; this is the host side. The engine
+thread, between programs:
 - admits a waiting request into a free row: its prompt is padded to a bucketed length T and
-  prefilled into a one-row cache (`_prefill`, which also samples the first token) that is
-  written over the row (`_insert`);
-- runs `steps_per_dispatch` decode steps for every row in one program (`_decode`), and reads the
-  previous program's tokens while this one runs; it hands each request its tokens (`deliver`),
-  and frees a row once its request has stopped, asked to stop (a stop string) or been
-  cancelled; a row whose request will have all its `max_tokens` once the programs dispatched so
-  far have run is free at once, before their tokens are read (the host counts them). Rows that
-  stopped mid-dispatch idle on the device until then.
+  prefilled into a one-row cache (`slots.prefill`, which also samples the first token) that is
+  written over the row (`slots.insert`);
+- runs `steps_per_dispatch` decode steps for every row in one program (`slots.decode`), and
+  reads the previous program's tokens while this one runs; it hands each request its tokens
+  (`deliver`), and frees a row once its request has stopped, asked to stop (a stop string) or
+  been cancelled; a row whose request will have all its `max_tokens` once the programs
+  dispatched so far have run is free at once, before their tokens are read (the host counts
+  them). Rows that stopped mid-dispatch idle on the device until then.
 
 The rows share the cache's write slot `end` (each row's sequence ends there; `start` marks where
 it begins). A prompt of T padded tokens needs end >= T, and K decode steps need K free slots
 after `end`, so before each program the host arranges the slots (`_arrange`): it moves every
-row's slots (`kv_cache.shifted`) so that `end` is far enough along, or back to the start of
-the longest row in use; and it resizes the cache (`kv_cache.resized`) to a power of two that
-holds the rows in use plus the next steps, between `MIN_SLOTS` and the context plus slack. A
-step reads every slot, so short requests decode as fast as in a small cache. The host mirrors
-`end`, the size and each row's start; programs are compiled per size (and prompt bucket), once.
+row's slots (`slots.rearrange`) so that `end` is far enough along, or back to the start of
+the longest row in use; and it resizes the cache to a power of two that holds the rows in use
+plus the next steps, between `MIN_SLOTS` and the context plus slack. A step reads every slot,
+so short requests decode as fast as in a small cache. The host mirrors `end`, the size and each
+row's start; programs are compiled per size (and prompt bucket), once.
 
 A request's tokens do not depend on its companions: rows never mix (MoE decodes without
 dropping), its position is its slot minus its start, and its sampling key for step s is
@@ -38,7 +37,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 import logging
 import queue
 import threading
@@ -49,27 +47,22 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name
+from llama_jax.decode import slots as programs
 from llama_jax.decode.generate import (NO_TOKEN, bucket, cache_bytes_per_device,
-                                       decoder_params, placed, resolve_decode_impl)
-from llama_jax.decode.sampling import SamplingParams, Strategy, sample
+                                       decoder_params, resolve_decode_impl)
+from llama_jax.decode.sampling import SamplingParams, Strategy
+from llama_jax.decode.slots import TOP_LOGPROBS, Emitted
 from llama_jax.errors import GenerateError
-from llama_jax.model.kv_cache import KVCache, init_cache, resized, shifted, with_row
+from llama_jax.model.kv_cache import KVCache
 from llama_jax.model.params import Params
-from llama_jax.model.transformer import apply
-from llama_jax.nn.heads import lm_head
 from llama_jax.parallel import sharding
 from llama_jax.plan.costs import SERVING_STEPS_PER_DISPATCH, serving_cache_slots
 
 log = logging.getLogger("llama_jax.serve")
 
-TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (OpenAI's limit)
 MIN_SLOTS = 64  # the smallest cache the slots shrink to
-# The strategy of a prefill: it samples one token per request, so it always takes every path
-# and compiles once per shape.
-PREFILL_STRATEGY = Strategy(draw=True, sort=True)
 
 
 class QueueFull(Exception):
@@ -122,132 +115,6 @@ class Request:
     @property
     def strategy(self) -> Strategy:
         return Strategy.of(self.temperature, self.top_k, self.top_p)
-
-
-@struct.dataclass
-class Slots:
-    """The decode rows on the device."""
-
-    cache: KVCache
-    last_B: jax.Array  # [B] int32: the token to feed next
-    step_B: jax.Array  # [B] int32: tokens generated so far
-    max_new_B: jax.Array  # [B] int32
-    done_B: jax.Array  # [B] bool: stopped (a stop token or max_new); idles until freed
-    sampling: SamplingParams
-    key_B: jax.Array  # [B] typed keys
-    stop_S: jax.Array  # [n_stop] int32: the ids that end a request
-
-
-@struct.dataclass
-class Emitted:
-    """Per row, the tokens of K steps (NO_TOKEN where the row was done), their
-    log-probabilities and the `top` most likely tokens of each step."""
-
-    tokens_BK: jax.Array
-    logprobs_BK: jax.Array
-    top_ids_BKn: jax.Array
-    top_logprobs_BKn: jax.Array
-
-
-def _choose(logits_BV, key_B, step_B, sampling, strategy: Strategy, top: int):
-    """Each row's token of step `step_B` and the log-probabilities of its model distribution
-    (before temperature and filters): of the token, and of the `top` most likely ones."""
-    keys_B = jax.vmap(jax.random.fold_in)(key_B, step_B)
-    token_B = sample(logits_BV, keys_B, sampling, strategy)
-    logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32))
-    logprob_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], -1)[:, 0]
-    top_logprobs_Bn, top_ids_Bn = jax.lax.top_k(logprobs_BV, top)
-    return token_B, logprob_B, top_ids_Bn, top_logprobs_Bn
-
-
-def _advance(slots: Slots, token_B, active_B) -> Slots:
-    """The rows after `token_B` was emitted where `active_B`."""
-    step_B = slots.step_B + active_B
-    stopped_B = jnp.any(token_B[:, None] == slots.stop_S, axis=-1)
-    done_B = slots.done_B | (active_B & (stopped_B | (step_B >= slots.max_new_B)))
-    return slots.replace(last_B=jnp.where(active_B, token_B, slots.last_B), step_B=step_B,
-                         done_B=done_B)
-
-
-def _decode_steps(config, params, slots: Slots, n_steps: int, strategy, top):
-    def step(slots: Slots, _):
-        h_B1D, cache, _ = apply(config, params, slots.last_B[:, None], cache=slots.cache)
-        logits_BV = lm_head(config, params, h_B1D)[:, 0]
-        token_B, logprob_B, top_ids, top_logprobs = _choose(
-            logits_BV, slots.key_B, slots.step_B, slots.sampling, strategy, top)
-        active_B = ~slots.done_B
-        emitted = (jnp.where(active_B, token_B, NO_TOKEN), logprob_B, top_ids, top_logprobs)
-        return _advance(slots.replace(cache=cache), token_B, active_B), emitted
-
-    slots, (tokens_KB, logprobs_KB, top_ids_KBn, top_logprobs_KBn) = jax.lax.scan(
-        step, slots, length=n_steps)
-    return slots, Emitted(tokens_KB.T, logprobs_KB.T, jnp.swapaxes(top_ids_KBn, 0, 1),
-                          jnp.swapaxes(top_logprobs_KBn, 0, 1))
-
-
-@functools.partial(jax.jit, static_argnames=("config", "n_steps", "strategy", "top",
-                                             "placement"), donate_argnames=("slots",))
-def _decode(slots: Slots, params: Params, *, config: ModelConfig, n_steps: int,
-            strategy: Strategy, top: int, placement: tuple | None) -> tuple[Slots, Emitted]:
-    """`n_steps` decode steps of every row."""
-    with placed(placement):
-        return _decode_steps(config, params, slots, n_steps, strategy, top)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "cache_dtype", "layout", "placement",
-                                             "score_prompt"))
-def _prefill(params: Params, prompt_1T: jax.Array, n: jax.Array, sampling: SamplingParams,
-             key_1: jax.Array, *, config: ModelConfig, cache_dtype: str, layout: str,
-             placement: tuple | None, score_prompt: bool
-             ) -> tuple[KVCache, Emitted, Emitted | None]:
-    """The one-row cache of a request whose `n` prompt tokens end `prompt_1T` (left-padded to
-    T), its first token and, with `score_prompt`, the log-probabilities of the prompt's tokens
-    1..T-1 given those before them (and their top alternatives)."""
-    with placed(placement):
-        T = prompt_1T.shape[1]
-        one = init_cache(config, 1, T, cache_dtype, (T - n)[None], layout=layout)
-        h_1TD, one, _ = apply(config, params, prompt_1T, cache=one)
-        logits_1TV = lm_head(config, params, h_1TD if score_prompt else h_1TD[:, -1:])
-        token_1, logprob_1, top_ids, top_logprobs = _choose(
-            logits_1TV[:, -1], key_1, jnp.zeros((1,), jnp.int32), sampling, PREFILL_STRATEGY,
-            TOP_LOGPROBS)
-        first = Emitted(token_1[:, None], logprob_1[:, None], top_ids[:, None],
-                        top_logprobs[:, None])
-        if not score_prompt:
-            return one, first, None
-        logprobs_1TV = jax.nn.log_softmax(logits_1TV[:, :-1].astype(jnp.float32))
-        top_logprobs_1Tn, top_ids_1Tn = jax.lax.top_k(logprobs_1TV, TOP_LOGPROBS)
-        next_1T = prompt_1T[:, 1:]
-        return one, first, Emitted(next_1T, jnp.take_along_axis(
-            logprobs_1TV, next_1T[..., None], -1)[..., 0], top_ids_1Tn, top_logprobs_1Tn)
-
-
-@functools.partial(jax.jit, donate_argnames=("slots",))
-def _insert(slots: Slots, one: KVCache, first: Emitted, row: jax.Array, max_new: jax.Array,
-            sampling: SamplingParams, key_1: jax.Array) -> Slots:
-    """Row `row` holding a prefilled request: its one-row cache placed to end at the cache's
-    `end`, its settings, and its first token."""
-    one = shifted(resized(one, slots.cache.max_len), slots.cache.end - one.end)
-    put = lambda rows, value: rows.at[row].set(value[0])  # noqa: E731
-    slots = slots.replace(
-        cache=with_row(slots.cache, row, one), step_B=slots.step_B.at[row].set(0),
-        max_new_B=slots.max_new_B.at[row].set(max_new), done_B=slots.done_B.at[row].set(False),
-        key_B=put(slots.key_B, key_1), sampling=jax.tree.map(put, slots.sampling, sampling))
-    token_B = jnp.full_like(slots.last_B, first.tokens_BK[0, 0])
-    return _advance(slots, token_B, jnp.arange(token_B.shape[0]) == row)
-
-
-@functools.partial(jax.jit, static_argnames=("max_len",), donate_argnames=("slots",))
-def _rearrange(slots: Slots, shift: jax.Array, *, max_len: int) -> Slots:
-    """The rows' slots moved `shift` later, then the cache resized to `max_len` slots (grown
-    before the move, cut after it)."""
-    cache = slots.cache
-    if max_len > cache.max_len:
-        cache = resized(cache, max_len)
-    cache = shifted(cache, shift)
-    if max_len < cache.max_len:
-        cache = resized(cache, max_len)
-    return slots.replace(cache=cache)
 
 
 @dataclasses.dataclass
@@ -307,14 +174,10 @@ class Engine:
     def _reset(self) -> None:
         """Empty rows on a cache of the smallest size."""
         B, config = self.max_batch, self.config
-        cache = init_cache(config, B, self.min_slots, self.cache_dtype, layout=self.layout)
-        self.slots = Slots(
-            cache=cache, last_B=jnp.zeros((B,), jnp.int32), step_B=jnp.zeros((B,), jnp.int32),
-            max_new_B=jnp.ones((B,), jnp.int32), done_B=jnp.ones((B,), bool),
-            sampling=SamplingParams.broadcast(B), key_B=jax.random.split(jax.random.key(0), B),
-            stop_S=jnp.asarray(self.stop_ids, jnp.int32))
-        if self.placement is not None:
-            self.slots = jax.device_put(self.slots, sharding.replicated(self.placement[0]))
+        self.slots = self._run(programs.empty_slots, np.asarray(self.stop_ids, np.int32),
+                               config=config, batch=B, max_len=self.min_slots,
+                               cache_dtype=self.cache_dtype, layout=self.layout,
+                               placement=self.placement)
         self.owners: list[Request | None] = [None] * B
         self.dispatched = [0] * B  # each row's tokens once the programs dispatched have run
         self.end, self.size = 0, self.min_slots
@@ -344,7 +207,7 @@ class Engine:
         if end == self.end and size == self.size:
             return
         shift = end - self.end
-        self.slots = self._run(_rearrange, self.slots, np.int32(shift), max_len=size)
+        self.slots = self._run(programs.rearrange, self.slots, np.int32(shift), max_len=size)
         self.row_start = [s + shift for s in self.row_start]
         self.end, self.size = end, size
 
@@ -367,19 +230,19 @@ class Engine:
         return self._executables[key](*args)
 
     def _prefill(self, prompt_1T, n, sampling, key_1, score_prompt: bool = False):
-        return self._run(_prefill, self.params, prompt_1T, n, sampling, key_1,
+        return self._run(programs.prefill, self.params, prompt_1T, n, sampling, key_1,
                          config=self.config, cache_dtype=self.cache_dtype, layout=self.layout,
                          placement=self.placement, score_prompt=score_prompt)
 
     def _insert(self, b: int, one: KVCache, first: Emitted, max_new: int,
                 sampling: SamplingParams, key_1: jax.Array) -> None:
-        self.slots = self._run(_insert, self.slots, one, first, np.int32(b), np.int32(max_new),
-                               sampling, key_1)
+        self.slots = self._run(programs.insert, self.slots, one, first, np.int32(b),
+                               np.int32(max_new), sampling, key_1)
 
     def _decode(self, strategy: Strategy, top: int) -> Emitted:
-        self.slots, emitted = self._run(_decode, self.slots, self.params, config=self.config,
-                                        n_steps=self.steps, strategy=strategy, top=top,
-                                        placement=self.placement)
+        self.slots, emitted = self._run(programs.decode, self.slots, self.params,
+                                        config=self.config, n_steps=self.steps,
+                                        strategy=strategy, top=top, placement=self.placement)
         return emitted
 
     def _admit_into(self, b: int, request: Request) -> _Program:

@@ -142,7 +142,7 @@ class LayerCache:
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, max_len: int, dtype: str) -> "LayerCache":
         k, v = (_constrain_merged(kv_storage.zeros((batch, config.K * max_len, config.H), dtype,
-                                                   bits=True)) for _ in range(2))
+                                                   bits=True), max_len) for _ in range(2))
         return cls(k=k, v=v, max_len=max_len, dtype=dtype)
 
     def write(self, k_BTKH: jax.Array, v_BTKH: jax.Array, context: Context) -> "LayerCache":
@@ -151,7 +151,7 @@ class LayerCache:
                 cache_BCH = kv_storage.write(cache_BCH, x_BTKH[:, :, head],
                                              (0, head * self.max_len + context.end, 0),
                                              self.dtype)
-            return _constrain_merged(cache_BCH)
+            return _constrain_merged(cache_BCH, self.max_len)
         return self.replace(k=put(self.k, k_BTKH), v=put(self.v, v_BTKH))
 
     def attend(self, config: ModelConfig, q_BTNH: jax.Array, context: Context) -> jax.Array:
@@ -176,7 +176,7 @@ class LayerCache:
             a_BKSX = fn(a_BCX.reshape(B, C // self.max_len, self.max_len, *rest), 2)
             return a_BKSX.reshape(B, -1, *rest)
         def put(cache_BCH):
-            return _constrain_merged(kv_storage.map_stored(cache_BCH, per_head))
+            return _constrain_merged(kv_storage.map_stored(cache_BCH, per_head), max_len)
         return self.replace(k=put(self.k), v=put(self.v), max_len=max_len)
 
 
@@ -192,14 +192,20 @@ def cache_split(config: ModelConfig) -> tuple[str, int]:
 
 
 # On a mesh (`sharding.use_mesh`) caches are laid out by the cache rules, when created and
-# after every write (else XLA's propagation picks a layout from the weights). The merged layout
-# puts heads with slots, so only its rows can be split.
+# after every write (else XLA's propagation picks a layout from the weights).
 def _constrain_stacked(cache_LBKSH: jax.Array | Int8) -> jax.Array | Int8:
     return kv_storage.constrained(cache_LBKSH, (None, "batch", "kv_heads", "seq", "head_dim"))
 
 
-def _constrain_merged(cache_BCH: jax.Array | Int8) -> jax.Array | Int8:
-    return kv_storage.constrained(cache_BCH, ("batch", None, "head_dim"))
+def _constrain_merged(cache_BCH: jax.Array | Int8, max_len: int) -> jax.Array | Int8:
+    """The merged layout holds head k's slots in rows k·S .. k·S + S - 1, so it is laid out as
+    its [B, K, S, H] view: a split of the KV heads is a split of its merged axis into whole
+    heads' blocks, as the stacked cache's (and the planner's) is."""
+    B, C = (cache_BCH.values if isinstance(cache_BCH, Int8) else cache_BCH).shape[:2]
+    view_BKSX = kv_storage.map_stored(
+        cache_BCH, lambda a: a.reshape(B, C // max_len, max_len, a.shape[-1]))
+    view_BKSX = kv_storage.constrained(view_BKSX, ("batch", "kv_heads", "seq", "head_dim"))
+    return kv_storage.map_stored(view_BKSX, lambda a: a.reshape(B, C, a.shape[-1]))
 
 
 def saved_activations(config: ModelConfig, heads: int, kv_heads: int) -> dict[str, int]:

@@ -1,0 +1,263 @@
+"""A server's start-up check for a TPU slice or GPU node this host does not have: its largest
+programs compiled for the target, and whether the weights, the slots' KV cache and a prefill
+fit each device.
+
+    python -m llama_jax.aot.serving MODEL --topology v5e-8 --mesh tensor=8 --max-batch 64 \
+        --max-seq-len 8192 [--quantize int8] [--cache-dtype int8] [--json]
+    python -m llama_jax.serve --checkpoint DIR --compile-only --topology v5e-8 ...
+
+MODEL is a preset, a config file or a checkpoint directory (its config is read, not its
+weights). Without `--mesh` the server runs on one device, as `serve` does. The programs are the
+server's own (`decode/slots.py`) at their largest: the prefill of the longest prompt bucket,
+its insertion into the slots, and a dispatch of decode steps over the cache at its largest
+(`max_batch` rows of `max_seq_len` tokens plus slack) with every sampling path. While a prompt
+prefills, the slots stay on the device, so the server needs, per device, the most of: the
+decode program's peak, the insertion's, and the prefill's plus the slots. Beside it: the
+figure `serve` checks at start-up (the weights and the planner's KV cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+import jax
+
+from llama_jax.aot.compiled import ProgramMemory, compile_program
+from llama_jax.cli import user_errors_exit
+from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name, load_model_config
+from llama_jax.decode.generate import (DECODE_IMPLS, UNROLLED_BACKENDS, bucket,
+                                       cache_bytes_per_device)
+from llama_jax.decode.slots import lower_programs
+from llama_jax.errors import ConfigError, GenerateError
+from llama_jax.formats.checkpoint import checkpoint_config
+from llama_jax.formats.loading import placed_target
+from llama_jax.model.params import abstract_params, param_specs
+from llama_jax.model.transformer import unstack_layers
+from llama_jax.parallel import sharding, target, topology as topologies
+from llama_jax.parallel.devices import free_memory_bytes
+from llama_jax.plan import hardware
+from llama_jax.plan.costs import (SERVING_STEPS_PER_DISPATCH, format_bytes,
+                                  serving_cache_slots)
+from llama_jax.plan.info import parse_mesh
+from llama_jax.serve.flags import add_server_arguments
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingReport:
+    """`compile_serving`'s findings (bytes are per device)."""
+
+    target: str
+    platform: str
+    n_devices: int
+    mesh: dict[str, int]
+    versions: dict[str, str]
+    xla_flags: str
+    compiler_options: dict[str, str]
+    limit: int | None  # the memory XLA allows per device (this host: its free memory)
+    decode_impl: str
+    weights: str  # "bfloat16", "int8", ...
+    cache_dtype: str
+    max_batch: int
+    max_seq_len: int
+    cache_slots: int  # per row, at the cache's largest
+    parameters: int
+    cache: int  # the slots' KV cache as XLA lays it out
+    planned_cache: int  # the planner's figure for it, which `serve` checks at start-up
+    programs: tuple[ProgramMemory, ...]  # prefill, insert, decode
+
+    @property
+    def needs(self) -> dict[str, int]:
+        """What the server holds while each program runs: its peak, and beside a prefill the
+        slots' cache (which stays on the device but is not the prefill's argument)."""
+        return {p.name: p.total + (self.cache if p.name == "prefill" else 0)
+                for p in self.programs}
+
+    @property
+    def need(self) -> int:
+        """The most the server holds at once."""
+        return max(self.needs.values())
+
+    @property
+    def fits(self) -> bool:
+        return all(p.fits for p in self.programs) and (
+            self.limit is None or self.need <= self.limit)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"needs": self.needs, "need": self.need,
+                                           "fits": self.fits}
+
+
+def compile_serving(config: ModelConfig, topology: str | None = None, *,
+                    mesh: MeshConfig | None = None, max_batch: int = 8,
+                    max_seq_len: int | None = None, cache_dtype: str | None = None,
+                    decode_impl: str = "auto", steps: int = SERVING_STEPS_PER_DISPATCH,
+                    log: Callable[[str], None] = lambda _: None) -> ServingReport:
+    """Compiles the largest programs of a server of `config` (its dtypes and quantization as
+    it would load) for `topology` (None: this host's devices), on `mesh` (None: one device)."""
+    max_seq_len = max_seq_len or config.max_seq_len
+    if not 1 <= max_seq_len <= config.max_seq_len:
+        raise GenerateError(f"--max-seq-len {max_seq_len} must be in [1, {config.max_seq_len}] "
+                            "(the model's context)")
+    if decode_impl not in DECODE_IMPLS or max_batch < 1 or steps < 1:
+        raise GenerateError(f"decode_impl={decode_impl!r} must be one of "
+                            f"{', '.join(DECODE_IMPLS)}; max_batch={max_batch} and "
+                            f"steps={steps} must be >= 1")
+    cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
+    if topology is None:  # what `serve` checks against: the memory free now
+        devices, described, limit = jax.devices(), "this host", free_memory_bytes()
+    else:
+        named = topologies.parse(topology)
+        devices, described = topologies.devices(named), named.describe()
+        limit = hardware.HARDWARE[named.hardware].memory_bytes
+    platform = target.platform_name(devices[0])
+    if decode_impl == "auto":  # the server drops the stacked weights: one copy either way
+        decode_impl = "unrolled" if platform in UNROLLED_BACKENDS else "scan"
+    params = _placed_params(config, devices, mesh)
+    if decode_impl == "unrolled":
+        params = _per_layer(params)
+    cache_slots = serving_cache_slots(max_seq_len, steps)
+    prompt = min(bucket(max_seq_len - 1), max_seq_len)
+    log(f"compiling a server of {max_batch} x {max_seq_len} tokens for {described}")
+    programs = []
+    with target.compiling_for(devices):
+        lowered, slots = lower_programs(
+            config, params, max_batch=max_batch, prompt_len=prompt, cache_slots=cache_slots,
+            steps=steps, cache_dtype=cache_dtype, mesh_config=mesh,
+            layout="stacked" if decode_impl == "scan" else "per_layer")
+        options = target.compiler_options()
+        for name, program in lowered.items():
+            memory, _ = compile_program(name, lambda: program, options, platform)
+            log(f"{name}: compiled in {memory.compile_s:.1f} s")
+            programs.append(memory)
+    mesh_shape = dict(m.shape) if (m := sharding.mesh_of(params)) is not None else {}
+    return ServingReport(
+        target=described, platform=platform,
+        n_devices=len(devices) if mesh is not None else 1, mesh=mesh_shape,
+        versions=topologies.compiler_versions(platform) if topology else {},
+        xla_flags=os.environ.get("XLA_FLAGS", ""), compiler_options=options,
+        limit=limit, decode_impl=decode_impl,
+        weights=config.quantize or config.param_dtype, cache_dtype=cache_dtype,
+        max_batch=max_batch, max_seq_len=max_seq_len, cache_slots=cache_slots,
+        parameters=sharding.bytes_per_device(params),
+        cache=sharding.bytes_per_device(slots.cache.groups),  # the stored keys and values
+        planned_cache=cache_bytes_per_device(config, params, max_batch, cache_slots,
+                                             cache_dtype, mesh),
+        programs=tuple(programs))
+
+
+def _placed_params(config: ModelConfig, devices: list, mesh: MeshConfig | None):
+    """The abstract parameters as the server would load them: on a mesh of `devices` by the
+    weight rules, or on the first device."""
+    if mesh is None:
+        one = jax.sharding.SingleDeviceSharding(devices[0])
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
+                            abstract_params(config))
+    device_mesh = sharding.make_mesh(mesh, devices)
+    return placed_target(config, lambda c: sharding.param_shardings(param_specs(c),
+                                                                    device_mesh, mesh))
+
+
+def _per_layer(params):
+    """The unrolled decoder's weights (`unstack_layers`) from abstract stacked ones: each
+    layer's leaf laid out as its stack was, less the layer axis."""
+    def layer_of(stacked: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        placed = stacked.sharding
+        if isinstance(placed, jax.sharding.NamedSharding):
+            placed = jax.sharding.NamedSharding(placed.mesh,
+                                                jax.sharding.PartitionSpec(*placed.spec[1:]))
+        return jax.ShapeDtypeStruct(stacked.shape[1:], stacked.dtype, sharding=placed)
+
+    unstacked = jax.eval_shape(unstack_layers, params)  # the structure; shardings come next
+    groups = tuple(tuple(jax.tree.map(layer_of, stack) for _ in layers)
+                   for layers, stack in zip(unstacked["groups"], params["groups"]))
+    return {**params, "groups": groups}
+
+
+def render(report: ServingReport) -> str:
+    """The report as text: the target and the compiler, the server's shape, then per device
+    the weights, the cache and each program beside what the start-up check counts."""
+    versions = ", ".join(f"{k} {v}" for k, v in report.versions.items()) or "the host's jax"
+    mesh = ", ".join(f"{k}={v}" for k, v in report.mesh.items()) or "one device"
+    limit = "-" if report.limit is None else format_bytes(report.limit)
+    lines = [
+        f"target     {report.target}; {mesh}",
+        f"compiler   {versions}",
+        f"server     {report.max_batch} slots x {report.max_seq_len} tokens ({report.cache_slots}"
+        f" cache positions each); {report.weights} weights, {report.cache_dtype} KV cache, "
+        f"{report.decode_impl} decoder",
+        "per device           XLA            start-up check",
+        f"  weights            {format_bytes(report.parameters):>12}   "
+        f"{format_bytes(report.parameters):>12}",
+        f"  KV cache (slots)   {format_bytes(report.cache):>12}   "
+        f"{format_bytes(report.planned_cache):>12}",
+    ]
+    for program in report.programs:
+        lines += program.report_lines(report.limit)
+    if all(p.fits for p in report.programs):
+        verdict = "fits" if report.fits else "does not fit"
+        largest = max(report.needs, key=report.needs.get)
+        beside = ", the prefill beside the slots" if largest == "prefill" else ""
+        lines.append(f"server: {verdict}: needs {format_bytes(report.need)} of {limit} per "
+                     f"device (while the {largest} runs{beside})")
+    else:
+        lines.append("server: does not fit")
+    return "\n".join(lines)
+
+
+def model_config(name_or_path: str, dtype: str | None, quantize: str | None,
+                 quantize_head: bool, attention_impl: str) -> ModelConfig:
+    """The config a server of `name_or_path` (a preset, a config file or a checkpoint
+    directory) runs: in `dtype` (None: as given), quantized as asked."""
+    config = (checkpoint_config(name_or_path) if Path(name_or_path).is_dir()
+              else load_model_config(name_or_path))
+    dtype = dtype or config.param_dtype
+    return config.with_execution(param_dtype=dtype, compute_dtype=dtype, quantize=quantize,
+                                 quantize_head=quantize_head, attention_impl=attention_impl)
+
+
+def report_for(model: str, args: argparse.Namespace, mesh: MeshConfig | None) -> ServingReport:
+    """`compile_serving` of `model` as the parsed server flags `args` ask."""
+    try:
+        config = model_config(model, args.dtype, args.quantize, args.quantize_head,
+                              args.attention_impl)
+    except ConfigError as e:
+        raise GenerateError(f"{model}: {e}") from None
+    return compile_serving(config, args.topology, mesh=mesh, max_batch=args.max_batch,
+                           max_seq_len=args.max_seq_len, cache_dtype=args.cache_dtype,
+                           decode_impl=args.decode_impl, steps=args.steps_per_dispatch,
+                           log=lambda line: print(line, file=sys.stderr, flush=True))
+
+
+def print_report(report: ServingReport, as_json: bool) -> int:
+    """Prints `report` (text or one JSON object); the exit status: 0 if it fits, else 1."""
+    print(json.dumps(report.as_dict(), indent=1) if as_json else render(report))
+    return 0 if report.fits else 1
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m llama_jax.aot.serving",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="preset (e.g. llama3-8b), config file or checkpoint "
+                        "directory")
+    parser.add_argument("--topology", default=None,
+                        help="v5e-8, v5p-8, h100x8, ... (default: this host's devices)")
+    add_server_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser.parse_args(argv)
+
+
+@user_errors_exit
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    mesh = parse_mesh(args.mesh) if args.mesh else None
+    return print_report(report_for(args.model, args, mesh), args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

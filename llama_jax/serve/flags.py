@@ -1,0 +1,32 @@
+"""The flags that shape a server's device programs, shared by `python -m llama_jax.serve` and
+the check that compiles them for another target (`python -m llama_jax.aot.serving`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from llama_jax.cli import add_int8_arguments
+from llama_jax.config import DTYPES
+from llama_jax.decode.generate import DECODE_IMPLS
+from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
+from llama_jax.plan.costs import SERVING_STEPS_PER_DISPATCH
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's shape: its slots, dtypes, int8 weights and cache, attention and
+    decoder, mesh and decode steps per dispatch."""
+    parser.add_argument("--max-batch", type=int, default=8, help="decode slots")
+    parser.add_argument("--max-seq-len", type=int, default=None,
+                        help="tokens per request, prompt and output (default: the model's "
+                             "context)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="parameter and compute dtype (default: as stored)")
+    add_int8_arguments(parser, cache_default="the compute dtype")
+    parser.add_argument("--attention-impl", choices=ATTENTION_IMPLS, default="auto",
+                        help="how prompts' attention is computed")
+    parser.add_argument("--decode-impl", choices=DECODE_IMPLS, default="auto")
+    parser.add_argument("--mesh", default=None,
+                        help="place the parameters on a mesh of the devices, e.g. "
+                             "data=1,fsdp=1,tensor=8")
+    parser.add_argument("--steps-per-dispatch", type=int, default=SERVING_STEPS_PER_DISPATCH,
+                        help="decode steps per device program")
