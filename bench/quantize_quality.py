@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 import llama_jax
-from llama_jax.data.corpus import cache_root, find_corpus, tokenize_corpus
+from llama_jax.data.corpus import corpus_tokens
 from llama_jax.formats.workdir import run_config
 
 VARIANTS = {  # name: (weights quantized, KV-cache dtype)
@@ -35,12 +35,12 @@ PROMPT, NEW = 32, 64
 def validation_windows(checkpoint: str, n: int) -> tuple[np.ndarray, int]:
     """The first `n` windows of seq_len tokens of the run's validation split."""
     run = run_config(Path(checkpoint))
-    corpus = find_corpus(run.data.corpus, run.data.val_fraction)
     tokenizer = llama_jax.load_tokenizer(checkpoint)
-    tokens = np.asarray(tokenize_corpus(corpus, tokenizer, cache_root(), lambda _: None).val)
+    tokens = corpus_tokens(run.data.corpus, run.data.val_fraction, tokenizer,
+                           lambda _: None).val
     T = run.train.seq_len
     n = min(n, len(tokens) // T)
-    return tokens[:n * T].reshape(n, T), T
+    return tokens[:n * T].astype(np.int32).reshape(n, T), T
 
 
 def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> list[int]:

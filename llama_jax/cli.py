@@ -9,9 +9,7 @@ import logging
 import sys
 from typing import Callable
 
-from llama_jax.dtypes import CACHE_DTYPES
 from llama_jax.errors import UserError
-from llama_jax.quant import QUANTIZATIONS
 
 
 def user_errors_exit(main: Callable[..., int | None]) -> Callable[..., int]:
@@ -52,6 +50,11 @@ def show_library_notes() -> None:
 def add_int8_arguments(parser: argparse.ArgumentParser, cache_default: str) -> None:
     """`--quantize`, `--quantize-head` and `--cache-dtype` (whose default `cache_default`
     describes)."""
+    # imported here: a CLI that never decodes (data.prepare, whose workers import it) does not
+    # load JAX
+    from llama_jax.dtypes import CACHE_DTYPES
+    from llama_jax.quant import QUANTIZATIONS
+
     parser.add_argument("--quantize", choices=QUANTIZATIONS, default=None,
                         help="the blocks' matmul weights as int8 values with per-channel "
                              "scales, quantized while loading (default: as stored)")

@@ -1,6 +1,7 @@
 """The data pipeline: corpus split, tokenizer training, token cache, packing, iterator state."""
 
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +23,8 @@ def prepared(corpus_dir, tmp_path_factory):
     corpus = corpora.find_corpus(str(corpus_dir), 0.1)
     tokenizer = corpora.prepare_tokenizer(DataConfig(corpus=str(corpus_dir)), corpus, VOCAB,
                                        workdir, log=lambda _: None)
-    tokens = corpora.tokenize_corpus(corpus, tokenizer, corpora.cache_root(), log=lambda _: None)
-    return corpus, tokenizer, tokens
+    return corpus, tokenizer, corpora.corpus_tokens(str(corpus_dir), 0.1, tokenizer,
+                                                    log=lambda _: None)
 
 
 def test_split_holds_out_whole_documents_stably(corpus_dir, tmp_path):
@@ -65,27 +66,47 @@ def test_trained_tokenizer_round_trips_text_verbatim(prepared):
     assert len(ids) < len(text.encode())  # it learned merges, not just bytes
 
 
-def test_token_cache_is_bos_doc_eos_and_is_reused(prepared, monkeypatch):
+def test_a_raw_corpus_is_prepared_once_as_bos_doc_eos(prepared, monkeypatch):
+    """The tokens are the documents' `BOS doc EOS` in the corpus's order (what the reader
+    before prepared shards wrote), and a second run opens the prepared form again."""
     corpus, tokenizer, tokens = prepared
-    expected = np.concatenate([tokenizer.encode(corpora.read_document(p), bos=True, eos=True)
-                               for p in corpus.val])
-    np.testing.assert_array_equal(tokens.val, expected)
-    assert isinstance(tokens.train, np.memmap) and tokens.train.dtype == np.uint16
-    monkeypatch.setattr(corpora, "_write_tokens", lambda *a: pytest.fail("re-tokenized"))
-    again = corpora.tokenize_corpus(corpus, tokenizer, corpora.cache_root(), log=lambda _: None)
-    assert again.cache_dir == tokens.cache_dir
+    for split in ("train", "val"):
+        expected = np.concatenate([tokenizer.encode(corpora.read_document(p), bos=True,
+                                                    eos=True) for p in getattr(corpus, split)])
+        np.testing.assert_array_equal(np.asarray(getattr(tokens, split)), expected)
+    assert tokens.train.dtype == np.uint16 and (tokens.dataset / "meta.json").is_file()
+    monkeypatch.setattr(corpora, "prepare", lambda *a, **k: pytest.fail("prepared again"))
+    again = corpora.corpus_tokens(str(corpus.root), 0.1, tokenizer, log=lambda _: None)
+    assert again.dataset == tokens.dataset
 
 
-def test_changing_a_document_invalidates_the_cache(prepared, tmp_path):
+def test_changing_a_document_prepares_afresh(prepared, tmp_path):
     corpus, tokenizer, tokens = prepared
-    copy = shutil.copytree(corpus.root, tmp_path / "docs")
+    copy = shutil.copytree(corpus.root, tmp_path / "docs")  # names, sizes and times kept
+    same = corpora.corpus_tokens(str(copy), 0.1, tokenizer, log=lambda _: None)
+    assert same.dataset == tokens.dataset  # not the location
     changed = corpora.find_corpus(str(copy), 0.1)
-    same = corpora.tokenize_corpus(changed, tokenizer, corpora.cache_root(), log=lambda _: None)
-    assert same.cache_dir == tokens.cache_dir  # content, not location, is the key
     changed.train[0].write_text(changed.train[0].read_text() + "\nmore text\n")
-    other = corpora.tokenize_corpus(changed, tokenizer, corpora.cache_root(), log=lambda _: None)
-    assert other.cache_dir != tokens.cache_dir
+    other = corpora.corpus_tokens(str(copy), 0.1, tokenizer, log=lambda _: None)
+    assert other.dataset != tokens.dataset
     assert len(other.train) > len(tokens.train)
+
+
+def test_a_prepared_corpus_is_read_with_its_own_tokenizer_only(prepared, tmp_path):
+    corpus, tokenizer, tokens = prepared
+    workdir = tmp_path / "run"
+    data = DataConfig(corpus=str(tokens.dataset))
+    kept = corpora.corpus_tokenizer(data, VOCAB, workdir, log=lambda _: None)
+    assert (workdir / "tokenizer.model").read_bytes() == Path(tokenizer.path).read_bytes()
+    opened = corpora.corpus_tokens(data.corpus, 0.1, kept, log=lambda _: None)
+    np.testing.assert_array_equal(np.asarray(opened.val), np.asarray(tokens.val))
+    (tmp_path / "other").mkdir()
+    other = corpora.prepare_tokenizer(DataConfig(corpus=str(corpus.root)), corpus, VOCAB - 64,
+                                      tmp_path / "other", log=lambda _: None)
+    with pytest.raises(DataError, match="prepared with another tokenizer"):
+        corpora.corpus_tokens(data.corpus, 0.1, other, log=lambda _: None)
+    with pytest.raises(DataError, match="more than model.vocab_size=256"):
+        corpora.corpus_tokenizer(data, 256, tmp_path / "small", log=lambda _: None)
 
 
 def test_features_match_a_reference_loop():
@@ -158,3 +179,31 @@ def test_batches_of_one_row_are_the_same_windows_in_the_same_order():
     for _ in range(7):  # into the second epoch
         np.testing.assert_array_equal(next(pairs), np.concatenate([next(singles),
                                                                    next(singles)]))
+
+
+def test_a_mixture_draws_each_source_by_weight_for_any_process_count():
+    """Three sources of distinct tokens: over 10k sequences each source's share is its weight
+    (to 1%), each process reads its rows of the same global batches, and a restored iterator
+    continues the sequence."""
+    rng = np.random.default_rng(0)
+    sources = [(rng.integers(100 * i, 100 * i + 100, n).astype(np.uint16), w)
+               for i, (n, w) in enumerate([(20_000, 6.0), (3_000, 3.0), (50_000, 1.0)])]
+    seq, batch = 16, 40
+    whole = batches.mixed_batches(sources, seq, batch, seed=3)
+    rows = np.concatenate([next(whole) for _ in range(250)])  # 10,000 sequences
+    shares = np.bincount(rows[:, 0] // 100, minlength=3) / len(rows)
+    np.testing.assert_allclose(shares, [0.6, 0.3, 0.1], atol=0.01)
+    assert all(len(set(r // 100)) == 1 for r in rows)  # a window comes from one source
+    first = batches.mixed_batches(sources, seq, batch, seed=3)
+    halves = [batches.mixed_batches(sources, seq, batch, seed=3, process_index=p,
+                                    process_count=2) for p in range(2)]
+    for _ in range(3):
+        parts = [next(h) for h in halves]
+        merged = np.empty_like(np.concatenate(parts))
+        merged[0::2], merged[1::2] = parts
+        np.testing.assert_array_equal(merged, next(first))
+    restored = batches.mixed_batches(sources, seq, batch, seed=3)
+    restored.set_state(halves[0].get_state())
+    np.testing.assert_array_equal(next(restored), next(first))
+    other_seed = batches.mixed_batches(sources, seq, batch, seed=4)
+    assert not np.array_equal(next(other_seed), rows[:batch])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from llama_jax.config import DataConfig
-from llama_jax.data import corpus as corpora, prepare as prep
+from llama_jax.data import corpus as corpora, documents, prepare as prep
 from llama_jax.errors import DataError
 
 VOCAB = 512
@@ -26,7 +26,7 @@ def tokenizer(corpus_dir, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def small_units(monkeypatch):
-    monkeypatch.setattr(prep, "UNIT_BYTES", 100_000)  # several units from the test corpus
+    monkeypatch.setattr(documents, "UNIT_BYTES", 100_000)  # several units from the test corpus
 
 
 def run(inputs, tokenizer, out, **kw):
@@ -45,15 +45,16 @@ def split_tokens(out: Path, split: str) -> np.ndarray:
                                        meta["dtype"]) for s in meta["shards"]])
 
 
-def test_prepared_tokens_are_the_raw_readers_for_any_workers_and_hosts(corpus_dir, tokenizer,
+def test_prepared_tokens_are_the_documents_for_any_workers_and_hosts(corpus_dir, tokenizer,
                                                                        tmp_path):
     one = tmp_path / "one"
     meta = run([corpus_dir], tokenizer, one)
     assert len(meta["shards"]) >= 4
-    raw = corpora.tokenize_corpus(corpora.find_corpus(str(corpus_dir), 0.1), tokenizer,
-                                  tmp_path / "cache", log=lambda _: None)
-    for split in ("train", "val"):
-        np.testing.assert_array_equal(split_tokens(one, split), np.asarray(getattr(raw, split)))
+    corpus = corpora.find_corpus(str(corpus_dir), 0.1)
+    for split in ("train", "val"):  # the raw reader's split and order
+        expected = np.concatenate([tokenizer.encode(corpora.read_document(p), bos=True,
+                                                    eos=True) for p in getattr(corpus, split)])
+        np.testing.assert_array_equal(split_tokens(one, split), expected)
     offsets = np.fromfile(one / "shards" / "00000.train.idx", np.uint64)
     tokens = np.fromfile(one / "shards" / "00000.train.bin", meta["dtype"])
     assert offsets[-1] == tokens.size and (tokens[offsets[:-1].astype(int)] ==
@@ -125,12 +126,12 @@ def test_non_utf8_text_is_named_by_file_and_line(tokenizer, tmp_path):
 
 
 def test_a_long_document_is_encoded_in_pieces_at_line_ends(tokenizer, tmp_path, monkeypatch):
-    monkeypatch.setattr(prep, "PIECE_BYTES", 64)
+    monkeypatch.setattr(documents, "PIECE_BYTES", 64)
     text = "".join(f"line {i} of a long document\n" for i in range(50))
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "long.txt").write_text(text)
     (tmp_path / "src" / "other.txt").write_text("x = 1\n")
-    pieces = list(prep.text_pieces(tmp_path / "src" / "long.txt", "long.txt"))
+    pieces = list(documents.text_pieces(tmp_path / "src" / "long.txt", "long.txt"))
     assert len(pieces) > 10 and "".join(pieces) == text
     assert all(p.endswith("\n") for p in pieces)
     meta = run([tmp_path / "src"], tokenizer, tmp_path / "out", val_fraction=0.0)

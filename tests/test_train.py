@@ -3,6 +3,7 @@ loop (exact resume, SIGTERM, crash while saving, metrics, bad input)."""
 
 import dataclasses
 import functools
+import json
 import os
 import shutil
 import signal
@@ -216,6 +217,21 @@ def test_stop_and_resume_equals_training_straight_through(run, straight, tmp_pat
     _assert_same_run(tmp_path, straight)
 
 
+def test_a_checkpoint_with_per_process_data_files_resumes_exactly(run, straight, tmp_path):
+    """A checkpoint written before the data position was saved once (grain's files, one per
+    process of a 3-process run) resumes where it stood."""
+    quiet(run, tmp_path, stop_at=4)
+    step = tmp_path / run_dir.CHECKPOINTS / "4"
+    position = json.loads((step / "data_state" / "metadata").read_text())
+    assert position == {"next_index": 4}
+    shutil.rmtree(step / "data_state")
+    (step / "data").mkdir()
+    for i in range(3):
+        (step / "data" / f"process_{i}-of-3.json").write_text(json.dumps(position))
+    quiet(run, tmp_path)
+    _assert_same_run(tmp_path, straight)
+
+
 def test_a_bf16_first_moment_is_checkpointed_and_resumes_exactly(run, tmp_path):
     bf16 = dataclasses.replace(run, train=dataclasses.replace(TRAIN, mu_dtype="bfloat16"))
     quiet(bf16, tmp_path / "straight")
@@ -363,7 +379,7 @@ def test_empty_and_unreadable_corpora(run, straight, tmp_path):
     shutil.copytree(run.data.corpus, broken)
     (broken / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 50)
     given = DataConfig(corpus=str(broken), tokenizer=str(straight / "tokenizer.model"))
-    with pytest.raises(DataError, match=r"latin1.txt: cannot read as UTF-8"):
+    with pytest.raises(DataError, match=r"latin1.txt: line 1: not UTF-8"):
         quiet(dataclasses.replace(run, data=given), tmp_path / "w2")
 
 
@@ -479,3 +495,30 @@ def test_an_moe_run_logs_its_router_metrics_and_resumes_exactly(corpus_dir, tmp_
             assert r[prefix + "moe_load_balancing_loss"] > 0
     bias = load_checkpoint(tmp_path / "straight")[1]["groups"][1]["mlp"]["selection_bias"]
     assert np.abs(np.asarray(bias)).max() > 0  # moved by the rule (its gradient is zero)
+
+
+def test_a_mixture_logs_each_source_and_resumes_exactly(run, corpus_dir, tmp_path):
+    """Two sources (the corpus, raw; a prepared dataset of its sub/ directory, 1:3): the
+    validation metrics per source and overall, and stop + resume == straight through."""
+    from llama_jax.data.prepare import prepare
+
+    quiet(run, tmp_path / "first", stop_at=1)  # a tokenizer of the corpus
+    tokenizer = shutil.copy(tmp_path / "first" / "tokenizer.model", tmp_path / "tok.model")
+    prepared = tmp_path / "sub-prepared"
+    prepare([str(corpus_dir / "sub")], tokenizer, prepared, val_fraction=0.3,
+            log=lambda _: None, progress=False)
+    sources = [{"path": str(corpus_dir), "weight": 1, "name": "all"},
+               {"path": str(prepared), "weight": 3, "name": "sub"}]
+    mixed = dataclasses.replace(run, data=DataConfig(sources=sources, tokenizer=str(tokenizer)))
+    straight_dir = tmp_path / "straight"
+    quiet(mixed, straight_dir)
+    records = metrics.read(straight_dir / run_dir.METRICS)
+    evaluated = [r for r in records if "val_loss" in r]
+    assert evaluated and all({"val_loss_all", "val_loss_sub", "val_ppl_sub"} <= r.keys()
+                             for r in evaluated)
+    for r in evaluated:  # the overall loss lies between the sources'
+        low, high = sorted((r["val_loss_all"], r["val_loss_sub"]))
+        assert low <= r["val_loss"] <= high
+    quiet(mixed, tmp_path / "resumed", stop_at=4)
+    quiet(mixed, tmp_path / "resumed")
+    _assert_same_run(tmp_path / "resumed", straight_dir)

@@ -16,12 +16,12 @@ from pathlib import Path
 
 from llama_jax.config.fields import ROLES, reference_rows
 from llama_jax.config.model import MlaConfig, ModelConfig, MoeConfig, RopeScaling
-from llama_jax.config.run import DataConfig, MeshConfig, TaskConfig, TrainConfig
+from llama_jax.config.run import DataConfig, MeshConfig, SourceConfig, TaskConfig, TrainConfig
 
 DOCUMENT = Path(__file__).resolve().parent.parent.parent / "docs" / "config-reference.md"
 SECTIONS = (("model", ModelConfig), ("model.rope_scaling", RopeScaling), ("model.mla", MlaConfig),
             ("model.moe", MoeConfig), ("train", TrainConfig), ("data", DataConfig),
-            ("mesh", MeshConfig), ("task", TaskConfig))
+            ("data.sources[]", SourceConfig), ("mesh", MeshConfig), ("task", TaskConfig))
 
 
 def render() -> str:

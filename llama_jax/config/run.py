@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from pathlib import Path
 from typing import Any, Mapping
 
 from llama_jax.config.fields import build_section, check_settings, setting
@@ -83,11 +84,33 @@ DEFAULT_CORPUS = "/usr/share/doc/python3.11/html/_sources"
 
 
 @dataclasses.dataclass(frozen=True)
+class SourceConfig:
+    """One corpus of a weighted mixture (an entry of `data.sources`)."""
+
+    path: str = setting(type="str", doc="a prepared dataset, or a raw corpus (as data.corpus)")
+    weight: float = setting(type="float", above=0,
+                            doc="its share of the training sequences, relative to the others'")
+    name: str | None = setting(None, type="str", null=True,
+                               doc="its validation metrics' suffix; null: the path's last part")
+
+    def __post_init__(self):
+        check_settings(self)
+        if self.name is None:
+            object.__setattr__(self, "name", Path(self.path.rstrip("/")).name or "source")
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Where the text comes from and how it is split (the `data:` section)."""
 
     corpus: str = setting(DEFAULT_CORPUS, type="str",
-                          doc="a directory (every file below it) or a glob; one document each")
+                          doc="a prepared dataset (python -m llama_jax.data.prepare), or a raw "
+                              "corpus: a directory (every file below it) or a glob, one "
+                              "document each")
+    sources: tuple[SourceConfig, ...] | None = setting(
+        None, type="list", null=True,
+        doc="a weighted mixture instead of corpus: a list of {path, weight, name}; the "
+            "tokenizer is data.tokenizer, else the first source's")
     tokenizer: str | None = setting(None, type="str", null=True,
                                     doc="a tokenizer.model; null: train SentencePiece BPE on "
                                         "the corpus")
@@ -98,6 +121,35 @@ class DataConfig:
 
     def __post_init__(self):
         check_settings(self)
+        if self.sources is None:
+            return
+        require(isinstance(self.sources, (list, tuple)) and len(self.sources) > 0, "sources",
+                self.sources, "must be a non-empty list of {path, weight} entries")
+        sources = tuple(s if isinstance(s, SourceConfig) else
+                        build_section(SourceConfig, _mapping(s, f"sources[{i}]"),
+                                      f"sources[{i}]") for i, s in enumerate(self.sources))
+        names = [s.name for s in sources]
+        require(len(set(names)) == len(names), "sources", names,
+                "must have distinct names (give each a name:)")
+        object.__setattr__(self, "sources", sources)
+
+    @property
+    def corpora(self) -> tuple[SourceConfig, ...]:
+        """What the run reads: the sources, or the corpus alone (weight 1)."""
+        return self.sources or (SourceConfig(self.corpus, 1.0, "corpus"),)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        if self.sources is None:  # a one-corpus run's file is as before mixtures
+            del out["sources"]
+        else:
+            out["sources"] = [dataclasses.asdict(s) for s in self.sources]
+        return out
+
+
+def _mapping(value: Any, where: str) -> Mapping[str, Any]:
+    require(isinstance(value, Mapping), where, value, "must be a mapping {path, weight, name}")
+    return value
 
 
 def task_kinds() -> tuple[str, ...]:
@@ -250,7 +302,7 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         out = {"model": self.model.to_dict(), "train": dataclasses.asdict(self.train),
-               "data": dataclasses.asdict(self.data), "mesh": self.mesh.to_dict()}
+               "data": self.data.to_dict(), "mesh": self.mesh.to_dict()}
         if self.train.freeze == "none":  # a pretraining run's file is as before fine-tuning
             del out["train"]["freeze"]
         if self.task is not None:

@@ -44,11 +44,17 @@ def train_batches(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
     checkpoint. Each of `process_count` processes reads only its own `batch_size /
     process_count` rows `[rows, seq_len + 1]` of every global batch (every process_count-th
     window of the shuffled order)."""
+    return shuffled_batches(_enough_windows(tokens, seq_len, batch_size), batch_size, seed,
+                            process_index, process_count)
+
+
+def _enough_windows(tokens: np.ndarray, seq_len: int, at_least: int) -> Windows:
     windows = Windows(tokens, seq_len)
-    if len(windows) < batch_size:
-        raise DataError(f"the training split has {len(tokens)} tokens: fewer than one batch of "
-                        f"{batch_size} sequences of {seq_len} tokens")
-    return shuffled_batches(windows, batch_size, seed, process_index, process_count)
+    if len(windows) < at_least:
+        raise DataError(f"the training split has {len(tokens)} tokens: fewer than "
+                        f"{'one batch of ' * (at_least > 1)}{at_least} sequence"
+                        f"{'s' * (at_least > 1)} of {seq_len} tokens")
+    return windows
 
 
 def shuffled_batches(source, batch_size: int, seed: int, process_index: int = 0,
@@ -56,10 +62,39 @@ def shuffled_batches(source, batch_size: int, seed: int, process_index: int = 0,
     """Endless batches of a random-access source (`len`, `[i]`: packed windows, or a task's
     padded examples), shuffled by seed and reshuffled every epoch; each of `process_count`
     processes reads only its `batch_size / process_count` rows of every global batch."""
-    # Endless in practice (2^62 items) but of finite length: grain's `batch` overflows
-    # computing the length of an infinite dataset in batches of one row.
+    return _batched(_endless(source, seed), batch_size, process_index, process_count)
+
+
+def mixed_batches(sources: list[tuple[np.ndarray, float]], seq_len: int, batch_size: int,
+                  seed: int, process_index: int = 0, process_count: int = 1
+                  ) -> grain.DatasetIterator:
+    """Endless batches of packed windows drawn from several token arrays in proportion to
+    their weights: grain's `MapDataset.mix` interleaves the sources' shuffled windows so that
+    every stretch of sequences holds each source's share (to within one sequence), the same
+    for any seed and process count. Source i is shuffled with a seed of its own."""
+    datasets = []
+    for i, (tokens, _) in enumerate(sources):
+        windows = _enough_windows(tokens, seq_len, 1)
+        own_seed = int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
+        datasets.append(_endless(windows, own_seed))
+    weights = [w for _, w in sources]
+    return _batched(grain.MapDataset.mix(datasets, weights), batch_size, process_index,
+                    process_count)
+
+
+def _endless(source, seed: int) -> grain.MapDataset:
+    """`source` shuffled by `seed`, reshuffled every epoch, endless in practice (2^62 items)
+    but of finite length: grain's `batch` overflows computing the length of an infinite
+    dataset in batches of one row."""
     epochs = sys.maxsize // 2 // len(source)
-    dataset = grain.MapDataset.source(source).shuffle(seed=seed).repeat(epochs)
+    return grain.MapDataset.source(source).shuffle(seed=seed).repeat(epochs)
+
+
+def _batched(dataset: grain.MapDataset, batch_size: int, process_index: int,
+             process_count: int) -> grain.DatasetIterator:
+    """This process's rows of each global batch: global batch b is items [b·B, (b+1)·B), and
+    process p takes every process_count-th of them from the p-th. Its iterator's state (the
+    next batch's index) is the same in every process and for any process count."""
     if process_count > 1:
         dataset = dataset[process_index::process_count]
     return iter(dataset.batch(batch_size // process_count).to_iter_dataset())

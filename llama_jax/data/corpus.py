@@ -1,15 +1,18 @@
-"""Training text: a corpus of documents → tokenizer → cached token arrays (batches.py packs them).
+"""Training text: a corpus → its tokenizer → its tokens, as prepared shards (batches.py packs
+them).
 
-- A corpus is a directory (every file below it, hidden ones skipped) or a glob; one document per
-  file, read as UTF-8. Documents go to the validation split by a hash of their path relative to
-  the corpus root, so the split is stable when files are added or the corpus moves.
-- The tokenizer is given (`data.tokenizer`) or trained with SentencePiece on the training split
-  (`tokenizer.train_sentencepiece`) and kept in the workdir.
-- Each split is tokenized once into one flat memory-mapped array, `BOS doc EOS BOS doc EOS ...`,
-  cached in a directory named by a hash of the corpus content, the split and the tokenizer file,
-  so changing any of them tokenizes afresh. The cache is written to a temporary directory and
-  renamed into place, so an interrupted run never leaves a half-written cache behind.
-- Batches of the cached tokens: `data.batches`.
+- A corpus is a prepared dataset (`python -m llama_jax.data.prepare`: a directory with
+  plan.json and meta.json), or a raw one: a directory (every file below it, hidden ones
+  skipped) or a glob, one UTF-8 document per file. A raw corpus is prepared once, into the
+  cache (`cache_root()`), with every core, and read in its prepared form from then on; the
+  cache directory is named by the files' names, sizes and modification times, the tokenizer
+  and the split, so changing any of them prepares afresh, and naming it reads no file.
+- Documents go to the validation split by a hash of their path relative to the corpus root
+  (`find_corpus`; at least one document each way), so the split is stable when files are
+  added or the corpus moves.
+- The tokenizer is given (`data.tokenizer`), a prepared dataset's own, or trained with
+  SentencePiece on a raw corpus's training split (`tokenizer.train_sentencepiece`); it is kept
+  in the workdir. A prepared dataset whose tokenizer is not the run's is refused.
 """
 
 from __future__ import annotations
@@ -17,20 +20,20 @@ from __future__ import annotations
 import dataclasses
 import glob
 import hashlib
-import json
 import os
-import shutil
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 
 from llama_jax.config import DEFAULT_CORPUS, DataConfig
-from llama_jax.errors import DataError
-from llama_jax.files import sibling_temp, write_atomically
+from llama_jax.data.documents import unit_hash
+from llama_jax.data.prepare import prepare
+from llama_jax.data.shards import (FORMAT_VERSION, ShardedTokens, is_prepared, open_prepared,
+                                   sha256)
 from llama_jax.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, train_sentencepiece
-
-CACHE_VERSION = 1  # bump when the cached layout changes
+from llama_jax.errors import DataError
+from llama_jax.files import write_atomically
 
 
 
@@ -68,11 +71,6 @@ def find_corpus(spec: str, val_fraction: float) -> Corpus:
     return Corpus(root=root, train=tuple(sorted(ranked[n_val:])), val=tuple(sorted(ranked[:n_val])))
 
 
-def unit_hash(name: str) -> float:
-    """A stable pseudo-random number in [0, 1) for a document name."""
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") / 2 ** 64
-
-
 def read_document(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
@@ -106,10 +104,13 @@ def prepare_tokenizer(data: DataConfig, corpus: Corpus, vocab_size: int, workdir
         except RuntimeError as e:  # e.g. a vocabulary larger than the text allows
             raise DataError(f"training the tokenizer on {corpus.root} failed: {e}") from None
         write_atomically(kept, model)
-    tokenizer = load_tokenizer(kept)
+    return _within_vocab(load_tokenizer(kept), vocab_size)
+
+
+def _within_vocab(tokenizer: Tokenizer, vocab_size: int) -> Tokenizer:
     if tokenizer.vocab_size > vocab_size:
-        raise DataError(f"tokenizer {kept} has {tokenizer.vocab_size} tokens, more than "
-                        f"model.vocab_size={vocab_size}")
+        raise DataError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more "
+                        f"than model.vocab_size={vocab_size}")
     return tokenizer
 
 
@@ -118,6 +119,7 @@ def keep_tokenizer(source: Path, workdir: Path) -> None:
     load_tokenizer(workdir) find it."""
     kept = workdir / TOKENIZER_FILE
     if not kept.is_file() or kept.read_bytes() != source.read_bytes():
+        workdir.mkdir(parents=True, exist_ok=True)
         write_atomically(kept, source.read_bytes())
 
 
@@ -130,76 +132,89 @@ def _limit_chars(texts: Iterator[str], limit: int) -> Iterator[str]:
         yield text
 
 
-# ------------------------------------------------------------------------------- token cache
+# ------------------------------------------------------------------------------ the tokens
 
 @dataclasses.dataclass(frozen=True)
-class TokenizedCorpus:
-    train: np.ndarray  # flat token ids (memory-mapped): BOS doc EOS BOS doc EOS ...
-    val: np.ndarray
+class CorpusTokens:
+    """A run's corpus as tokens: each split one flat sequence `BOS doc EOS BOS doc EOS ...`."""
+
+    train: ShardedTokens
+    val: ShardedTokens
     bos_id: int
-    cache_dir: Path
+    dataset: Path  # the prepared directory read
+    meta: dict  # its meta.json
 
 
 def cache_root() -> Path:
-    """Where token caches live: `$LLAMA_JAX_CACHE/tokens`, by default ~/.cache/llama_jax/tokens.
-    Shared by runs: the cache key covers everything the tokens depend on."""
+    """Where raw corpora are prepared: `$LLAMA_JAX_CACHE/tokens`, by default
+    ~/.cache/llama_jax/tokens. Shared by runs: a directory per corpus and tokenizer."""
     return Path(os.environ.get("LLAMA_JAX_CACHE", Path.home() / ".cache" / "llama_jax")) / "tokens"
 
 
-def tokenize_corpus(corpus: Corpus, tokenizer: Tokenizer, cache_root: Path,
-                    log: Callable[[str], None] = print) -> TokenizedCorpus:
-    """Both splits as memory-mapped token arrays, tokenized on first use and cached."""
-    key = _cache_key(corpus, Path(tokenizer.path))
-    cache = cache_root / key
-    if not (cache / "meta.json").is_file():
-        log(f"tokenizing {len(corpus.train) + len(corpus.val)} documents into {cache}")
-        temp = sibling_temp(cache)
-        shutil.rmtree(temp, ignore_errors=True)
-        temp.mkdir(parents=True)
-        dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
-        meta = {"version": CACHE_VERSION, "dtype": np.dtype(dtype).name,
-                "bos_id": tokenizer.bos_id, "corpus": str(corpus.root)}
-        for split in ("train", "val"):
-            meta[split] = _write_tokens(getattr(corpus, split), tokenizer, temp / f"{split}.bin",
-                                        dtype)
-        (temp / "meta.json").write_text(json.dumps(meta, indent=1))
-        try:
-            temp.rename(cache)
-        except OSError:  # another process finished the same cache first
-            shutil.rmtree(temp, ignore_errors=True)
-    meta = json.loads((cache / "meta.json").read_text())
-    splits = {split: np.memmap(cache / f"{split}.bin", dtype=meta["dtype"], mode="r",
-                               shape=(meta[split]["tokens"],))
-              for split in ("train", "val")}
-    return TokenizedCorpus(**splits, bos_id=meta["bos_id"], cache_dir=cache)
+def corpus_tokenizer(data: DataConfig, vocab_size: int, workdir: Path,
+                     log: Callable[[str], None] = print) -> Tokenizer:
+    """The run's tokenizer, kept in the workdir: `data.tokenizer`, else a prepared corpus's
+    own, else (a raw corpus) one a previous run of this workdir trained or one trained now
+    (`prepare_tokenizer`). Of a mixture, the first source's."""
+    first = data.corpora[0].path  # of a mixture, the first source
+    if not is_prepared(first):
+        corpus = find_corpus(first, data.val_fraction)
+        return prepare_tokenizer(data, corpus, vocab_size, workdir, log)
+    source = Path(data.tokenizer or open_prepared(first).tokenizer_path).expanduser()
+    if source.is_dir():
+        source = source / TOKENIZER_FILE
+    if not source.is_file():
+        raise DataError(f"data.tokenizer {data.tokenizer!r}: no such file")
+    keep_tokenizer(source, workdir)
+    return _within_vocab(load_tokenizer(workdir / TOKENIZER_FILE), vocab_size)
 
 
-def _cache_key(corpus: Corpus, tokenizer_file: Path) -> str:
-    digest = hashlib.sha256(f"v{CACHE_VERSION}".encode())
-    for split in ("train", "val"):
-        for path in getattr(corpus, split):
-            digest.update(f"{split}:{path.relative_to(corpus.root).as_posix()}:".encode())
-            digest.update(hashlib.sha256(path.read_bytes()).digest())
-    digest.update(tokenizer_file.read_bytes())
-    return digest.hexdigest()[:24]
+def corpus_tokens(spec: str, val_fraction: float, tokenizer: Tokenizer,
+                  log: Callable[[str], None] = print) -> CorpusTokens:
+    """The corpus `spec` as tokens of `tokenizer`: a prepared dataset, opened (its meta.json
+    is read, not its tokens); or a raw corpus (`val_fraction` held out), prepared once into
+    the cache (data/prepare.py, with every core) and then opened. A prepared dataset of
+    another tokenizer is refused."""
+    if is_prepared(spec):
+        dataset = Path(spec).expanduser()
+    else:
+        dataset = _prepared_raw(find_corpus(spec, val_fraction), spec, tokenizer, log)
+    prepared = open_prepared(dataset)
+    if prepared.meta["tokenizer_sha256"] != sha256(Path(tokenizer.path)):
+        raise DataError(f"{dataset}: prepared with another tokenizer than the run's "
+                        f"({tokenizer.path}); prepare it with that one, or set data.tokenizer "
+                        f"to {prepared.tokenizer_path}")
+    return CorpusTokens(prepared.train, prepared.val, tokenizer.bos_id, dataset, prepared.meta)
 
 
-def _write_tokens(paths: tuple[Path, ...], tokenizer: Tokenizer, out: Path,
-                  dtype: type) -> dict:
-    """Streams `BOS doc EOS` of every non-empty document to a raw binary file."""
-    n_tokens = n_docs = 0
-    with out.open("wb") as f:
-        for path in paths:
-            text = read_document(path)
-            if not text.strip():
-                continue
-            ids = np.asarray(tokenizer.encode(text, bos=True, eos=True), dtype)
-            f.write(ids.tobytes())
-            n_tokens += ids.size
-            n_docs += 1
-    if n_docs == 0:
-        raise DataError(f"{paths[0].parent}: every document of the split is empty")
-    return {"tokens": n_tokens, "documents": n_docs}
+def _prepared_raw(corpus: Corpus, spec: str, tokenizer: Tokenizer,
+                  log: Callable[[str], None]) -> Path:
+    """The cache directory of `corpus` prepared with `tokenizer`, preparing it first if
+    needed. It is named by the files' names, sizes and modification times, the tokenizer and
+    the split (no file is read to name it), so a changed corpus is prepared afresh."""
+    threshold = val_threshold(corpus)
+    digest = hashlib.sha256(f"v{FORMAT_VERSION}:{threshold!r}:".encode())
+    digest.update(sha256(Path(tokenizer.path)).encode())
+    for path in sorted(corpus.train + corpus.val):
+        stat = path.stat()
+        digest.update(f"{path.relative_to(corpus.root).as_posix()}:{stat.st_size}:"
+                      f"{stat.st_mtime_ns}\n".encode())
+    dataset = cache_root() / digest.hexdigest()[:24]
+    if not (dataset / "meta.json").is_file():
+        log(f"preparing {len(corpus.train) + len(corpus.val)} documents into {dataset}")
+        prepare([spec], tokenizer.path, dataset, workers=os.cpu_count() or 1,
+                val_fraction=threshold, log=lambda _: None, progress=False)
+    return dataset
+
+
+def val_threshold(corpus: Corpus) -> float:
+    """A hash threshold below which exactly the corpus's validation documents fall (their
+    `unit_hash` is below it, the training documents' are not): how prepare splits it."""
+    hashes = {p: unit_hash(p.relative_to(corpus.root).as_posix())
+              for p in corpus.train + corpus.val}
+    highest_val = max(hashes[p] for p in corpus.val)
+    lowest_train = min(hashes[p] for p in corpus.train)
+    return (highest_val + lowest_train) / 2
 
 
 def unigram_entropy(tokens: np.ndarray, bos_id: int) -> float:

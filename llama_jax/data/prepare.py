@@ -39,339 +39,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
-import gzip
-import hashlib
-import io
 import json
 import multiprocessing
-import os
 import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
-import numpy as np
-
 from llama_jax.cli import user_errors_exit
-from llama_jax.data.corpus import unit_hash
-from llama_jax.data.tokenizer import load_tokenizer
+from llama_jax.data.documents import BAD_KINDS, input_files, plan_units
+from llama_jax.data.shards import (FORMAT_VERSION, SPLITS, Settings, prepare_unit_job,
+                                   sha256, token_dtype, unit_done)
+from llama_jax.data.tokenizer import TOKENIZER_FILE, load_tokenizer
 from llama_jax.errors import DataError
 from llama_jax.files import write_atomically
 
-FORMAT_VERSION = 1
-UNIT_BYTES = 1 << 20  # text files are grouped into units of work of about this size
-PIECE_BYTES = 1 << 20  # documents are read and encoded in pieces of about this size
-SPLITS = ("train", "val")
-JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
-BAD_KINDS = ("not_json", "no_text", "not_utf8")  # what --skip-bad skips, by kind
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """What the prepared tokens depend on besides the files."""
-
-    tokenizer_sha256: str
-    text_key: str = "text"
-    val_fraction: float = 0.05
-    skip_bad: bool = False
-
-
-# ------------------------------------------------------------------------------------ inputs
-
-def input_files(inputs: list[str]) -> list[tuple[Path, str]]:
-    """(path, name) of every file the inputs name, sorted by name: a file's name is its path
-    relative to its input (a directory, a glob's common directory, a file's directory)."""
-    found: dict[str, Path] = {}
-    for spec in inputs:
-        path = Path(spec).expanduser()
-        if path.is_dir():
-            root = path
-            files = [f for f in path.rglob("*") if f.is_file() and not any(
-                part.startswith(".") for part in f.relative_to(path).parts)]
-        elif path.is_file():
-            root, files = path.parent, [path]
-        elif glob.has_magic(spec):
-            files = [Path(f) for f in glob.glob(os.path.expanduser(spec), recursive=True)
-                     if Path(f).is_file()]
-            root = Path(os.path.commonpath([f.parent for f in files])) if files else path
-        else:
-            raise DataError(f"input {spec!r}: no such file or directory")
-        if not files:
-            raise DataError(f"input {spec!r}: no files")
-        for f in files:
-            found.setdefault(f.relative_to(root).as_posix(), f)
-    return sorted(((path, name) for name, path in found.items()), key=lambda pn: pn[1])
-
-
-def kind_of(path: Path) -> str:
-    name = path.name.lower()
-    if name.endswith(JSONL_SUFFIXES):
-        return "jsonl"
-    if name.endswith(".parquet"):
-        return "parquet"
-    return "text"
-
-
-def plan_units(files: list[tuple[Path, str]]) -> list[dict]:
-    """The units of work, in order: a JSONL or Parquet file alone, consecutive text files
-    together up to about UNIT_BYTES."""
-    units: list[dict] = []
-    group: list[dict] = []
-    for path, name in files:
-        entry = {"name": name, "path": str(path), "bytes": path.stat().st_size}
-        if kind_of(path) != "text":
-            units.append({"kind": kind_of(path), "files": [entry]})
-            continue
-        if group and sum(f["bytes"] for f in group) + entry["bytes"] > UNIT_BYTES:
-            units.append({"kind": "text", "files": group})
-            group = []
-        group.append(entry)
-    if group:
-        units.append({"kind": "text", "files": group})
-    return units
-
-
-# --------------------------------------------------------------------------------- documents
-
-class BadInput(Exception):
-    """One bad document: `kind` (one of BAD_KINDS) and where."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-
-
-def text_pieces(path: Path, name: str) -> Iterator[str]:
-    """A text file's text in pieces of about PIECE_BYTES, cut after a line end."""
-    line, rest = 1, b""
-    with path.open("rb") as f:
-        while True:
-            chunk = f.read(PIECE_BYTES)
-            data = rest + chunk
-            cut = data.rfind(b"\n") + 1 if chunk else len(data)
-            if chunk and cut == 0:  # no line end yet: keep reading (one long line)
-                rest = data
-                continue
-            piece, rest = data[:cut], data[cut:]
-            try:
-                text = piece.decode("utf-8")
-            except UnicodeDecodeError as e:
-                at = line + piece[:e.start].count(b"\n")
-                raise BadInput("not_utf8", f"{path}: line {at}: not UTF-8 ({e.reason})") from None
-            line += piece.count(b"\n")
-            if text:
-                yield text
-            if not chunk:
-                return
-
-
-def _open_text(path: Path) -> io.TextIOBase:
-    name = path.name.lower()
-    if name.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", errors="strict")
-    if name.endswith(".zst"):
-        try:
-            import zstandard
-        except ImportError:
-            raise DataError(f"{path}: reading .zst needs zstandard: pip install "
-                            "'llama_jax[data]'") from None
-        return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(path.open("rb")),
-                                encoding="utf-8", errors="strict")
-    return path.open("r", encoding="utf-8", errors="strict")
-
-
-def jsonl_documents(path: Path, name: str, text_key: str
-                    ) -> Iterator[tuple[str, list[str] | BadInput]]:
-    """(name:LINE, [text]) per line of a JSONL file, or a BadInput for a bad line."""
-    with _open_text(path) as f:
-        line_no = 0
-        while True:
-            line_no += 1
-            try:
-                line = f.readline()
-            except UnicodeDecodeError as e:
-                yield f"{name}:{line_no}", BadInput(
-                    "not_utf8", f"{path}: line {line_no}: not UTF-8 ({e.reason})")
-                return  # the decoder cannot go on past it
-            if not line:
-                return
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)[text_key]
-                if not isinstance(text, str):
-                    raise TypeError(type(text).__name__)
-            except json.JSONDecodeError as e:
-                yield f"{name}:{line_no}", BadInput(
-                    "not_json", f"{path}: line {line_no}: not valid JSON ({e.msg})")
-                continue
-            except (KeyError, TypeError) as e:
-                yield f"{name}:{line_no}", BadInput(
-                    "no_text", f"{path}: line {line_no}: no string under {text_key!r} ({e})")
-                continue
-            yield f"{name}:{line_no}", [text]
-
-
-def parquet_documents(path: Path, name: str, text_key: str
-                      ) -> Iterator[tuple[str, list[str] | BadInput]]:
-    """(name:ROW, [text]) per row of a Parquet file's `text_key` column."""
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{path}: reading Parquet needs pyarrow: pip install "
-                        "'llama_jax[data]'") from None
-    table = pq.ParquetFile(path)
-    if text_key not in table.schema_arrow.names:
-        raise DataError(f"{path}: no column {text_key!r} (columns: "
-                        f"{', '.join(table.schema_arrow.names)}); choose one with --text-key")
-    row = 0
-    for batch in table.iter_batches(columns=[text_key], batch_size=1024):
-        for text in batch.column(0).to_pylist():
-            row += 1
-            if not isinstance(text, str):
-                yield f"{name}:{row}", BadInput(
-                    "no_text", f"{path}: row {row}: {text_key!r} is not a string")
-            else:
-                yield f"{name}:{row}", [text]
-
-
-def unit_documents(unit: dict, text_key: str) -> Iterator[tuple[str, object]]:
-    """(name, pieces or BadInput) of every document of a unit, in order."""
-    for entry in unit["files"]:
-        path, name = Path(entry["path"]), entry["name"]
-        if unit["kind"] == "jsonl":
-            yield from jsonl_documents(path, name, text_key)
-        elif unit["kind"] == "parquet":
-            yield from parquet_documents(path, name, text_key)
-        else:
-            yield name, text_pieces(path, name)
-
-
-# -------------------------------------------------------------------------------- one unit
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
-
-
-class _SplitWriter:
-    """One split's shard of a unit: tokens appended document by document, and their offsets,
-    written beside their final names and renamed into place when closed."""
-
-    def __init__(self, path: Path, dtype: np.dtype):
-        self.path, self.dtype = path, dtype  # the tokens' final path; the offsets' is .idx
-        self.file = _partial(path).open("wb")
-        self.offsets = [0]
-
-    def begin(self) -> None:
-        self.start = self.offsets[-1]
-
-    def write(self, ids: list[int]) -> None:
-        np.asarray(ids, self.dtype).tofile(self.file)
-
-    def end(self) -> None:
-        self.offsets.append(self.file.tell() // self.dtype.itemsize)
-
-    def drop(self) -> None:
-        """Takes back the document begun last (it was bad)."""
-        self.file.seek(self.start * self.dtype.itemsize)
-        self.file.truncate()
-
-    def close(self) -> dict:
-        """Renames the shard into place; its counts, and each file's size and hash."""
-        self.file.close()
-        index = self.path.with_suffix(".idx")
-        np.asarray(self.offsets, np.uint64).tofile(_partial(index))
-        record = {"tokens": self.offsets[-1], "documents": len(self.offsets) - 1}
-        for path in (self.path, index):
-            os.replace(_partial(path), path)
-            record[path.suffix[1:]] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-        return record
-
-
-def _partial(path: Path) -> Path:
-    return path.with_name(path.name + ".partial")
-
-
-def shard_paths(out: Path, index: int) -> dict[str, Path]:
-    return {split: out / "shards" / f"{index:05d}.{split}.bin" for split in SPLITS}
-
-
-def prepare_unit(index: int, unit: dict, tokenizer_path: str, out: str,
-                 settings: Settings) -> dict:
-    """Tokenizes one unit into its shards and writes its ledger; returns the ledger."""
-    out_dir = Path(out)
-    tokenizer = load_tokenizer(tokenizer_path)
-    dtype = token_dtype(tokenizer.vocab_size)
-    paths = shard_paths(out_dir, index)
-    writers = {split: _SplitWriter(path, dtype) for split, path in paths.items()}
-    counts = {"empty_documents": 0, **{f"skipped_{k}": 0 for k in BAD_KINDS}}
-    for name, pieces in unit_documents(unit, settings.text_key):
-        writer = writers["val" if unit_hash(name) < settings.val_fraction else "train"]
-        writer.begin()
-        try:
-            if isinstance(pieces, BadInput):
-                raise pieces
-            written = _write_document(writer, pieces, tokenizer)
-        except BadInput as bad:
-            if not settings.skip_bad:
-                raise DataError(f"{bad} (or pass --skip-bad to skip and count such "
-                                "documents)") from None
-            writer.drop()
-            counts[f"skipped_{bad.kind}"] += 1
-            continue
-        if written:
-            writer.end()
-        else:
-            counts["empty_documents"] += 1
-    ledger = {"unit": index, "files": [{k: f[k] for k in ("name", "bytes")}
-                                        for f in unit["files"]], **counts}
-    for split, writer in writers.items():
-        ledger[split] = writer.close()
-    write_atomically(out_dir / "ledger" / f"{index:05d}.json",
-                     json.dumps(ledger, indent=1).encode())
-    return ledger
-
-
-def _write_document(writer: _SplitWriter, pieces, tokenizer) -> bool:
-    """Writes `BOS doc EOS` of a document's pieces; False (nothing written) if it is empty."""
-    begun = False
-    for piece in pieces:
-        if not begun and not piece.strip():
-            continue
-        ids = tokenizer.encode(piece, bos=not begun, eos=False)
-        writer.write(ids)
-        begun = True
-    if begun:
-        writer.write(tokenizer.encode("", bos=False, eos=True))
-    return begun
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def unit_done(out: Path, index: int, unit: dict) -> bool:
-    """Whether unit `index` finished: its ledger names its files, and its shards are the
-    sizes the ledger records (a shard cut short by a killed prepare is not)."""
-    ledger_path = out / "ledger" / f"{index:05d}.json"
-    if not ledger_path.is_file():
-        return False
-    ledger = json.loads(ledger_path.read_text())
-    if ledger["files"] != [{k: f[k] for k in ("name", "bytes")} for f in unit["files"]]:
-        return False
-    for split, path in shard_paths(out, index).items():
-        for suffix in ("bin", "idx"):
-            shard = path.with_suffix("." + suffix)
-            if not shard.is_file() or shard.stat().st_size != ledger[split][suffix]["bytes"]:
-                return False
-    return True
-
-
-# ------------------------------------------------------------------------------ the dataset
 
 def prepare(inputs: list[str], tokenizer: str | Path, out: str | Path, *, workers: int = 1,
             shard: tuple[int, int] = (0, 1), text_key: str = "text",
@@ -387,7 +68,7 @@ def prepare(inputs: list[str], tokenizer: str | Path, out: str | Path, *, worker
     tokenizer_path = Path(tokenizer).expanduser()
     if not tokenizer_path.is_file():
         raise DataError(f"--tokenizer {tokenizer}: no such file")
-    settings = Settings(_sha256(tokenizer_path), text_key, val_fraction, skip_bad)
+    settings = Settings(sha256(tokenizer_path), text_key, val_fraction, skip_bad)
     out = Path(out)
     units = plan_units(input_files(inputs))
     _keep_plan(out, units, settings)
@@ -403,6 +84,8 @@ def prepare(inputs: list[str], tokenizer: str | Path, out: str | Path, *, worker
         log(f"{out}: this host's units are done; meta.json follows the last host's")
         return None
     meta = _meta(out, units, settings, load_tokenizer(tokenizer_path).vocab_size)
+    # the tokenizer travels with its tokens: a run reading `out` needs no other copy of it
+    write_atomically(out / TOKENIZER_FILE, tokenizer_path.read_bytes())
     write_atomically(out / "meta.json", json.dumps(meta, indent=1).encode())
     return meta
 
@@ -412,14 +95,10 @@ def _run(jobs: list[tuple], workers: int) -> Iterator[dict]:
     caller may hold JAX's threads, which a fork would copy mid-flight)."""
     if workers == 1 or len(jobs) <= 1:
         for job in jobs:
-            yield prepare_unit(*job)
+            yield prepare_unit_job(job)
         return
     with multiprocessing.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
-        yield from pool.imap_unordered(_prepare_job, jobs)
-
-
-def _prepare_job(job: tuple) -> dict:
-    return prepare_unit(*job)
+        yield from pool.imap_unordered(prepare_unit_job, jobs)
 
 
 def _progress_bar(total_bytes: int, enabled: bool):

@@ -32,7 +32,7 @@ import numpy as np
 
 from llama_jax.config import ModelConfig, TaskConfig
 from llama_jax.data.batches import shuffled_batches
-from llama_jax.data.corpus import unit_hash
+from llama_jax.data.documents import unit_hash
 from llama_jax.errors import DataError
 from llama_jax.data.tokenizer import Tokenizer
 from llama_jax.nn.heads import HEADS

@@ -3,7 +3,7 @@
     WORKDIR/config.yaml        the resolved run config (model, train, data, mesh)
     WORKDIR/tokenizer.model    the run's tokenizer (trained or copied there)
     WORKDIR/checkpoints/STEP/  orbax CheckpointManager steps: params/, opt_state/,
-                               data/ (grain iterator state, one JSON per process)
+                               data_state/ (the data position: the next batch's index)
     WORKDIR/metrics.jsonl      one JSON object per step
     WORKDIR/tensorboard/       event files
 
@@ -19,6 +19,7 @@ of config.yaml, so `sample.py --checkpoint WORKDIR` samples from a run directly.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +91,14 @@ def config_differences(stored: RunConfig, new: RunConfig) -> list[str]:
 
 
 class Checkpoints:
-    """Asynchronous orbax checkpoints of (params, optimizer state, data iterator). The step is
-    the checkpoint's own number; the non-finite counters live in the optimizer state."""
+    """Asynchronous orbax checkpoints of (params, optimizer state, data position). The step is
+    the checkpoint's own number; the non-finite counters live in the optimizer state.
+
+    The data position is the batch iterator's state (`data/batches.py`: the next global
+    batch's index), the same in every process and for any process count, so it is saved once
+    (`data_state`, JSON) and a run resumes with any number of processes. Checkpoints written
+    before this kept it per process (`data/process_I-of-N.json`, grain's own handler); they
+    are read too, whatever the process count now."""
 
     def __init__(self, workdir: Path, train: TrainConfig, create: bool = True):
         options = ocp.CheckpointManagerOptions(
@@ -106,17 +113,26 @@ class Checkpoints:
         """Starts writing step `step`; returns once the arrays are copied off the device."""
         self.manager.save(step, force=True, args=ocp.args.Composite(
             params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
-            data=grain.checkpoint.CheckpointSave(iterator)))
+            data_state=ocp.args.JsonSave(iterator.get_state())))
 
     def restore(self, step: int, abstract_params: Any, abstract_opt_state: Any,
                 iterator: grain.DatasetIterator) -> tuple[Any, Any]:
         """(params, opt_state) of `step`; `iterator` is moved to its saved position."""
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_params),
-            opt_state=ocp.args.StandardRestore(abstract_opt_state),
-            data=grain.checkpoint.CheckpointRestore(iterator)))
+        items = dict(params=ocp.args.StandardRestore(abstract_params),
+                     opt_state=ocp.args.StandardRestore(abstract_opt_state))
+        legacy = self._legacy_data_state(step)
+        if legacy is None:
+            items["data_state"] = ocp.args.JsonRestore()
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        iterator.set_state(restored.data_state if legacy is None else legacy)
         return restored.params, restored.opt_state
 
+    def _legacy_data_state(self, step: int) -> dict | None:
+        """The data position of a checkpoint written by grain's per-process handler, if this
+        is one: any process's file (they all hold the same position)."""
+        files = sorted((Path(self.manager.directory) / str(step) / "data").glob(
+            "process_*-of-*.json"))
+        return json.loads(files[0].read_text()) if files else None
     def params_dir(self, step: int) -> Path:
         """The orbax directory of the parameters saved at `step`."""
         return Path(self.manager.directory) / str(step) / "params"

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import DEFAULT_CORPUS
-from llama_jax.data.corpus import read_document, unit_hash
+from llama_jax.data.corpus import read_document
+from llama_jax.data.documents import unit_hash
 from llama_jax.errors import DataError
 
 PARTS = ("library", "c-api", "reference", "tutorial", "howto", "whatsnew", "faq")

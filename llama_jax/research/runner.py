@@ -17,7 +17,7 @@ from typing import Callable
 
 from llama_jax.config import RunConfig
 from llama_jax.data import batches
-from llama_jax.data.corpus import Corpus, cache_root, find_corpus, prepare_tokenizer, tokenize_corpus
+from llama_jax.data.corpus import corpus_tokenizer, corpus_tokens
 from llama_jax.data.tokenizer import TOKENIZER_FILE, load_tokenizer
 from llama_jax.errors import ConfigError
 from llama_jax.formats import workdir as run_dir
@@ -47,15 +47,14 @@ def run_study(study: Study, workdir: Path,
         "steps": study.variants[0].run.train.steps,
         "corpus": study.variants[0].run.data.corpus}, indent=2))
     base = study.variants[0].run
-    corpus = find_corpus(base.data.corpus, base.data.val_fraction)
-    prepare_tokenizer(base.data, corpus, base.model.vocab_size, workdir, log)
+    corpus_tokenizer(base.data, base.model.vocab_size, workdir, log)
     study = with_tokenizer(study, workdir / TOKENIZER_FILE)
     runs = [(v, seed) for v in study.variants for seed in study.seeds]
     for i, (v, seed) in enumerate(runs, 1):
         if not _run_one(v, seed, workdir / study.run_name(v, seed), f"[{i}/{len(runs)}]", log):
             return None
     if study.eval_seq_lens:
-        _evaluate_lengths(study, workdir, corpus, log)
+        _evaluate_lengths(study, workdir, log)
     plot_results(study, workdir)
     return write_results(study, workdir)
 
@@ -99,13 +98,13 @@ def _run_one(v: Variant, seed: int, path: Path, counter: str,
     return True
 
 
-def _evaluate_lengths(study: Study, workdir: Path, corpus: Corpus,
-                      log: Callable[[str], None]) -> None:
+def _evaluate_lengths(study: Study, workdir: Path, log: Callable[[str], None]) -> None:
     """`val_loss_at_{L}.json` in each run for each of the study's `eval_seq_lens`: the
     validation tokens the trainer evaluates, cut into windows of L tokens (`length_batches`),
     so that lengths differ only in how much context each token sees."""
     tokenizer = load_tokenizer(workdir / TOKENIZER_FILE)
-    tokens = tokenize_corpus(corpus, tokenizer, cache_root(), log)
+    data = study.variants[0].run.data
+    tokens = corpus_tokens(data.corpora[0].path, data.val_fraction, tokenizer, log)
     for v in study.variants:
         for seed, length in ((s, n) for s in study.seeds for n in study.eval_seq_lens):
             path, batches = workdir / study.run_name(v, seed), length_batches(v.run, length)

@@ -36,8 +36,8 @@ from tqdm import tqdm
 
 from llama_jax.plan import costs, hardware
 from llama_jax.data import batches, tasks as task_data
-from llama_jax.data.corpus import (cache_root, find_corpus, keep_tokenizer, prepare_tokenizer,
-                                   tokenize_corpus, unigram_entropy)
+from llama_jax.data.corpus import (corpus_tokenizer, corpus_tokens, keep_tokenizer,
+                                   unigram_entropy)
 from llama_jax.training import finetune, tasks
 from llama_jax.parallel import sharding, target
 from llama_jax.formats import workdir as run_dir
@@ -52,7 +52,9 @@ from llama_jax.training.optim import learning_rate_schedule, make_optimizer
 from llama_jax.model.transformer import aux_metrics
 from llama_jax.training.step import TrainState, eval_sums, init_state, objective, train_step
 
-
+# The validation tokens whose unigram entropy is reported (the first ones): enough for a
+# baseline, and a start-up that does not read a large dataset's whole split.
+UNIGRAM_TOKENS = 1 << 24
 
 
 @dataclasses.dataclass
@@ -168,7 +170,8 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
                         record.update(val_metrics)
                         say(f"step {step}: " + " ".join(
                             f"{k} {v:.4f}" for k, v in val_metrics.items()
-                            if run.task is not None or k in ("val_loss", "val_ppl")))
+                            if run.task is not None or k == "val_ppl"
+                            or k.startswith("val_loss")))
                     metrics.write(step, record)
                     bar.update(1)
                     outcome.step = step
@@ -416,51 +419,74 @@ def _on_devices(batch_sharding: NamedSharding, batch):
                                                                            rows), batch)
 
 
-def _validation(evaluate, params, batches: list, sharding: NamedSharding,
+def _validation(evaluate, params, groups: dict[str, list], sharding: NamedSharding,
                 task: TaskConfig | None) -> dict[str, float]:
-    """Validation metrics (`val_` names) from the loss's sums over the batches: the mean loss
-    and perplexity (language modelling: with the blocks' statistics, `model.aux_metrics`, the
-    MoE's drops, loads and router entropy), or the task's metrics (nn/heads.py)."""
+    """Validation metrics (`val_` names) from the loss's sums over the batches of every group
+    (a mixture's sources; one group otherwise): the mean loss and perplexity over all of them
+    (language modelling: with the blocks' statistics, `model.aux_metrics`, the MoE's drops,
+    loads and router entropy) and, for a mixture, each source's `val_loss_NAME` and
+    `val_ppl_NAME`; or the task's metrics (nn/heads.py)."""
     sums = aux = None
-    for batch in batches:
-        batch_sums, batch_aux = jax.device_get(evaluate(params, _on_devices(sharding, batch)))
-        sums = batch_sums if sums is None else jax.tree.map(np.add, sums, batch_sums)
-        aux = batch_aux if aux is None else jax.tree.map(np.add, aux, batch_aux)
+    per_group = {}
+    for name, group_batches in groups.items():
+        group = None
+        for batch in group_batches:
+            batch_sums, batch_aux = jax.device_get(evaluate(params,
+                                                            _on_devices(sharding, batch)))
+            group = batch_sums if group is None else jax.tree.map(np.add, group, batch_sums)
+            aux = batch_aux if aux is None else jax.tree.map(np.add, aux, batch_aux)
+        per_group[name] = group
+        sums = group if sums is None else jax.tree.map(np.add, sums, group)
     if task is not None:
         return {f"val_{k}": v for k, v in task_metrics(task.kind, sums).items()}
+    out = _loss_metrics(sums, "")
+    for name, group in per_group.items() if len(per_group) > 1 else ():
+        out.update(_loss_metrics(group, f"_{name}"))
+    return out | {f"val_{k}": float(v) for k, v in aux_metrics(aux or ()).items()}
+
+
+def _loss_metrics(sums: dict, suffix: str) -> dict[str, float]:
     loss = float(sums["loss_sum"]) / max(float(sums["count"]), 1.0)
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700)),
-            **{f"val_{k}": float(v) for k, v in aux_metrics(aux or ()).items()}}
+    return {f"val_loss{suffix}": loss, f"val_ppl{suffix}": math.exp(min(loss, 700))}
 
 
 @dataclasses.dataclass
 class _Source:
     """What a run reads: endless training batches (checkpointed with the run), the
-    validation batches, and the tokenizer's BOS id."""
+    validation batches by group (a mixture's sources; one group otherwise), and the
+    tokenizer's BOS id."""
 
     train: Iterator
-    val: list
+    val: dict[str, list]
     bos_id: int
     val_unigram_entropy: float = 0.0  # language modelling: see `Outcome`
 
 
 def _corpus_data(run: RunConfig, workdir: Path, log: Callable[[str], None]) -> _Source:
-    """Language modelling: the corpus, tokenized, in packed windows (data/corpus.py,
-    data/batches.py)."""
-    train_cfg = run.train
-    corpus = find_corpus(run.data.corpus, run.data.val_fraction)
-    tokenizer = prepare_tokenizer(run.data, corpus, run.model.vocab_size, workdir, log)
-    tokens = tokenize_corpus(corpus, tokenizer, cache_root(), log)
-    log(f"corpus {corpus.root}: {len(corpus.train)} training documents "
-        f"({len(tokens.train):,} tokens), {len(corpus.val)} validation ({len(tokens.val):,})")
+    """Language modelling: the corpus's tokens (a prepared dataset, or a raw corpus prepared
+    once: data/corpus.py), or a weighted mixture of several, in packed windows
+    (data/batches.py)."""
+    train_cfg, data = run.train, run.data
+    tokenizer = corpus_tokenizer(data, run.model.vocab_size, workdir, log)
+    opened = []
+    for source in data.corpora:
+        tokens = corpus_tokens(source.path, data.val_fraction, tokenizer, log)
+        meta = tokens.meta
+        log(f"corpus {source.path} ({tokens.dataset}): {meta['train']['documents']:,} "
+            f"training documents ({len(tokens.train):,} tokens), {meta['val']['documents']:,} "
+            f"validation ({len(tokens.val):,})" + (f"; weight {source.weight:g}"
+                                                  if data.sources else ""))
+        opened.append((source, tokens))
     processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
-    return _Source(
-        train=batches.train_batches(tokens.train, train_cfg.seq_len, train_cfg.batch_size,
-                                 train_cfg.seed, **processes),
-        val=batches.val_batches(tokens.val, train_cfg.seq_len, train_cfg.batch_size,
-                             train_cfg.eval_batches, **processes),
-        bos_id=tokens.bos_id, val_unigram_entropy=unigram_entropy(tokens.val,
-                                                                       tokens.bos_id))
+    shape = dict(seq_len=train_cfg.seq_len, batch_size=train_cfg.batch_size,
+                 seed=train_cfg.seed, **processes)
+    train = (batches.train_batches(opened[0][1].train, **shape) if data.sources is None else
+             batches.mixed_batches([(t.train, s.weight) for s, t in opened], **shape))
+    val = {s.name: batches.val_batches(t.val, train_cfg.seq_len, train_cfg.batch_size,
+                                       train_cfg.eval_batches, **processes) for s, t in opened}
+    val_tokens = np.concatenate([t.val[:UNIGRAM_TOKENS // len(opened)] for _, t in opened])
+    return _Source(train=train, val=val, bos_id=tokenizer.bos_id,
+                   val_unigram_entropy=unigram_entropy(val_tokens, tokenizer.bos_id))
 
 
 def _task_data(run: RunConfig, workdir: Path, log: Callable[[str], None]) -> _Source:
@@ -484,7 +510,8 @@ def _task_data(run: RunConfig, workdir: Path, log: Callable[[str], None]) -> _So
     shape = dict(kind=task.kind, seq_len=train_cfg.seq_len, pad_id=model.pad_id,
                  batch_size=train_cfg.batch_size, **processes)
     return _Source(train=task_data.train_batches(train_examples, seed=train_cfg.seed, **shape),
-                   val=task_data.val_batches(val_examples, **shape), bos_id=tokenizer.bos_id)
+                   val={"task": task_data.val_batches(val_examples, **shape)},
+                   bos_id=tokenizer.bos_id)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,211 @@
+"""Documents from training inputs: which files the inputs name, their kinds, how they are cut
+into units of work, and each document's text, read in bounded pieces.
+
+- Kinds: `.jsonl`, `.jsonl.gz`, `.jsonl.zst` (one document per line, its text under a key),
+  `.parquet` (one document per row of a text column; pyarrow), anything else one UTF-8
+  document per file (`.txt`, `.md`).
+- A document's name is its file's path relative to its input (a directory, a glob's common
+  directory, a file's directory), with `:LINE` or `:ROW` inside a JSONL or Parquet file; a
+  hash of the name (`unit_hash`) decides its split, so the split does not depend on where the
+  corpus lives or how the work is spread.
+- Units of work, in the files' order: a JSONL or Parquet file alone; consecutive text files
+  together up to about UNIT_BYTES.
+- Text files are read in pieces of about PIECE_BYTES cut after a line end, so memory does not
+  grow with a document's size.
+
+Bad input (a line that is not JSON or has no string under the key, text that is not UTF-8) is
+yielded or raised as `BadInput`, naming the file and line, for the caller to stop or count.
+This module imports nothing heavy: prepare's worker processes start from it.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+from llama_jax.errors import DataError
+
+UNIT_BYTES = 1 << 20  # text files are grouped into units of work of about this size
+PIECE_BYTES = 1 << 20  # documents are read and encoded in pieces of about this size
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+BAD_KINDS = ("not_json", "no_text", "not_utf8")  # what a prepare may skip, by kind
+
+
+def unit_hash(name: str) -> float:
+    """A stable pseudo-random number in [0, 1) for a document name."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") / 2 ** 64
+
+
+def input_files(inputs: list[str]) -> list[tuple[Path, str]]:
+    """(path, name) of every file the inputs name, sorted by name: a file's name is its path
+    relative to its input (a directory, a glob's common directory, a file's directory)."""
+    found: dict[str, Path] = {}
+    for spec in inputs:
+        path = Path(spec).expanduser()
+        if path.is_dir():
+            root = path
+            files = [f for f in path.rglob("*") if f.is_file() and not any(
+                part.startswith(".") for part in f.relative_to(path).parts)]
+        elif path.is_file():
+            root, files = path.parent, [path]
+        elif glob.has_magic(spec):
+            files = [Path(f) for f in glob.glob(os.path.expanduser(spec), recursive=True)
+                     if Path(f).is_file()]
+            root = Path(os.path.commonpath([f.parent for f in files])) if files else path
+        else:
+            raise DataError(f"input {spec!r}: no such file or directory")
+        if not files:
+            raise DataError(f"input {spec!r}: no files")
+        for f in files:
+            found.setdefault(f.relative_to(root).as_posix(), f)
+    # by path components, as `sorted(paths)` orders the files of one directory
+    return sorted(((path, name) for name, path in found.items()),
+                  key=lambda pn: pn[1].split("/"))
+
+
+def kind_of(path: Path) -> str:
+    name = path.name.lower()
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(".parquet"):
+        return "parquet"
+    return "text"
+
+
+def plan_units(files: list[tuple[Path, str]]) -> list[dict]:
+    """The units of work, in order: a JSONL or Parquet file alone, consecutive text files
+    together up to about UNIT_BYTES."""
+    units: list[dict] = []
+    group: list[dict] = []
+    for path, name in files:
+        entry = {"name": name, "path": str(path), "bytes": path.stat().st_size}
+        if kind_of(path) != "text":
+            units.append({"kind": kind_of(path), "files": [entry]})
+            continue
+        if group and sum(f["bytes"] for f in group) + entry["bytes"] > UNIT_BYTES:
+            units.append({"kind": "text", "files": group})
+            group = []
+        group.append(entry)
+    if group:
+        units.append({"kind": "text", "files": group})
+    return units
+
+
+class BadInput(Exception):
+    """One bad document: `kind` (one of BAD_KINDS) and where."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def text_pieces(path: Path, name: str) -> Iterator[str]:
+    """A text file's text in pieces of about PIECE_BYTES, cut after a line end."""
+    line, rest = 1, b""
+    with path.open("rb") as f:
+        while True:
+            chunk = f.read(PIECE_BYTES)
+            data = rest + chunk
+            cut = data.rfind(b"\n") + 1 if chunk else len(data)
+            if chunk and cut == 0:  # no line end yet: keep reading (one long line)
+                rest = data
+                continue
+            piece, rest = data[:cut], data[cut:]
+            try:
+                text = piece.decode("utf-8")
+            except UnicodeDecodeError as e:
+                at = line + piece[:e.start].count(b"\n")
+                raise BadInput("not_utf8", f"{path}: line {at}: not UTF-8 ({e.reason})") from None
+            line += piece.count(b"\n")
+            if text:
+                yield text
+            if not chunk:
+                return
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8", errors="strict")
+    if name.endswith(".zst"):
+        try:
+            import zstandard
+        except ImportError:
+            raise DataError(f"{path}: reading .zst needs zstandard: pip install "
+                            "'llama_jax[data]'") from None
+        return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(path.open("rb")),
+                                encoding="utf-8", errors="strict")
+    return path.open("r", encoding="utf-8", errors="strict")
+
+
+def jsonl_documents(path: Path, name: str, text_key: str
+                    ) -> Iterator[tuple[str, list[str] | BadInput]]:
+    """(name:LINE, [text]) per line of a JSONL file, or a BadInput for a bad line."""
+    with _open_text(path) as f:
+        line_no = 0
+        while True:
+            line_no += 1
+            try:
+                line = f.readline()
+            except UnicodeDecodeError as e:
+                yield f"{name}:{line_no}", BadInput(
+                    "not_utf8", f"{path}: line {line_no}: not UTF-8 ({e.reason})")
+                return  # the decoder cannot go on past it
+            if not line:
+                return
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)[text_key]
+                if not isinstance(text, str):
+                    raise TypeError(type(text).__name__)
+            except json.JSONDecodeError as e:
+                yield f"{name}:{line_no}", BadInput(
+                    "not_json", f"{path}: line {line_no}: not valid JSON ({e.msg})")
+                continue
+            except (KeyError, TypeError) as e:
+                yield f"{name}:{line_no}", BadInput(
+                    "no_text", f"{path}: line {line_no}: no string under {text_key!r} ({e})")
+                continue
+            yield f"{name}:{line_no}", [text]
+
+
+def parquet_documents(path: Path, name: str, text_key: str
+                      ) -> Iterator[tuple[str, list[str] | BadInput]]:
+    """(name:ROW, [text]) per row of a Parquet file's `text_key` column."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow: pip install "
+                        "'llama_jax[data]'") from None
+    table = pq.ParquetFile(path)
+    if text_key not in table.schema_arrow.names:
+        raise DataError(f"{path}: no column {text_key!r} (columns: "
+                        f"{', '.join(table.schema_arrow.names)}); choose one with --text-key")
+    row = 0
+    for batch in table.iter_batches(columns=[text_key], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            row += 1
+            if not isinstance(text, str):
+                yield f"{name}:{row}", BadInput(
+                    "no_text", f"{path}: row {row}: {text_key!r} is not a string")
+            else:
+                yield f"{name}:{row}", [text]
+
+
+def unit_documents(unit: dict, text_key: str) -> Iterator[tuple[str, object]]:
+    """(name, pieces or BadInput) of every document of a unit, in order."""
+    for entry in unit["files"]:
+        path, name = Path(entry["path"]), entry["name"]
+        if unit["kind"] == "jsonl":
+            yield from jsonl_documents(path, name, text_key)
+        elif unit["kind"] == "parquet":
+            yield from parquet_documents(path, name, text_key)
+        else:
+            yield name, text_pieces(path, name)
