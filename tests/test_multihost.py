@@ -1,5 +1,5 @@
-"""Two processes on localhost (4 CPU devices each, gloo collectives) joined by jax.distributed
-train one 8-device run with train.py, checkpoint, resume, and match a single-process run."""
+"""Processes on localhost (gloo collectives) joined by jax.distributed train one 8-device run
+with train.py, checkpoint, resume with another process count, and match a single-process run."""
 
 import os
 import re
@@ -60,8 +60,11 @@ def _train(config: Path, workdir: Path, steps: int, processes: int) -> None:
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU multi-process test")
 def test_two_processes_train_checkpoint_and_resume_like_one_with_any_count(corpus_dir, tmp_path):
     """Two processes checkpoint at step 2; the run resumed by two, by one and by four
-    processes (the data position is one for all) logs the uninterrupted run's losses."""
-    run = RunConfig(**RUN, data=DataConfig(corpus=str(corpus_dir)))
+    processes (the data position is one for all) logs the uninterrupted run's losses. It reads
+    a mixture of two raw corpora, which each process prepares into the same cache at once."""
+    sources = [{"path": str(corpus_dir), "weight": 2}, {"path": str(corpus_dir / "sub"),
+                                                          "weight": 1}]
+    run = RunConfig(**RUN, data=DataConfig(sources=sources))
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(run.to_dict()))
     _train(config, tmp_path / "two", steps=2, processes=2)  # checkpoint at 2 ...

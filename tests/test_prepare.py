@@ -139,3 +139,21 @@ def test_a_long_document_is_encoded_in_pieces_at_line_ends(tokenizer, tmp_path, 
     expected = [tokenizer.bos_id] + [t for p in pieces for t in tokenizer.encode(
         p, bos=False)] + tokenizer.encode("", bos=False, eos=True)
     assert tokens[:len(expected)] == expected and meta["train"]["documents"] == 2
+
+
+def test_parquet_rows_are_documents(tokenizer, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    texts = ["import sys\nprint(sys.argv)\n", None, "def g():\n    pass\n", ""]
+    (tmp_path / "src").mkdir()
+    pq.write_table(pa.table({"content": texts, "id": [1, 2, 3, 4]}),
+                   tmp_path / "src" / "part-0.parquet", row_group_size=2)
+    with pytest.raises(DataError, match="no column 'text'.*content, id"):
+        run([tmp_path / "src"], tokenizer, tmp_path / "wrong-key")
+    with pytest.raises(DataError, match=r"part-0\.parquet: row 2: 'content' is not a string"):
+        run([tmp_path / "src"], tokenizer, tmp_path / "strict", text_key="content")
+    meta = run([tmp_path / "src"], tokenizer, tmp_path / "out", text_key="content",
+               skip_bad=True, val_fraction=0.0)
+    assert (meta["skipped_no_text"], meta["empty_documents"]) == (1, 1)
+    expected = [t for text in texts if text for t in tokenizer.encode(text, bos=True, eos=True)]
+    assert split_tokens(tmp_path / "out", "train").tolist() == expected

@@ -1,4 +1,5 @@
-"""Data: tokenizers (`tokenizer.py`: SentencePiece and LLaMA-3's tiktoken), text corpora
-tokenized once into cached arrays (`corpus.py`), prepared token shards built on many cores and
-hosts from text, JSONL and Parquet (`prepare.py`), packed and shuffled training batches whose
-iterator state is checkpointed (`batches.py`), and downstream-task datasets (`tasks.py`)."""
+"""Data: tokenizers (`tokenizer.py`: SentencePiece and LLaMA-3's tiktoken), documents from text,
+JSONL and Parquet inputs (`documents.py`), prepared token shards written and opened
+(`shards.py`) by `python -m llama_jax.data.prepare` on many cores and hosts (`prepare.py`), a
+run's corpus and tokenizer (`corpus.py`), packed, shuffled or mixed training batches whose
+position is checkpointed (`batches.py`), and downstream-task datasets (`tasks.py`)."""

@@ -6,9 +6,12 @@ and the model inputs of a packed window (`features`).
   so documents are packed back to back with no padding. `features` turns windows into inputs,
   targets, positions and segment ids on the device: attention and positions restart at every
   BOS, and a target that is the next document's BOS is not scored.
-- Order: grain's `MapDataset`, shuffled by seed and reshuffled every epoch; the iterator's state
-  (`get_state()`, a few integers) is saved with every checkpoint, so a resumed run reads exactly
-  the batches an uninterrupted one would have.
+- Order: grain's `MapDataset`, shuffled by seed and reshuffled every epoch; several sources
+  are interleaved by weight (`mixed_batches`). Global batch b is items [b·B, (b+1)·B) of that
+  order and each process reads its rows of it, so the batches do not depend on the process
+  count. The iterator's state (`get_state()`: the next batch's index, the same in every
+  process) is saved with every checkpoint, so a run resumed with any number of processes reads
+  exactly the batches an uninterrupted one would have.
 """
 
 from __future__ import annotations

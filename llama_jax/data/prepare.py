@@ -1,38 +1,22 @@
-"""Prepared token shards: a corpus tokenized once, on many cores and many hosts, into flat token
-files that training memory-maps.
+"""Prepare: a corpus tokenized once, on many cores and many hosts, into token shards that
+training memory-maps.
 
     python -m llama_jax.data.prepare INPUT... --tokenizer tokenizer.model --out DIR
         [--workers N] [--shard i/n] [--text-key text] [--val-fraction 0.05] [--skip-bad]
 
 INPUTs are directories (every file below them, hidden ones skipped), globs or files:
-- `.jsonl`, `.jsonl.gz`, `.jsonl.zst`: one document per line, its text under `--text-key`;
-- `.parquet`: one document per row of the `--text-key` column (pyarrow: the `data` extra);
-- anything else: one UTF-8 document per file (`.txt`, `.md`, the demo's corpus).
-
-The files, sorted by name, are cut into units of work: each JSONL or Parquet file is one, and
-consecutive text files are grouped into units of about UNIT_BYTES. Everything a unit writes
-depends only on its files and the tokenizer, so the output is the same byte for byte for any
-`--workers` and any `--shard i/n` (host i of n prepares units i, i+n, ...; n hosts sharing DIR
-together write exactly what one would). DIR holds:
-- `plan.json`: the units, their files and sizes, the tokenizer's hash and the settings; a
-  prepare into a DIR planned from other inputs or settings is refused;
-- `shards/NNNNN.SPLIT.bin`: the unit's documents of that split (train, val), `BOS doc EOS`
-  each, as uint16 tokens (uint32 for a vocabulary over 65,536), and `.idx`: the uint64 offset
-  of each document's first token, then the total;
-- `ledger/NNNNN.json`: written last for a finished unit, with its counts and its files' sizes
-  and hashes: an interrupted prepare redoes exactly the units without a ledger, or whose
-  shards do not match it (a truncated shard of a killed run);
-- `meta.json`: written once every unit is done: the tokenizer, the dtype, tokens and documents
-  per split and per shard, and what was skipped or empty. Opening the dataset reads this file.
-
-A document goes to the validation split by a hash of its name (its path relative to its input,
-with `:LINE` or `:ROW` inside a JSONL or Parquet file), as the raw corpus reader splits it. A
-document is read and encoded in pieces of about PIECE_BYTES cut at line ends, so memory does
-not grow with a document's size (each piece is encoded on its own: a document over PIECE_BYTES
-may tokenize slightly differently at the cuts than whole). Bad input — a line that is not JSON,
-or has no string under the text key, or text that is not UTF-8 — is an error naming the file
-and line, or with `--skip-bad` is skipped and counted in meta.json; empty documents are
-counted, not written.
+`.jsonl`, `.jsonl.gz`, `.jsonl.zst` (one document per line, its text under `--text-key`),
+`.parquet` (one per row of the `--text-key` column; pyarrow, the `data` extra), anything else
+one UTF-8 document per file (data/documents.py: kinds, units of work, bounded pieces, the
+split). Everything a unit of work writes depends only on its files and the tokenizer
+(data/shards.py: the layout), so the output is the same byte for byte for any `--workers` and
+any `--shard i/n`: host i of n prepares units i, i+n, ..., and n hosts sharing DIR together
+write exactly what one would. Besides the shards and ledgers, DIR holds `plan.json` (the units,
+their files and sizes, the tokenizer's hash and the settings: a prepare into a DIR planned from
+other inputs or settings is refused) and, once every unit is done, `meta.json` and a copy of
+the tokenizer. Rerunning an interrupted prepare redoes exactly the units without a ledger or
+whose shards do not match it. Bad input is an error naming the file and line, or with
+`--skip-bad` skipped and counted in meta.json.
 """
 
 from __future__ import annotations
@@ -42,6 +26,7 @@ import dataclasses
 import json
 import multiprocessing
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -76,10 +61,13 @@ def prepare(inputs: list[str], tokenizer: str | Path, out: str | Path, *, worker
     log(f"preparing {len(mine)} of {len(units)} units into {out} with {workers} worker(s)")
     jobs = [(u, units[u], str(tokenizer_path), str(out), settings) for u in mine]
     bar = _progress_bar(sum(f["bytes"] for u in mine for f in units[u]["files"]), progress)
+    tokens, start = 0, time.perf_counter()
     with bar:
         for ledger in _run(jobs, workers):
+            tokens += sum(ledger[s]["tokens"] for s in SPLITS)
             bar.update(sum(f["bytes"] for f in ledger["files"]))
-            bar.set_postfix(tokens=sum(ledger[s]["tokens"] for s in SPLITS), refresh=False)
+            rate = tokens / max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix(tokens=f"{tokens:,}", tokens_per_s=f"{rate:,.0f}", refresh=False)
     if not all(unit_done(out, u, units[u]) for u in range(len(units))):
         log(f"{out}: this host's units are done; meta.json follows the last host's")
         return None
