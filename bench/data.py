@@ -188,7 +188,7 @@ def write_corpus(root: Path, texts: list[str], gb: float, file_mb: int = 64) -> 
 def peak_rss_of_prepare(inputs: Path, tokenizer: Path, out: Path) -> tuple[int, float]:
     """Peak RSS in bytes of the largest process of a 2-worker prepare, and its seconds."""
     child = ("import resource, subprocess, sys, time; start = time.perf_counter(); "
-             "subprocess.run(sys.argv[1:], check=True); "
+             "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
              "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, "
              "time.perf_counter() - start)")
     command = [sys.executable, "-m", "llama_jax.data.prepare", str(inputs), "--tokenizer",

@@ -22,6 +22,7 @@ whose shards do not match it. Bad input is an error naming the file and line, or
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -85,8 +86,27 @@ def _run(jobs: list[tuple], workers: int) -> Iterator[dict]:
         for job in jobs:
             yield prepare_unit_job(job)
         return
-    with multiprocessing.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
+    with _main_module_hidden():  # the pool starts its workers here
+        pool = multiprocessing.get_context("spawn").Pool(min(workers, len(jobs)))
+    with pool:
         yield from pool.imap_unordered(prepare_unit_job, jobs)
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Spawned processes run the parent's main module before any work (multiprocessing's
+    preparation): a training script's or a benchmark's imports (JAX, the model) cost each
+    worker seconds, more than the demo's corpus takes to tokenize. The workers need only
+    data/shards.py, so the main module's name and file are hidden while they start."""
+    main = sys.modules["__main__"]
+    spec, file = getattr(main, "__spec__", None), main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__spec__ = spec
+        if file is not None:
+            main.__file__ = file
 
 
 def _progress_bar(total_bytes: int, enabled: bool):
