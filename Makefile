@@ -76,6 +76,7 @@ corpus:
 bench: install
 	$(PY) bench/compile_time.py --unrolled
 	$(PY) bench/load_memory.py
+	$(PY) bench/data.py
 	$(PY) bench/decode.py
 	$(PY) bench/train.py
 	$(PY) bench/attention.py
