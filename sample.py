@@ -21,8 +21,8 @@ from llama_jax import load_checkpoint, load_tokenizer
 from llama_jax.cli import add_int8_arguments, show_library_notes, user_errors_exit
 from llama_jax.config import DTYPES
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
-from llama_jax.decode.generate import (DECODE_IMPLS, GenerationStats,
-                                       owned_decoder_params, stream)
+from llama_jax.decode.decoder import DECODE_IMPLS, owned_decoder_params
+from llama_jax.decode.generate import GenerationStats, stream
 from llama_jax.errors import GenerateError
 from llama_jax.data.tokenizer import TextStream
 

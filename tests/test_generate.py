@@ -335,7 +335,7 @@ def test_bf16_model_decodes_batches(params):
 def test_cpu_decoder_copy_lives_only_as_long_as_the_params():
     import gc
 
-    from llama_jax.decode import generate as decoder
+    from llama_jax.decode import decoder
 
     p = llama_jax.init_params(TINY, jax.random.key(5))
     first = generate(TINY, p, [[1, 2, 3]], 4, stop_tokens=[])
@@ -352,7 +352,7 @@ def test_auto_decoder_is_the_one_measured_faster_on_the_backend(backend, impl, p
                                                                   monkeypatch):
     """Unstacked parameters (or stacked ones whose copy exists) decode unrolled anywhere: the
     scan cannot read them, and the copy is already paid for."""
-    from llama_jax.decode import generate as decoder
+    from llama_jax.decode import decoder
 
     # the parameters' devices are of that platform (parallel/target.py)
     monkeypatch.setattr(target, "platform_of_tree", lambda tree: backend)
@@ -366,7 +366,7 @@ def test_auto_decoder_is_the_one_measured_faster_on_the_backend(backend, impl, p
 
 def test_auto_decoder_scans_when_the_layer_copy_and_cache_do_not_fit(params, monkeypatch,
                                                                      caplog):
-    from llama_jax.decode import generate as decoder
+    from llama_jax.decode import decoder
 
     p = llama_jax.init_params(TINY, jax.random.key(7))
     copy = sum(w.nbytes for w in jax.tree.leaves(p["groups"]))
@@ -395,7 +395,7 @@ def test_a_caller_that_owns_the_params_holds_one_copy():
     import gc
     import weakref
 
-    from llama_jax.decode.generate import owned_decoder_params
+    from llama_jax.decode.decoder import owned_decoder_params
 
     p = llama_jax.init_params(TINY, jax.random.key(8))
     expected = generate(TINY, p, [[4, 5, 6]], 4, stop_tokens=[], decode_impl="scan")

@@ -22,7 +22,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 import llama_jax
 import reference
-from llama_jax.decode import generate as decoder
+from llama_jax.decode import decoder
 from llama_jax.decode.generate import generate
 from llama_jax.data.tokenizer import train_sentencepiece
 from llama_jax.eval import harness

@@ -49,7 +49,7 @@ def test_quantize_streams_what_the_quantized_model_generates(checkpoint, capsys,
 
 def test_the_decoder_auto_falls_back_to_is_noted(checkpoint, capsys, monkeypatch):
     """When the per-layer copy does not fit, "auto" decodes with the scan and says so."""
-    from llama_jax.decode import generate as decoder
+    from llama_jax.decode import decoder
 
     monkeypatch.setattr(decoder, "free_memory_bytes", lambda: 0)
     assert sample.main(["--checkpoint", str(checkpoint), "--prompt", "The cat",

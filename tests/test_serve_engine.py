@@ -98,7 +98,7 @@ def test_continuous_batching_equals_generate_alone(params, name, cache_dtype, de
 def test_an_engine_reserves_its_largest_cache_before_choosing_the_decoder(monkeypatch):
     """"auto" decodes unrolled only while the per-layer copy and the slots' largest cache fit
     in the free memory (on CPU here; the same rule on GPU)."""
-    from llama_jax.decode import generate as decoder
+    from llama_jax.decode import decoder
     from llama_jax.plan.costs import serving_cache_bytes
 
     p = llama_jax.init_params(TINY, jax.random.key(9))  # no copy of it made yet

@@ -176,7 +176,7 @@ def test_the_kv_cache_follows_the_cache_rules():
 def test_the_decoders_cache_reserve_is_what_a_device_holds(model_name, mesh_name, batch):
     """What "auto" reserves per device for the cache before choosing the decoder: a row or a
     KV head the mesh cannot split is held whole (one row on 8 devices: all of it on each)."""
-    from llama_jax.decode.generate import cache_bytes_per_device
+    from llama_jax.decode.decoder import cache_bytes_per_device
     from llama_jax.model.kv_cache import init_cache
 
     model, mesh_config = MODELS[model_name], MESHES[mesh_name]
@@ -192,7 +192,7 @@ def test_the_decoders_cache_reserve_is_what_a_device_holds(model_name, mesh_name
 
 def test_cpu_devices_reserve_from_the_host_they_share(monkeypatch):
     """On CPU the 8 devices' copies and caches all come out of the host's free memory."""
-    from llama_jax.decode import generate as decoder
+    from llama_jax.decode import decoder
 
     model, mesh_config = MODELS["gqa"], MESHES["tp8"]
     mesh = sharding.make_mesh(mesh_config)

@@ -22,7 +22,7 @@ from llama_jax import load_run_config
 from llama_jax.aot.compiled import custom_calls, out_of_memory
 from llama_jax.aot.serving import compile_serving, render as render_serving
 from llama_jax.aot.training import compile_training, render
-from llama_jax.decode.generate import memory_need, resolve_decode_impl
+from llama_jax.decode.decoder import memory_need, resolve_decode_impl
 from llama_jax.config import MeshConfig
 from llama_jax.errors import ConfigError
 from llama_jax.model.params import abstract_params

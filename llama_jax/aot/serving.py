@@ -31,8 +31,8 @@ import jax
 from llama_jax.aot.compiled import ProgramMemory, compile_program
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name, load_model_config
-from llama_jax.decode.generate import (DECODE_IMPLS, UNROLLED_BACKENDS, bucket,
-                                       cache_bytes_per_device)
+from llama_jax.decode.decoder import DECODE_IMPLS, UNROLLED_BACKENDS, cache_bytes_per_device
+from llama_jax.decode.generate import bucket
 from llama_jax.decode.slots import lower_programs
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.formats.checkpoint import checkpoint_config

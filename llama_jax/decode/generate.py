@@ -13,7 +13,8 @@ per chunk.
 
 Sampling: see sampling.py. The random key for step s is `fold_in(key(seed), s)`, so results do
 not depend on the chunking. Log-probabilities are those of the model's distribution (before
-temperature and filters) for the chosen tokens.
+temperature and filters) for the chosen tokens. Which decoder runs (scan or unrolled) and
+whether its copy and cache fit: decoder.py.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import functools
 import logging
 import time
 import warnings
-import weakref
 from typing import Iterator, Sequence
 
 import jax
@@ -33,30 +33,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from llama_jax.parallel import sharding, target
-from llama_jax.parallel.devices import free_memory_bytes
-from llama_jax.parallel.sharding import MESH_AXES
+from llama_jax.parallel import sharding
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.model.kv_cache import KVCache, init_cache
-from llama_jax.model.transformer import apply, unstack_layers
+from llama_jax.model.transformer import apply
 from llama_jax.nn.heads import is_task_head, lm_head
 from llama_jax.model.params import Params
-from llama_jax.plan.memory import kv_cache_bytes_per_device
+from llama_jax.decode.decoder import (cache_bytes_per_device, decoder_params, is_unstacked,
+                                      resolve_decode_impl)
 from llama_jax.decode.sampling import SamplingParams, Strategy, sample
 
 log = logging.getLogger(__name__)
 NO_TOKEN = -1  # an empty slot in the output buffer and the padding of the stop-id table
 MIN_BUCKET = 16
-# How the decoder runs the layers: one lax.scan per group over stacked weights with the
-# stacked cache in the carry, or an unrolled loop over per-layer weights and caches. Both
-# compute the same function; "auto" picks by backend (`resolve_decode_impl`).
-DECODE_IMPLS = ("auto", "scan", "unrolled")
-# Backends where the unrolled decoder measured faster (BENCHMARKS.md). XLA:CPU copies every
-# layer's weights out of the stacked arrays at every scan step. On an H100 the unrolled
-# decoder was 1.2x the scan at batch 1 and 1.9x at batch 8. TPUs keep the scan (not measured).
-UNROLLED_BACKENDS = ("cpu", "gpu")
-
 
 
 @struct.dataclass
@@ -124,7 +114,7 @@ def _prefill_state(config, params, prompts_BT, start_B, active_B, stop_BS, sampl
                    key, cache_len, n_out, cache_dtype, strategy) -> DecodeState:
     B = prompts_BT.shape[0]
     cache = init_cache(config, B, cache_len, cache_dtype, start_B,
-                       layout="per_layer" if _unstacked(params) else "stacked")
+                       layout="per_layer" if is_unstacked(params) else "stacked")
     h_BTD, cache, _ = apply(config, params, prompts_BT, cache=cache)
     state = DecodeState(
         cache=cache, tokens_BN=jnp.full((B, n_out), NO_TOKEN, jnp.int32),
@@ -177,108 +167,6 @@ def next_logits(config: ModelConfig, params: Params, last_B: jax.Array, cache: K
 # have vm.max_map_count), and a long-lived process decoding many shapes would keep them all.
 _EXECUTABLES: collections.OrderedDict = collections.OrderedDict()
 _MAX_EXECUTABLES = 64
-_UNSTACKED: dict = {}  # ids of the arrays -> (weakrefs to them, unstacked copy); one entry
-
-
-def _unstacked(params: Params) -> bool:
-    return isinstance(params["groups"][0], tuple)
-
-
-def resolve_decode_impl(decode_impl: str, params: Params, reserve_bytes: int = 0) -> str:
-    """"scan" or "unrolled" for `decode_impl`. "auto" is unrolled for parameters already
-    unstacked, and for stacked ones on UNROLLED_BACKENDS (or whose per-layer copy exists) when
-    that copy, held while the stacked arrays live, fits in the device memory free beyond
-    `reserve_bytes` (what the caller allocates next on each device: its KV cache); scan
-    otherwise, dropping a copy that no longer leaves room."""
-    if decode_impl not in DECODE_IMPLS:
-        raise GenerateError(f"decode_impl={decode_impl!r} is not one of {', '.join(DECODE_IMPLS)}")
-    if decode_impl != "auto":
-        return decode_impl
-    if _unstacked(params):
-        return "unrolled"
-    copy = _cached_copy(params)
-    if copy is None and target.platform_of_tree(params) not in UNROLLED_BACKENDS:
-        return "scan"
-    need = memory_need(
-        reserve_bytes + (0 if copy is not None else sharding.bytes_per_device(params["groups"])),
-        params)
-    free = free_memory_bytes()
-    if free is None or need <= free:
-        return "unrolled"
-    release_decoder_copy()  # a copy that exists goes: the scan has its room
-    log.info("decode_impl='auto': the per-layer copy of the weights and the cache need %.2f GiB "
-             "of the %.2f GiB free; decoding with 'scan'", need / 2**30, free / 2**30)
-    return "scan"
-
-
-def cache_bytes_per_device(config: ModelConfig, params: Params, batch: int, slots: int,
-                           cache_dtype: str, mesh_config: MeshConfig | None) -> int:
-    """Bytes one device holds of the KV cache of `batch` rows of `slots` laid out, for
-    parameters on a mesh, by `mesh_config`'s rules (the default rules when None)."""
-    mesh = sharding.mesh_of(params)
-    shape = dict.fromkeys(MESH_AXES, 1) | ({} if mesh is None else dict(mesh.shape))
-    rules = (mesh_config or MeshConfig()).cache_rules
-    return kv_cache_bytes_per_device(config, batch, slots, cache_dtype, rules, shape)
-
-
-def memory_need(bytes_per_device: int, params: Params) -> int:
-    """What `bytes_per_device` on each device holding `params` takes from the memory
-    `free_memory_bytes()` reports: one device's own on an accelerator, every device's on CPU,
-    whose devices all draw on the host."""
-    on_cpu = target.platform_of_tree(params) == "cpu"
-    return bytes_per_device * (_device_count(params) if on_cpu else 1)
-
-
-def _device_count(params: Params) -> int:
-    """How many devices hold `params` (1 for host arrays)."""
-    leaf = jax.tree.leaves(params)[0]
-    return len(leaf.sharding.device_set) if isinstance(leaf, jax.Array) else 1
-
-
-def _cached_copy(params: Params) -> Params | None:
-    """The per-layer copy made of these very arrays, if it is still held."""
-    leaves = jax.tree.leaves(params)
-    refs, unstacked = _UNSTACKED.get(tuple(id(leaf) for leaf in leaves), ((), None))
-    if len(refs) == len(leaves) and all(r() is leaf for r, leaf in zip(refs, leaves)):
-        return unstacked
-    return None
-
-
-def decoder_params(params: Params, decode_impl: str) -> Params:
-    """The unrolled decoder runs over unstacked layers (see `model.unstack_layers`); the copy
-    is made once per set of parameter arrays and reused while those arrays are alive. A caller
-    that drops the stacked arrays after this call holds one copy of the weights."""
-    if _unstacked(params):
-        if decode_impl == "scan":
-            raise GenerateError("decode_impl='scan' needs stacked parameters; these were "
-                                "unstacked (model.unstack_layers): pass the stacked ones")
-        return params
-    if decode_impl == "scan":
-        return params
-    unstacked = _cached_copy(params)
-    if unstacked is None:
-        leaves = jax.tree.leaves(params)
-        key = tuple(id(leaf) for leaf in leaves)
-        unstacked = unstack_layers(params)
-        _UNSTACKED.clear()
-        # The copy goes when an original array does: no second model lingers after generation.
-        drop = lambda _: _UNSTACKED.pop(key, None)  # noqa: E731
-        _UNSTACKED[key] = (tuple(weakref.ref(leaf, drop) for leaf in leaves), unstacked)
-    return unstacked
-
-
-def release_decoder_copy() -> None:
-    """Drops the per-layer copy kept for stacked parameters still alive (the next unrolled
-    decode of them makes it again): for a program that goes on to other work with them."""
-    _UNSTACKED.clear()
-
-
-def owned_decoder_params(params: Params, decode_impl: str) -> tuple[Params, str]:
-    """`decoder_params` for a caller that drops `params` next (a CLI or a server that loaded
-    them), and the implementation chosen, for the caller to decode with: "auto" reserves
-    nothing for the cache, since the stacked arrays are gone by then."""
-    impl = resolve_decode_impl(decode_impl, params)
-    return decoder_params(params, impl), impl
 
 
 def _compiled(fn, stats: GenerationStats, mesh_config: MeshConfig | None, *args, **static):
@@ -358,7 +246,7 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     `chunk_steps=None` runs the whole decode in one call. `stats` is filled in if given.
     `cache_dtype` (any dtype-like, or "int8": int8 values with a float32 scale per cached
     vector) defaults to the model's compute dtype; `decode_impl` is
-    one of DECODE_IMPLS; parameters on a mesh decode under `mesh_config`'s rules."""
+    one of `decoder.DECODE_IMPLS`; parameters on a mesh decode under `mesh_config`'s rules."""
     _validate(config, prompts, max_new_tokens, temperature, top_k, top_p, min_p)
     try:
         cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)

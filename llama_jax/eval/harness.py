@@ -69,7 +69,8 @@ except ImportError:
                       ) from None
 
 from llama_jax.formats.checkpoint import load_checkpoint
-from llama_jax.decode.generate import release_decoder_copy, stream
+from llama_jax.decode.decoder import release_decoder_copy
+from llama_jax.decode.generate import stream
 from llama_jax.eval.scoring import score
 from llama_jax.data.tokenizer import Tokenizer, load_tokenizer
 

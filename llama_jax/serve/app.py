@@ -7,8 +7,8 @@ from pathlib import Path
 
 from llama_jax.config import MeshConfig, cache_dtype_name
 from llama_jax.data.tokenizer import load_tokenizer
-from llama_jax.decode.generate import (cache_bytes_per_device, memory_need,
-                                       owned_decoder_params)
+from llama_jax.decode.decoder import (cache_bytes_per_device, memory_need,
+                                      owned_decoder_params)
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.formats.checkpoint import load_checkpoint
 from llama_jax.parallel import target

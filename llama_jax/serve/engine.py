@@ -50,8 +50,9 @@ import numpy as np
 
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name
 from llama_jax.decode import slots as programs
-from llama_jax.decode.generate import (NO_TOKEN, bucket, cache_bytes_per_device,
-                                       decoder_params, resolve_decode_impl)
+from llama_jax.decode.decoder import (cache_bytes_per_device, decoder_params,
+                                      resolve_decode_impl)
+from llama_jax.decode.generate import NO_TOKEN, bucket
 from llama_jax.decode.sampling import SamplingParams, Strategy
 from llama_jax.decode.slots import TOP_LOGPROBS, Emitted
 from llama_jax.errors import GenerateError

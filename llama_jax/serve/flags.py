@@ -7,7 +7,7 @@ import argparse
 
 from llama_jax.cli import add_int8_arguments
 from llama_jax.config import DTYPES
-from llama_jax.decode.generate import DECODE_IMPLS
+from llama_jax.decode.decoder import DECODE_IMPLS
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
 from llama_jax.plan.costs import SERVING_STEPS_PER_DISPATCH
 
