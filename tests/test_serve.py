@@ -335,6 +335,12 @@ BAD_REQUESTS = [
      400, "messages"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                           "top_logprobs": 21}, 400, "top_logprobs"),
+    *(("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                            field: value}, 400, field) for field, value in (
+        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ("tool_choice", "required"), ("functions", [{"name": "f"}]),
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}))),
 ]
 
 

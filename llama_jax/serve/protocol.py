@@ -3,13 +3,14 @@
 Fields follow the OpenAI API reference (completions and chat completions); `top_k` and `min_p`
 are extra fields, as in vLLM. Types are strict (a string where a number goes is refused, not
 converted), unknown fields are ignored (clients send fields such as `user`), and fields this
-server cannot honour (penalties, `logit_bias`, `suffix`, `best_of` above `n`) are refused
-when set, never silently dropped.
+server cannot honour (penalties, `logit_bias`, `suffix`, `best_of` above `n`, tools and
+function calls, a `response_format` other than text) are refused when set, never silently
+dropped.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -131,6 +132,37 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Chat fields this server cannot honour yet: refused when they ask for something (a 400
+    # naming the field), never dropped: a client asking for a tool call or a JSON schema must
+    # not get free text back.
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    function_call: Any = None
+    response_format: Any = None
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value, info):
+        if value:
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value, info):
+        if value not in (None, "none"):
+            raise ValueError(f"{info.field_name} is not supported by this server (only "
+                             "\"none\")")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value):
+        if value not in (None, {"type": "text"}):
+            raise ValueError("response_format is not supported by this server (only "
+                             "{\"type\": \"text\"})")
+        return value
 
     @property
     def limit(self) -> int | None:
