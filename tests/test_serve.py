@@ -129,6 +129,43 @@ def test_health_and_models(server):
     assert [m.id for m in models.data] == ["tiny"]
 
 
+def scrape(server) -> dict[str, float]:
+    """GET /metrics: every sample by name and labels, e.g. `llama_jax_choices_total{stop}`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return {s.name + "".join(f"{{{v}}}" for v in s.labels.values()): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_count_what_the_responses_report(server):
+    """The counters grow by the sums of the responses' usage and their choices' finish
+    reasons, streamed or not; every choice with tokens times its first token and each later
+    one; the gauges read the engine."""
+    before = scrape(server)
+    whole = server.client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12,
+                                             temperature=0.9, seed=1, n=2)
+    chat = server.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=9,
+        temperature=0, stop=["\u2603"])
+    streamed = [c for c in server.client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=7, temperature=0, stream=True,
+        stream_options={"include_usage": True}) if c.usage]
+    after = scrape(server)
+    usages = [whole.usage, chat.usage, streamed[0].usage]
+    grew = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert grew["llama_jax_prompt_tokens_total"] == sum(u.prompt_tokens for u in usages)
+    generated = sum(u.completion_tokens for u in usages)
+    assert grew["llama_jax_generation_tokens_total"] == generated
+    reasons = [c.finish_reason for c in whole.choices + chat.choices] + ["length"]
+    assert sum(v for k, v in grew.items() if k.startswith("llama_jax_choices_total")) == 4
+    for reason in set(reasons):
+        assert grew[f"llama_jax_choices_total{{{reason}}}"] == reasons.count(reason)
+    assert grew["llama_jax_time_to_first_token_seconds_count"] == 4
+    assert grew["llama_jax_inter_token_latency_seconds_count"] == generated - 4
+    assert after["llama_jax_slots"] == SLOTS and after["llama_jax_queue_length"] == 0
+
+
 @pytest.mark.parametrize("prompt", PROMPTS[:3])
 def test_greedy_completion_equals_generate(server, model, prompt):
     """Text, token log-probabilities and usage equal `generate` alone."""

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP API over an `Engine`: `GET /health`, `GET /v1/models`,
-`POST /v1/completions` and `POST /v1/chat/completions`, streamed as server-sent events
+"""The OpenAI-compatible HTTP API over an `Engine`: `GET /health`, `GET /metrics`
+(Prometheus, serve/metrics.py), `GET /v1/models`, `POST /v1/completions` and
+`POST /v1/chat/completions`, streamed as server-sent events
 (`data: {...}` chunks, then `data: [DONE]`) when `stream` is true.
 
 Each choice of a request (each prompt, `n` times) is one engine request. Its text is built on
@@ -24,12 +25,13 @@ from typing import AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from llama_jax.data.tokenizer import Tokenizer
 from llama_jax.errors import GenerateError
 from llama_jax.serve.chat import ChatFormat
 from llama_jax.serve.engine import Chunk, Engine, QueueFull, Request
+from llama_jax.serve.metrics import ServerMetrics
 from llama_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from llama_jax.serve.text import StopText
 
@@ -58,8 +60,9 @@ class Choice:
 
     def __init__(self, index: int, prompt: Sequence[int], stops: Sequence[str],
                  tokenizer: Tokenizer, events: asyncio.Queue, loop: asyncio.AbstractEventLoop,
-                 per_token: bool):
+                 per_token: bool, metrics: ServerMetrics):
         self.index, self.prompt = index, list(prompt)
+        self._metrics, self._since = metrics, time.perf_counter()  # submission, then delivery
         self.text = StopText(tokenizer, prompt, stops)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
@@ -99,6 +102,10 @@ class Choice:
         if self.finish_reason is None and (chunk.finish_reason or chunk.error):
             text += self.text.flush()
             self.finish_reason = chunk.finish_reason or "error"
+        if len(self.tokens) > first:
+            now = time.perf_counter()
+            self._metrics.delivered(first == 0, len(self.tokens) - first, now - self._since)
+            self._since = now
         self._loop.call_soon_threadsafe(self._events.put_nowait, Event(
             self.index, text, first, len(self.tokens), self.finish_reason, chunk.error))
         return self.text.stopped
@@ -113,11 +120,17 @@ class Server:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.chat_format = chat_format
         self.created = int(time.time())
+        self.metrics = ServerMetrics(engine)
 
     # ------------------------------------------------------------------------ endpoints
 
     async def health(self) -> dict:
         return {"status": "ok", **self.engine.stats()}
+
+    async def prometheus(self) -> Response:
+        """GET /metrics: the counters in Prometheus's text format (serve/metrics.py)."""
+        content, media_type = self.metrics.text()
+        return Response(content, media_type=media_type)
 
     async def models(self) -> dict:
         return {"object": "list", "data": [{
@@ -147,7 +160,7 @@ class Server:
             await _finished(choices, events, http)
             return {**head, "choices": [as_json(c, c.echo + c.text.text, 0, len(c.tokens),
                                                 c.finish_reason, scored) for c in choices],
-                    "usage": _usage(prompts, choices)}
+                    "usage": self._usage(prompts, choices)}
         echoed = set()  # the prompt goes first, with its logprobs once they are in
 
         def chunks(event: Event) -> list[dict]:
@@ -160,7 +173,8 @@ class Server:
                                    event.finish_reason))
             return out
 
-        return _streamed(head, [], chunks, choices, events, http, body, prompts)
+        return _streamed(head, [], chunks, choices, events, http, body,
+                         functools.partial(self._usage, prompts, choices))
 
     async def chat_completions(self, body: ChatCompletionRequest, http: HttpRequest):
         """POST /v1/chat/completions: `n` replies to the messages, in the checkpoint's chat
@@ -184,7 +198,7 @@ class Server:
                                          "message": {"role": "assistant", "content": c.text.text},
                                          "logprobs": logprobs(c, 0, len(c.tokens)),
                                          "finish_reason": c.finish_reason} for c in choices],
-                    "usage": _usage([prompt], choices)}
+                    "usage": self._usage([prompt], choices)}
         opening = [{"index": c.index, "logprobs": None,
                     "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                    for c in choices]
@@ -196,7 +210,7 @@ class Server:
                      "finish_reason": event.finish_reason}] if _news(event) else []
 
         return _streamed({**head, "object": "chat.completion.chunk"}, opening, chunks, choices,
-                         events, http, body, [prompt])
+                         events, http, body, functools.partial(self._usage, [prompt], choices))
 
     # ------------------------------------------------------------------------ requests
 
@@ -238,7 +252,7 @@ class Server:
         for p, (prompt, limit) in enumerate(zip(prompts, limits)):
             for j in range(body.n):
                 choice = Choice(len(choices), prompt, body.stops, self.tokenizer, events, loop,
-                                per_token)
+                                per_token, self.metrics)
                 if limit == 0:  # the prompt alone: one token is decoded and dropped
                     choice.limit, limit = 0, 1
                 choice.request = Request(
@@ -264,6 +278,15 @@ class Server:
         return choices, events
 
     # ------------------------------------------------------------------------ responses
+
+    def _usage(self, prompts: list[list[int]], choices: list[Choice]) -> dict:
+        """A complete response's usage, counted in the metrics as it is given."""
+        prompt_tokens = sum(len(p) for p in prompts)
+        completion_tokens = sum(len(c.tokens) for c in choices)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        self.metrics.completed(usage, [c.finish_reason for c in choices])
+        return usage
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
@@ -313,11 +336,6 @@ class Server:
                                                   choice.logprobs[first:last], tops)]}
 
 
-def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
-    prompt_tokens = sum(len(p) for p in prompts)
-    completion_tokens = sum(len(c.tokens) for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _head(prefix: str, kind: str, model: str) -> dict:
@@ -372,9 +390,10 @@ def _sse(payload) -> str:
 
 def _streamed(head: dict, opening: list[dict], chunks: Callable[[Event], list[dict]],
               choices: list[Choice], events: asyncio.Queue, http: HttpRequest, body,
-              prompts: list[list[int]]) -> StreamingResponse:
+              usage: Callable[[], dict]) -> StreamingResponse:
     """A streamed response: a chunk for each `opening` choice, then for each of the choices
-    that `chunks` makes of an event (a failure's error body instead), the usage if asked, and
+    that `chunks` makes of an event (a failure's error body instead), the usage (`usage()`,
+    taken once the choices are done, whether or not the client asked for it), and
     `[DONE]`."""
     async def stream() -> AsyncIterator[str]:
         for choice in opening:
@@ -385,8 +404,9 @@ def _streamed(head: dict, opening: list[dict], chunks: Callable[[Event], list[di
                 continue
             for choice in chunks(event):
                 yield _sse({**head, "choices": [choice]})
+        counted = usage()
         if body.stream_options and body.stream_options.include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(prompts, choices)})
+            yield _sse({**head, "choices": [], "usage": counted})
         yield _sse("[DONE]")
     return StreamingResponse(stream(), media_type="text/event-stream")
 
@@ -413,6 +433,7 @@ def create_app(server: Server) -> FastAPI:
     app.add_exception_handler(OpenAIError, _openai_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.get("/health")(server.health)
+    app.get("/metrics")(server.prometheus)
     app.get("/v1/models")(server.models)
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat_completions)

@@ -1,0 +1,71 @@
+"""`GET /metrics`: the server's counters in Prometheus's text format (prometheus-client), on a
+registry of its own (not the process-wide default, so servers built in one process do not
+share it).
+
+- `llama_jax_choices_total{finish_reason}`: choices finished (stop, length, error), counted
+  when their response is complete; `llama_jax_prompt_tokens_total` and
+  `llama_jax_generation_tokens_total`: the sums of those responses' `usage` (a prompt counts
+  once per request, as `usage.prompt_tokens` does).
+- `llama_jax_time_to_first_token_seconds`: from a choice's submission (after its request was
+  read and tokenized) to its first tokens leaving the engine; `llama_jax_inter_token_latency_
+  seconds`: the time between a choice's deliveries divided by the tokens delivered, once per
+  token (a dispatch of K decode steps delivers K tokens at once).
+- `llama_jax_queue_length`, `llama_jax_slots_in_use`, `llama_jax_slots`: read from the engine
+  when scraped.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    """The counters of one server over `engine` (anything with `stats()` as Engine's)."""
+
+    def __init__(self, engine):
+        registry = self.registry = CollectorRegistry()
+        self.choices = Counter("llama_jax_choices", "Choices finished, by finish reason",
+                               ["finish_reason"], registry=registry)
+        self.prompt_tokens = Counter("llama_jax_prompt_tokens",
+                                     "Prompt tokens of complete responses (usage)",
+                                     registry=registry)
+        self.generation_tokens = Counter("llama_jax_generation_tokens",
+                                         "Generated tokens of complete responses (usage)",
+                                         registry=registry)
+        self.time_to_first_token = Histogram(
+            "llama_jax_time_to_first_token_seconds", "Submission to a choice's first tokens",
+            buckets=TTFT_BUCKETS, registry=registry)
+        self.inter_token_latency = Histogram(
+            "llama_jax_inter_token_latency_seconds", "Time per token between deliveries",
+            buckets=ITL_BUCKETS, registry=registry)
+        for name, key, doc in (("queue_length", "queued", "Requests waiting for a slot"),
+                               ("slots_in_use", "slots_in_use", "Decode slots holding a request"),
+                               ("slots", "slots", "Decode slots")):
+            Gauge(f"llama_jax_{name}", doc, registry=registry).set_function(
+                lambda key=key: engine.stats()[key])
+
+    def delivered(self, first: bool, tokens: int, seconds: float) -> None:
+        """A choice's delivery of `tokens` tokens `seconds` after its submission (`first`) or
+        its previous delivery."""
+        if first:
+            self.time_to_first_token.observe(seconds)
+            return
+        for _ in range(tokens):
+            self.inter_token_latency.observe(seconds / tokens)
+
+    def completed(self, usage: dict, finish_reasons: Sequence[str | None]) -> None:
+        """A complete response: its `usage` and its choices' finish reasons."""
+        self.prompt_tokens.inc(usage["prompt_tokens"])
+        self.generation_tokens.inc(usage["completion_tokens"])
+        for reason in finish_reasons:
+            self.choices.labels(reason or "error").inc()
+
+    def text(self) -> tuple[bytes, str]:
+        """The exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
