@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from llama_jax.config import DEFAULT_CORPUS, DataConfig
-from llama_jax.data.documents import unit_hash
+from llama_jax.data.documents import files_of, unit_hash
 from llama_jax.data.prepare import prepare
 from llama_jax.data.shards import (FORMAT_VERSION, ShardedTokens, is_prepared, open_prepared,
                                    sha256)
@@ -48,20 +48,12 @@ class Corpus:
 
 def find_corpus(spec: str, val_fraction: float) -> Corpus:
     """The documents of a corpus directory or glob, split into train and validation."""
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        root = path
-        files = [f for f in path.rglob("*") if f.is_file()
-                 and not any(part.startswith(".") for part in f.relative_to(path).parts)]
-    elif glob.has_magic(spec):
-        files = [Path(f) for f in glob.glob(os.path.expanduser(spec), recursive=True)
-                 if Path(f).is_file()]
-        root = Path(os.path.commonpath([f.parent for f in files])) if files else path.parent
-    else:
+    if not (Path(spec).expanduser().is_dir() or glob.has_magic(spec)):
         hint = (" — it comes with Debian's python3.11-doc package (`sudo apt-get install "
                 "python3.11-doc`), or point --corpus at your own text files"
                 if spec == DEFAULT_CORPUS else "")
         raise DataError(f"corpus {spec!r}: no such directory{hint}")
+    root, files = files_of(spec)
     if len(files) < 2:
         raise DataError(f"corpus {spec!r}: found {len(files)} file(s); need at least two "
                         "documents (one file each) to hold one out for validation")

@@ -42,24 +42,30 @@ def unit_hash(name: str) -> float:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") / 2 ** 64
 
 
+def files_of(spec: str) -> tuple[Path, list[Path]]:
+    """The files one input names (a directory: every file below it, hidden ones skipped; a
+    file; a glob), and the directory their names are relative to (the directory, the file's,
+    the glob's files' common one). Raises for a path that does not exist."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path, [f for f in path.rglob("*") if f.is_file() and not any(
+            part.startswith(".") for part in f.relative_to(path).parts)]
+    if path.is_file():
+        return path.parent, [path]
+    if glob.has_magic(spec):
+        files = [Path(f) for f in glob.glob(os.path.expanduser(spec), recursive=True)
+                 if Path(f).is_file()]
+        return (Path(os.path.commonpath([f.parent for f in files])) if files
+                else path.parent), files
+    raise DataError(f"input {spec!r}: no such file or directory")
+
+
 def input_files(inputs: list[str]) -> list[tuple[Path, str]]:
     """(path, name) of every file the inputs name, sorted by name: a file's name is its path
-    relative to its input (a directory, a glob's common directory, a file's directory)."""
+    relative to its input's directory (`files_of`)."""
     found: dict[str, Path] = {}
     for spec in inputs:
-        path = Path(spec).expanduser()
-        if path.is_dir():
-            root = path
-            files = [f for f in path.rglob("*") if f.is_file() and not any(
-                part.startswith(".") for part in f.relative_to(path).parts)]
-        elif path.is_file():
-            root, files = path.parent, [path]
-        elif glob.has_magic(spec):
-            files = [Path(f) for f in glob.glob(os.path.expanduser(spec), recursive=True)
-                     if Path(f).is_file()]
-            root = Path(os.path.commonpath([f.parent for f in files])) if files else path
-        else:
-            raise DataError(f"input {spec!r}: no such file or directory")
+        root, files = files_of(spec)
         if not files:
             raise DataError(f"input {spec!r}: no files")
         for f in files:
@@ -95,6 +101,11 @@ def plan_units(files: list[tuple[Path, str]]) -> list[dict]:
     if group:
         units.append({"kind": "text", "files": group})
     return units
+
+
+def unit_files(unit: dict) -> list[dict]:
+    """A unit's files as plan.json and its ledger record them: name and size."""
+    return [{"name": f["name"], "bytes": f["bytes"]} for f in unit["files"]]
 
 
 class BadInput(Exception):

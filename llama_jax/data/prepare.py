@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from llama_jax.cli import user_errors_exit
-from llama_jax.data.documents import BAD_KINDS, input_files, plan_units
+from llama_jax.data.documents import BAD_KINDS, input_files, plan_units, unit_files
 from llama_jax.data.shards import (FORMAT_VERSION, SPLITS, Settings, prepare_unit_job,
                                    sha256, token_dtype, unit_done)
 from llama_jax.data.tokenizer import TOKENIZER_FILE, load_tokenizer
@@ -119,8 +119,7 @@ def _progress_bar(total_bytes: int, enabled: bool):
 def _keep_plan(out: Path, units: list[dict], settings: Settings) -> None:
     """Writes plan.json, or checks that the one there is this plan: a DIR holds one dataset."""
     plan = {"version": FORMAT_VERSION, "settings": dataclasses.asdict(settings),
-            "units": [{"kind": u["kind"], "files": [{k: f[k] for k in ("name", "bytes")}
-                                                    for f in u["files"]]} for u in units]}
+            "units": [{"kind": u["kind"], "files": unit_files(u)} for u in units]}
     path = out / "plan.json"
     if path.is_file():
         if json.loads(path.read_text()) != plan:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from llama_jax.data.documents import BAD_KINDS, BadInput, unit_documents, unit_hash
+from llama_jax.data.documents import (BAD_KINDS, BadInput, unit_documents, unit_files,
+                                      unit_hash)
 from llama_jax.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 from llama_jax.errors import DataError
 from llama_jax.files import sibling_temp, write_atomically
@@ -116,8 +117,7 @@ def prepare_unit(index: int, unit: dict, tokenizer_path: str, out: str,
             writer.end()
         else:
             counts["empty_documents"] += 1
-    ledger = {"unit": index, "files": [{k: f[k] for k in ("name", "bytes")}
-                                        for f in unit["files"]], **counts}
+    ledger = {"unit": index, "files": unit_files(unit), **counts}
     for split, writer in writers.items():
         ledger[split] = writer.close()
     write_atomically(out_dir / "ledger" / f"{index:05d}.json",
@@ -165,7 +165,7 @@ def unit_done(out: Path, index: int, unit: dict) -> bool:
     if not ledger_path.is_file():
         return False
     ledger = json.loads(ledger_path.read_text())
-    if ledger["files"] != [{k: f[k] for k in ("name", "bytes")} for f in unit["files"]]:
+    if ledger["files"] != unit_files(unit):
         return False
     for split, path in shard_paths(out, index).items():
         for suffix in ("bin", "idx"):
