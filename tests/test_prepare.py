@@ -157,3 +157,17 @@ def test_parquet_rows_are_documents(tokenizer, tmp_path):
     assert (meta["skipped_no_text"], meta["empty_documents"]) == (1, 1)
     expected = [t for text in texts if text for t in tokenizer.encode(text, bos=True, eos=True)]
     assert split_tokens(tmp_path / "out", "train").tolist() == expected
+
+
+def test_files_of_different_inputs_never_share_a_name(tokenizer, tmp_path):
+    """Two inputs holding the same relative names (each a part-0.jsonl) are both prepared:
+    with several inputs, names are relative to the directory the inputs share."""
+    for source, text in (("web", "from the web"), ("books", "from a book")):
+        (tmp_path / source).mkdir()
+        write_jsonl(tmp_path / source / "part-0.jsonl", [json.dumps({"text": text})] * 3)
+    meta = run([tmp_path / "web", tmp_path / "books"], tokenizer, tmp_path / "out")
+    assert meta["files"] == 2
+    assert meta["train"]["documents"] + meta["val"]["documents"] == 6
+    names = [f["name"] for u in json.loads((tmp_path / "out" / "plan.json").read_text())["units"]
+             for f in u["files"]]
+    assert names == ["books/part-0.jsonl", "web/part-0.jsonl"]

@@ -61,17 +61,21 @@ def files_of(spec: str) -> tuple[Path, list[Path]]:
 
 
 def input_files(inputs: list[str]) -> list[tuple[Path, str]]:
-    """(path, name) of every file the inputs name, sorted by name: a file's name is its path
-    relative to its input's directory (`files_of`)."""
-    found: dict[str, Path] = {}
+    """(path, name) of every file the inputs name, sorted by name. A file's name is its path
+    relative to its input's directory (`files_of`), or with several inputs to the directory
+    they share, so that files of different inputs never share a name."""
+    found = []
     for spec in inputs:
         root, files = files_of(spec)
         if not files:
             raise DataError(f"input {spec!r}: no files")
-        for f in files:
-            found.setdefault(f.relative_to(root).as_posix(), f)
+        found.append((root, files))
+    if len(found) > 1:  # absolute paths: the inputs may be given relative or not
+        found = [(root.absolute(), [f.absolute() for f in files]) for root, files in found]
+    common = Path(os.path.commonpath([root for root, _ in found]))
+    named = {f.relative_to(common).as_posix(): f for _, files in found for f in files}
     # by path components, as `sorted(paths)` orders the files of one directory
-    return sorted(((path, name) for name, path in found.items()),
+    return sorted(((path, name) for name, path in named.items()),
                   key=lambda pn: pn[1].split("/"))
 
 
