@@ -161,13 +161,13 @@ def test_a_failing_prefill_fails_only_its_request(params, monkeypatch):
     and the engine serves the next request."""
     config, p = CONFIGS["gqa"], params["gqa"]
     engine = Engine(config, p, max_batch=2, max_seq_len=64, stop_ids=[], steps_per_dispatch=4)
-    prefill = engine._prefill
+    prefill = engine._prefill_chunk
 
-    def faulty(prompt_1T, n, *args):
-        if int(n) == 7:
+    def faulty(one, tokens_1L, last, *args):
+        if last == 6:  # the 7-token prompt's one chunk
             raise RuntimeError("injected")
-        return prefill(prompt_1T, n, *args)
-    monkeypatch.setattr(engine, "_prefill", faulty)
+        return prefill(one, tokens_1L, last, *args)
+    monkeypatch.setattr(engine, "_prefill_chunk", faulty)
     engine.start()
     try:
         batch = prompts(config.vocab_size, [5, 7, 9], seed=2)

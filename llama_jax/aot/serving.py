@@ -1,6 +1,6 @@
 """A server's start-up check for a TPU slice or GPU node this host does not have: its largest
-programs compiled for the target, and whether the weights, the slots' KV cache and a prefill
-fit each device.
+programs compiled for the target, and whether the weights, the slots' KV cache, the prefix
+cache and a prefill chunk fit each device.
 
     python -m llama_jax.aot.serving MODEL --topology v5e-8 --mesh tensor=8 --max-batch 64 \
         --max-seq-len 8192 [--quantize int8] [--cache-dtype int8] [--json]
@@ -8,12 +8,13 @@ fit each device.
 
 MODEL is a preset, a config file or a checkpoint directory (its config is read, not its
 weights). Without `--mesh` the server runs on one device, as `serve` does. The programs are the
-server's own (`decode/slots.py`) at their largest: the prefill of the longest prompt bucket,
+server's own (`decode/slots.py`) at their largest: the last prefill chunk of the longest prompt,
 its insertion into the slots, and a dispatch of decode steps over the cache at its largest
 (`max_batch` rows of `max_seq_len` tokens plus slack) with every sampling path. While a prompt
 prefills, the slots stay on the device, so the server needs, per device, the most of: the
-decode program's peak, the insertion's, and the prefill's plus the slots. Beside it: the
-figure `serve` checks at start-up (the weights and the planner's KV cache).
+decode program's peak, the insertion's, and the prefill's plus the slots; and the prefix
+cache's pool beside all of them. Beside it: the figure `serve` checks at start-up (the weights
+and the planner's KV cache).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from llama_jax.aot.compiled import ProgramMemory, compile_program
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name, load_model_config
 from llama_jax.decode.decoder import DECODE_IMPLS, UNROLLED_BACKENDS, cache_bytes_per_device
-from llama_jax.decode.generate import bucket
-from llama_jax.decode.slots import lower_programs
+from llama_jax.decode.prefix_pool import prefix_block_bytes
+from llama_jax.decode.slots import check_prefill_chunk, lower_programs
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.formats.checkpoint import checkpoint_config
 from llama_jax.formats.loading import placed_target
@@ -42,7 +43,8 @@ from llama_jax.model.transformer import unstack_layers
 from llama_jax.parallel import sharding, target, topology as topologies
 from llama_jax.parallel.devices import free_memory_bytes
 from llama_jax.plan import hardware
-from llama_jax.plan.costs import (SERVING_STEPS_PER_DISPATCH, format_bytes,
+from llama_jax.plan.costs import (SERVING_PREFILL_CHUNK, SERVING_STEPS_PER_DISPATCH,
+                                  default_prefix_cache_bytes, format_bytes,
                                   serving_cache_slots)
 from llama_jax.plan.info import parse_mesh
 from llama_jax.serve.flags import add_server_arguments
@@ -69,13 +71,16 @@ class ServingReport:
     parameters: int
     cache: int  # the slots' KV cache as XLA lays it out
     planned_cache: int  # the planner's figure for it, which `serve` checks at start-up
+    prefill_chunk: int
+    prefix_cache: int  # the prefix cache's pool (whole blocks)
     programs: tuple[ProgramMemory, ...]  # prefill, insert, decode
 
     @property
     def needs(self) -> dict[str, int]:
         """What the server holds while each program runs: its peak, and beside a prefill the
-        slots' cache (which stays on the device but is not the prefill's argument)."""
-        return {p.name: p.total + (self.cache if p.name == "prefill" else 0)
+        slots' cache (which stays on the device but is not the prefill's argument); beside
+        every program, the prefix cache."""
+        return {p.name: p.total + self.prefix_cache + (self.cache if p.name == "prefill" else 0)
                 for p in self.programs}
 
     @property
@@ -97,9 +102,14 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
                     mesh: MeshConfig | None = None, max_batch: int = 8,
                     max_seq_len: int | None = None, cache_dtype: str | None = None,
                     decode_impl: str = "auto", steps: int = SERVING_STEPS_PER_DISPATCH,
+                    prefill_chunk: int = SERVING_PREFILL_CHUNK,
+                    prefix_cache_bytes: int | None = None,
                     log: Callable[[str], None] = lambda _: None) -> ServingReport:
     """Compiles the largest programs of a server of `config` (its dtypes and quantization as
-    it would load) for `topology` (None: this host's devices), on `mesh` (None: one device)."""
+    it would load) for `topology` (None: this host's devices), on `mesh` (None: one device),
+    prefilling in chunks of `prefill_chunk` beside a prefix cache of `prefix_cache_bytes` per
+    device (None: the server's default share of the device's memory)."""
+    check_prefill_chunk(prefill_chunk)
     max_seq_len = max_seq_len or config.max_seq_len
     if not 1 <= max_seq_len <= config.max_seq_len:
         raise GenerateError(f"--max-seq-len {max_seq_len} must be in [1, {config.max_seq_len}] "
@@ -122,12 +132,19 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
     if decode_impl == "unrolled":
         params = _per_layer(params)
     cache_slots = serving_cache_slots(max_seq_len, steps)
-    prompt = min(bucket(max_seq_len - 1), max_seq_len)
+    planned = cache_bytes_per_device(config, params, max_batch, cache_slots, cache_dtype, mesh)
+    block = prefix_block_bytes(config, params, prefill_chunk, cache_dtype, mesh)
+    if prefix_cache_bytes is None:
+        prefix_cache_bytes = default_prefix_cache_bytes(
+            None if limit is None else limit - planned - sharding.bytes_per_device(params),
+            planned)
+    pool = prefix_cache_bytes // block * block if prefill_chunk < max_seq_len else 0
     log(f"compiling a server of {max_batch} x {max_seq_len} tokens for {described}")
     programs = []
     with target.compiling_for(devices):
         lowered, slots = lower_programs(
-            config, params, max_batch=max_batch, prompt_len=prompt, cache_slots=cache_slots,
+            config, params, max_batch=max_batch, prompt_len=max_seq_len - 1,
+            chunk=prefill_chunk, cache_slots=cache_slots,
             steps=steps, cache_dtype=cache_dtype, mesh_config=mesh,
             layout="stacked" if decode_impl == "scan" else "per_layer")
         options = target.compiler_options()
@@ -146,8 +163,7 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
         max_batch=max_batch, max_seq_len=max_seq_len, cache_slots=cache_slots,
         parameters=sharding.bytes_per_device(params),
         cache=sharding.bytes_per_device(slots.cache.groups),  # the stored keys and values
-        planned_cache=cache_bytes_per_device(config, params, max_batch, cache_slots,
-                                             cache_dtype, mesh),
+        planned_cache=planned, prefill_chunk=prefill_chunk, prefix_cache=pool,
         programs=tuple(programs))
 
 
@@ -196,6 +212,8 @@ def render(report: ServingReport) -> str:
         f"{format_bytes(report.parameters):>12}",
         f"  KV cache (slots)   {format_bytes(report.cache):>12}   "
         f"{format_bytes(report.planned_cache):>12}",
+        f"  prefix cache       {format_bytes(report.prefix_cache):>12}   "
+        f"{format_bytes(report.prefix_cache):>12}   (chunks of {report.prefill_chunk})",
     ]
     for program in report.programs:
         lines += program.report_lines(report.limit)
@@ -231,6 +249,9 @@ def report_for(model: str, args: argparse.Namespace, mesh: MeshConfig | None) ->
     return compile_serving(config, args.topology, mesh=mesh, max_batch=args.max_batch,
                            max_seq_len=args.max_seq_len, cache_dtype=args.cache_dtype,
                            decode_impl=args.decode_impl, steps=args.steps_per_dispatch,
+                           prefill_chunk=args.prefill_chunk,
+                           prefix_cache_bytes=0 if args.no_prefix_cache
+                           else args.prefix_cache_bytes,
                            log=lambda line: print(line, file=sys.stderr, flush=True))
 
 

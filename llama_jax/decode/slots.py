@@ -24,8 +24,10 @@ import numpy as np
 from flax import struct
 
 from llama_jax.config import MeshConfig, ModelConfig
-from llama_jax.decode.generate import NO_TOKEN, next_logits, placed
+from llama_jax.decode.generate import (MIN_BUCKET, NO_TOKEN, bucket, next_logits,
+                                       placed)
 from llama_jax.decode.sampling import SamplingParams, Strategy, sample
+from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import KVCache, init_cache, resized, shifted, with_row
 from llama_jax.model.params import Params
 from llama_jax.model.transformer import apply
@@ -125,47 +127,82 @@ def decode(slots: Slots, params: Params, *, config: ModelConfig, n_steps: int,
         return _decode_steps(config, params, slots, n_steps, strategy, top)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "cache_dtype", "layout", "placement",
-                                             "score_prompt"))
-def prefill(params: Params, prompt_1T: jax.Array, n: jax.Array, sampling: SamplingParams,
-            key_1: jax.Array, *, config: ModelConfig, cache_dtype: str, layout: str,
-            placement: tuple | None, score_prompt: bool
-            ) -> tuple[KVCache, Emitted, Emitted | None]:
-    """The one-row cache of a request whose `n` prompt tokens end `prompt_1T` (left-padded to
-    T), its first token and, with `score_prompt`, the log-probabilities of the prompt's tokens
-    1..T-1 given those before them (and their top alternatives)."""
+def check_prefill_chunk(chunk: int) -> None:
+    """Refuses a prefill chunk that is not a power of two >= MIN_BUCKET."""
+    if chunk < MIN_BUCKET or chunk & (chunk - 1):
+        raise GenerateError(f"prefill_chunk={chunk} must be a power of two >= {MIN_BUCKET}")
+
+
+def chunk_plan(n: int, start: int, chunk: int, max_len: int) -> list[tuple[int, int]]:
+    """The chunks `(start, L)` that prefill a prompt of n tokens from token `start` (after
+    the chunks a prefix cache restored): full chunks of `chunk` tokens, the last padded to a
+    power of two (at least MIN_BUCKET), no chunk past `max_len` slots. A prompt always runs
+    the same chunks from the same start."""
+    chunks = []
+    while start < n:
+        L = min(bucket(n - start), chunk, max_len - start)
+        chunks.append((start, L))
+        start += L
+    return chunks
+
+
+def chunk_shapes(chunk: int, max_len: int) -> list[tuple[int, int]]:
+    """Every `(start, L)` the prompts of a server of `max_len` tokens prefill (a prompt leaves
+    at least one token for the output)."""
+    return sorted(set().union(*(chunk_plan(n, 0, chunk, max_len) for n in range(1, max_len))))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "start", "cache_dtype", "layout",
+                                             "placement"))
+def prefill_chunk(params: Params, one: KVCache | None, tokens_1L: jax.Array, last: jax.Array,
+                  next_1L: jax.Array | None = None, *, config: ModelConfig, start: int,
+                  cache_dtype: str, layout: str, placement: tuple | None
+                  ) -> tuple[KVCache, jax.Array, Emitted | None]:
+    """One chunk of a prompt prefilled into a one-row cache: the L tokens `tokens_1L` at
+    positions `start ..` (`one` holds the prompt before them: None at the first chunk; the
+    tokens after index `last` are padding). Returns the cache, ending after `last`, in
+    `bucket(start + L)` slots; the logits `[1, V]` after token `last`; and, given `next_1L`
+    (each token's successor in the prompt), their log-probabilities and top alternatives.
+
+    The program depends on `start` and L alone, and a chunk's values only on the prompt up to
+    its end: so a prompt runs the same programs on the same inputs whatever was cached."""
     with placed(placement):
-        T = prompt_1T.shape[1]
-        one = init_cache(config, 1, T, cache_dtype, (T - n)[None], layout=layout)
-        h_1TD, one, _ = apply(config, params, prompt_1T, cache=one)
-        logits_1TV = lm_head(config, params, h_1TD if score_prompt else h_1TD[:, -1:])
-        token_1, logprob_1, top_ids, top_logprobs = _choose(
-            logits_1TV[:, -1], key_1, jnp.zeros((1,), jnp.int32), sampling, PREFILL_STRATEGY,
-            TOP_LOGPROBS)
-        first = Emitted(token_1[:, None], logprob_1[:, None], top_ids[:, None],
-                        top_logprobs[:, None])
-        if not score_prompt:
-            return one, first, None
-        logprobs_1TV = jax.nn.log_softmax(logits_1TV[:, :-1].astype(jnp.float32))
-        top_logprobs_1Tn, top_ids_1Tn = jax.lax.top_k(logprobs_1TV, TOP_LOGPROBS)
-        next_1T = prompt_1T[:, 1:]
-        return one, first, Emitted(next_1T, jnp.take_along_axis(
-            logprobs_1TV, next_1T[..., None], -1)[..., 0], top_ids_1Tn, top_logprobs_1Tn)
+        L = tokens_1L.shape[1]
+        if one is None:
+            one = init_cache(config, 1, L, cache_dtype, layout=layout)
+        else:
+            one = resized(one, start + L)
+        h_1LD, one, _ = apply(config, params, tokens_1L, cache=one)
+        one = resized(one, bucket(start + L)).replace(end=jnp.int32(start) + last + 1)
+        h_1D = jax.lax.dynamic_index_in_dim(h_1LD, last, axis=1, keepdims=False)
+        logits_1V = lm_head(config, params, h_1D[:, None])[:, 0]
+        if next_1L is None:
+            return one, logits_1V, None
+        logprobs_1LV = jax.nn.log_softmax(lm_head(config, params, h_1LD).astype(jnp.float32))
+        top_logprobs_1Ln, top_ids_1Ln = jax.lax.top_k(logprobs_1LV, TOP_LOGPROBS)
+        return one, logits_1V, Emitted(next_1L, jnp.take_along_axis(
+            logprobs_1LV, next_1L[..., None], -1)[..., 0], top_ids_1Ln, top_logprobs_1Ln)
 
 
 @functools.partial(jax.jit, donate_argnames=("slots",))
-def insert(slots: Slots, one: KVCache, first: Emitted, row: jax.Array, max_new: jax.Array,
-           sampling: SamplingParams, key_1: jax.Array) -> Slots:
+def insert(slots: Slots, one: KVCache, logits_1V: jax.Array, row: jax.Array,
+           max_new: jax.Array, sampling: SamplingParams, key_1: jax.Array
+           ) -> tuple[Slots, Emitted]:
     """Row `row` holding a prefilled request: its one-row cache placed to end at the cache's
-    `end`, its settings, and its first token."""
+    `end`, its settings, and its first token, sampled from the prompt's last `logits_1V` with
+    the request's key (its step 0), which it also returns."""
+    token_1, logprob_1, top_ids, top_logprobs = _choose(
+        logits_1V, key_1, jnp.zeros((1,), jnp.int32), sampling, PREFILL_STRATEGY, TOP_LOGPROBS)
+    first = Emitted(token_1[:, None], logprob_1[:, None], top_ids[:, None],
+                    top_logprobs[:, None])
     one = shifted(resized(one, slots.cache.max_len), slots.cache.end - one.end)
     put = lambda rows, value: rows.at[row].set(value[0])  # noqa: E731
     slots = slots.replace(
         cache=with_row(slots.cache, row, one), step_B=slots.step_B.at[row].set(0),
         max_new_B=slots.max_new_B.at[row].set(max_new), done_B=slots.done_B.at[row].set(False),
         key_B=put(slots.key_B, key_1), sampling=jax.tree.map(put, slots.sampling, sampling))
-    token_B = jnp.full_like(slots.last_B, first.tokens_BK[0, 0])
-    return _advance(slots, token_B, jnp.arange(token_B.shape[0]) == row)
+    token_B = jnp.full_like(slots.last_B, token_1[0])
+    return _advance(slots, token_B, jnp.arange(token_B.shape[0]) == row), first
 
 
 @functools.partial(jax.jit, static_argnames=("max_len",), donate_argnames=("slots",))
@@ -182,12 +219,13 @@ def rearrange(slots: Slots, shift: jax.Array, *, max_len: int) -> Slots:
 
 
 def lower_programs(config: ModelConfig, params: Params, *, max_batch: int, prompt_len: int,
-                   cache_slots: int, steps: int, cache_dtype: str, layout: str,
+                   chunk: int, cache_slots: int, steps: int, cache_dtype: str, layout: str,
                    mesh_config: MeshConfig | None = None,
                    ) -> tuple[dict[str, jax.stages.Lowered], Slots]:
     """The largest programs a server of `max_batch` rows runs, lowered without running
-    anything: the prefill of a `prompt_len`-token prompt, its insertion, and `steps` decode
-    steps with every sampling path and top log-probabilities, over a cache of `cache_slots`.
+    anything: the last prefill chunk of a `prompt_len`-token prompt (in chunks of `chunk`),
+    its insertion, and `steps` decode steps with every sampling path and top
+    log-probabilities, over a cache of `cache_slots`.
     `params` may be abstract (`jax.ShapeDtypeStruct`s placed on the devices of any platform;
     on a mesh, laid out by `mesh_config`'s rules). Returns them by name, and the slots they
     run over (abstract, laid out as `empty_slots` lays them out there)."""
@@ -215,15 +253,18 @@ def lower_programs(config: ModelConfig, params: Params, *, max_batch: int, promp
     layout_of = jax.tree.leaves(empty(1).compile().output_shardings)
     full = empty(cache_slots).out_info
     slots = placed_like(full, jax.tree.unflatten(jax.tree.structure(full), layout_of))
-    one_row = placed_like((np.zeros((1, prompt_len), np.int32), np.int32(prompt_len),
-                           SamplingParams.broadcast(1)))
+    start, L = chunk_plan(prompt_len, 0, chunk, prompt_len)[-1]
+    before = None if start == 0 else placed_like(jax.eval_shape(
+        lambda: init_cache(config, 1, bucket(start), cache_dtype, layout=layout)))
+    tokens = placed_like((np.zeros((1, L), np.int32), np.int32(L - 1)))
+    sampling = placed_like(SamplingParams.broadcast(1))
     key_1 = jax.ShapeDtypeStruct((1,), jax.random.key(0).dtype, sharding=beside)
-    lowered = {"prefill": prefill.lower(params, *one_row, key_1, config=config,
-                                        cache_dtype=cache_dtype, layout=layout,
-                                        placement=placement, score_prompt=False)}
-    one, first, _ = (placed_like(x) for x in lowered["prefill"].out_info)
-    lowered["insert"] = insert.lower(slots, one, first, *placed_like((np.int32(0), np.int32(1))),
-                                     one_row[2], key_1)
+    lowered = {"prefill": prefill_chunk.lower(params, before, *tokens, config=config,
+                                              start=start, cache_dtype=cache_dtype,
+                                              layout=layout, placement=placement)}
+    one, logits, _ = (placed_like(x) for x in lowered["prefill"].out_info)
+    lowered["insert"] = insert.lower(slots, one, logits, *placed_like((np.int32(0), np.int32(1))),
+                                     sampling, key_1)
     lowered["decode"] = decode.lower(slots, params, config=config, n_steps=steps,
                                      strategy=WIDEST_STRATEGY, top=TOP_LOGPROBS,
                                      placement=placement)

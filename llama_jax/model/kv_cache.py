@@ -91,6 +91,29 @@ def with_row(cache: KVCache, b: jax.Array, row: KVCache) -> KVCache:
     return cache.replace(groups=groups, start=cache.start.at[b].set(row.start[0]))
 
 
+# Copying runs of slots between caches of the same rows, for a server's prefix cache: a pool
+# of blocks is itself a one-row cache whose slots hold one block after another.
+
+def slots_of(cache: KVCache, at: jax.Array, length: int) -> KVCache:
+    """The cache's `length` slots from slot `at` (a cache of `length` slots; its `start` and
+    `end` are the caller's to set)."""
+    return cache.map_seq(
+        lambda x, axis: jax.lax.dynamic_slice_in_dim(x, at, length, axis=axis), length)
+
+
+def with_slots(cache: KVCache, at: jax.Array, part: KVCache) -> KVCache:
+    """The cache with its slots from `at` replaced by those of `part` (the same rows)."""
+    # `map_seq` shows each stored array with its slot axis (a merged per-layer GQA cache as
+    # its [B, K, S, H] view), visiting two caches of one structure in the same order: the
+    # part's arrays, seen so, are written into the cache's.
+    seen: list[jax.Array] = []
+    part.map_seq(lambda x, axis: seen.append(x) or x, part.max_len)
+    parts = iter(seen)
+    return cache.map_seq(
+        lambda x, axis: jax.lax.dynamic_update_slice_in_dim(x, next(parts), at, axis),
+        cache.max_len)
+
+
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None,
                start_B: jax.Array | None = None, layout: str = "stacked") -> KVCache:
     """A zeroed cache for `batch` rows of `max_len` slots in `dtype` (default: the model's

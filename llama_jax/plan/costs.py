@@ -90,6 +90,19 @@ SERVING_SLACK_DISPATCHES = 3
 # requests 4.5% faster than 8 (a row that finishes waits out the rest of its dispatch and the
 # next one: BENCHMARKS.md, serving).
 SERVING_STEPS_PER_DISPATCH = 4
+# Prompt tokens a server prefills per chunk (and per prefix cache block), by default.
+SERVING_PREFILL_CHUNK = 128
+# A server's prefix cache by default: this share of the memory free after the weights and
+# the slots' cache, and at most this multiple of the slots' cache.
+PREFIX_CACHE_SHARE = 0.5
+PREFIX_CACHE_SLOTS_MULTIPLE = 4
+
+
+def default_prefix_cache_bytes(free_after: int | None, slots_cache: int) -> int:
+    """The prefix cache a server keeps when not told (bytes per device), given the memory
+    free after its weights and slots (None: unknown) and the slots' cache."""
+    most = PREFIX_CACHE_SLOTS_MULTIPLE * slots_cache
+    return most if free_after is None else max(0, min(most, int(free_after * PREFIX_CACHE_SHARE)))
 
 
 def serving_cache_bytes(config: ModelConfig, max_batch: int, max_seq_len: int,

@@ -4,6 +4,7 @@
         [--port 8000] [--max-batch 8] [--max-seq-len N] [--dtype bfloat16]
         [--served-model-name NAME] [--attention-impl auto] [--mesh data=D,fsdp=F,tensor=T]
         [--quantize int8 [--quantize-head]] [--cache-dtype int8] [--steps-per-dispatch 4]
+        [--prefill-chunk 128] [--prefix-cache-bytes N | --no-prefix-cache]
         [--max-queue 64] [--drain-timeout 30] [--compile-only [--topology v5e-8]]
 
 It loads any checkpoint `load_checkpoint` reads, refuses a configuration whose weights and KV
@@ -88,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                            max_seq_len=args.max_seq_len, attention_impl=args.attention_impl,
                            decode_impl=args.decode_impl, mesh=mesh,
                            steps_per_dispatch=args.steps_per_dispatch,
-                           max_queue=args.max_queue,
+                           prefill_chunk=args.prefill_chunk,
+                           prefix_cache_bytes=0 if args.no_prefix_cache
+                           else args.prefix_cache_bytes, max_queue=args.max_queue,
                            model_name=args.served_model_name or Path(args.checkpoint).name)
     log.info("compiled the server's programs in %.1f s", engine.warm_up())
     engine.start()

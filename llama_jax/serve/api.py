@@ -261,10 +261,11 @@ class Server:
                     seed=seed + j, top_logprobs=top_logprobs, prompt_logprobs=score_prompt)
                 choices.append(choice)
         submitted = []
-        try:
-            for choice in choices:
-                self.engine.submit(choice.request)
-                submitted.append(choice.request)
+        try:  # a prompt's n choices share one prefill
+            for first in range(0, len(choices), body.n):
+                group = [choice.request for choice in choices[first:first + body.n]]
+                self.engine.submit_group(group)
+                submitted += group
         except QueueFull:
             for request in submitted:
                 request.cancel()
@@ -283,8 +284,11 @@ class Server:
         """A complete response's usage, counted in the metrics as it is given."""
         prompt_tokens = sum(len(p) for p in prompts)
         completion_tokens = sum(len(c.tokens) for c in choices)
+        # A prompt's choices share its prefill: its first choice's hit is the prompt's.
+        cached = sum(c.request.cached_tokens for c in choices[::len(choices) // len(prompts)])
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                 "total_tokens": prompt_tokens + completion_tokens}
+                 "total_tokens": prompt_tokens + completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
         self.metrics.completed(usage, [c.finish_reason for c in choices])
         return usage
 

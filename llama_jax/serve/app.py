@@ -9,12 +9,14 @@ from llama_jax.config import MeshConfig, cache_dtype_name
 from llama_jax.data.tokenizer import load_tokenizer
 from llama_jax.decode.decoder import (cache_bytes_per_device, memory_need,
                                       owned_decoder_params)
+from llama_jax.decode.slots import check_prefill_chunk
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.formats.checkpoint import load_checkpoint
 from llama_jax.parallel import target
 from llama_jax.parallel.devices import free_memory_bytes
 from llama_jax.parallel.sharding import make_mesh
-from llama_jax.plan.costs import SERVING_STEPS_PER_DISPATCH, serving_cache_slots
+from llama_jax.plan.costs import (SERVING_PREFILL_CHUNK, SERVING_STEPS_PER_DISPATCH,
+                                  default_prefix_cache_bytes, serving_cache_slots)
 from llama_jax.serve.api import Server
 from llama_jax.serve.chat import chat_format
 from llama_jax.serve.engine import Engine
@@ -26,9 +28,12 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
           quantize: str | None = None, quantize_head: bool = False, cache_dtype=None,
           max_batch: int = 8, max_seq_len: int | None = None, attention_impl: str = "auto",
           decode_impl: str = "auto", mesh: MeshConfig | None = None,
-          steps_per_dispatch: int = SERVING_STEPS_PER_DISPATCH, max_queue: int = 64,
-          model_name: str | None = None) -> tuple[Server, Engine]:
-    """The API state and its (not yet started) engine for `checkpoint`."""
+          steps_per_dispatch: int = SERVING_STEPS_PER_DISPATCH,
+          prefill_chunk: int = SERVING_PREFILL_CHUNK, prefix_cache_bytes: int | None = None,
+          max_queue: int = 64, model_name: str | None = None) -> tuple[Server, Engine]:
+    """The API state and its (not yet started) engine for `checkpoint`. The prefix cache
+    takes `prefix_cache_bytes` per device (None: `default_prefix_cache_bytes`; 0: none)."""
+    check_prefill_chunk(prefill_chunk)
     tok = load_tokenizer(tokenizer or checkpoint)
     device_mesh = None if mesh is None else make_mesh(mesh)
     config, params = load_checkpoint(checkpoint, dtype, quantize=quantize,
@@ -40,34 +45,47 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
     except ConfigError as e:
         raise GenerateError(str(e)) from None
     seq_len = max_seq_len or config.max_seq_len
-    check_cache_fits(config, params, max_batch, seq_len, cache_dtype, steps_per_dispatch,
-                     mesh)
+    prefix_cache_bytes = check_cache_fits(config, params, max_batch, seq_len, cache_dtype,
+                                          steps_per_dispatch, mesh, prefix_cache_bytes)
     # The server keeps one copy of the weights, the decoder's: the stacked arrays go here.
     params, decode_impl = owned_decoder_params(params, decode_impl)
     stop_ids = sorted({*config.stop_ids, *(t for t in tok.eos_ids if t < config.vocab_size)})
     engine = Engine(config, params, max_batch=max_batch, max_seq_len=seq_len,
                     stop_ids=stop_ids, cache_dtype=cache_dtype, decode_impl=decode_impl,
-                    steps_per_dispatch=steps_per_dispatch, max_queue=max_queue,
+                    steps_per_dispatch=steps_per_dispatch, prefill_chunk=prefill_chunk,
+                    prefix_cache_bytes=prefix_cache_bytes, max_queue=max_queue,
                     mesh_config=mesh)
     name = model_name or Path(checkpoint).name
     return Server(engine, tok, name, chat_format(checkpoint, tok)), engine
 
 
 def check_cache_fits(config, params, max_batch: int, max_seq_len: int, cache_dtype: str,
-                     steps_per_dispatch: int, mesh: MeshConfig | None) -> None:
+                     steps_per_dispatch: int, mesh: MeshConfig | None,
+                     prefix_cache_bytes: int | None = None) -> int:
     """Refuses slots whose KV cache is more than the memory left after loading the model: on
-    a mesh, the part of the cache one device holds against that device's free memory."""
+    a mesh, the part of the cache one device holds against that device's free memory; then a
+    prefix cache of `prefix_cache_bytes` more than what is left after the slots. Returns the
+    prefix cache's bytes (per device; None asks for the default share)."""
     slots = serving_cache_slots(max_seq_len, steps_per_dispatch)
-    need = memory_need(
-        cache_bytes_per_device(config, params, max_batch, slots, cache_dtype, mesh), params)
+    cache = cache_bytes_per_device(config, params, max_batch, slots, cache_dtype, mesh)
+    need = memory_need(cache, params)
     free = free_memory_bytes()
+    # CPU: the host's memory, whole
+    each = mesh is not None and target.platform_of_tree(params) != "cpu"
+    where = " on a device" if each else ""
     if free is not None and need > free:
-        # CPU: the host's memory, whole
-        each = mesh is not None and target.platform_of_tree(params) != "cpu"
-        part, where = ("each device's part of the KV cache", " on a device") if each else \
-            ("the KV cache", "")
+        part = "each device's part of the KV cache" if each else "the KV cache"
         raise GenerateError(
             f"{part} of --max-batch {max_batch} slots of --max-seq-len {max_seq_len} tokens "
             f"({cache_dtype}) needs {need / GIB:.2f} GiB, but {free / GIB:.2f} GiB is "
             f"free{where} after loading the model: lower --max-batch or --max-seq-len, or use "
             "--cache-dtype int8")
+    left = None if free is None else free - need
+    if prefix_cache_bytes is None:
+        return default_prefix_cache_bytes(left, cache)
+    if prefix_cache_bytes < 0 or (left is not None and prefix_cache_bytes > left):
+        raise GenerateError(
+            f"--prefix-cache-bytes {prefix_cache_bytes} must be >= 0 and at most the "
+            f"{max(left or 0, 0) / GIB:.2f} GiB free{where} after the weights and the slots' "
+            "KV cache")
+    return prefix_cache_bytes

@@ -7,15 +7,28 @@ others keep decoding.
 
 The slots and their device programs are `decode/slots.py`'s; this is the host side. The engine
 thread, between programs:
-- admits a waiting request into a free row: its prompt is padded to a bucketed length T and
-  prefilled into a one-row cache (`slots.prefill`, which also samples the first token) that is
-  written over the row (`slots.insert`);
+- admits a waiting request (or the `n` choices of one prompt, `submit_group`) once rows are
+  free for it: the rows are reserved and its prompt is looked up in the prefix cache (below);
+- prefills admitted prompts chunk by chunk (`slots.prefill_chunk`, `prefill_chunk` tokens per
+  chunk, the last padded to a power of two), about one chunk's worth of tokens between two
+  decode programs, so the rows decoding keep emitting while a long prompt arrives; a prompt
+  whose last chunk is done is written into each of its rows (`slots.insert`, which samples
+  each choice's first token from the shared last logits with the choice's own key);
 - runs `steps_per_dispatch` decode steps for every row in one program (`slots.decode`), and
   reads the previous program's tokens while this one runs; it hands each request its tokens
   (`deliver`), and frees a row once its request has stopped, asked to stop (a stop string) or
   been cancelled; a row whose request will have all its `max_tokens` once the programs
   dispatched so far have run is free at once, before their tokens are read (the host counts
   them). Rows that stopped mid-dispatch idle on the device until then.
+
+Prefix cache (`prefix_cache_bytes` > 0): every full chunk a prompt computes is copied into a
+device pool of blocks (`decode/prefix_pool.py`), keyed by the chain of its token ids
+(`serve/prefix_index.py`, least recently used evicted). A new prompt restores its longest
+cached run of full chunks (at most all but the chunk holding its last token) and computes the
+rest. The chunk programs depend only on where a chunk starts and its length, so a prompt runs
+the same programs on the same inputs cold or warm: its cache, logits and tokens are the same,
+bit for bit. Requests that score their prompt (`prompt_logprobs`) neither read nor fill the
+cache: they compute every chunk with the scoring programs, as with the cache off.
 
 The rows share the cache's write slot `end` (each row's sequence ends there; `start` marks where
 it begins). A prompt of T padded tokens needs end >= T, and K decode steps need K free slots
@@ -27,7 +40,7 @@ so short requests decode as fast as in a small cache. The host mirrors `end`, th
 row's start; programs are compiled per size (and prompt bucket), once.
 
 A request's tokens do not depend on its companions: rows never mix (MoE decodes without
-dropping), its position is its slot minus its start, and its sampling key for step s is
+dropping; a prompt's chunks route through a capacity factor chunk by chunk), its position is its slot minus its start, and its sampling key for step s is
 `fold_in(key, s)` of its own key: with `key(seed)`, the key `generate` uses for a one-prompt
 batch, so a seeded request samples what `generate(..., seed=seed)` samples alone.
 """
@@ -49,21 +62,30 @@ import jax.numpy as jnp
 import numpy as np
 
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name
+from llama_jax.decode import prefix_pool
 from llama_jax.decode import slots as programs
 from llama_jax.decode.decoder import (cache_bytes_per_device, decoder_params,
                                       resolve_decode_impl)
 from llama_jax.decode.generate import NO_TOKEN, bucket
 from llama_jax.decode.sampling import SamplingParams, Strategy
-from llama_jax.decode.slots import TOP_LOGPROBS, Emitted
+from llama_jax.decode.prefix_pool import prefix_block_bytes
+from llama_jax.decode.slots import (TOP_LOGPROBS, Emitted, check_prefill_chunk, chunk_plan,
+                                    chunk_shapes)
 from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import KVCache
 from llama_jax.model.params import Params
 from llama_jax.parallel import sharding
-from llama_jax.plan.costs import SERVING_STEPS_PER_DISPATCH, serving_cache_slots
+from llama_jax.plan.costs import (SERVING_PREFILL_CHUNK, SERVING_STEPS_PER_DISPATCH,
+                                  serving_cache_slots)
+from llama_jax.serve.prefix_index import PrefixIndex
 
 log = logging.getLogger("llama_jax.serve")
 
 MIN_SLOTS = 64  # the smallest cache the slots shrink to
+# The engine's counters (`stats()`): prefill chunks run; prompts looked up in the prefix
+# cache, those with a hit, and the prompt tokens the hits restored.
+COUNTERS = ("prefill_chunks", "prefix_cache_lookups", "prefix_cache_hits",
+            "prefix_cache_hit_tokens")
 
 
 class QueueFull(Exception):
@@ -109,6 +131,8 @@ class Request:
     cancelled: bool = False  # set from any thread: the engine frees its row at the next chance
     generated: int = dataclasses.field(default=0, init=False)
     finished: bool = dataclasses.field(default=False, init=False)
+    # Prompt tokens restored from the prefix cache, set before the request's first delivery.
+    cached_tokens: int = dataclasses.field(default=0, init=False)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -124,21 +148,49 @@ class _Program:
 
     emitted: Emitted
     owners: list[Request | None]
-    prompt: Emitted | None = None  # a prefill's prompt log-probabilities, if asked for
+    prompt: list[Emitted] | None = None  # a prefill's prompt scores per chunk, if asked for
+
+
+@dataclasses.dataclass(eq=False)
+class _Prefill:
+    """A prompt being prefilled for the requests that share it (a prompt's `n` choices), in
+    the rows reserved for them: the chunks still to run, the one-row cache and last logits so
+    far, the prompt's scores per chunk (if asked for), the keys of its full chunks in the
+    prefix cache and the tokens restored from it."""
+
+    requests: list[Request]
+    rows: list[int]
+    chunks: collections.deque
+    keys: list[bytes]
+    cached: int
+    cache: KVCache | None = None
+    logits: jax.Array | None = None
+    scores: list[Emitted] = dataclasses.field(default_factory=list)
+
+    @property
+    def prompt(self) -> Sequence[int]:
+        return self.requests[0].prompt
+
+    @property
+    def scoring(self) -> bool:
+        return self.requests[0].prompt_logprobs
 
 
 class Engine:
     """Continuous batching over `max_batch` rows of at most `max_seq_len` tokens each (prompt
     and output; default the model's context). `stop_ids` end a request (default the model's
     EOS ids); `cache_dtype` and `decode_impl` are `generate`'s; `steps_per_dispatch` decode
-    steps run per program; at most `max_queue` requests wait for a row (`submit` raises
-    QueueFull beyond that). Parameters on a mesh decode under `mesh_config`'s rules."""
+    steps run per program; prompts are prefilled in chunks of `prefill_chunk` tokens (a power
+    of two); `prefix_cache_bytes` (per device) hold full chunks of earlier prompts (0: none);
+    at most `max_queue` requests (or groups) wait for a row (`submit` raises QueueFull beyond
+    that). Parameters on a mesh decode under `mesh_config`'s rules."""
 
     def __init__(self, config: ModelConfig, params: Params, *, max_batch: int = 8,
                  max_seq_len: int | None = None, stop_ids: Sequence[int] | None = None,
                  cache_dtype=None, decode_impl: str = "auto",
-                 steps_per_dispatch: int = SERVING_STEPS_PER_DISPATCH, max_queue: int = 64,
-                 mesh_config: MeshConfig | None = None):
+                 steps_per_dispatch: int = SERVING_STEPS_PER_DISPATCH,
+                 prefill_chunk: int = SERVING_PREFILL_CHUNK, prefix_cache_bytes: int = 0,
+                 max_queue: int = 64, mesh_config: MeshConfig | None = None):
         self.config = config
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len or config.max_seq_len
@@ -148,6 +200,9 @@ class Engine:
         if max_batch < 1 or steps_per_dispatch < 1:
             raise GenerateError(f"max_batch={max_batch} and steps_per_dispatch="
                                 f"{steps_per_dispatch} must be >= 1")
+        check_prefill_chunk(prefill_chunk)
+        if prefix_cache_bytes < 0:
+            raise GenerateError(f"prefix_cache_bytes={prefix_cache_bytes} must be >= 0")
         self.steps = steps_per_dispatch
         self.cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
         self.max_slots = serving_cache_slots(self.max_seq_len, self.steps)
@@ -160,7 +215,17 @@ class Engine:
         ids = config.stop_ids if stop_ids is None else stop_ids
         self.stop_ids = [int(t) for t in ids if 0 <= int(t) < config.vocab_size] or [NO_TOKEN]
         self.min_slots = min(self.max_slots, MIN_SLOTS)
-        self._queue: queue.Queue[Request] = queue.Queue(max_queue)
+        self.prefill_chunk = prefill_chunk
+        # The pool holds whole chunks; a context of one chunk or less never fills one.
+        blocks = prefix_cache_bytes // prefix_block_bytes(
+            config, params, prefill_chunk, self.cache_dtype, mesh_config)
+        self.prefix_blocks = blocks if prefill_chunk < self.max_seq_len else 0
+        self._index: PrefixIndex | None = None
+        self.counters: collections.Counter = collections.Counter()
+        self._queue: queue.Queue[list[Request]] = queue.Queue(max_queue)
+        self._held: list[Request] | None = None  # a group waiting for enough free rows
+        self._jobs: collections.deque[_Prefill] = collections.deque()
+        self._reserved: dict[int, _Prefill] = {}  # rows reserved for a prompt being prefilled
         self._executables: dict = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -169,6 +234,7 @@ class Engine:
         self.finished: collections.Counter = collections.Counter()  # requests by how they ended
         self.generated_tokens = 0
         self._reset()
+        self._reset_pool()
 
     # ----------------------------------------------------------------- the slots on the host
 
@@ -183,6 +249,17 @@ class Engine:
         self.dispatched = [0] * B  # each row's tokens once the programs dispatched have run
         self.end, self.size = 0, self.min_slots
         self.row_start = [0] * B  # each row's first slot
+
+    def _reset_pool(self) -> None:
+        """An empty prefix cache."""
+        if not self.prefix_blocks:
+            self.pool, self._index = None, None
+            return
+        self.pool = self._run(prefix_pool.empty_pool, config=self.config,
+                              blocks=self.prefix_blocks, block_len=self.prefill_chunk,
+                              cache_dtype=self.cache_dtype, layout=self.layout,
+                              placement=self.placement)
+        self._index = PrefixIndex(self.prefix_blocks, self.prefill_chunk, self.cache_dtype)
 
     def _size_for(self, n: int) -> int:
         return min(max(bucket(n), self.min_slots), self.max_slots)
@@ -230,15 +307,27 @@ class Engine:
                      time.perf_counter() - start)
         return self._executables[key](*args)
 
-    def _prefill(self, prompt_1T, n, sampling, key_1, score_prompt: bool = False):
-        return self._run(programs.prefill, self.params, prompt_1T, n, sampling, key_1,
-                         config=self.config, cache_dtype=self.cache_dtype, layout=self.layout,
-                         placement=self.placement, score_prompt=score_prompt)
+    def _prefill_chunk(self, one: KVCache | None, tokens_1L: np.ndarray, last: int,
+                       next_1L: np.ndarray | None, start: int):
+        self.counters["prefill_chunks"] += 1
+        return self._run(programs.prefill_chunk, self.params, one, tokens_1L, np.int32(last),
+                         next_1L, config=self.config, start=start,
+                         cache_dtype=self.cache_dtype, layout=self.layout,
+                         placement=self.placement)
 
-    def _insert(self, b: int, one: KVCache, first: Emitted, max_new: int,
-                sampling: SamplingParams, key_1: jax.Array) -> None:
-        self.slots = self._run(programs.insert, self.slots, one, first, np.int32(b),
-                               np.int32(max_new), sampling, key_1)
+    def _insert(self, b: int, one: KVCache, logits_1V: jax.Array, max_new: int,
+                sampling: SamplingParams, key_1: jax.Array) -> Emitted:
+        self.slots, first = self._run(programs.insert, self.slots, one, logits_1V, np.int32(b),
+                                      np.int32(max_new), sampling, key_1)
+        return first
+
+    def _restore(self, blocks: list[int]) -> KVCache:
+        return self._run(prefix_pool.restore, self.pool, np.asarray(blocks, np.int32),
+                         block_len=self.prefill_chunk)
+
+    def _store(self, one: KVCache, chunk: int, block: int) -> None:
+        self.pool = self._run(prefix_pool.store, self.pool, one, np.int32(chunk),
+                              np.int32(block), block_len=self.prefill_chunk)
 
     def _decode(self, strategy: Strategy, top: int) -> Emitted:
         self.slots, emitted = self._run(programs.decode, self.slots, self.params,
@@ -246,23 +335,96 @@ class Engine:
                                         strategy=strategy, top=top, placement=self.placement)
         return emitted
 
-    def _admit_into(self, b: int, request: Request) -> _Program:
-        """Prefills `request` and inserts it into row `b`."""
-        n = len(request.prompt)
-        T = min(bucket(n), self.max_seq_len)
-        prompt_1T = np.zeros((1, T), np.int32)
-        prompt_1T[0, T - n:] = request.prompt
-        key_1 = (jax.random.key(request.seed) if request.key is None else request.key)[None]
-        sampling = SamplingParams.broadcast(1, request.temperature, request.top_k,
-                                            request.top_p, request.min_p)
-        one, first, prompt = self._prefill(prompt_1T, np.int32(n), sampling, key_1,
-                                           request.prompt_logprobs)
-        self._arrange(T)
-        self._insert(b, one, first, request.max_tokens, sampling, key_1)
-        self.row_start[b] = self.end - n
-        self.owners[b] = request
-        self.dispatched[b] = 1
-        return _Program(first, [request], prompt)
+    def _start_prefill(self, group: list[Request], rows: list[int]) -> _Prefill:
+        """Reserves `rows` for the requests of `group` (one prompt) and restores the longest
+        run of its full chunks the prefix cache holds (all but the one holding the last
+        token, whose logits must be computed)."""
+        prompt, C = group[0].prompt, self.prefill_chunk
+        keys, blocks = [], []
+        if self._index is not None and not group[0].prompt_logprobs:
+            keys = self._index.keys(prompt)
+            blocks = self._index.lookup(keys[:(len(prompt) - 1) // C])
+            self.counters["prefix_cache_lookups"] += 1
+            self.counters["prefix_cache_hits"] += bool(blocks)
+            self.counters["prefix_cache_hit_tokens"] += len(blocks) * C
+        cached = len(blocks) * C
+        job = _Prefill(group, rows, collections.deque(chunk_plan(
+            len(prompt), cached, C, self.max_seq_len)), keys, cached)
+        if blocks:
+            job.cache = self._restore(blocks)
+        for b in rows:
+            self._reserved[b] = job
+        return job
+
+    def _run_chunk(self, job: _Prefill) -> int:
+        """Runs the next chunk of `job` (and stores it in the prefix cache if it is a full
+        chunk the cache lacks); returns its length."""
+        start, L = job.chunks.popleft()
+        prompt = job.prompt
+        tokens_1L = np.zeros((1, L), np.int32)
+        real = prompt[start:start + L]
+        tokens_1L[0, :len(real)] = real
+        next_1L = None
+        if job.scoring:
+            following = prompt[start + 1:start + L + 1]
+            next_1L = np.zeros((1, L), np.int32)
+            next_1L[0, :len(following)] = following
+        job.cache, job.logits, scores = self._prefill_chunk(job.cache, tokens_1L, len(real) - 1,
+                                                            next_1L, start)
+        if scores is not None:
+            job.scores.append(scores)
+        chunk = start // self.prefill_chunk
+        if chunk < len(job.keys):  # a full chunk of a prompt that reads the cache
+            block = self._index.allocate(job.keys[chunk])
+            if block is not None:
+                self._store(job.cache, chunk, block)
+        return L
+
+    def _insert_prefilled(self, job: _Prefill) -> list[_Program]:
+        """Writes a prefilled prompt into each of its rows, with each choice's first token."""
+        n, programs_ = len(job.prompt), []
+        for b, request in zip(job.rows, job.requests):
+            del self._reserved[b]
+            if request.cancelled:
+                self._finish(request, Chunk([], [], [], finish_reason="cancelled"))
+                continue
+            key_1 = (jax.random.key(request.seed) if request.key is None else request.key)[None]
+            sampling = SamplingParams.broadcast(1, request.temperature, request.top_k,
+                                                request.top_p, request.min_p)
+            self._arrange(n)
+            first = self._insert(b, job.cache, job.logits, request.max_tokens, sampling, key_1)
+            self.row_start[b] = self.end - n
+            self.owners[b] = request
+            self.dispatched[b] = 1
+            request.cached_tokens = job.cached
+            programs_.append(_Program(first, [request], job.scores or None))
+        return programs_
+
+    def _prefill_some(self, decoding: bool) -> list[_Program]:
+        """Runs the admitted prompts' chunks, first come first: about `prefill_chunk` tokens
+        of them while rows are decoding (at least one chunk), else until one prompt is done.
+        Returns the first tokens of the prompts done."""
+        spent, done = 0, []
+        while self._jobs and (spent < self.prefill_chunk or (not decoding and not done)):
+            job = self._jobs[0]
+            try:
+                spent += self._run_chunk(job)
+                if not job.chunks:
+                    self._jobs.popleft()
+                    done += self._insert_prefilled(job)
+            except Exception as e:
+                log.exception("prefill failed")
+                self._drop(job)
+                self._recover(job.requests, e)
+        return done
+
+    def _drop(self, job: _Prefill) -> None:
+        """Forgets a prompt being prefilled and frees the rows it reserved."""
+        with contextlib.suppress(ValueError):
+            self._jobs.remove(job)
+        for b in job.rows:
+            if self._reserved.get(b) is job:
+                del self._reserved[b]
 
     def _decoding(self, b: int) -> bool:
         """Whether row `b` holds a request that the programs dispatched so far leave short of
@@ -282,21 +444,34 @@ class Engine:
         return _Program(emitted, list(self.owners))
 
     def warm_up(self) -> float:
-        """Compiles the programs a server meets and returns the seconds it took: prefill at
-        every prompt bucket; at every cache size, decode greedy, sampling and sampling with
-        top-k/top-p (top log-probabilities compile when first asked for), inserting every
-        bucket that fits, and resizing to every other size. The rows are left empty."""
+        """Compiles the programs a server meets and returns the seconds it took: every prefill
+        chunk, the prefix cache's copies, and at every cache size: decode greedy, sampling and
+        sampling with top-k/top-p (top log-probabilities and prompt scores compile when first
+        asked for), inserting every prefilled length that fits, and resizing to every other
+        size. The rows and the prefix cache are left empty."""
         start = time.perf_counter()
         sizes = sorted({self._size_for(n) for n in range(1, self.max_slots + 1)})
-        buckets = sorted({min(bucket(n), self.max_seq_len) for n in range(1, self.max_seq_len)})
+        C = self.prefill_chunk
         sampling, key_1 = SamplingParams.broadcast(1), jax.random.key(0)[None]
-        prefilled = [self._prefill(np.zeros((1, T), np.int32), np.int32(1), sampling, key_1)
-                     for T in buckets]
+        prefilled: dict[tuple[int, int], tuple] = {}
+        for start_, L in chunk_shapes(C, self.max_seq_len):
+            one = None if start_ == 0 else prefilled[start_ - C, C][0]
+            prefilled[start_, L] = self._prefill_chunk(one, np.zeros((1, L), np.int32), L - 1,
+                                                       None, start_)[:2]
+        for k in range(1, (self.max_seq_len - 1) // C + 1 if self.pool is not None else 1):
+            self._restore([0] * k)
+            self._store(prefilled[(k - 1) * C, C][0], k - 1, 0)
+        # The prefilled caches an insert meets (a last chunk ends them in bucket(start + L)
+        # slots), each with the shortest prompt it holds.
+        shortest: dict[int, tuple[int, tuple]] = {}
+        for n in range(self.max_seq_len - 1, 0, -1):
+            last = chunk_plan(n, 0, C, self.max_seq_len)[-1]
+            shortest[bucket(sum(last))] = (n, prefilled[last])
         for size in sizes:
-            for T, (one, first, _) in zip(buckets, prefilled):
-                if T + self.steps <= size:
-                    self._place(T, size)
-                    self._insert(0, one, first, 1, sampling, key_1)
+            for n, (one, logits) in shortest.values():
+                if n + self.steps <= size:
+                    self._place(n, size)
+                    self._insert(0, one, logits, 1, sampling, key_1)
             self._place(0, size)
             for draw, sort in ((False, False), (True, False), (True, True)):
                 self._decode(Strategy(draw, sort), top=0)
@@ -304,7 +479,9 @@ class Engine:
                 self._place(0, other)
                 self._place(0, size)
         jax.block_until_ready(self.slots)
+        self.counters.clear()
         self._reset()
+        self._reset_pool()
         return time.perf_counter() - start
 
     # --------------------------------------------------------------------------- requests
@@ -331,20 +508,41 @@ class Engine:
     def submit(self, request: Request) -> None:
         """Queues `request` (raises QueueFull when `max_queue` requests already wait, or
         GenerateError if it cannot run)."""
-        self.check(request)
+        self.submit_group([request])
+
+    def submit_group(self, requests: Sequence[Request]) -> None:
+        """Queues requests for one prompt (a prompt's `n` choices) that are prefilled once,
+        together, when as many rows are free; each then decodes with its own settings and
+        key. Raises as `submit` does, or GenerateError if they differ in prompt or in
+        scoring it, or are more than the rows."""
+        for request in requests:
+            self.check(request)
+        first = requests[0]
+        if any(list(r.prompt) != list(first.prompt) or r.prompt_logprobs != first.prompt_logprobs
+               for r in requests[1:]):
+            raise GenerateError("the requests of a group must share the prompt and "
+                                "prompt_logprobs")
+        if len(requests) > self.max_batch:
+            raise GenerateError(f"a group of {len(requests)} requests is more than the "
+                                f"{self.max_batch} rows")
         if self._stopping.is_set():
             raise QueueFull("the server is shutting down")
         try:
-            self._queue.put_nowait(request)
+            self._queue.put_nowait(list(requests))
         except queue.Full:
             raise QueueFull(f"{self._queue.maxsize} requests are waiting already") from None
         self._wake.set()
 
     def stats(self) -> dict:
-        """Rows in use, requests waiting, requests finished by reason, tokens generated."""
+        """Rows in use, requests (or groups) waiting, requests finished by reason, tokens
+        generated, and the counters of prefill chunks and prefix cache lookups, hits and
+        tokens restored."""
         return {"slots": self.max_batch, "slots_in_use": sum(r is not None for r in self.owners),
-                "queued": self._queue.qsize(), "finished": dict(self.finished),
-                "generated_tokens": self.generated_tokens}
+                "queued": self._queue.qsize() + (self._held is not None),
+                "finished": dict(self.finished), "generated_tokens": self.generated_tokens,
+                "prefix_cache_blocks": self.prefix_blocks,
+                "prefix_cache_blocks_used": 0 if self._index is None else len(self._index),
+                **{name: self.counters[name] for name in COUNTERS}}
 
     def _finish(self, request: Request, chunk: Chunk) -> None:
         request.finished = True
@@ -399,14 +597,15 @@ class Engine:
                 self._finish(request, Chunk([], [], [], finish_reason=reason))
 
     @staticmethod
-    def _prompt_logprobs(chunk: Chunk, prompt: Emitted, request: Request) -> None:
-        """The scores of the prompt's tokens after the first (the last n - 1 of the T - 1)."""
+    def _prompt_logprobs(chunk: Chunk, scores: list[Emitted], request: Request) -> None:
+        """The scores of the prompt's tokens after the first: position p of the chunks'
+        scores (concatenated) scores token p + 1."""
         n, top = len(request.prompt), request.top_logprobs
-        chunk.prompt_logprobs = prompt.logprobs_BK[0, 1 - n:].tolist() if n > 1 else []
+        joined = jax.tree.map(lambda *x: np.concatenate(x, axis=1), *scores)
+        chunk.prompt_logprobs = joined.logprobs_BK[0, :n - 1].tolist()
         chunk.prompt_top = [list(zip(ids[:top].tolist(), lps[:top].tolist()))
-                            for ids, lps in zip(prompt.top_ids_BKn[0, 1 - n:],
-                                                prompt.top_logprobs_BKn[0, 1 - n:])
-                            ] if n > 1 else []
+                            for ids, lps in zip(joined.top_ids_BKn[0, :n - 1],
+                                                joined.top_logprobs_BKn[0, :n - 1])]
 
     def _fail(self, requests, error: BaseException) -> None:
         for request in requests:
@@ -435,41 +634,56 @@ class Engine:
         return drained
 
     def idle(self) -> bool:
-        return self._queue.empty() and all(r is None for r in self.owners)
+        return (self._queue.empty() and self._held is None and not self._jobs
+                and all(r is None for r in self.owners))
 
-    def _admit(self, pending: collections.deque) -> None:
-        """Admits waiting requests into the rows that are free, or will be once the programs
-        dispatched so far have run (their tokens are read from those programs)."""
-        for b in range(self.max_batch):
-            if self._decoding(b):
-                continue
-            request = self._next_request()
-            if request is None:
+    def _admit(self) -> None:
+        """Starts prefilling waiting groups, in order, while the rows free for them suffice:
+        rows neither reserved nor decoding (or that will be free once the programs dispatched
+        so far have run; their tokens are read from those programs)."""
+        free = [b for b in range(self.max_batch)
+                if not self._decoding(b) and b not in self._reserved]
+        while free:
+            group = self._held or self._next_group()
+            if group is None:
                 return
+            if len(group) > len(free):
+                self._held = group  # first come, first served: wait for rows
+                return
+            self._held = None
+            rows, free = free[:len(group)], free[len(group):]
             try:
-                pending.append(self._admit_into(b, request))
+                self._jobs.append(self._start_prefill(group, rows))
             except Exception as e:
                 log.exception("prefill failed")
-                self._recover([request], e)
+                for b in rows:
+                    self._reserved.pop(b, None)
+                self._recover(group, e)
 
-    def _next_request(self) -> Request | None:
+    def _next_group(self) -> list[Request] | None:
+        """The next group's requests not cancelled (those cancelled finish here)."""
         while True:
             try:
-                request = self._queue.get_nowait()
+                group = self._queue.get_nowait()
             except queue.Empty:
                 return None
-            if request.cancelled:
-                self._finish(request, Chunk([], [], [], finish_reason="cancelled"))
-                continue
-            return request
+            for request in group:
+                if request.cancelled:
+                    self._finish(request, Chunk([], [], [], finish_reason="cancelled"))
+            group = [r for r in group if not r.cancelled]
+            if group:
+                return group
 
     def _recover(self, touched, error: BaseException) -> None:
         """After a failed program: fails the requests it touched and, if the slots were lost
-        with it (donated to a program that did not finish), every request in them."""
+        with it (donated to a program that did not finish), every request in them; a lost
+        prefix cache starts empty."""
         self._fail(touched, error)
         if any(x.is_deleted() for x in jax.tree.leaves(self.slots)):
             self._fail(self.owners, error)
             self._reset()
+        if any(x.is_deleted() for x in jax.tree.leaves(self.pool)):
+            self._reset_pool()
 
     def _loop(self) -> None:
         pending: collections.deque[_Program] = collections.deque()
@@ -478,8 +692,9 @@ class Engine:
                 self._fail([*self.owners, *self._drain_queue()], GenerateError("shut down"))
             if self._stopping.is_set() and self.idle() and not pending:
                 return
-            self._admit(pending)
-            decoding = any(self._decoding(b) for b in range(self.max_batch))
+            self._admit()
+            pending.extend(self._prefill_some(self._any_decoding()))
+            decoding = self._any_decoding()
             if decoding:
                 try:
                     pending.append(self._dispatch())
@@ -499,9 +714,16 @@ class Engine:
                 self._wake.wait(0.5)
                 self._wake.clear()
 
+    def _any_decoding(self) -> bool:
+        return any(self._decoding(b) for b in range(self.max_batch))
+
     def _drain_queue(self) -> list[Request]:
-        drained = []
+        """Every request waiting or being prefilled, taken off the engine."""
+        drained = [*(self._held or []), *(r for job in self._jobs for r in job.requests)]
+        for job in list(self._jobs):
+            self._drop(job)
+        self._held = None
         with contextlib.suppress(queue.Empty):
             while True:
-                drained.append(self._queue.get_nowait())
+                drained.extend(self._queue.get_nowait())
         return drained

@@ -9,12 +9,13 @@ from llama_jax.cli import add_int8_arguments
 from llama_jax.config import DTYPES
 from llama_jax.decode.decoder import DECODE_IMPLS
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
-from llama_jax.plan.costs import SERVING_STEPS_PER_DISPATCH
+from llama_jax.plan.costs import (PREFIX_CACHE_SHARE, PREFIX_CACHE_SLOTS_MULTIPLE,
+                                  SERVING_PREFILL_CHUNK, SERVING_STEPS_PER_DISPATCH)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's shape: its slots, dtypes, int8 weights and cache, attention and
-    decoder, mesh and decode steps per dispatch."""
+    decoder, mesh, decode steps per dispatch, prefill chunk and prefix cache."""
     parser.add_argument("--max-batch", type=int, default=8, help="decode slots")
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="tokens per request, prompt and output (default: the model's "
@@ -30,3 +31,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "data=1,fsdp=1,tensor=8")
     parser.add_argument("--steps-per-dispatch", type=int, default=SERVING_STEPS_PER_DISPATCH,
                         help="decode steps per device program")
+    parser.add_argument("--prefill-chunk", type=int, default=SERVING_PREFILL_CHUNK,
+                        help="prompt tokens prefilled per program, between decode programs "
+                             "(a power of two >= 16; also the prefix cache's block)")
+    parser.add_argument("--prefix-cache-bytes", type=int, default=None,
+                        help="memory per device for blocks of earlier prompts' KV (default: "
+                             f"{PREFIX_CACHE_SHARE * 100:.0f}%% of what is free after the weights and "
+                             f"slots, at most {PREFIX_CACHE_SLOTS_MULTIPLE}x the slots' cache)")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="compute every prompt in full")

@@ -10,8 +10,14 @@ share it).
   read and tokenized) to its first tokens leaving the engine; `llama_jax_inter_token_latency_
   seconds`: the time between a choice's deliveries divided by the tokens delivered, once per
   token (a dispatch of K decode steps delivers K tokens at once).
-- `llama_jax_queue_length`, `llama_jax_slots_in_use`, `llama_jax_slots`: read from the engine
-  when scraped.
+- `llama_jax_cached_prompt_tokens_total`: the sum of those responses'
+  `usage.prompt_tokens_details.cached_tokens`.
+- `llama_jax_queue_length`, `llama_jax_slots_in_use`, `llama_jax_slots`,
+  `llama_jax_prefix_cache_blocks` and `llama_jax_prefix_cache_blocks_used`: read from the
+  engine when scraped; so are its counters `llama_jax_prefill_chunks_total` (prefill programs
+  run), `llama_jax_prefix_cache_lookups_total` (prompts looked up), `llama_jax_prefix_cache_
+  hits_total` (those that restored at least one block) and `llama_jax_prefix_cache_hit_tokens_
+  total` (the tokens they restored, counted when the prompt is admitted).
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ from typing import Sequence
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, generate_latest)
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from llama_jax.serve.engine import COUNTERS
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -44,11 +54,18 @@ class ServerMetrics:
         self.inter_token_latency = Histogram(
             "llama_jax_inter_token_latency_seconds", "Time per token between deliveries",
             buckets=ITL_BUCKETS, registry=registry)
-        for name, key, doc in (("queue_length", "queued", "Requests waiting for a slot"),
-                               ("slots_in_use", "slots_in_use", "Decode slots holding a request"),
-                               ("slots", "slots", "Decode slots")):
-            Gauge(f"llama_jax_{name}", doc, registry=registry).set_function(
-                lambda key=key: engine.stats()[key])
+        self.cached_tokens = Counter("llama_jax_cached_prompt_tokens",
+                                     "Prompt tokens of complete responses restored from the "
+                                     "prefix cache (usage)", registry=registry)
+        for name, doc in (("queued", "Requests waiting for a slot"),
+                          ("slots_in_use", "Decode slots holding a request"),
+                          ("slots", "Decode slots"),
+                          ("prefix_cache_blocks", "Blocks of the prefix cache"),
+                          ("prefix_cache_blocks_used", "Blocks of the prefix cache holding a "
+                                                       "chunk")):
+            Gauge("llama_jax_queue_length" if name == "queued" else f"llama_jax_{name}", doc,
+                  registry=registry).set_function(lambda name=name: engine.stats()[name])
+        registry.register(_EngineCounters(engine))
 
     def delivered(self, first: bool, tokens: int, seconds: float) -> None:
         """A choice's delivery of `tokens` tokens `seconds` after its submission (`first`) or
@@ -62,6 +79,7 @@ class ServerMetrics:
     def completed(self, usage: dict, finish_reasons: Sequence[str | None]) -> None:
         """A complete response: its `usage` and its choices' finish reasons."""
         self.prompt_tokens.inc(usage["prompt_tokens"])
+        self.cached_tokens.inc(usage["prompt_tokens_details"]["cached_tokens"])
         self.generation_tokens.inc(usage["completion_tokens"])
         for reason in finish_reasons:
             self.choices.labels(reason or "error").inc()
@@ -69,3 +87,20 @@ class ServerMetrics:
     def text(self) -> tuple[bytes, str]:
         """The exposition and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _EngineCounters(Collector):
+    """The engine's own counters (`Engine.stats()`), read when scraped."""
+
+    DOCS = {"prefill_chunks": "Prefill programs run",
+            "prefix_cache_lookups": "Prompts looked up in the prefix cache",
+            "prefix_cache_hits": "Prompts that restored at least one prefix cache block",
+            "prefix_cache_hit_tokens": "Prompt tokens restored from the prefix cache"}
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.stats()
+        for name in COUNTERS:
+            yield CounterMetricFamily(f"llama_jax_{name}", self.DOCS[name], value=stats[name])
