@@ -97,6 +97,9 @@ def test_cli_serving_cache(capsys):
     assert info.main([*argv, "--json"]) == 0
     serving = json.loads(capsys.readouterr().out)["serving"]
     assert serving["kv_cache_bytes"] == 16 * (8192 + 12) * 131072
+    # At most 4x the slots' cache, in whole blocks of 128 tokens' KV (16 MiB each here).
+    block = 128 * 131072
+    assert serving["prefix_cache_bytes"] == 4 * serving["kv_cache_bytes"] // block * block
     assert info.main([*argv, "--cache-dtype", "int8"]) == 0
     assert "serving KV cache     8.3 GiB (int8) for 16 slots of 8192 + 12" in \
         capsys.readouterr().out

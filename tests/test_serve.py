@@ -31,6 +31,7 @@ from checkpoints import tiny_checkpoint_with_tokenizer
 openai = pytest.importorskip("openai")
 
 MAX_SEQ_LEN = 96
+CHUNK = 16
 SLOTS = 4
 START_TIMEOUT_S = 240
 REQUEST_TIMEOUT_S = 60
@@ -102,7 +103,9 @@ class Live:
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    live = Live(checkpoint, "--max-batch", str(SLOTS), "--max-queue", "64")
+    # Chunks of 16 tokens: prompts longer than that prefill in chunks and fill the prefix cache.
+    live = Live(checkpoint, "--max-batch", str(SLOTS), "--max-queue", "64",
+                "--prefill-chunk", str(CHUNK))
     yield live
     assert live.stop() == 0, "".join(live.lines[-30:])
 
@@ -164,6 +167,42 @@ def test_metrics_count_what_the_responses_report(server):
     assert grew["llama_jax_time_to_first_token_seconds_count"] == 4
     assert grew["llama_jax_inter_token_latency_seconds_count"] == generated - 4
     assert after["llama_jax_slots"] == SLOTS and after["llama_jax_queue_length"] == 0
+    assert grew["llama_jax_cached_prompt_tokens_total"] == sum(
+        u.prompt_tokens_details.cached_tokens for u in usages)
+    # Three prompts (the n=2 choices share one prefill), each in chunks of CHUNK tokens.
+    assert grew["llama_jax_prefill_chunks_total"] == sum(
+        -(-(u.prompt_tokens - u.prompt_tokens_details.cached_tokens) // CHUNK) for u in usages)
+
+
+def test_a_repeated_prompt_is_restored_from_the_prefix_cache(server, model):
+    """A 45-token prompt (two full chunks and a part) sent twice: the second restores the two
+    chunks (usage, /metrics) and returns the same tokens and log-probabilities, bit for bit;
+    its `n=3` sampled choices prefill it once and each equals a request with seed + j."""
+    config, params, tokenizer = model
+    ids = np.random.default_rng(8).integers(3, config.vocab_size, 45).tolist()
+    before = scrape(server)
+    cold, warm = (server.client.completions.create(model="tiny", prompt=ids, max_tokens=6,
+                                                   temperature=0, logprobs=2)
+                  for _ in range(2))
+    grew = {k: v - before.get(k, 0.0) for k, v in scrape(server).items()}
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.usage.prompt_tokens_details.cached_tokens == 2 * CHUNK
+    assert warm.choices[0].text == cold.choices[0].text == reference(model, ids, 6)[2]
+    assert warm.choices[0].logprobs == cold.choices[0].logprobs
+    assert grew["llama_jax_prefix_cache_lookups_total"] == 2
+    assert grew["llama_jax_prefix_cache_hits_total"] == 1
+    assert grew["llama_jax_prefix_cache_hit_tokens_total"] == 2 * CHUNK
+    assert grew["llama_jax_prefill_chunks_total"] == 3 + 1
+    before = scrape(server)
+    three = server.client.completions.create(model="tiny", prompt=ids, max_tokens=6,
+                                             temperature=1.0, n=3, seed=11)
+    assert scrape(server)["llama_jax_prefill_chunks_total"] == \
+        before["llama_jax_prefill_chunks_total"] + 1
+    assert three.usage.prompt_tokens_details.cached_tokens == 2 * CHUNK
+    for j, choice in enumerate(three.choices):
+        alone = server.client.completions.create(model="tiny", prompt=ids, max_tokens=6,
+                                                 temperature=1.0, seed=11 + j)
+        assert choice.text == alone.choices[0].text
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[:3])

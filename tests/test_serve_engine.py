@@ -205,6 +205,13 @@ def test_the_server_refuses_a_cache_that_does_not_fit(tmp_path, monkeypatch, cap
     err = capsys.readouterr().err
     assert err.startswith("error: the KV cache of --max-batch 64 slots of --max-seq-len 256 "
                           "tokens (float32) needs 0.01 GiB, but 0.00 GiB is free")
+    monkeypatch.setattr(app, "free_memory_bytes", lambda: 1 << 30)
+    assert main(["--checkpoint", str(tmp_path), "--prefix-cache-bytes", str(1 << 31)]) == 2
+    assert "--prefix-cache-bytes 2147483648 must be >= 0 and at most the 1.00 GiB free" in \
+        capsys.readouterr().err
+    assert main(["--checkpoint", str(tmp_path), "--prefill-chunk", "24"]) == 2
+    assert capsys.readouterr().err == \
+        "error: prefill_chunk=24 must be a power of two >= 16\n"
 
 
 def _sentencepiece(directory):

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 
 from llama_jax.config import MeshConfig, ModelConfig
 from llama_jax.decode.decoder import cache_bytes_per_device
-from llama_jax.decode.generate import bucket, placed
-from llama_jax.model.kv_cache import KVCache, init_cache, resized, slots_of, with_slots
+from llama_jax.decode.generate import placed
+from llama_jax.model.kv_cache import KVCache, init_cache, slots_of, with_slots
 from llama_jax.model.params import Params
 
 
@@ -38,16 +38,20 @@ def empty_pool(*, config: ModelConfig, blocks: int, block_len: int, cache_dtype:
         return init_cache(config, 1, blocks * block_len, cache_dtype, layout=layout)
 
 
-@functools.partial(jax.jit, static_argnames=("block_len",))
-def restore(pool: KVCache, blocks_k: jax.Array, *, block_len: int) -> KVCache:
+@functools.partial(jax.jit, static_argnames=("block_len", "max_len"))
+def restore(pool: KVCache, blocks_N: jax.Array, k: jax.Array, *, block_len: int,
+            max_len: int) -> KVCache:
     """The one-row prefill cache of a prompt whose first k chunks are the pool's blocks
-    `blocks_k`: in `bucket(k · C)` slots (as `prefill_chunk` leaves it after chunk k - 1),
-    ending after them."""
-    C, k = block_len, blocks_k.shape[0]
-    one = resized(slots_of(pool, blocks_k[0] * C, C), bucket(k * C))
-    for i in range(1, k):
-        one = with_slots(one, jnp.int32(i * C), slots_of(pool, blocks_k[i] * C, C))
-    return one.replace(start=jnp.zeros((1,), jnp.int32), end=jnp.int32(k * C))
+    `blocks_N[:k]`, in `max_len` slots (as `slots.prefill_chunk` leaves it after chunk k - 1),
+    ending after them. k is an input: a program per `max_len`."""
+    C = block_len
+    one = pool.map_seq(lambda x, axis: jnp.zeros(
+        (*x.shape[:axis], max_len, *x.shape[axis + 1:]), x.dtype), max_len)
+
+    def copy(i, one):
+        return with_slots(one, i * C, slots_of(pool, blocks_N[i] * C, C))
+    one = jax.lax.fori_loop(0, k, copy, one)
+    return one.replace(start=jnp.zeros((1,), jnp.int32), end=k * C)
 
 
 @functools.partial(jax.jit, static_argnames=("block_len",), donate_argnames=("pool",))

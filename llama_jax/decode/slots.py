@@ -4,8 +4,10 @@ a fixed set of decode rows — the slots — that requests enter and leave.
 The slots are one batch of B rows: a KV cache (model/kv_cache.py) and each row's last token,
 step, settings and key, kept on the device and donated to every program that updates them:
 - `empty_slots`: B idle rows over a cache of a given size, laid out by the cache rules on a mesh;
-- `prefill`: one request's prompt (left-padded to T) into a one-row cache, and its first token;
-- `insert`: that one-row cache written over a row, ending at the slots' write slot `end`;
+- `prefill_chunk`: one chunk of a prompt into its one-row cache (`chunk_plan` cuts a prompt
+  into chunks), and the logits after its last token;
+- `insert`: that one-row cache written over a row, ending at the slots' write slot `end`, with
+  the row's first token sampled from those logits;
 - `decode`: K decode steps of every row (`generate.next_logits`, the step `generate` takes);
 - `rearrange`: every row's slots moved later and the cache resized (grown or cut).
 
@@ -146,34 +148,41 @@ def chunk_plan(n: int, start: int, chunk: int, max_len: int) -> list[tuple[int, 
     return chunks
 
 
+def chunk_capacity(start: int, L: int) -> int:
+    """The slots of a prompt's cache after its chunk `(start, L)`: the next power of two of the
+    chunk's end (at least MIN_BUCKET), so that the chunks compile a program per capacity."""
+    return bucket(start + L)
+
+
 def chunk_shapes(chunk: int, max_len: int) -> list[tuple[int, int]]:
     """Every `(start, L)` the prompts of a server of `max_len` tokens prefill (a prompt leaves
     at least one token for the output)."""
     return sorted(set().union(*(chunk_plan(n, 0, chunk, max_len) for n in range(1, max_len))))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "start", "cache_dtype", "layout",
+@functools.partial(jax.jit, static_argnames=("config", "max_len", "cache_dtype", "layout",
                                              "placement"))
 def prefill_chunk(params: Params, one: KVCache | None, tokens_1L: jax.Array, last: jax.Array,
-                  next_1L: jax.Array | None = None, *, config: ModelConfig, start: int,
+                  next_1L: jax.Array | None = None, *, config: ModelConfig, max_len: int,
                   cache_dtype: str, layout: str, placement: tuple | None
                   ) -> tuple[KVCache, jax.Array, Emitted | None]:
-    """One chunk of a prompt prefilled into a one-row cache: the L tokens `tokens_1L` at
-    positions `start ..` (`one` holds the prompt before them: None at the first chunk; the
-    tokens after index `last` are padding). Returns the cache, ending after `last`, in
-    `bucket(start + L)` slots; the logits `[1, V]` after token `last`; and, given `next_1L`
-    (each token's successor in the prompt), their log-probabilities and top alternatives.
+    """One chunk of a prompt prefilled into its one-row cache: the L tokens `tokens_1L` at
+    slots `one.end ..` (`one` holds the prompt before them: None at the first chunk; the
+    tokens after index `last` are padding). Returns the cache in `max_len` slots (the next
+    power of two of the chunk's end: `chunk_capacity`), ending after token `last`; the logits
+    `[1, V]` after it; and, given `next_1L` (each token's successor in the prompt), their
+    log-probabilities and top alternatives.
 
-    The program depends on `start` and L alone, and a chunk's values only on the prompt up to
-    its end: so a prompt runs the same programs on the same inputs whatever was cached."""
+    Where the chunk starts is an input, not part of the program, so that prompts compile one
+    program per capacity and length; a chunk's values depend only on the prompt up to its end,
+    so a prompt runs the same programs on the same inputs whatever was cached."""
     with placed(placement):
-        L = tokens_1L.shape[1]
         if one is None:
-            one = init_cache(config, 1, L, cache_dtype, layout=layout)
+            one = init_cache(config, 1, max_len, cache_dtype, layout=layout)
         else:
-            one = resized(one, start + L)
+            one = resized(one, max_len)
         h_1LD, one, _ = apply(config, params, tokens_1L, cache=one)
-        one = resized(one, bucket(start + L)).replace(end=jnp.int32(start) + last + 1)
+        one = one.replace(end=one.end - tokens_1L.shape[1] + last + 1)
         h_1D = jax.lax.dynamic_index_in_dim(h_1LD, last, axis=1, keepdims=False)
         logits_1V = lm_head(config, params, h_1D[:, None])[:, 0]
         if next_1L is None:
@@ -255,13 +264,14 @@ def lower_programs(config: ModelConfig, params: Params, *, max_batch: int, promp
     slots = placed_like(full, jax.tree.unflatten(jax.tree.structure(full), layout_of))
     start, L = chunk_plan(prompt_len, 0, chunk, prompt_len)[-1]
     before = None if start == 0 else placed_like(jax.eval_shape(
-        lambda: init_cache(config, 1, bucket(start), cache_dtype, layout=layout)))
+        lambda: init_cache(config, 1, chunk_capacity(0, start), cache_dtype, layout=layout)))
     tokens = placed_like((np.zeros((1, L), np.int32), np.int32(L - 1)))
     sampling = placed_like(SamplingParams.broadcast(1))
     key_1 = jax.ShapeDtypeStruct((1,), jax.random.key(0).dtype, sharding=beside)
     lowered = {"prefill": prefill_chunk.lower(params, before, *tokens, config=config,
-                                              start=start, cache_dtype=cache_dtype,
-                                              layout=layout, placement=placement)}
+                                              max_len=chunk_capacity(start, L),
+                                              cache_dtype=cache_dtype, layout=layout,
+                                              placement=placement)}
     one, logits, _ = (placed_like(x) for x in lowered["prefill"].out_info)
     lowered["insert"] = insert.lower(slots, one, logits, *placed_like((np.int32(0), np.int32(1))),
                                      sampling, key_1)

@@ -313,11 +313,15 @@ def plan_serving(config: ModelConfig, max_batch: int, max_seq_len: int,
     if max_seq_len > config.max_seq_len:
         raise ConfigError(f"--max-seq-len={max_seq_len} is more than the model's context "
                           f"({config.max_seq_len})")
-    steps = costs.SERVING_STEPS_PER_DISPATCH
+    steps, chunk = costs.SERVING_STEPS_PER_DISPATCH, costs.SERVING_PREFILL_CHUNK
+    slots = costs.serving_cache_bytes(config, max_batch, max_seq_len, cache_dtype, steps)
+    # The server's default prefix cache where memory is plenty (a share of the free memory
+    # otherwise), in whole blocks of one prefill chunk; none when a prompt is one chunk.
+    block = chunk * costs.kv_cache_bytes_per_token(config, cache_dtype)
+    most = costs.default_prefix_cache_bytes(None, slots) // block * block
     return {"max_batch": max_batch, "max_seq_len": max_seq_len, "cache_dtype": cache_dtype,
-            "steps_per_dispatch": steps,
-            "kv_cache_bytes": costs.serving_cache_bytes(config, max_batch, max_seq_len,
-                                                        cache_dtype, steps)}
+            "steps_per_dispatch": steps, "kv_cache_bytes": slots, "prefill_chunk": chunk,
+            "prefix_cache_bytes": most if chunk < max_seq_len else 0}
 
 
 def render_serving(s: dict) -> str:
@@ -325,7 +329,11 @@ def render_serving(s: dict) -> str:
     return (f"serving KV cache     {format_bytes(s['kv_cache_bytes'])} ({s['cache_dtype']}) for "
             f"{s['max_batch']} slots of {s['max_seq_len']} + {slack} tokens "
             f"(--max-seq-len, plus {costs.SERVING_SLACK_DISPATCHES} dispatches of "
-            f"{s['steps_per_dispatch']} steps)")
+            f"{s['steps_per_dispatch']} steps)\n"
+            f"prefix cache         at most {format_bytes(s['prefix_cache_bytes'])} "
+            f"({costs.PREFIX_CACHE_SLOTS_MULTIPLE}x the slots' cache, in blocks of "
+            f"{s['prefill_chunk']} tokens; {costs.PREFIX_CACHE_SHARE:.0%} of the memory free "
+            "after the weights and slots when less: --prefix-cache-bytes)")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ row's slots (`slots.rearrange`) so that `end` is far enough along, or back to th
 the longest row in use; and it resizes the cache to a power of two that holds the rows in use
 plus the next steps, between `MIN_SLOTS` and the context plus slack. A step reads every slot,
 so short requests decode as fast as in a small cache. The host mirrors `end`, the size and each
-row's start; programs are compiled per size (and prompt bucket), once.
+row's start; programs are compiled per size (and prefill chunk shape), once.
 
 A request's tokens do not depend on its companions: rows never mix (MoE decodes without
 dropping; a prompt's chunks route through a capacity factor chunk by chunk), its position is its slot minus its start, and its sampling key for step s is
@@ -69,8 +69,8 @@ from llama_jax.decode.decoder import (cache_bytes_per_device, decoder_params,
 from llama_jax.decode.generate import NO_TOKEN, bucket
 from llama_jax.decode.sampling import SamplingParams, Strategy
 from llama_jax.decode.prefix_pool import prefix_block_bytes
-from llama_jax.decode.slots import (TOP_LOGPROBS, Emitted, check_prefill_chunk, chunk_plan,
-                                    chunk_shapes)
+from llama_jax.decode.slots import (TOP_LOGPROBS, Emitted, check_prefill_chunk,
+                                    chunk_capacity, chunk_plan, chunk_shapes)
 from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import KVCache
 from llama_jax.model.params import Params
@@ -311,7 +311,8 @@ class Engine:
                        next_1L: np.ndarray | None, start: int):
         self.counters["prefill_chunks"] += 1
         return self._run(programs.prefill_chunk, self.params, one, tokens_1L, np.int32(last),
-                         next_1L, config=self.config, start=start,
+                         next_1L, config=self.config,
+                         max_len=chunk_capacity(start, tokens_1L.shape[1]),
                          cache_dtype=self.cache_dtype, layout=self.layout,
                          placement=self.placement)
 
@@ -322,8 +323,14 @@ class Engine:
         return first
 
     def _restore(self, blocks: list[int]) -> KVCache:
-        return self._run(prefix_pool.restore, self.pool, np.asarray(blocks, np.int32),
-                         block_len=self.prefill_chunk)
+        """The prefill cache of the chunks in `blocks`, as the chunk before the next leaves it
+        (a program per its capacity: `blocks` is padded to fill it)."""
+        C = self.prefill_chunk
+        max_len = chunk_capacity(0, len(blocks) * C)
+        blocks_N = np.zeros(max_len // C, np.int32)
+        blocks_N[:len(blocks)] = blocks
+        return self._run(prefix_pool.restore, self.pool, blocks_N, np.int32(len(blocks)),
+                         block_len=C, max_len=max_len)
 
     def _store(self, one: KVCache, chunk: int, block: int) -> None:
         self.pool = self._run(prefix_pool.store, self.pool, one, np.int32(chunk),
@@ -453,20 +460,27 @@ class Engine:
         sizes = sorted({self._size_for(n) for n in range(1, self.max_slots + 1)})
         C = self.prefill_chunk
         sampling, key_1 = SamplingParams.broadcast(1), jax.random.key(0)[None]
-        prefilled: dict[tuple[int, int], tuple] = {}
+        # A chunk program per capacity before and after it, and length (the start is an
+        # input); each takes a cache of its capacity before from an earlier chunk.
+        after: dict[int, tuple] = {}  # a prefilled cache of each capacity, and its logits
+        compiled = set()
         for start_, L in chunk_shapes(C, self.max_seq_len):
-            one = None if start_ == 0 else prefilled[start_ - C, C][0]
-            prefilled[start_, L] = self._prefill_chunk(one, np.zeros((1, L), np.int32), L - 1,
-                                                       None, start_)[:2]
-        for k in range(1, (self.max_seq_len - 1) // C + 1 if self.pool is not None else 1):
-            self._restore([0] * k)
-            self._store(prefilled[(k - 1) * C, C][0], k - 1, 0)
-        # The prefilled caches an insert meets (a last chunk ends them in bucket(start + L)
-        # slots), each with the shortest prompt it holds.
+            before = chunk_capacity(0, start_) if start_ else None
+            if (before, L, chunk_capacity(start_, L)) in compiled:
+                continue
+            compiled.add((before, L, chunk_capacity(start_, L)))
+            one = None if before is None else after[before][0]
+            after[chunk_capacity(start_, L)] = self._prefill_chunk(
+                one, np.zeros((1, L), np.int32), L - 1, None, start_)[:2]
+        if self.pool is not None:
+            for k in range(1, (self.max_seq_len - 1) // C + 1):
+                self._restore([0] * k)
+                self._store(after[chunk_capacity(0, k * C)][0], k - 1, 0)
+        # The prefilled caches an insert meets, each with the shortest prompt it holds.
         shortest: dict[int, tuple[int, tuple]] = {}
         for n in range(self.max_seq_len - 1, 0, -1):
-            last = chunk_plan(n, 0, C, self.max_seq_len)[-1]
-            shortest[bucket(sum(last))] = (n, prefilled[last])
+            capacity = chunk_capacity(*chunk_plan(n, 0, C, self.max_seq_len)[-1])
+            shortest[capacity] = (n, after[capacity])
         for size in sizes:
             for n, (one, logits) in shortest.values():
                 if n + self.steps <= size:
