@@ -153,13 +153,17 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     root = make_checkpoint(Path(tempfile.mkdtemp(prefix="bench_features_")))
     vocab = BENCH_MODEL.vocab_size
-    rng = np.random.default_rng(0)
-    prefix = ids(rng, 256, vocab)
-    shared_prompts = [prefix + ids(rng, int(n), vocab) for n in rng.integers(16, 65, 32)]
-    short = [ids(rng, 32, vocab) for _ in range(args.max_batch - 1)]
-    long = ids(rng, 1536, vocab)
-    mixed = requests_of("mixed", 32, llama_jax.load_tokenizer(root / "native"))
-    n_prompt = ids(rng, 256, vocab)
+    tokenizer = llama_jax.load_tokenizer(root / "native")
+
+    def workloads(round_: int) -> dict:
+        """Fresh prompts each round (a cache warmed by an earlier round would flatter "on"):
+        the shared prefix misses once per round."""
+        rng = np.random.default_rng(round_)
+        prefix = ids(rng, 256, vocab)
+        return {"shared": [prefix + ids(rng, int(n), vocab) for n in rng.integers(16, 65, 32)],
+                "short": [ids(rng, 32, vocab) for _ in range(args.max_batch - 1)],
+                "long": ids(rng, 1536, vocab), "n": ids(rng, 256, vocab),
+                "mixed": requests_of("mixed", 32, tokenizer, seed=round_)}
     print(f"# {platform.processor() or platform.machine()}, jax {jax.__version__}, "
           f"--max-batch {args.max_batch}, {args.rounds} rounds", flush=True)
     names = [f"on (chunk {c})" for c in args.chunks.split(",")] + ["off"]
@@ -173,14 +177,15 @@ def main(argv=None) -> int:
                                 str(OFF_CHUNK))
         results: dict = {name: [] for name in servers}
         for round_ in range(args.rounds + 1):  # round 0 warms every path up, untimed
+            w = workloads(round_)
             for name, live in servers.items():
                 port = live.port
-                r = asyncio.run(shared(port, shared_prompts))
-                r |= asyncio.run(chunked(port, short, long))
-                r |= {"mixed_tokens_per_s": asyncio.run(load(port, "bench", mixed, 1800))[
+                r = asyncio.run(shared(port, w["shared"]))
+                r |= asyncio.run(chunked(port, w["short"], w["long"]))
+                r |= {"mixed_tokens_per_s": asyncio.run(load(port, "bench", w["mixed"], 1800))[
                     "tokens_per_s"]}
                 if name == "off":
-                    r |= asyncio.run(n_choices(port, n_prompt, 100 * round_))
+                    r |= asyncio.run(n_choices(port, w["n"], 100 * round_))
                 if round_:
                     results[name].append(r)
             print(f"# round {round_} done", flush=True)

@@ -80,6 +80,16 @@ def shifted(cache: KVCache, d: jax.Array) -> KVCache:
     return moved.replace(start=cache.start + d, end=cache.end + d)
 
 
+def grown(cache: KVCache, d: jax.Array, max_len: int) -> KVCache:
+    """The cache in `max_len` slots with every row's slots moved `d` later, for
+    0 <= d <= max_len - cache.max_len: one copy into empty slots, where `shifted` after
+    `resized` copies the cache three times (pad, then roll's concatenation and slice)."""
+    def place(x, axis):
+        empty = jnp.zeros((*x.shape[:axis], max_len, *x.shape[axis + 1:]), x.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(empty, x, d, axis)
+    return cache.map_seq(place, max_len).replace(start=cache.start + d, end=cache.end + d)
+
+
 def with_row(cache: KVCache, b: jax.Array, row: KVCache) -> KVCache:
     """The cache with row `b` replaced by the one-row cache `row` of the same slots (its `end`
     is the cache's own)."""

@@ -285,11 +285,15 @@ class Engine:
         if end == self.end and size == self.size:
             return
         shift = end - self.end
-        self.slots = self._run(programs.rearrange, self.slots, np.int32(shift), max_len=size)
+        self._rearrange(shift, size, into=0 <= shift <= size - self.size)
         self.row_start = [s + shift for s in self.row_start]
         self.end, self.size = end, size
 
     # --------------------------------------------------------------------------- programs
+
+    def _rearrange(self, shift: int, size: int, into: bool) -> None:
+        self.slots = self._run(programs.rearrange, self.slots, np.int32(shift), max_len=size,
+                               into=into)
 
     def _run(self, fn, *args, **static):
         """`fn(*args, **static)`, compiled once per static arguments and argument shapes (and
@@ -489,8 +493,11 @@ class Engine:
             self._place(0, size)
             for draw, sort in ((False, False), (True, False), (True, True)):
                 self._decode(Strategy(draw, sort), top=0)
-            for other in sizes:
+            for other in sizes:  # both ways of growing (`_place`), shrinking, and back
                 self._place(0, other)
+                if other > size:
+                    self._rearrange(0, size, into=False)
+                    self._rearrange(0, other, into=False)
                 self._place(0, size)
         jax.block_until_ready(self.slots)
         self.counters.clear()
