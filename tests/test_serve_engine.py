@@ -18,7 +18,7 @@ import llama_jax
 from llama_jax.config import MoeConfig
 from llama_jax.decode.generate import generate
 from llama_jax.errors import GenerateError
-from llama_jax.model.kv_cache import grown, init_cache, resized, shifted, with_row
+from llama_jax.model.kv_cache import init_cache, moved, resized, shifted, with_row
 from llama_jax.serve.chat import (chat_format, encode_with_special_tokens, llama2_chat,
                                   llama3_chat)
 from llama_jax.serve.engine import Engine, Request
@@ -238,20 +238,24 @@ def test_requests_that_cannot_run_are_refused_with_the_lengths(params):
 @pytest.mark.parametrize("layout", ["stacked", "per_layer"])
 @pytest.mark.parametrize("name", ["gqa", "mla"])
 def test_moving_and_resizing_slots_keeps_every_row(layout, name):
-    """`shifted` then `resized`, and `grown`, move each row's stored vectors with its start
-    and end, and `with_row` replaces one row alone."""
+    """`shifted` and `resized`, and `moved` (one copy, growing or shrinking), move each row's
+    stored vectors with its start and end, and `with_row` replaces one row alone."""
     config = CONFIGS[name]
     rng = np.random.default_rng(0)
     cache = init_cache(config, 3, 16, "float32", layout=layout)
     cache = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(x.dtype), cache)
     cache = cache.replace(start=jnp.array([2, 5, 9], jnp.int32), end=jnp.int32(12))
-    for moved in (resized(shifted(resized(cache, 32), 7), 24), grown(cache, 7, 24)):
-        assert moved.max_len == 24 and int(moved.end) == 19
-        assert moved.start.tolist() == [9, 12, 16]
-        for (_, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(cache.groups),
-                                  jax.tree_util.tree_leaves_with_path(moved.groups)):
-            assert _slots(b, config, layout, 24)[..., 7:19, :].tolist() == \
-                _slots(a, config, layout, 16)[..., :12, :].tolist()
+    # Grown 16 -> 24 slots, 7 later; then shrunk 24 -> 20, 4 earlier (a window of the old).
+    for there in (resized(shifted(resized(cache, 32), 7), 24), moved(cache, 7, 24)):
+        assert there.max_len == 24 and int(there.end) == 19
+        assert there.start.tolist() == [9, 12, 16]
+        for back in (there, resized(shifted(there, -4), 20), moved(there, -4, 20)):
+            d = 7 if back is there else 3
+            assert int(back.end) == 12 + d and back.start.tolist() == [2 + d, 5 + d, 9 + d]
+            for (_, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(cache.groups),
+                                      jax.tree_util.tree_leaves_with_path(back.groups)):
+                assert _slots(b, config, layout, back.max_len)[..., d:d + 12, :].tolist() == \
+                    _slots(a, config, layout, 16)[..., :12, :].tolist()
     one = init_cache(config, 1, 16, "float32", start_B=jnp.array([4]), layout=layout)
     one = one.replace(groups=jax.tree.map(lambda x: np.full(x.shape, 3.0, x.dtype), one.groups))
     replaced = with_row(cache, 1, one)

@@ -5,7 +5,6 @@ ignore the cache. The prompts are random token ids of a random tiny model, whose
 choices have no near-ties (a tie would show as a token mismatch against `generate`, whose
 test_serve_engine.py twin has never met one)."""
 
-import dataclasses
 import threading
 
 import jax
@@ -18,13 +17,9 @@ from llama_jax.decode.slots import chunk_plan
 from llama_jax.decode.prefix_pool import prefix_block_bytes
 from llama_jax.serve.engine import Engine, Request
 
-TINY = llama_jax.load_model_config("tiny")
-CONFIGS = {
-    "gqa": TINY,
-    "mla": dataclasses.replace(TINY, attention="mla", n_kv_heads=None, head_dim=None,
-                               mla=llama_jax.MlaConfig(kv_lora_rank=24, qk_nope_head_dim=12,
-                                                       qk_rope_head_dim=8, v_head_dim=16)),
-}
+from test_serve_engine import CONFIGS as ENGINE_CONFIGS
+
+CONFIGS = {name: ENGINE_CONFIGS[name] for name in ("gqa", "mla")}
 CHUNK = 16
 MAX_SEQ_LEN = 112
 WAIT_S = 120

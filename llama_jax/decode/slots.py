@@ -30,7 +30,7 @@ from llama_jax.decode.generate import (MIN_BUCKET, NO_TOKEN, bucket, next_logits
                                        placed)
 from llama_jax.decode.sampling import SamplingParams, Strategy, sample
 from llama_jax.errors import GenerateError
-from llama_jax.model.kv_cache import (KVCache, grown, init_cache, resized, shifted,
+from llama_jax.model.kv_cache import (KVCache, init_cache, moved, resized, shifted,
                                       with_row)
 from llama_jax.model.params import Params
 from llama_jax.model.transformer import apply
@@ -215,14 +215,14 @@ def insert(slots: Slots, one: KVCache, logits_1V: jax.Array, row: jax.Array,
     return _advance(slots, token_B, jnp.arange(token_B.shape[0]) == row), first
 
 
-@functools.partial(jax.jit, static_argnames=("max_len", "into"), donate_argnames=("slots",))
-def rearrange(slots: Slots, shift: jax.Array, *, max_len: int, into: bool = False) -> Slots:
+@functools.partial(jax.jit, static_argnames=("max_len", "window"), donate_argnames=("slots",))
+def rearrange(slots: Slots, shift: jax.Array, *, max_len: int, window: bool = False) -> Slots:
     """The rows' slots moved `shift` later, then the cache resized to `max_len` slots (grown
-    before the move, cut after it). With `into` (a cache growing by at least `shift`, which
-    is >= 0), the old slots are copied once into the new ones, already moved."""
+    before the move, cut after it). With `window` (the new slots a window of the old, or the
+    old of the new, as `kv_cache.moved` requires) in one copy."""
     cache = slots.cache
-    if into:
-        return slots.replace(cache=grown(cache, shift, max_len))
+    if window:
+        return slots.replace(cache=moved(cache, shift, max_len))
     if max_len > cache.max_len:
         cache = resized(cache, max_len)
     cache = shifted(cache, shift)

@@ -80,11 +80,15 @@ def shifted(cache: KVCache, d: jax.Array) -> KVCache:
     return moved.replace(start=cache.start + d, end=cache.end + d)
 
 
-def grown(cache: KVCache, d: jax.Array, max_len: int) -> KVCache:
-    """The cache in `max_len` slots with every row's slots moved `d` later, for
-    0 <= d <= max_len - cache.max_len: one copy into empty slots, where `shifted` after
-    `resized` copies the cache three times (pad, then roll's concatenation and slice)."""
+def moved(cache: KVCache, d: jax.Array, max_len: int) -> KVCache:
+    """The cache in `max_len` slots with every row's slots moved `d` later, where the new
+    slots are a window of the old (or the old of the new): growing, for
+    0 <= d <= max_len - S; shrinking, for 0 <= -d <= S - max_len (the rows lie in the window).
+    One copy, where `resized` and `shifted` copy the cache three times (pad or slice, then
+    roll's concatenation and slice)."""
     def place(x, axis):
+        if max_len <= x.shape[axis]:
+            return jax.lax.dynamic_slice_in_dim(x, -d, max_len, axis)
         empty = jnp.zeros((*x.shape[:axis], max_len, *x.shape[axis + 1:]), x.dtype)
         return jax.lax.dynamic_update_slice_in_dim(empty, x, d, axis)
     return cache.map_seq(place, max_len).replace(start=cache.start + d, end=cache.end + d)

@@ -280,20 +280,23 @@ class Engine:
             raise AssertionError(f"no room: end {end} + {self.steps} steps > {size} slots")
         self._place(end, size)
 
-    def _place(self, end: int, size: int) -> None:
-        """Moves every row's slots so that `end` is the next to write, in `size` slots."""
+    def _place(self, end: int, size: int, window: bool | None = None) -> None:
+        """Moves every row's slots so that `end` is the next to write, in `size` slots: in one
+        copy where the new slots are a window of the old or the old of the new (`window`:
+        None, when they are)."""
         if end == self.end and size == self.size:
             return
         shift = end - self.end
-        self._rearrange(shift, size, into=0 <= shift <= size - self.size)
+        if window is None:
+            window = size != self.size and 0 <= shift * (1 if size > self.size else -1) <= abs(
+                size - self.size)
+        self.slots = self._run(programs.rearrange, self.slots, np.int32(shift), max_len=size,
+                               window=window)
         self.row_start = [s + shift for s in self.row_start]
         self.end, self.size = end, size
 
     # --------------------------------------------------------------------------- programs
 
-    def _rearrange(self, shift: int, size: int, into: bool) -> None:
-        self.slots = self._run(programs.rearrange, self.slots, np.int32(shift), max_len=size,
-                               into=into)
 
     def _run(self, fn, *args, **static):
         """`fn(*args, **static)`, compiled once per static arguments and argument shapes (and
@@ -493,12 +496,10 @@ class Engine:
             self._place(0, size)
             for draw, sort in ((False, False), (True, False), (True, True)):
                 self._decode(Strategy(draw, sort), top=0)
-            for other in sizes:  # both ways of growing (`_place`), shrinking, and back
-                self._place(0, other)
-                if other > size:
-                    self._rearrange(0, size, into=False)
-                    self._rearrange(0, other, into=False)
-                self._place(0, size)
+            for other in sizes:  # to every other size and back, both ways of moving
+                for window in (True, False):
+                    self._place(0, other, window)
+                    self._place(0, size, window)
         jax.block_until_ready(self.slots)
         self.counters.clear()
         self._reset()
