@@ -44,7 +44,7 @@ from llama_jax.parallel import sharding, target, topology as topologies
 from llama_jax.parallel.devices import free_memory_bytes
 from llama_jax.plan import hardware
 from llama_jax.plan.costs import (SERVING_PREFILL_CHUNK, SERVING_STEPS_PER_DISPATCH,
-                                  default_prefix_cache_bytes, format_bytes,
+                                  default_prefix_cache_bytes, format_bytes, prefix_cache_blocks,
                                   serving_cache_slots)
 from llama_jax.plan.info import parse_mesh
 from llama_jax.serve.flags import add_server_arguments
@@ -138,7 +138,7 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
         prefix_cache_bytes = default_prefix_cache_bytes(
             None if limit is None else limit - planned - sharding.bytes_per_device(params),
             planned)
-    pool = prefix_cache_bytes // block * block if prefill_chunk < max_seq_len else 0
+    pool = block * prefix_cache_blocks(prefix_cache_bytes, block, prefill_chunk, max_seq_len)
     log(f"compiling a server of {max_batch} x {max_seq_len} tokens for {described}")
     programs = []
     with target.compiling_for(devices):

@@ -98,6 +98,12 @@ PREFIX_CACHE_SHARE = 0.5
 PREFIX_CACHE_SLOTS_MULTIPLE = 4
 
 
+def prefix_cache_blocks(cache_bytes: int, block_bytes: int, chunk: int, max_seq_len: int) -> int:
+    """The whole blocks of one prefill chunk that `cache_bytes` hold: none where every prompt
+    is one chunk or less (a full chunk always holds the prompt's last token, never cached)."""
+    return cache_bytes // block_bytes if chunk < max_seq_len else 0
+
+
 def default_prefix_cache_bytes(free_after: int | None, slots_cache: int) -> int:
     """The prefix cache a server keeps when not told (bytes per device), given the memory
     free after its weights and slots (None: unknown) and the slots' cache."""

@@ -316,12 +316,13 @@ def plan_serving(config: ModelConfig, max_batch: int, max_seq_len: int,
     steps, chunk = costs.SERVING_STEPS_PER_DISPATCH, costs.SERVING_PREFILL_CHUNK
     slots = costs.serving_cache_bytes(config, max_batch, max_seq_len, cache_dtype, steps)
     # The server's default prefix cache where memory is plenty (a share of the free memory
-    # otherwise), in whole blocks of one prefill chunk; none when a prompt is one chunk.
+    # otherwise), in whole blocks of one prefill chunk.
     block = chunk * costs.kv_cache_bytes_per_token(config, cache_dtype)
-    most = costs.default_prefix_cache_bytes(None, slots) // block * block
+    most = block * costs.prefix_cache_blocks(costs.default_prefix_cache_bytes(None, slots),
+                                             block, chunk, max_seq_len)
     return {"max_batch": max_batch, "max_seq_len": max_seq_len, "cache_dtype": cache_dtype,
             "steps_per_dispatch": steps, "kv_cache_bytes": slots, "prefill_chunk": chunk,
-            "prefix_cache_bytes": most if chunk < max_seq_len else 0}
+            "prefix_cache_bytes": most}
 
 
 def render_serving(s: dict) -> str:

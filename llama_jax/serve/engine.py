@@ -31,7 +31,7 @@ bit for bit. Requests that score their prompt (`prompt_logprobs`) neither read n
 cache: they compute every chunk with the scoring programs, as with the cache off.
 
 The rows share the cache's write slot `end` (each row's sequence ends there; `start` marks where
-it begins). A prompt of T padded tokens needs end >= T, and K decode steps need K free slots
+it begins). A prompt of n tokens needs end >= n, and K decode steps need K free slots
 after `end`, so before each program the host arranges the slots (`_arrange`): it moves every
 row's slots (`slots.rearrange`) so that `end` is far enough along, or back to the start of
 the longest row in use; and it resizes the cache to a power of two that holds the rows in use
@@ -40,9 +40,10 @@ so short requests decode as fast as in a small cache. The host mirrors `end`, th
 row's start; programs are compiled per size (and prefill chunk shape), once.
 
 A request's tokens do not depend on its companions: rows never mix (MoE decodes without
-dropping; a prompt's chunks route through a capacity factor chunk by chunk), its position is its slot minus its start, and its sampling key for step s is
-`fold_in(key, s)` of its own key: with `key(seed)`, the key `generate` uses for a one-prompt
-batch, so a seeded request samples what `generate(..., seed=seed)` samples alone.
+dropping; a prompt's chunks route through a capacity factor chunk by chunk), its position is
+its slot minus its start, and its sampling key for step s is `fold_in(key, s)` of its own
+key: with `key(seed)`, the key `generate` uses for a one-prompt batch, so a seeded request
+samples what `generate(..., seed=seed)` samples alone.
 """
 
 from __future__ import annotations
@@ -76,16 +77,17 @@ from llama_jax.model.kv_cache import KVCache
 from llama_jax.model.params import Params
 from llama_jax.parallel import sharding
 from llama_jax.plan.costs import (SERVING_PREFILL_CHUNK, SERVING_STEPS_PER_DISPATCH,
-                                  serving_cache_slots)
+                                  prefix_cache_blocks, serving_cache_slots)
 from llama_jax.serve.prefix_index import PrefixIndex
 
 log = logging.getLogger("llama_jax.serve")
 
 MIN_SLOTS = 64  # the smallest cache the slots shrink to
-# The engine's counters (`stats()`): prefill chunks run; prompts looked up in the prefix
-# cache, those with a hit, and the prompt tokens the hits restored.
-COUNTERS = ("prefill_chunks", "prefix_cache_lookups", "prefix_cache_hits",
-            "prefix_cache_hit_tokens")
+# The engine's counters (`stats()`) and what they count.
+COUNTERS = {"prefill_chunks": "Prefill programs run",
+            "prefix_cache_lookups": "Prompts looked up in the prefix cache",
+            "prefix_cache_hits": "Prompts that restored at least one prefix cache block",
+            "prefix_cache_hit_tokens": "Prompt tokens restored from the prefix cache"}
 
 
 class QueueFull(Exception):
@@ -216,10 +218,10 @@ class Engine:
         self.stop_ids = [int(t) for t in ids if 0 <= int(t) < config.vocab_size] or [NO_TOKEN]
         self.min_slots = min(self.max_slots, MIN_SLOTS)
         self.prefill_chunk = prefill_chunk
-        # The pool holds whole chunks; a context of one chunk or less never fills one.
-        blocks = prefix_cache_bytes // prefix_block_bytes(
-            config, params, prefill_chunk, self.cache_dtype, mesh_config)
-        self.prefix_blocks = blocks if prefill_chunk < self.max_seq_len else 0
+        self.prefix_blocks = prefix_cache_blocks(
+            prefix_cache_bytes, prefix_block_bytes(config, params, prefill_chunk,
+                                                   self.cache_dtype, mesh_config),
+            prefill_chunk, self.max_seq_len)
         self._index: PrefixIndex | None = None
         self.counters: collections.Counter = collections.Counter()
         self._queue: queue.Queue[list[Request]] = queue.Queue(max_queue)
@@ -288,15 +290,14 @@ class Engine:
             return
         shift = end - self.end
         if window is None:
-            window = size != self.size and 0 <= shift * (1 if size > self.size else -1) <= abs(
-                size - self.size)
+            grow = size - self.size
+            window = 0 <= shift <= grow if grow > 0 else grow < 0 and 0 <= -shift <= -grow
         self.slots = self._run(programs.rearrange, self.slots, np.int32(shift), max_len=size,
                                window=window)
         self.row_start = [s + shift for s in self.row_start]
         self.end, self.size = end, size
 
     # --------------------------------------------------------------------------- programs
-
 
     def _run(self, fn, *args, **static):
         """`fn(*args, **static)`, compiled once per static arguments and argument shapes (and
@@ -473,12 +474,13 @@ class Engine:
         compiled = set()
         for start_, L in chunk_shapes(C, self.max_seq_len):
             before = chunk_capacity(0, start_) if start_ else None
-            if (before, L, chunk_capacity(start_, L)) in compiled:
+            program = (before, L, chunk_capacity(start_, L))
+            if program in compiled:
                 continue
-            compiled.add((before, L, chunk_capacity(start_, L)))
+            compiled.add(program)
             one = None if before is None else after[before][0]
-            after[chunk_capacity(start_, L)] = self._prefill_chunk(
-                one, np.zeros((1, L), np.int32), L - 1, None, start_)[:2]
+            after[program[2]] = self._prefill_chunk(one, np.zeros((1, L), np.int32), L - 1, None,
+                                                    start_)[:2]
         if self.pool is not None:
             for k in range(1, (self.max_seq_len - 1) // C + 1):
                 self._restore([0] * k)

@@ -36,7 +36,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "(a power of two >= 16; also the prefix cache's block)")
     parser.add_argument("--prefix-cache-bytes", type=int, default=None,
                         help="memory per device for blocks of earlier prompts' KV (default: "
-                             f"{PREFIX_CACHE_SHARE * 100:.0f}%% of what is free after the weights and "
-                             f"slots, at most {PREFIX_CACHE_SLOTS_MULTIPLE}x the slots' cache)")
+                             f"{PREFIX_CACHE_SHARE * 100:.0f}%% of what is free after the "
+                             f"weights and slots, at most {PREFIX_CACHE_SLOTS_MULTIPLE}x the "
+                             "slots' cache)")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="compute every prompt in full")

@@ -92,15 +92,10 @@ class ServerMetrics:
 class _EngineCounters(Collector):
     """The engine's own counters (`Engine.stats()`), read when scraped."""
 
-    DOCS = {"prefill_chunks": "Prefill programs run",
-            "prefix_cache_lookups": "Prompts looked up in the prefix cache",
-            "prefix_cache_hits": "Prompts that restored at least one prefix cache block",
-            "prefix_cache_hit_tokens": "Prompt tokens restored from the prefix cache"}
-
     def __init__(self, engine):
         self.engine = engine
 
     def collect(self):
         stats = self.engine.stats()
-        for name in COUNTERS:
-            yield CounterMetricFamily(f"llama_jax_{name}", self.DOCS[name], value=stats[name])
+        for name, doc in COUNTERS.items():
+            yield CounterMetricFamily(f"llama_jax_{name}", doc, value=stats[name])
