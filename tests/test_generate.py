@@ -337,6 +337,7 @@ def test_cpu_decoder_copy_lives_only_as_long_as_the_params():
 
     from llama_jax.decode import decoder
 
+    decoder.release_decoder_copy()  # copies other tests' parameters hold
     p = llama_jax.init_params(TINY, jax.random.key(5))
     first = generate(TINY, p, [[1, 2, 3]], 4, stop_tokens=[])
     assert generate(TINY, p, [[1, 2, 3]], 4, stop_tokens=[]) == first  # reuses the copy

@@ -170,8 +170,8 @@ def test_int8_kv_cache_decode(case, layout, monkeypatch):
     toks = tokens(2, 12, seed=3)
     got = decode_logits(config, params, toks, "int8", layout)
     write = kv_storage.write
-    monkeypatch.setattr(kv_storage, "write", lambda cache, x, start, dtype: write(
-        cache, to_int8_vectors(x).dequantize(x.dtype), start, dtype))
+    monkeypatch.setattr(kv_storage, "write", lambda cache, x, start, dtype, **rows: write(
+        cache, to_int8_vectors(x).dequantize(x.dtype), start, dtype, **rows))
     assert_close(got, decode_logits(config, params, toks, "float32", layout), 1e-5)
     monkeypatch.undo()
     full = np.asarray(llama_jax.forward(config, params, toks))

@@ -1,10 +1,22 @@
-"""Speculative decoding's proposers against plain-Python references."""
+"""Speculative decoding: the proposers against plain-Python references, the verify pass
+against step-by-step decoding, greedy output against decoding without speculation (token for
+token, every cache kind, both proposers), sampled output's distribution against the model's
+(chi-square), and the settings refused."""
+
+import dataclasses
 
 import jax
 import numpy as np
 import pytest
 
+import llama_jax
+from llama_jax.decode.generate import GenerationStats, generate
 from llama_jax.decode.speculate import ngram_proposals
+from llama_jax.model.kv_cache import init_cache
+from llama_jax.model.transformer import apply, unstack_layers
+from llama_jax.nn.heads import lm_head
+from reference import relative_error
+from test_generate import MLA_TINY, TINY
 
 
 def reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -42,3 +54,96 @@ def test_ngram_proposals_equal_the_reference(k, min_n, max_n):
 def test_bad_ngram_settings_are_refused():
     with pytest.raises(ValueError, match="ngram=\\(3, 2\\)"):
         ngram_proposals(np.zeros((1, 8), np.int32), np.ones(1, np.int32), 2, 3, 2)
+
+
+# ------------------------------------------------------------------- the verify pass
+
+KINDS = {  # (model, cache dtype, decoder): every cache kind a verify pass reads
+    "gqa-stacked-f32": (TINY, "float32", "scan"),
+    "gqa-per_layer-bf16": (TINY, "bfloat16", "unrolled"),
+    "gqa-per_layer-int8": (TINY, "int8", "unrolled"),
+    "gqa-stacked-int8": (TINY, "int8", "scan"),
+    "mla-stacked-f32": (MLA_TINY, "float32", "scan"),
+    "mla-per_layer-int8": (MLA_TINY, "int8", "unrolled"),
+}
+run = jax.jit(lambda c, p, tokens, cache: (lambda h, cache: (lm_head(c, p, h), cache))(
+    *apply(c, p, tokens, cache=cache)[:2]), static_argnums=0)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {"gqa": (TINY, llama_jax.init_params(TINY, jax.random.key(0))),
+            "mla": (MLA_TINY, llama_jax.init_params(MLA_TINY, jax.random.key(1)))}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_verify_pass_at_rows_of_their_own_lengths_equals_one_row_step_by_step(kind, models):
+    """Rows whose caches end at different slots (9, 12, 10 of 12 written: the slots past a
+    row's end hold rejected guesses) take 5 tokens in one pass; each row's logits equal those
+    of the row alone, prefilled to its end and fed the 5 tokens one step at a time."""
+    config, dtype, decoder = KINDS[kind]
+    params = models[kind[:3]][1]
+    params = unstack_layers(params) if decoder == "unrolled" else params
+    layout = "per_layer" if decoder == "unrolled" else "stacked"
+    tokens = np.random.default_rng(1).integers(0, config.vocab_size, (3, 17)).astype(np.int32)
+    ends = np.array([9, 12, 10], np.int32)
+    cache = init_cache(config, 3, 32, dtype, layout=layout)
+    _, cache = run(config, params, tokens[:, :12], cache)
+    cache = cache.with_row_ends().replace(end=ends)
+    logits, cache = run(config, params, np.stack([tokens[b, e:e + 5] for b, e in
+                                                  enumerate(ends)]), cache)
+    assert np.asarray(cache.end).tolist() == (ends + 5).tolist()
+    for b, e in enumerate(ends):
+        one = init_cache(config, 1, 32, dtype, layout=layout)
+        _, one = run(config, params, tokens[b:b + 1, :e], one)
+        steps = []
+        for t in range(5):
+            step_logits, one = run(config, params, tokens[b:b + 1, e + t:e + t + 1], one)
+            steps.append(step_logits)
+        assert relative_error(logits[b:b + 1], np.concatenate(steps, axis=1)) < 1e-5, b
+
+
+# ------------------------------------------------------------------- greedy: the same tokens
+
+def first_layers(config, params, n):
+    """The model's first n layers, with its embedding, final norm and head: a draft that
+    agrees with it on many tokens (random weights are too unlike for anything else to)."""
+    return (dataclasses.replace(config, n_layers=n),
+            {**params, "groups": tuple(jax.tree.map(lambda w: w[:n], g)
+                                       for g in params["groups"])})
+
+
+def repetitive_prompts(lengths, vocab, seed):
+    """Prompts that repeat a phrase of their own, so that prompt lookup finds n-grams; random
+    weights have no near-ties between their two likeliest tokens on these (a tie broken
+    differently by the verify pass's and a step's rounding would change the tokens)."""
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, vocab, max(2, n // 3)).tolist() * 3)[:n] for n in lengths]
+
+
+RAGGED = [37, 5, 18, 2, 29, 11, 44, 8]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_greedy_with_speculation_is_greedy_without(kind, proposer, models):
+    """A ragged batch of 8, and its first row alone, generate the same tokens as without
+    speculation, their log-probabilities within 1e-4; some guesses are kept, some not."""
+    config, dtype, decoder = KINDS[kind]
+    params = models[kind[:3]][1]
+    prompts = repetitive_prompts(RAGGED, config.vocab_size, seed=len(kind))
+    common = dict(stop_tokens=[], cache_dtype=dtype, decode_impl=decoder,
+                  return_logprobs=True)
+    reference, reference_lp = generate(config, params, prompts, 24, **common)
+    how = (dict(speculate="ngram", ngram=(1, 3)) if proposer == "ngram"
+           else dict(draft=first_layers(config, params, 1)))
+    stats = GenerationStats()
+    tokens, logprobs = generate(config, params, prompts, 24, num_speculative_tokens=3,
+                                stats=stats, **how, **common)
+    assert tokens == reference
+    for row, reference_row in zip(logprobs, reference_lp):
+        np.testing.assert_allclose(row, reference_row, atol=1e-4)
+    assert 0 < stats.accepted_tokens < stats.drafted_tokens
+    alone, _ = generate(config, params, prompts[:1], 24, num_speculative_tokens=3, **how,
+                        **common)
+    assert alone == reference[:1]

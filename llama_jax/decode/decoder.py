@@ -34,7 +34,10 @@ DECODE_IMPLS = ("auto", "scan", "unrolled")
 # decoder was 1.2x the scan at batch 1 and 1.9x at batch 8. TPUs keep the scan (not measured).
 UNROLLED_BACKENDS = ("cpu", "gpu")
 
-_UNSTACKED: dict = {}  # ids of the arrays -> (weakrefs to them, unstacked copy); one entry
+# ids of the arrays -> (weakrefs to them, unstacked copy), oldest first: a model's, and a
+# speculative decoder's draft's
+_UNSTACKED: dict = {}
+_MAX_COPIES = 2
 
 
 def is_unstacked(params: Params) -> bool:
@@ -118,7 +121,8 @@ def decoder_params(params: Params, decode_impl: str) -> Params:
         leaves = jax.tree.leaves(params)
         key = tuple(id(leaf) for leaf in leaves)
         unstacked = unstack_layers(params)
-        _UNSTACKED.clear()
+        while len(_UNSTACKED) >= _MAX_COPIES:
+            _UNSTACKED.pop(next(iter(_UNSTACKED)))
         # The copy goes when an original array does: no second model lingers after generation.
         drop = lambda _: _UNSTACKED.pop(key, None)  # noqa: E731
         _UNSTACKED[key] = (tuple(weakref.ref(leaf, drop) for leaf in leaves), unstacked)

@@ -42,25 +42,13 @@ from llama_jax.nn.heads import is_task_head, lm_head
 from llama_jax.model.params import Params
 from llama_jax.decode.decoder import (cache_bytes_per_device, decoder_params, is_unstacked,
                                       resolve_decode_impl)
-from llama_jax.decode.sampling import SamplingParams, Strategy, sample
+from llama_jax.decode.sampling import SamplingParams, Strategy
+from llama_jax.decode.speculate import (MAX_GUESSES, METHODS, SpecState, Speculation,
+                                        speculative_round, start_speculation, verify_cost)
+from llama_jax.decode.step import NO_TOKEN, DecodeState, decode_step, emit
 
 log = logging.getLogger(__name__)
-NO_TOKEN = -1  # an empty slot in the output buffer and the padding of the stop-id table
 MIN_BUCKET = 16
-
-
-@struct.dataclass
-class DecodeState:
-    cache: KVCache
-    tokens_BN: jax.Array  # [B, N] int32 generated tokens, NO_TOKEN after a row stopped
-    logprobs_BN: jax.Array  # [B, N] float32
-    last_B: jax.Array  # [B] int32: the token to feed next
-    done_B: jax.Array  # [B] bool
-    step: jax.Array  # [] int32: tokens generated so far
-    max_new: jax.Array  # [] int32
-    stop_BS: jax.Array  # [B, n_stop] int32, NO_TOKEN-padded
-    sampling: SamplingParams
-    key: jax.Array
 
 
 @dataclasses.dataclass
@@ -70,26 +58,16 @@ class GenerationStats:
     decode_s: float = 0.0  # every step after the first token
     new_tokens: int = 0  # tokens generated across rows, stop tokens excluded
     truncated: bool = False  # max_new_tokens was cut to fit the context
+    drafted_tokens: int = 0  # speculative guesses verified (all rows)
+    accepted_tokens: int = 0  # of those, kept
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / max(self.drafted_tokens, 1)
 
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / max(self.decode_s + self.time_to_first_token_s, 1e-9)
-
-
-def _emit(state: DecodeState, logits_BV: jax.Array, strategy: Strategy) -> DecodeState:
-    """Samples the token of step `state.step` for every row, records it and updates `done`."""
-    token_B = sample(logits_BV, jax.random.fold_in(state.key, state.step), state.sampling, strategy)
-    logprob_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV), token_B[:, None], -1)[:, 0]
-    active_B = ~state.done_B
-    column = (0, state.step)
-    tokens_BN = jax.lax.dynamic_update_slice(
-        state.tokens_BN, jnp.where(active_B, token_B, NO_TOKEN)[:, None], column)
-    logprobs_BN = jax.lax.dynamic_update_slice(
-        state.logprobs_BN, jnp.where(active_B, logprob_B, 0.0)[:, None], column)
-    stopped_B = jnp.any(token_B[:, None] == state.stop_BS, axis=-1)
-    done_B = state.done_B | stopped_B | (state.step + 1 >= state.max_new)
-    return state.replace(tokens_BN=tokens_BN, logprobs_BN=logprobs_BN, last_B=token_B,
-                         done_B=done_B, step=state.step + 1)
 
 
 def placed(placement: tuple | None):
@@ -100,66 +78,77 @@ def placed(placement: tuple | None):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "cache_len", "n_out", "cache_dtype",
-                                             "strategy", "placement"))
+                                             "strategy", "spec", "placement"))
 def _prefill(config: ModelConfig, params: Params, prompts_BT: jax.Array, start_B: jax.Array,
              active_B: jax.Array, stop_BS: jax.Array, sampling: SamplingParams,
-             max_new: jax.Array, key: jax.Array, *, cache_len: int, n_out: int,
-             cache_dtype: str, strategy: Strategy, placement: tuple | None) -> DecodeState:
+             max_new: jax.Array, key: jax.Array, draft_params: Params | None = None, *,
+             cache_len: int, n_out: int, cache_dtype: str, strategy: Strategy,
+             spec: Speculation | None = None, placement: tuple | None
+             ) -> DecodeState | SpecState:
+    """The prompts' cache and each row's first token; with `spec`, the speculative carry
+    (and the draft model's cache of the prompts, for a draft)."""
     with placed(placement):
-        return _prefill_state(config, params, prompts_BT, start_B, active_B, stop_BS, sampling,
-                              max_new, key, cache_len, n_out, cache_dtype, strategy)
+        state = _prefill_state(config, params, prompts_BT, start_B, active_B, stop_BS, sampling,
+                               max_new, key, cache_len, n_out, cache_dtype, strategy)
+        if spec is None:
+            return state
+        draft_cache = None
+        if spec.draft_config is not None:
+            draft_cache = init_cache(spec.draft_config, prompts_BT.shape[0], cache_len,
+                                     cache_dtype, start_B, layout=_layout(draft_params))
+            draft_cache = apply(spec.draft_config, draft_params, prompts_BT,
+                                cache=draft_cache).cache
+        return start_speculation(state, prompts_BT, start_B, spec, draft_cache)
+
+
+def _layout(params: Params) -> str:
+    """The cache layout of the decoder that runs `params`."""
+    return "per_layer" if is_unstacked(params) else "stacked"
 
 
 def _prefill_state(config, params, prompts_BT, start_B, active_B, stop_BS, sampling, max_new,
                    key, cache_len, n_out, cache_dtype, strategy) -> DecodeState:
     B = prompts_BT.shape[0]
-    cache = init_cache(config, B, cache_len, cache_dtype, start_B,
-                       layout="per_layer" if is_unstacked(params) else "stacked")
+    cache = init_cache(config, B, cache_len, cache_dtype, start_B, layout=_layout(params))
     h_BTD, cache, _ = apply(config, params, prompts_BT, cache=cache)
     state = DecodeState(
         cache=cache, tokens_BN=jnp.full((B, n_out), NO_TOKEN, jnp.int32),
         logprobs_BN=jnp.zeros((B, n_out), jnp.float32), last_B=prompts_BT[:, -1],
         done_B=~active_B, step=jnp.zeros((), jnp.int32), max_new=max_new, stop_BS=stop_BS,
         sampling=sampling, key=key)
-    return _emit(state, lm_head(config, params, h_BTD[:, -1:])[:, 0], strategy)
+    return emit(state, lm_head(config, params, h_BTD[:, -1:])[:, 0], strategy)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "strategy", "placement"),
+@functools.partial(jax.jit, static_argnames=("config", "strategy", "spec", "placement"),
                    donate_argnames=("state",))
-def _decode(config: ModelConfig, params: Params, state: DecodeState, n_steps: jax.Array, *,
-            strategy: Strategy, placement: tuple | None) -> DecodeState:
-    """Up to `n_steps` decode steps; stops early when every row is done."""
+def _decode(config: ModelConfig, params: Params, state: DecodeState | SpecState,
+            n_steps: jax.Array, draft_params: Params | None = None, *, strategy: Strategy,
+            spec: Speculation | None = None, placement: tuple | None
+            ) -> DecodeState | SpecState:
+    """Up to `n_steps` decode steps (speculative rounds, with `spec`); stops early when
+    every row is done."""
     with placed(placement):
-        return _decode_steps(config, params, state, n_steps, strategy)
+        return _decode_steps(config, params, state, n_steps, strategy, spec, draft_params)
 
 
-def _decode_steps(config, params, state, n_steps, strategy) -> DecodeState:
+def _decode_steps(config, params, state, n_steps, strategy, spec, draft_params):
     def keep_going(carry):
         i, st = carry
-        return (i < n_steps) & ~jnp.all(st.done_B)
+        return (i < n_steps) & ~jnp.all(_base(st).done_B)
 
     def step(carry):
         i, st = carry
-        return i + 1, decode_step(config, params, st, strategy)
+        if spec is None:
+            return i + 1, decode_step(config, params, st, strategy)
+        return i + 1, speculative_round(config, params, st, spec, strategy, draft_params)
 
     _, state = jax.lax.while_loop(keep_going, step, (jnp.zeros((), jnp.int32), state))
     return state
 
 
-def decode_step(config: ModelConfig, params: Params, state: DecodeState,
-                strategy: Strategy) -> DecodeState:
-    """One token for every row: the model over each row's last token against its cache, the
-    LM head, and the next token drawn and recorded."""
-    logits_BV, cache = next_logits(config, params, state.last_B, state.cache)
-    return _emit(state.replace(cache=cache), logits_BV, strategy)
-
-
-def next_logits(config: ModelConfig, params: Params, last_B: jax.Array, cache: KVCache
-                ) -> tuple[jax.Array, KVCache]:
-    """The step every decoder takes (this loop and the server's slots): the model over each
-    row's last token against its cache, and the LM head's logits [B, V] for the next token."""
-    h_B1D, cache, _ = apply(config, params, last_B[:, None], cache=cache)
-    return lm_head(config, params, h_B1D)[:, 0], cache
+def _base(state: DecodeState | SpecState) -> DecodeState:
+    """The plain decode loop's part of a carry."""
+    return state.base if isinstance(state, SpecState) else state
 
 
 # Compiled prefill/decode programs by signature, least recently used first. Bounded: every
@@ -240,13 +229,20 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
            stop_tokens: Sequence[int] | None = None, cache_dtype=None,
            decode_impl: str = "auto", mesh_config: MeshConfig | None = None,
            chunk_steps: int | None = 16, stats: GenerationStats | None = None,
+           speculate: str | None = None, num_speculative_tokens: int = 4,
+           ngram: tuple[int, int] = (1, 3),
+           draft: tuple[ModelConfig, Params] | None = None,
            ) -> Iterator[tuple[list[list[int]], list[list[float]]]]:
     """Yields, after the first token and then after every `chunk_steps` decode steps, each
     row's newly generated tokens and their log-probabilities (stop tokens excluded).
     `chunk_steps=None` runs the whole decode in one call. `stats` is filled in if given.
     `cache_dtype` (any dtype-like, or "int8": int8 values with a float32 scale per cached
     vector) defaults to the model's compute dtype; `decode_impl` is
-    one of `decoder.DECODE_IMPLS`; parameters on a mesh decode under `mesh_config`'s rules."""
+    one of `decoder.DECODE_IMPLS`; parameters on a mesh decode under `mesh_config`'s rules.
+    Speculative decoding (the same output distribution; greedy output the same tokens):
+    `speculate="ngram"` guesses by prompt lookup (`ngram`: the n-gram sizes matched), or
+    `draft=(draft_config, draft_params)` by a small model sharing the vocabulary;
+    `num_speculative_tokens` guesses per verify pass (a step of `chunk_steps` is a round)."""
     _validate(config, prompts, max_new_tokens, temperature, top_k, top_p, min_p)
     try:
         cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
@@ -264,6 +260,7 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
                  else _emittable(stop_tokens, config.vocab_size)) or [NO_TOKEN]
 
     B, T, N = bucket(len(prompts), 1), bucket(longest), bucket(max_new)
+    spec = speculation(config, speculate, num_speculative_tokens, ngram, draft, B)
     prompts_BT = np.zeros((B, T), np.int32)
     start_B = np.full((B,), T - 1, np.int32)  # padding rows: one token, inactive
     for b, prompt in enumerate(prompts):
@@ -273,35 +270,80 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     stop_BS = np.tile(np.asarray(stops, np.int32), (B, 1))
     sampling = SamplingParams.broadcast(B, temperature, top_k, top_p, min_p)
     strategy = Strategy.of(temperature, top_k, top_p)
+    # A verify pass writes k + 1 slots past a row's end, the last of them for a row about to
+    # finish.
+    cache_len = T + N + (0 if spec is None else spec.k + 1)
     impl = resolve_decode_impl(decode_impl, params, cache_bytes_per_device(
-        config, params, B, T + N, cache_dtype, mesh_config))
+        config, params, B, cache_len, cache_dtype, mesh_config))
     params = decoder_params(params, impl)
+    draft_params = None if draft is None else decoder_params(draft[1], impl)
     args = (config, params, prompts_BT, start_B, active_B, stop_BS, sampling,
-            np.int32(max_new), jax.random.key(seed))
-    prefill = _compiled(_prefill, stats, mesh_config, *args, cache_len=T + N, n_out=N,
-                        cache_dtype=cache_dtype, strategy=strategy)
+            np.int32(max_new), jax.random.key(seed), draft_params)
+    prefill = _compiled(_prefill, stats, mesh_config, *args, cache_len=cache_len, n_out=N,
+                        cache_dtype=cache_dtype, strategy=strategy, spec=spec)
     start = time.perf_counter()
     state = prefill(*args[1:])
-    emitted, rows = 0, len(prompts)  # rows past len(prompts) are batch padding
+    rows = len(prompts)  # rows past len(prompts) are batch padding
+    emitted_B = np.zeros(rows, np.int64)
     while True:
-        step = int(state.step)  # waits for the device
-        tokens_BN, logprobs_BN = np.asarray(state.tokens_BN), np.asarray(state.logprobs_BN)
-        new = _new_tokens(tokens_BN[:rows], logprobs_BN[:rows], emitted, step, stops)
+        base = _base(state)
+        count_B = (np.asarray(state.count_B)[:rows] if spec is not None  # waits for the device
+                   else np.full(rows, int(base.step)))
+        tokens_BN, logprobs_BN = np.asarray(base.tokens_BN), np.asarray(base.logprobs_BN)
+        new = _new_tokens(tokens_BN[:rows], logprobs_BN[:rows], emitted_B, count_B, stops)
         stats.new_tokens += sum(len(t) for t in new[0])
+        if spec is not None:
+            stats.drafted_tokens, stats.accepted_tokens = int(state.drafted), int(state.kept)
         elapsed = time.perf_counter() - start
-        if emitted == 0:
+        if not emitted_B.any():
             stats.time_to_first_token_s = elapsed
         else:
             stats.decode_s += elapsed
-        emitted = step
+        emitted_B = count_B
         yield new
-        if bool(np.all(np.asarray(state.done_B))):
+        if bool(np.all(np.asarray(base.done_B))):
             return
         n_steps = np.int32(chunk_steps or N)
         decode = _compiled(_decode, stats, mesh_config, config, params, state, n_steps,
-                           strategy=strategy)
+                           draft_params, strategy=strategy, spec=spec)
         start = time.perf_counter()
-        state = decode(params, state, n_steps)
+        state = decode(params, state, n_steps, draft_params)
+
+
+def speculation(config: ModelConfig, method: str | None, k: int, ngram: tuple[int, int],
+                draft: tuple[ModelConfig, Params] | None, batch: int) -> Speculation | None:
+    """The static speculation settings of a request, or None; a `GenerateError` names a
+    setting that cannot be."""
+    if method is None and draft is None:
+        return None
+    if method is None:
+        method = "draft"
+    if method not in METHODS:
+        raise GenerateError(f"speculate={method!r} is not one of "
+                            f"{', '.join(METHODS)} (or None: off)")
+    if not 1 <= k <= MAX_GUESSES:
+        raise GenerateError(f"num_speculative_tokens={k} must be in [1, "
+                            f"{MAX_GUESSES}]")
+    if method == "ngram":
+        if draft is not None:
+            raise GenerateError("speculate='ngram' guesses by prompt lookup: give no draft "
+                                "model (or speculate='draft')")
+        ngram = tuple(int(n) for n in ngram)
+        if len(ngram) != 2 or not 1 <= ngram[0] <= ngram[1]:
+            raise GenerateError(f"ngram={ngram} must be (min, max) with 1 <= min <= max")
+        return Speculation("ngram", k, ngram,
+                           min_kept=verify_cost(batch, k) - 1.0)
+    if draft is None:
+        raise GenerateError("speculate='draft' needs draft=(draft_config, draft_params)")
+    draft_config = draft[0]
+    if draft_config.vocab_size != config.vocab_size:
+        raise GenerateError(f"the draft model's vocabulary ({draft_config.vocab_size} tokens) "
+                            f"is not the model's ({config.vocab_size}): a draft must share "
+                            "the tokenizer")
+    if is_task_head(draft_config):
+        raise GenerateError(f"the draft model has a task head ({draft_config.head!r}), not "
+                            "the LM head: it cannot guess tokens")
+    return Speculation("draft", k, draft_config=draft_config)
 
 
 def lower_programs(config: ModelConfig, params: Params, *, batch: int, prompt_len: int,
@@ -334,11 +376,13 @@ def lower_programs(config: ModelConfig, params: Params, *, batch: int, prompt_le
     return prefill, one_step.lower(params, state)
 
 
-def _new_tokens(tokens_BN: np.ndarray, logprobs_BN: np.ndarray, begin: int, end: int,
-                stops: Sequence[int]) -> tuple[list[list[int]], list[list[float]]]:
-    """Columns [begin, end) per row, without NO_TOKEN slots and stop tokens."""
+def _new_tokens(tokens_BN: np.ndarray, logprobs_BN: np.ndarray, begin_B: np.ndarray,
+                end_B: np.ndarray, stops: Sequence[int]
+                ) -> tuple[list[list[int]], list[list[float]]]:
+    """Each row's columns [begin, end), without NO_TOKEN slots and stop tokens."""
     tokens, logprobs = [], []
-    for row, lp in zip(tokens_BN[:, begin:end], logprobs_BN[:, begin:end]):
+    for row, lp, begin, end in zip(tokens_BN, logprobs_BN, begin_B, end_B):
+        row, lp = row[begin:end], lp[begin:end]
         keep = (row != NO_TOKEN) & ~np.isin(row, stops)
         tokens.append(row[keep].tolist())
         logprobs.append(lp[keep].tolist())
@@ -350,7 +394,10 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
              top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
              stop_tokens: Sequence[int] | None = None, cache_dtype=None,
              decode_impl: str = "auto", mesh_config: MeshConfig | None = None,
-             return_logprobs: bool = False, stats: GenerationStats | None = None):
+             return_logprobs: bool = False, stats: GenerationStats | None = None,
+             speculate: str | None = None, num_speculative_tokens: int = 4,
+             ngram: tuple[int, int] = (1, 3),
+             draft: tuple[ModelConfig, Params] | None = None):
     """New tokens for each prompt (a list of token-id lists), stop token excluded.
 
     `stop_tokens=None` stops on the model's EOS ids (`config.stop_ids`); `[]` generates exactly
@@ -360,7 +407,8 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
     (`resolve_decode_impl`: unrolled on CPU and GPU when its weight copy fits, scan on TPU),
     "scan" or "unrolled": the same function either way. Parameters on a mesh decode under
     `mesh_config`'s sharding rules (default rules when None). With `return_logprobs`, returns
-    `(tokens, logprobs)`.
+    `(tokens, logprobs)`. Speculative decoding (`speculate="ngram"`, or a `draft` model;
+    `num_speculative_tokens`, `ngram`): see `stream`.
     """
     tokens = [[] for _ in prompts]
     logprobs = [[] for _ in prompts]
@@ -368,7 +416,8 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
             config, params, prompts, max_new_tokens, temperature=temperature, top_k=top_k,
             top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
             cache_dtype=cache_dtype, decode_impl=decode_impl, mesh_config=mesh_config,
-            chunk_steps=None, stats=stats):
+            chunk_steps=None, stats=stats, speculate=speculate,
+            num_speculative_tokens=num_speculative_tokens, ngram=ngram, draft=draft):
         for row, (t, lp) in enumerate(zip(new_tokens, new_logprobs)):
             tokens[row] += t
             logprobs[row] += lp

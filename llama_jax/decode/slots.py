@@ -8,7 +8,7 @@ step, settings and key, kept on the device and donated to every program that upd
   into chunks), and the logits after its last token;
 - `insert`: that one-row cache written over a row, ending at the slots' write slot `end`, with
   the row's first token sampled from those logits;
-- `decode`: K decode steps of every row (`generate.next_logits`, the step `generate` takes);
+- `decode`: K decode steps of every row (`step.next_logits`, the step `generate` takes);
 - `rearrange`: every row's slots moved later and the cache resized (grown or cut).
 
 A row's sampling key for step s is `fold_in(key, s)` of its own key, and rows never mix, so a
@@ -26,8 +26,8 @@ import numpy as np
 from flax import struct
 
 from llama_jax.config import MeshConfig, ModelConfig
-from llama_jax.decode.generate import (MIN_BUCKET, NO_TOKEN, bucket, next_logits,
-                                       placed)
+from llama_jax.decode.generate import MIN_BUCKET, bucket, placed
+from llama_jax.decode.step import NO_TOKEN, next_logits
 from llama_jax.decode.sampling import SamplingParams, Strategy, sample
 from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import (KVCache, init_cache, moved, resized, shifted,

@@ -1,5 +1,6 @@
-"""Proposers for speculative decoding: cheap guesses of a row's next k tokens, which one
-target pass then verifies.
+"""Speculative decoding: cheap guesses of a row's next k tokens, which one target pass then
+verifies (acceptance.py keeps what the target would have produced), inside the jit-compiled
+decode loop of `generate` (`speculative_round`, over a `SpecState` carry).
 
 Prompt lookup (n-gram matching, as transformers' `prompt_lookup_num_tokens` and vLLM's
 `ngram` speculator do): the last n tokens of a row's sequence so far (prompt and output) are
@@ -10,8 +11,21 @@ device, on the row's token buffer, so a decode loop proposes without a host roun
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+from flax import struct
+
+from llama_jax.config import ModelConfig
+from llama_jax.decode.acceptance import accept
+from llama_jax.decode.sampling import Strategy, filter_logits, sample
+from llama_jax.decode.step import DecodeState, next_logits
+from llama_jax.model.kv_cache import KVCache
+from llama_jax.model.params import Params
+from llama_jax.model.transformer import apply
+from llama_jax.nn.attention.dot_product import DECODE_QUERIES
+from llama_jax.nn.heads import lm_head
 
 
 def ngram_proposal(tokens_N: jax.Array, length: jax.Array, k: int, min_n: int, max_n: int
@@ -46,3 +60,204 @@ def ngram_proposals(tokens_BN: jax.Array, length_B: jax.Array, k: int, min_n: in
         raise ValueError(f"ngram=({min_n}, {max_n}) must satisfy 1 <= min <= max, and "
                          f"k={k} must be >= 1")
     return jax.vmap(lambda t, n: ngram_proposal(t, n, k, min_n, max_n))(tokens_BN, length_B)
+
+
+# ------------------------------------------------------------------- the speculative decoder
+
+METHODS = ("ngram", "draft")
+# A verify pass feeds the last token and k guesses: at most DECODE_QUERIES queries, the most
+# that attend to the cache as a decode step does (dense, every cache kind).
+MAX_GUESSES = DECODE_QUERIES - 1
+# The running mean of kept guesses moves this far toward each verify's (prompt lookup's
+# auto-off): a few rounds of misses turn verification off, a few of hits back on.
+RATE_STEP = 0.25
+
+
+def verify_cost(batch: int, k: int) -> float:
+    """What a verify pass of k + 1 tokens costs in decode steps, as measured on a 2-core CPU
+    for the benchmark model (BENCHMARKS.md: 1.38 at batch 1 and 2.49 at batch 8, k = 4).
+    Accelerators verify more cheaply (a step there reads weights, not computes), so
+    speculating by this rule there errs toward off."""
+    return 1.0 + (0.1 + 0.035 * (batch - 1)) * k
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """How a decoder speculates; static, part of its compiled programs. `method`: "ngram"
+    (prompt lookup, n-gram sizes `ngram`) or "draft" (a small model of `draft_config` sharing
+    the target's vocabulary, its parameters an argument). `k` guesses per verify pass.
+    Prompt lookup verifies only while its rows keep at least `min_kept` guesses per verify
+    pass on average (below, a plain step is cheaper); a draft model always verifies."""
+
+    method: str
+    k: int
+    ngram: tuple[int, int] = (1, 3)
+    draft_config: ModelConfig | None = None
+    min_kept: float = 0.0
+
+
+@struct.dataclass
+class SpecState:
+    """The speculative decode loop's carry: the plain loop's (`base`, its cache with an end
+    per row, its `step` counting rounds) and what speculation adds."""
+
+    base: DecodeState
+    count_B: jax.Array  # [B] int32: tokens emitted per row
+    history_BL: jax.Array  # [B, L] int32: each row's prompt then output, from column 0
+    prompt_B: jax.Array  # [B] int32: prompt lengths
+    row_key_B: jax.Array  # [B] keys: a row's draws depend on its own key and count alone
+    draft_cache: KVCache | None  # the draft model's, ends per row like the target's
+    kept_rate: jax.Array  # [] float32: running mean of guesses kept per verify pass
+    drafted: jax.Array  # [] int32: guesses verified (real ones: prompt lookup's may be fewer)
+    kept: jax.Array  # [] int32: of those, kept
+
+
+def start_speculation(state: DecodeState, prompts_BT: jax.Array, start_B: jax.Array, spec: Speculation,
+          draft_cache: KVCache | None) -> SpecState:
+    """The speculative carry after prefill (`state` holds each row's first token; the
+    draft's cache, if any, the prompts)."""
+    B, T = prompts_BT.shape
+    N = state.tokens_BN.shape[1]
+    prompt_B = (T - start_B).astype(jnp.int32)
+    history_BL = jnp.pad(jax.vmap(jnp.roll)(prompts_BT, -start_B), ((0, 0), (0, N + spec.k)))
+    history_BL = history_BL.at[jnp.arange(B), prompt_B].set(state.tokens_BN[:, 0])
+    zero = jnp.zeros((), jnp.int32)
+    return SpecState(
+        base=state.replace(cache=state.cache.with_row_ends()),
+        count_B=jnp.full((B,), state.step, jnp.int32), history_BL=history_BL,
+        prompt_B=prompt_B,
+        row_key_B=jax.vmap(jax.random.fold_in, (None, 0))(state.key, jnp.arange(B)),
+        draft_cache=None if draft_cache is None else draft_cache.with_row_ends(),
+        kept_rate=jnp.asarray(spec.k, jnp.float32), drafted=zero, kept=zero)
+
+
+def draft_proposals(config: ModelConfig, params: Params, cache: KVCache, st: SpecState,
+                    k: int, strategy: Strategy, key_B: jax.Array
+                    ) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """The draft model's k guesses per row, drawn as the row samples (`[B, k]`), the
+    distributions they were drawn from (`[B, k, V]`; None when no row samples) and its cache.
+    Its first pass feeds the row's last two tokens: the one before the last is missing from
+    the draft's cache when all k guesses of the round before were kept."""
+    base = st.base
+    length_B = st.prompt_B + st.count_B
+    before_B = jnp.take_along_axis(st.history_BL, (length_B - 2)[:, None], 1)[:, 0]
+    cache = cache.replace(end=base.cache.end - 1)
+    h_B2D, cache, _ = apply(config, params, jnp.stack([before_B, base.last_B], 1), cache=cache)
+    logits_BV = lm_head(config, params, h_B2D[:, -1:])[:, 0]
+
+    def draw(logits_BV, i):
+        keys_B = jax.vmap(jax.random.fold_in, (0, None))(key_B, i)
+        token_B = sample(logits_BV, keys_B, base.sampling, strategy)
+        q_BV = (jax.nn.softmax(filter_logits(logits_BV, base.sampling, strategy.sort), -1)
+                if strategy.draw else None)
+        return token_B, q_BV
+
+    def step(carry, i):
+        logits_BV, cache = carry
+        token_B, q_BV = draw(logits_BV, i)
+        logits_BV, cache = next_logits(config, params, token_B, cache)
+        return (logits_BV, cache), (token_B, q_BV)
+
+    (logits_BV, cache), (tokens_KB, q_KBV) = jax.lax.scan(
+        step, (logits_BV, cache), jnp.arange(k - 1))
+    last_B, q_BV = draw(logits_BV, k - 1)
+    guess_BK = jnp.concatenate([tokens_KB.T, last_B[:, None]], axis=1)
+    q_BKV = None if q_BV is None else jnp.concatenate(
+        [jnp.swapaxes(q_KBV, 0, 1), q_BV[:, None]], axis=1)
+    return guess_BK, q_BKV, cache
+
+
+def speculative_round(config: ModelConfig, params: Params, st: SpecState, spec: Speculation,
+                      strategy: Strategy, draft_params: Params | None) -> SpecState:
+    """One round of every row: guesses, one target pass verifying them (or, for prompt
+    lookup below `min_kept` or without a guess, a plain step), and each row's kept guesses
+    and next token recorded; each row advances by its own count."""
+    base, k = st.base, spec.k
+    T = k + 1
+    keys_B3 = jax.vmap(lambda key: jax.random.split(key, 3))(
+        jax.vmap(jax.random.fold_in)(st.row_key_B, st.count_B))
+    active_B = ~base.done_B
+    draft_cache = st.draft_cache
+    if spec.method == "ngram":
+        guess_BK, n_guess_B = ngram_proposals(st.history_BL, st.prompt_B + st.count_B, k,
+                                              *spec.ngram)
+        q_BKV = None
+    else:
+        guess_BK, q_BKV, draft_cache = draft_proposals(spec.draft_config, draft_params,
+                                                       draft_cache, st, k, strategy,
+                                                       keys_B3[:, 0])
+        n_guess_B = jnp.full(active_B.shape, k, jnp.int32)
+    proposing_B = active_B & (n_guess_B > 0)
+
+    def verify():
+        tokens_BT = jnp.concatenate([base.last_B[:, None], guess_BK], axis=1)
+        h_BTD, cache, _ = apply(config, params, tokens_BT, cache=base.cache)
+        logits_BTV = lm_head(config, params, h_BTD)
+        tokens_BT, n_B = accept(logits_BTV, guess_BK, q_BKV, base.sampling, strategy,
+                                keys_B3[:, 1])
+        kept_B = jnp.minimum(n_B - 1, n_guess_B)
+        return tokens_BT, n_B, _logprobs(logits_BTV, tokens_BT), cache, kept_B, jnp.bool_(True)
+
+    def plain():
+        logits_BV, cache = next_logits(config, params, base.last_B, base.cache)
+        token_B = sample(logits_BV, keys_B3[:, 2], base.sampling, strategy)
+        tokens_BT = jnp.broadcast_to(token_B[:, None], (token_B.shape[0], T))
+        logprobs_BT = jnp.broadcast_to(_logprobs(logits_BV[:, None], token_B[:, None]),
+                                       tokens_BT.shape)
+        # What verifying would have kept at least: whether the first guess was the token.
+        kept_B = (guess_BK[:, 0] == token_B).astype(jnp.int32)
+        return (tokens_BT, jnp.ones_like(token_B), logprobs_BT, cache, kept_B,
+                jnp.bool_(False))
+
+    if spec.method == "ngram":
+        worth_it = jnp.any(proposing_B) & (st.kept_rate >= spec.min_kept)
+        tokens_BT, n_B, logprobs_BT, cache, kept_B, verified = jax.lax.cond(
+            worth_it, verify, plain)
+    else:
+        tokens_BT, n_B, logprobs_BT, cache, kept_B, verified = verify()
+    observed = jnp.sum(jnp.where(proposing_B, kept_B, 0)) / jnp.maximum(jnp.sum(proposing_B), 1)
+    kept_rate = jnp.where(jnp.any(proposing_B),
+                          st.kept_rate + RATE_STEP * (observed - st.kept_rate), st.kept_rate)
+    verified_B = proposing_B & verified
+    st = st.replace(
+        draft_cache=draft_cache, kept_rate=kept_rate,
+        drafted=st.drafted + jnp.sum(jnp.where(verified_B, n_guess_B, 0)),
+        kept=st.kept + jnp.sum(jnp.where(verified_B, kept_B, 0)))
+    return _record(st, tokens_BT, n_B, logprobs_BT, cache)
+
+
+def _logprobs(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
+    """The model's log-probabilities (before sampling filters) of the tokens `[B, T]`."""
+    return jnp.take_along_axis(jax.nn.log_softmax(logits_BTV), tokens_BT[..., None], -1)[..., 0]
+
+
+def _record(st: SpecState, tokens_BT: jax.Array, n_B: jax.Array, logprobs_BT: jax.Array,
+            cache: KVCache) -> SpecState:
+    """Each active row's first n tokens emitted, cut after a stop token and at `max_new`:
+    written at the row's count in the outputs and history; the row's cache ends after the
+    tokens it has fed (its last token and the kept guesses)."""
+    base = st.base
+    B, T = tokens_BT.shape
+    position_T = jnp.arange(T)
+    n_B = jnp.where(base.done_B, 0, jnp.minimum(n_B, base.max_new - st.count_B))
+    stop_BT = (jnp.any(tokens_BT[..., None] == base.stop_BS[:, None, :], -1)
+               & (position_T < n_B[:, None]))
+    stopped_B = jnp.any(stop_BT, axis=1)
+    n_B = jnp.where(stopped_B, jnp.argmax(stop_BT, axis=1) + 1, n_B)
+    valid_BT = position_T < n_B[:, None]
+    rows_B1 = jnp.arange(B)[:, None]
+
+    def put(buffer, at_B, values_BT):  # values past the row's n, or past the buffer, dropped
+        columns_BT = jnp.where(valid_BT, at_B[:, None] + position_T, buffer.shape[1])
+        return buffer.at[rows_B1, columns_BT].set(values_BT, mode="drop")
+
+    count_B = st.count_B + n_B
+    last_B = jnp.take_along_axis(tokens_BT, jnp.maximum(n_B - 1, 0)[:, None], 1)[:, 0]
+    new_base = base.replace(
+        cache=cache.replace(end=base.cache.end + n_B),
+        tokens_BN=put(base.tokens_BN, st.count_B, tokens_BT),
+        logprobs_BN=put(base.logprobs_BN, st.count_B, logprobs_BT),
+        last_B=jnp.where(n_B > 0, last_B, base.last_B),
+        done_B=base.done_B | stopped_B | (count_B >= base.max_new), step=base.step + 1)
+    return st.replace(base=new_base, count_B=count_B,
+                      history_BL=put(st.history_BL, st.prompt_B + st.count_B, tokens_BT))

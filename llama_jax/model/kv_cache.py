@@ -7,7 +7,9 @@ for MLA latents); this container holds one entry per layer group and the bookkee
 Rows of a ragged batch are left-padded: row b's sequence occupies slots `start[b] .. end-1`, and
 every step writes all rows at the same slot `end`. Slots before `start[b]` are masked out of
 attention (they form segment 0), and positions are `slot - start[b]`: a row computes exactly
-what it would compute alone.
+what it would compute alone. Speculative decoding advances each row by the tokens it accepted:
+there `end` is per row (`[B]`, `with_row_ends`), and each row writes at its own slot. Slots a
+row wrote past its end (rejected guesses) are unseen: a query sees only slots up to its own.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ LAYOUTS = ("stacked", "per_layer")
 class KVCache:
     groups: tuple  # per layer group: a stacked cache, or a tuple of per-layer ones
     start: jax.Array  # [B] int32: first slot of each row (left padding before it)
-    end: jax.Array  # [] int32: the next slot to write, shared by all rows
+    end: jax.Array  # [] int32: the next slot to write, shared by all rows; or [B], per row
     max_len: int = struct.field(pytree_node=False)  # S
 
     def positions_and_mask(self, T: int) -> tuple[jax.Array, Mask]:
         """Positions `[B, T]` of the next T tokens and the slots they may see."""
         B, S = self.start.shape[0], self.max_len
-        q_index_BT = jnp.broadcast_to(self.end + jnp.arange(T, dtype=jnp.int32), (B, T))
+        q_index_BT = jnp.broadcast_to(
+            self.end[..., None] + jnp.arange(T, dtype=jnp.int32), (B, T))
         kv_index_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         positions_BT = jnp.maximum(q_index_BT - self.start[:, None], 0)  # padding: unused
         mask = Mask(q_index_BT, kv_index_BS, jnp.ones((B, T), jnp.int32),
@@ -45,6 +48,10 @@ class KVCache:
     def advance(self, groups: tuple, T: int) -> "KVCache":
         """The cache after T tokens were written into `groups`."""
         return self.replace(groups=groups, end=self.end + T)
+
+    def with_row_ends(self) -> "KVCache":
+        """The cache with `end` per row (`[B]`), each row then advanced on its own."""
+        return self.replace(end=jnp.broadcast_to(self.end, self.start.shape))
 
     def map_seq(self, fn: SlotFn, max_len: int) -> "KVCache":
         """Every layer's cache with `fn(array, seq_axis)` applied to its stored arrays; `fn`

@@ -67,7 +67,8 @@ from llama_jax.decode import prefix_pool
 from llama_jax.decode import slots as programs
 from llama_jax.decode.decoder import (cache_bytes_per_device, decoder_params,
                                       resolve_decode_impl)
-from llama_jax.decode.generate import NO_TOKEN, bucket
+from llama_jax.decode.generate import bucket
+from llama_jax.decode.step import NO_TOKEN
 from llama_jax.decode.sampling import SamplingParams, Strategy
 from llama_jax.decode.prefix_pool import prefix_block_bytes
 from llama_jax.decode.slots import (TOP_LOGPROBS, Emitted, check_prefill_chunk,

@@ -19,12 +19,13 @@ The mask is described, not materialised (`Mask`): query t sees key s iff `kv_ind
 q_index[t]` and, with segment ids, both are in the same segment. The fused kernels' built-in
 causal masks hold only when queries and keys are the same tokens at slots 0..T−1 (`aligned`:
 training and uncached forwards); prefill into a KV cache (queries at slots `end..`, a traced
-offset) runs `chunked` under them. A single query (a decode step) always runs dense: its scores
-`[B, K, G, 1, S]` are linear in S already.
+offset) runs `chunked` under them. A decode step's query, and the few queries of a speculative
+verify pass against a cache (up to `DECODE_QUERIES`), always run dense: their scores
+`[B, K, G, T, S]` are linear in S already, and blocks would only pad them.
 
-Besides these, `decode_attention_block_diagonal` is the decode step over a cache whose heads
-and slots are merged into one axis (the unrolled decoder's GQA layout, gqa.py): chosen by that
-layout, not by `attention_impl`.
+Besides these, `decode_attention_block_diagonal` is the decode step (or verify pass) over a
+cache whose heads and slots are merged into one axis (the unrolled decoder's GQA layout,
+gqa.py): chosen by that layout, not by `attention_impl`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ if TYPE_CHECKING:
 # The implementations of the same function (`attention_impl`, an execution setting).
 ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "splash")
 
+# Up to this many queries against a KV cache (a decode step: 1; a speculative verify pass:
+# k + 1) attend densely, as a decode step does.
+DECODE_QUERIES = 16
 _CUDNN_DTYPES = ("bfloat16", "float16")
 _SPLASH_LANES = 128  # splash's blocks are whole multiples of the TPU's 128 lanes
 
@@ -182,7 +186,8 @@ def _attention(q_BTNH: jax.Array, k: jax.Array | Int8, v: jax.Array | Int8, mask
                                   v_head_dim=v.shape[-1],
                                   block_q=block_q, block_kv=block_kv)
     S = k.shape[kv_layout.index("S")]
-    if T == 1 or impl == "xla" or (impl == "chunked" and one_block(T, S, block_q, block_kv)):
+    if (T == 1 or impl == "xla" or (impl == "chunked" and one_block(T, S, block_q, block_kv))
+            or (T <= DECODE_QUERIES and not mask.aligned)):
         return dense_attention(q_BTNH, k, v, mask.dense(), kv_layout=kv_layout, scale=scale)
     k, v = (as_float(x, q_BTNH.dtype) for x in (k, v))
     if kv_layout == "BKSH":
@@ -220,27 +225,29 @@ def probs_like(probs: jax.Array, v: jax.Array | Int8) -> jax.Array:
     return probs if is_int8(v) else probs.astype(v.dtype)
 
 
-def decode_attention_block_diagonal(q_B1NH: jax.Array, k_BCH: jax.Array | Int8,
-                                    v_BCH: jax.Array | Int8, mask_BS: jax.Array,
+def decode_attention_block_diagonal(q_BTNH: jax.Array, k_BCH: jax.Array | Int8,
+                                    v_BCH: jax.Array | Int8, mask_BTS: jax.Array,
                                     scale: float) -> jax.Array:
-    """Attention of one query per row over one layer's GQA cache merged to `[B, C = K·S, H]`
-    (float, or int8 with scales `[B, C, 1]`): the unrolled decoder's step (gqa.LayerCache).
+    """Attention of a few queries per row (a decode step's one, a verify pass's k + 1) over
+    one layer's GQA cache merged to `[B, C = K·S, H]` (float, or int8 with scales
+    `[B, C, 1]`): the unrolled decoder's step (gqa.LayerCache).
 
-    Each row is one matmul over all K·S keys, with query/key pairs of different groups masked
-    out, so the result equals dense attention. That spends K times the score FLOPs of a decode
-    step (small next to reading the cache), but XLA:CPU runs B matmuls of N rows far faster
-    than the B·K matmuls of G = N/K rows of the grouped form (measured: 2.2x on the attention
-    alone, 8.6 -> 6.1 ms for a batch-8 decode step of the benchmark model).
+    Each row is one matmul of its T·N queries over all K·S keys, with query/key pairs of
+    different groups masked out, so the result equals dense attention. That spends K times
+    the score FLOPs of a decode step (small next to reading the cache), but XLA:CPU runs B
+    matmuls of N rows far faster than the B·K matmuls of G = N/K rows of the grouped form
+    (measured: 2.2x on the attention alone, 8.6 -> 6.1 ms for a batch-8 decode step of the
+    benchmark model).
     """
-    N = q_B1NH.shape[2]
-    C, S = k_BCH.shape[1], mask_BS.shape[1]
+    B, T, N, H = q_BTNH.shape
+    C, S = k_BCH.shape[1], mask_BTS.shape[2]
     K = C // S
-    logits_BNC = einsum_f32("BNH,BCH->BNC", q_B1NH[:, 0], k_BCH) * scale
+    logits_BTNC = einsum_f32("BTNH,BCH->BTNC", q_BTNH, k_BCH) * scale
     same_group_NC = (jnp.arange(N) // (N // K))[:, None] == (jnp.arange(C) // S)[None, :]
-    mask_BNC = same_group_NC[None] & jnp.tile(mask_BS, (1, K))[:, None, :]
-    probs_BNC = jax.nn.softmax(jnp.where(mask_BNC, logits_BNC, MASKED), axis=-1)
-    out_BNH = einsum_f32("BNC,BCH->BNH", probs_like(probs_BNC, v_BCH), v_BCH)
-    return out_BNH[:, None].astype(q_B1NH.dtype)
+    mask_BTNC = same_group_NC[None, None] & jnp.tile(mask_BTS, (1, 1, K))[:, :, None, :]
+    probs_BTNC = jax.nn.softmax(jnp.where(mask_BTNC, logits_BTNC, MASKED), axis=-1)
+    out_BTNH = einsum_f32("BTNC,BCH->BTNH", probs_like(probs_BTNC, v_BCH), v_BCH)
+    return out_BTNH.astype(q_BTNH.dtype)
 
 
 def cudnn_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask: Mask, *,

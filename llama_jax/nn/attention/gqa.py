@@ -39,7 +39,7 @@ from llama_jax.nn.attention import kv_storage
 from llama_jax.nn.attention.context import (MIXERS, Context, Mixer, attention_of,
                                            causal_attention_flops)
 from llama_jax.nn.attention.kv_storage import SlotFn
-from llama_jax.nn.attention.dot_product import decode_attention_block_diagonal
+from llama_jax.nn.attention.dot_product import DECODE_QUERIES, decode_attention_block_diagonal
 from llama_jax.nn.ops import linear
 from llama_jax.errors import require
 from llama_jax.nn.positions import POSITIONS
@@ -113,7 +113,8 @@ class StackedCache:
         def put(cache_LBKSH, x_BTKH):
             update = jnp.swapaxes(x_BTKH, 1, 2)[None]  # [1, B, K, T, H]
             return _constrain_stacked(kv_storage.write(
-                cache_LBKSH, update, (context.layer, 0, 0, context.end, 0), self.dtype))
+                cache_LBKSH, update, (context.layer, 0, 0, context.end, 0), self.dtype,
+                row_axis=1))
         return self.replace(k=put(self.k, k_BTKH), v=put(self.v, v_BTKH))
 
     def attend(self, config: ModelConfig, q_BTNH: jax.Array, context: Context) -> jax.Array:
@@ -155,13 +156,13 @@ class LayerCache:
         return self.replace(k=put(self.k, k_BTKH), v=put(self.v, v_BTKH))
 
     def attend(self, config: ModelConfig, q_BTNH: jax.Array, context: Context) -> jax.Array:
-        """A decode step by `decode_attention_block_diagonal`; longer inputs under the
-        configured implementation."""
+        """A decode step or verify pass (up to `DECODE_QUERIES` queries) by
+        `decode_attention_block_diagonal`; longer inputs under the configured
+        implementation."""
         k_BCH, v_BCH = (kv_storage.read(x, self.dtype, q_BTNH.dtype) for x in (self.k, self.v))
         B, T, _, H = q_BTNH.shape
-        if T == 1:
-            return decode_attention_block_diagonal(q_BTNH, k_BCH, v_BCH,
-                                                   context.mask.dense()[:, 0],
+        if T <= DECODE_QUERIES:
+            return decode_attention_block_diagonal(q_BTNH, k_BCH, v_BCH, context.mask.dense(),
                                                    softmax_scale(config))
         K, S = k_BCH.shape[1] // self.max_len, self.max_len
         k_BKSH, v_BKSH = (as_float(x, q_BTNH.dtype).reshape(B, K, S, H)

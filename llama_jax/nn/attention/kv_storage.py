@@ -37,10 +37,25 @@ def zeros(shape: Sequence[int], dtype: str, bits: bool = False) -> jax.Array | I
     return jnp.zeros(shape, stored)
 
 
-def write(cache: jax.Array | Int8, x: jax.Array, start: Sequence, dtype: str
-          ) -> jax.Array | Int8:
+def write(cache: jax.Array | Int8, x: jax.Array, start: Sequence, dtype: str,
+          row_axis: int = 0) -> jax.Array | Int8:
     """`cache` with the vectors `x` (of the cache's rank) written at `start`, stored as the
-    cache stores `dtype`."""
+    cache stores `dtype`. An entry of `start` may be a `[B]` array, one slot per row (rows at
+    lengths of their own, as in speculative decoding): then each row, along `row_axis` of
+    both, is written at its own slot (a scatter), and `start` holds 0 at `row_axis`."""
+    if all(jnp.ndim(s) == 0 for s in start):
+        return _write(cache, x, start, dtype)
+    per_row = [jnp.ndim(s) == 1 for s in start]
+    row_start = [s for axis, s in enumerate(start) if axis != row_axis]
+    in_axes = [0 if batched else None
+               for axis, batched in enumerate(per_row) if axis != row_axis]
+    return jax.vmap(lambda c, u, *s: _write(c, u, s, dtype),
+                    in_axes=(row_axis, row_axis, *in_axes), out_axes=row_axis)(
+        cache, x, *row_start)
+
+
+def _write(cache: jax.Array | Int8, x: jax.Array, start: Sequence, dtype: str
+           ) -> jax.Array | Int8:
     if is_int8(cache):
         x = to_int8_vectors(x)
         return Int8(jax.lax.dynamic_update_slice(cache.values, x.values, start),

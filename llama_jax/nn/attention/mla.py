@@ -20,7 +20,7 @@ Two ways to compute it, one function of the config and the mode (`apply`):
 - expanded (training, prefill, and decode with `mla_decode: expanded`): per-head keys and
   values are materialised from the latents and attended by `dot_product_attention` under the
   configured implementation (q/k head dim H, value head dim Y).
-- absorbed (a decode step): q_nope·(c·W_UK)ᵀ = (q_nope·W_UKᵀ)·cᵀ, so each head's query is moved
+- absorbed (a decode step, or a verify pass of a few tokens): q_nope·(c·W_UK)ᵀ = (q_nope·W_UKᵀ)·cᵀ, so each head's query is moved
   into the latent space once and scores against the cached latents directly; softmax·v =
   (softmax·c)·W_UV, so W_UV comes after the softmax. That is multi-query attention with one
   "head" of width W = [c, k_R] (values: c) and N query heads: per step the cache is read once,
@@ -45,7 +45,7 @@ from llama_jax.nn.attention import kv_storage
 from llama_jax.nn.attention.context import (MIXERS, Context, Mixer, attention_of,
                                            causal_attention_flops)
 from llama_jax.nn.attention.kv_storage import SlotFn
-from llama_jax.nn.attention.dot_product import dense_attention
+from llama_jax.nn.attention.dot_product import DECODE_QUERIES, dense_attention
 from llama_jax.nn.norms import rms_norm
 from llama_jax.nn.ops import cast_weight, dense, einsum_f32
 from llama_jax.errors import require
@@ -88,7 +88,8 @@ def apply(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Context,
           kv: "StackedCache | LayerCache | None" = None):
     """Self-attention of normed inputs `[B, T, D]`; returns `([B, T, D], kv)`. With a cache
     the new tokens' latents are written at `context.end` first and the queries attend to the
-    whole cache: absorbed for one token (unless `mla_decode: expanded`), expanded otherwise."""
+    whole cache: absorbed for up to `DECODE_QUERIES` tokens (a decode step or a speculative
+    verify pass; unless `mla_decode: expanded`), expanded otherwise."""
     q_nope_BTNJ, q_rope_BTNI = _queries(config, p, x_BTD, context.rotation)
     c_BTZ = rms_norm(dense("BTD,DZ->BTZ", x_BTD, p["w_dkv"]), p["kv_norm"], LATENT_NORM_EPS)
     k_rope_BTI = context.rotation.apply(dense("BTD,DI->BTI", x_BTD, p["w_kr"])[:, :, None])[:, :, 0]
@@ -98,7 +99,7 @@ def apply(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Context,
     else:
         kv = kv.write(latent_BTW, context)
         latent_BSW = kv.read(context, x_BTD.dtype)
-        absorbed = x_BTD.shape[1] == 1 and config.mla_decode == "absorbed"
+        absorbed = x_BTD.shape[1] <= DECODE_QUERIES and config.mla_decode == "absorbed"
         out_BTNY = (_absorbed if absorbed else _expanded)(config, p, q_nope_BTNJ, q_rope_BTNI,
                                                          latent_BSW, context)
     return dense("BTNY,NYD->BTD", out_BTNY, p["wo"]), kv
@@ -166,8 +167,8 @@ class StackedCache:
         return cls(_constrain_stacked(kv_storage.zeros(shape, dtype)), dtype)
 
     def write(self, latent_BTW: jax.Array, context: Context) -> "StackedCache":
-        latent = kv_storage.write(self.latent, latent_BTW[None], (context.layer, 0,
-                                                                  context.end, 0), self.dtype)
+        latent = kv_storage.write(self.latent, latent_BTW[None],
+                                  (context.layer, 0, context.end, 0), self.dtype, row_axis=1)
         return self.replace(latent=_constrain_stacked(latent))
 
     def read(self, context: Context, compute_dtype) -> jax.Array | Int8:
