@@ -293,6 +293,16 @@ def test_decode_step_updates_the_cache_in_place(model):
     (dict(top_k=-1), "top_k=-1"),
     (dict(min_p=1.0), "min_p=1.0"),
     (dict(decode_impl="fast"), "decode_impl='fast' is not one of auto, scan, unrolled"),
+    (dict(speculate="medusa"), "speculate='medusa' is not one of ngram, draft"),
+    (dict(speculate="ngram", num_speculative_tokens=0), r"num_speculative_tokens=0 .*\[1, 15\]"),
+    (dict(speculate="ngram", num_speculative_tokens=16), "num_speculative_tokens=16"),
+    (dict(speculate="ngram", ngram=(3, 2)), r"ngram=\(3, 2\) must be \(min, max\)"),
+    (dict(speculate="ngram", draft=(TINY, None)), "prompt lookup: give no draft"),
+    (dict(speculate="draft"), r"needs draft=\(draft_config, draft_params\)"),
+    (dict(draft=(dataclasses.replace(TINY, vocab_size=256), None)),
+     r"draft model's vocabulary \(256 tokens\) is not the model's \(512\)"),
+    (dict(draft=(dataclasses.replace(TINY, head="regression", n_labels=1), None)),
+     "draft model has a task head"),
 ])
 def test_bad_requests_fail_before_compiling(kwargs, message, params, monkeypatch):
     from llama_jax.decode import generate as decoder

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import llama_jax
-from llama_jax.decode.generate import GenerationStats, generate
+from llama_jax.decode.generate import GenerationStats, generate, stream
 from llama_jax.decode.speculate import ngram_proposals
 from llama_jax.model.kv_cache import init_cache
 from llama_jax.model.transformer import apply, unstack_layers
@@ -147,3 +147,79 @@ def test_greedy_with_speculation_is_greedy_without(kind, proposer, models):
     alone, _ = generate(config, params, prompts[:1], 24, num_speculative_tokens=3, **how,
                         **common)
     assert alone == reference[:1]
+
+
+# ------------------------------------------------------------------- sampling: the same law
+
+SMALL = llama_jax.ModelConfig(vocab_size=8, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                              ffn_dim=32, max_seq_len=64, init_std=0.6)
+TEMPERATURE, TOP_K = 0.9, 6
+
+
+def filtered_probs(logits_V: np.ndarray) -> np.ndarray:
+    """The sampled distribution: temperature, then the top-k tokens kept (float64)."""
+    scaled = logits_V.astype(np.float64) / TEMPERATURE
+    scaled[scaled < np.sort(scaled)[-TOP_K]] = -np.inf
+    p = np.exp(scaled - scaled.max())
+    return p / p.sum()
+
+
+def chi_square_ok(counts: np.ndarray, expected: np.ndarray) -> bool:
+    """Pearson's statistic below its 1 - 1e-4 quantile (Wilson–Hilferty), cells expected
+    fewer than 5 times pooled."""
+    small = expected < 5
+    counts = np.append(counts[~small], counts[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    keep = expected > 0
+    stat = np.sum((counts[keep] - expected[keep]) ** 2 / expected[keep])
+    df = keep.sum() - 1
+    return stat < df * (1 - 2 / (9 * df) + 3.72 * np.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_sampled_tokens_follow_the_models_distribution(proposer):
+    """20480 rows sample 3 tokens from one prompt; the joint law of the first two and the law
+    of the third (the first two speculative) match the target's exact ones (enumerated), by a
+    chi-square test. The draft is a random model unlike the target; prompt lookup guesses from
+    a repetitive prompt (a point mass)."""
+    params = llama_jax.init_params(SMALL, jax.random.key(0))
+    draft = (SMALL, llama_jax.init_params(SMALL, jax.random.key(1)))
+    prompt = [3, 1, 4, 1, 5, 3, 1, 4, 1]
+    how = dict(speculate="ngram", min_accepted=0) if proposer == "ngram" else dict(draft=draft)
+    samples, stats = [], GenerationStats()
+    for seed in range(5):
+        samples += generate(SMALL, params, [prompt] * 4096, 3, temperature=TEMPERATURE,
+                            top_k=TOP_K, seed=seed, stop_tokens=[], num_speculative_tokens=2,
+                            stats=stats, **how)
+    assert 0 < stats.accepted_tokens < stats.drafted_tokens
+    samples = np.asarray(samples)
+    V = SMALL.vocab_size
+    pairs = np.stack(np.meshgrid(np.arange(V), np.arange(V), indexing="ij"), -1).reshape(-1, 2)
+    logits = np.asarray(llama_jax.forward(SMALL, params, np.concatenate(
+        [np.tile(prompt, (V * V, 1)), pairs], axis=1)), np.float64)
+    p1 = filtered_probs(logits[0, len(prompt) - 1])
+    p2_given_1 = np.stack([filtered_probs(logits[a * V, len(prompt)]) for a in range(V)])
+    p3_given_12 = np.stack([filtered_probs(row[len(prompt) + 1]) for row in logits])
+    joint12 = (p1[:, None] * p2_given_1).reshape(-1)
+    n = len(samples)
+    assert chi_square_ok(np.bincount(samples[:, 0] * V + samples[:, 1], minlength=V * V),
+                         n * joint12)
+    assert chi_square_ok(np.bincount(samples[:, 2], minlength=V),
+                         n * (joint12[:, None] * p3_given_12).sum(0))
+
+
+def test_stop_tokens_max_tokens_and_streaming_cut_speculative_output_exactly(models):
+    """Rounds of several tokens (the model is its own draft: every guess is kept) are cut at
+    a stop token and at max_new_tokens as a plain decode cuts them, and streamed chunks of
+    rounds add up to the whole output."""
+    config, params = models["gqa"]
+    prompts = repetitive_prompts([30, 12, 21], config.vocab_size, seed=5)
+    plain = generate(config, params, prompts, 20, stop_tokens=[])
+    stop = plain[0][7]  # a token row 0 emits mid-way (other rows may emit it too)
+    how = dict(draft=(config, params), num_speculative_tokens=4)
+    for max_new in (20, 13):
+        want = generate(config, params, prompts, max_new, stop_tokens=[stop])
+        assert generate(config, params, prompts, max_new, stop_tokens=[stop], **how) == want
+    chunks = list(stream(config, params, prompts, 20, stop_tokens=[], chunk_steps=1, **how))
+    assert len(chunks) > 3
+    assert [sum((c[0][row] for c in chunks), []) for row in range(3)] == plain

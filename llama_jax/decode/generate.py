@@ -230,7 +230,7 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
            decode_impl: str = "auto", mesh_config: MeshConfig | None = None,
            chunk_steps: int | None = 16, stats: GenerationStats | None = None,
            speculate: str | None = None, num_speculative_tokens: int = 4,
-           ngram: tuple[int, int] = (1, 3),
+           ngram: tuple[int, int] = (1, 3), min_accepted: float | None = None,
            draft: tuple[ModelConfig, Params] | None = None,
            ) -> Iterator[tuple[list[list[int]], list[list[float]]]]:
     """Yields, after the first token and then after every `chunk_steps` decode steps, each
@@ -242,7 +242,10 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     Speculative decoding (the same output distribution; greedy output the same tokens):
     `speculate="ngram"` guesses by prompt lookup (`ngram`: the n-gram sizes matched), or
     `draft=(draft_config, draft_params)` by a small model sharing the vocabulary;
-    `num_speculative_tokens` guesses per verify pass (a step of `chunk_steps` is a round)."""
+    `num_speculative_tokens` guesses per verify pass (a step of `chunk_steps` is a round).
+    Prompt lookup verifies only while the rows accept at least `min_accepted` guesses per
+    verify pass on average, taking plain steps otherwise (None: the break-even of
+    `speculate.verify_cost`; 0: always verify)."""
     _validate(config, prompts, max_new_tokens, temperature, top_k, top_p, min_p)
     try:
         cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
@@ -260,7 +263,8 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
                  else _emittable(stop_tokens, config.vocab_size)) or [NO_TOKEN]
 
     B, T, N = bucket(len(prompts), 1), bucket(longest), bucket(max_new)
-    spec = speculation(config, speculate, num_speculative_tokens, ngram, draft, B)
+    spec = speculation(config, speculate, num_speculative_tokens, ngram, draft, B,
+                       min_accepted)
     prompts_BT = np.zeros((B, T), np.int32)
     start_B = np.full((B,), T - 1, np.int32)  # padding rows: one token, inactive
     for b, prompt in enumerate(prompts):
@@ -311,7 +315,8 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
 
 
 def speculation(config: ModelConfig, method: str | None, k: int, ngram: tuple[int, int],
-                draft: tuple[ModelConfig, Params] | None, batch: int) -> Speculation | None:
+                draft: tuple[ModelConfig, Params] | None, batch: int,
+                min_accepted: float | None = None) -> Speculation | None:
     """The static speculation settings of a request, or None; a `GenerateError` names a
     setting that cannot be."""
     if method is None and draft is None:
@@ -331,8 +336,9 @@ def speculation(config: ModelConfig, method: str | None, k: int, ngram: tuple[in
         ngram = tuple(int(n) for n in ngram)
         if len(ngram) != 2 or not 1 <= ngram[0] <= ngram[1]:
             raise GenerateError(f"ngram={ngram} must be (min, max) with 1 <= min <= max")
-        return Speculation("ngram", k, ngram,
-                           min_kept=verify_cost(batch, k) - 1.0)
+        if min_accepted is None:
+            min_accepted = verify_cost(batch, k) - 1.0
+        return Speculation("ngram", k, ngram, min_kept=float(min_accepted))
     if draft is None:
         raise GenerateError("speculate='draft' needs draft=(draft_config, draft_params)")
     draft_config = draft[0]
@@ -396,7 +402,7 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
              decode_impl: str = "auto", mesh_config: MeshConfig | None = None,
              return_logprobs: bool = False, stats: GenerationStats | None = None,
              speculate: str | None = None, num_speculative_tokens: int = 4,
-             ngram: tuple[int, int] = (1, 3),
+             ngram: tuple[int, int] = (1, 3), min_accepted: float | None = None,
              draft: tuple[ModelConfig, Params] | None = None):
     """New tokens for each prompt (a list of token-id lists), stop token excluded.
 
@@ -408,7 +414,7 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
     "scan" or "unrolled": the same function either way. Parameters on a mesh decode under
     `mesh_config`'s sharding rules (default rules when None). With `return_logprobs`, returns
     `(tokens, logprobs)`. Speculative decoding (`speculate="ngram"`, or a `draft` model;
-    `num_speculative_tokens`, `ngram`): see `stream`.
+    `num_speculative_tokens`, `ngram`, `min_accepted`): see `stream`.
     """
     tokens = [[] for _ in prompts]
     logprobs = [[] for _ in prompts]
@@ -417,7 +423,8 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
             top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
             cache_dtype=cache_dtype, decode_impl=decode_impl, mesh_config=mesh_config,
             chunk_steps=None, stats=stats, speculate=speculate,
-            num_speculative_tokens=num_speculative_tokens, ngram=ngram, draft=draft):
+            num_speculative_tokens=num_speculative_tokens, ngram=ngram,
+            min_accepted=min_accepted, draft=draft):
         for row, (t, lp) in enumerate(zip(new_tokens, new_logprobs)):
             tokens[row] += t
             logprobs[row] += lp
