@@ -4,11 +4,17 @@
                      [--prompt-file FILE] [--max-new-tokens 128] [--temperature 0.6]
                      [--top-k 0] [--top-p 0.9] [--min-p 0] [--seed 0] [--dtype bfloat16]
                      [--quantize int8 [--quantize-head]] [--cache-dtype int8]
+                     [--speculate ngram | --draft-checkpoint DIR] [--num-speculative-tokens 4]
 
 A single prompt streams to stdout as it is generated (decoded in chunks of --chunk-steps
 steps); several prompts run as one ragged batch and print when done. Time to first token,
 tokens/s and compile time go to stderr, and so do the library's notes (`note: ...`: the
 decoder `--decode-impl auto` fell back to).
+
+Speculative decoding gives the same output (greedy: the same tokens; sampled: the same
+distribution) in fewer target passes: `--speculate ngram` guesses by prompt lookup (for output
+that repeats its input: summaries, edits, quotes), `--draft-checkpoint DIR` by a small model
+sharing the tokenizer. The acceptance rate goes to stderr with the timings.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from llama_jax.config import DTYPES
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
 from llama_jax.decode.decoder import DECODE_IMPLS, owned_decoder_params
 from llama_jax.decode.generate import GenerationStats, stream
+from llama_jax.decode.speculate import MAX_GUESSES, METHODS
 from llama_jax.errors import GenerateError
 from llama_jax.data.tokenizer import TextStream
 
@@ -50,7 +57,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="how the prompt's attention is computed (auto: chunked on CPU, "
                              "cuDNN on GPUs, splash on TPUs); decode steps use one query")
     parser.add_argument("--chunk-steps", type=int, default=8,
-                        help="decode steps between prints when streaming")
+                        help="decode steps (speculative rounds) between prints when streaming")
+    parser.add_argument("--speculate", choices=METHODS, default=None,
+                        help="speculative decoding: ngram (prompt lookup) or draft (a draft "
+                             "model, --draft-checkpoint; implied by it)")
+    parser.add_argument("--draft-checkpoint",
+                        help="a draft model's checkpoint (sharing the tokenizer), loaded as "
+                             "--dtype and --quantize say")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4,
+                        help=f"guesses per verify pass, 1..{MAX_GUESSES}")
+    parser.add_argument("--ngram", type=int, nargs=2, default=(1, 3), metavar=("MIN", "MAX"),
+                        help="n-gram sizes prompt lookup matches")
     return parser.parse_args(argv)
 
 
@@ -80,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
                                      quantize_head=args.quantize_head)
     config = config.with_execution(attention_impl=args.attention_impl)
     params, decode_impl = owned_decoder_params(params, args.decode_impl)  # one copy held
+    draft = None
+    if args.draft_checkpoint:
+        draft_config, draft_params = load_checkpoint(args.draft_checkpoint, args.dtype,
+                                                     quantize=args.quantize,
+                                                     quantize_head=args.quantize_head)
+        draft = (draft_config, owned_decoder_params(draft_params, decode_impl)[0])
     token_prompts = [tokenizer.encode(p, bos=True) for p in prompts]
     stats = GenerationStats()
     streaming = len(prompts) == 1
@@ -89,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                     min_p=args.min_p, seed=args.seed, cache_dtype=args.cache_dtype,
                     decode_impl=decode_impl,
-                    chunk_steps=args.chunk_steps if streaming else None, stats=stats)
+                    chunk_steps=args.chunk_steps if streaming else None, stats=stats,
+                    speculate=args.speculate, num_speculative_tokens=args.num_speculative_tokens,
+                    ngram=tuple(args.ngram), draft=draft)
     for i, (new_tokens, _) in enumerate(chunks):
         for row, tokens in zip(generated, new_tokens):
             row += tokens
@@ -102,9 +127,13 @@ def main(argv: list[str] | None = None) -> int:
             continuation = TextStream(tokenizer, context)
             print(f"--- prompt {i} ---\n{prompt}{continuation.push(tokens)}"
                   f"{continuation.flush()}\n")
+    speculation = ""
+    if args.speculate or draft:
+        speculation = (f"; {stats.accepted_tokens} of {stats.drafted_tokens} guesses accepted "
+                       f"({stats.acceptance_rate:.0%})")
     print(f"[{stats.new_tokens} tokens in {len(prompts)} row(s); time to first token "
           f"{stats.time_to_first_token_s * 1e3:.1f} ms; {stats.tokens_per_s:.1f} tokens/s; "
-          f"compile {stats.compile_s:.1f} s]", file=sys.stderr)
+          f"compile {stats.compile_s:.1f} s{speculation}]", file=sys.stderr)
     return 0
 
 

@@ -64,6 +64,25 @@ def test_the_decoder_auto_falls_back_to_is_noted(checkpoint, capsys, monkeypatch
         in err and "decoding with 'scan'" in err.splitlines()[0] and err.count("note:") == 1
 
 
+@pytest.mark.parametrize("how", [["--speculate", "ngram", "--ngram", "1", "2"],
+                                 ["--draft-checkpoint", "SELF"]])
+def test_speculation_streams_the_same_greedy_continuation(checkpoint, how, capsys):
+    """Prompt lookup, and the model as its own draft (every guess accepted)."""
+    how = [str(checkpoint) if a == "SELF" else a for a in how]
+    assert sample.main(["--checkpoint", str(checkpoint), "--prompt", "The cat sat. The cat",
+                        "--temperature", "0", "--max-new-tokens", "20", "--chunk-steps", "2",
+                        "--num-speculative-tokens", "3", *how]) == 0
+    out, err = capsys.readouterr()
+    config, params = llama_jax.load_checkpoint(checkpoint)
+    tok = llama_jax.load_tokenizer(checkpoint)
+    prompt = tok.encode("The cat sat. The cat")
+    expected = generate(config, params, [prompt], 20, cache_dtype="float32")[0]
+    assert out == "The cat sat. The cat" + tok.decode(expected) + "\n"
+    accepted, drafted = map(int, err.split(" guesses accepted")[0].split(";")[-1].split(" of "))
+    if "--draft-checkpoint" in how:  # (a random model's output repeats nothing to look up)
+        assert accepted == drafted > 0
+
+
 def test_several_prompts_and_a_prompt_file(checkpoint, tmp_path, capsys):
     (tmp_path / "prompts.txt").write_text("A dog\n\nNumbers:\n")
     assert sample.main(["--checkpoint", str(checkpoint), "--prompt", "The cat",
@@ -81,6 +100,9 @@ def test_several_prompts_and_a_prompt_file(checkpoint, tmp_path, capsys):
     (["--prompt-file", "/nonexistent"], "No such file"),
     ([], "no prompt"),
     (["--prompt", "x", "--attention-impl", "splash"], "attention_impl='splash' needs a TPU"),
+    (["--prompt", "x", "--speculate", "ngram", "--num-speculative-tokens", "20"],
+     "num_speculative_tokens=20 must be in [1, 15]"),
+    (["--prompt", "x", "--speculate", "draft"], "speculate='draft' needs draft="),
 ])
 def test_bad_input_is_one_line_and_exit_2(checkpoint, argv, message, capsys):
     assert sample.main(["--checkpoint", str(checkpoint), *argv]) == 2

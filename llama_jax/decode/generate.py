@@ -38,6 +38,7 @@ from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.model.kv_cache import KVCache, init_cache
 from llama_jax.model.transformer import apply
+from llama_jax.nn.attention.dot_product import chosen_attention
 from llama_jax.nn.heads import is_task_head, lm_head
 from llama_jax.model.params import Params
 from llama_jax.decode.decoder import (cache_bytes_per_device, decoder_params, is_unstacked,
@@ -221,6 +222,10 @@ def _validate(config: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tok
     for ok, name, value, rule in checks:
         if not ok:
             raise GenerateError(f"{name}={value} must be {rule}")
+    try:  # the decoders attend without it (a step, a verify pass), the prompt with it
+        chosen_attention(config)
+    except ConfigError as e:
+        raise GenerateError(str(e)) from None
 
 
 def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
