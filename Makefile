@@ -17,7 +17,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_PROMPTS := --prompt "The json module" --prompt "To open a file, use" \
 	--prompt "A list comprehension"
 
-.PHONY: test test-pods demo doc-task corpus bench install clean
+.PHONY: test test-pods demo demo-draft doc-task corpus bench install clean
 
 install: $(VENV)/.installed
 
@@ -47,6 +47,15 @@ $(LIBTPU): $(VENV)/.installed
 demo: install corpus
 	$(PY) train.py --config configs/demo.yaml --workdir runs/demo
 	$(PY) sample.py --checkpoint runs/demo --max-new-tokens 80 --temperature 0.7 $(DEMO_PROMPTS)
+
+# A draft model for speculative decoding with the demo model (docs/decoding.md): trained on
+# the demo's corpus with the demo run's tokenizer (the demo first, or resumed), ~5 min on 2 cores;
+# then the demo prompts decoded greedily with it.
+demo-draft: install corpus
+	$(PY) train.py --config configs/demo.yaml --workdir runs/demo
+	$(PY) train.py --config configs/demo-draft.yaml --workdir runs/demo-draft
+	$(PY) sample.py --checkpoint runs/demo --draft-checkpoint runs/demo-draft --temperature 0 \
+	  --max-new-tokens 80 $(DEMO_PROMPTS)
 
 # The demo downstream task (docs/tasks.md): the demo model (trained first, or
 # resumed) fine-tuned to tell which part of the Python docs a paragraph comes from, head only

@@ -21,15 +21,19 @@ from test_generate import MLA_TINY, TINY
 
 def reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """The k (or fewer) tokens after the latest earlier occurrence of the longest suffix
-    n-gram, n from max_n down to min_n; none when no n recurs."""
+    n-gram with k tokens after it, or else the latest, n from max_n down to min_n; none when
+    no n recurs."""
     L = len(tokens)
     for n in range(max_n, min_n - 1, -1):
         if n > L:
             continue
         suffix = tokens[L - n:]
-        for i in range(L - n - 1, -1, -1):  # a token must follow the window
-            if tokens[i:i + n] == suffix:
-                return tokens[i + n:i + n + k]
+        matches = [i for i in range(L - n - 1, -1, -1)  # a token must follow the window
+                   if tokens[i:i + n] == suffix]
+        full = [i for i in matches if i + n + k <= L]
+        if matches:
+            i = (full or matches)[0]
+            return tokens[i + n:i + n + k]
     return []
 
 

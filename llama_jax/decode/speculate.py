@@ -5,7 +5,8 @@ decode loop of `generate` (`speculative_round`, over a `SpecState` carry).
 Prompt lookup (n-gram matching, as transformers' `prompt_lookup_num_tokens` and vLLM's
 `ngram` speculator do): the last n tokens of a row's sequence so far (prompt and output) are
 looked for earlier in it, for n from `max_n` down to `min_n`; at the latest earlier match of
-the longest n that matches, the k tokens that followed are the proposal. It runs on the
+the longest n that matches (the latest with k tokens after it, if any has), the k tokens that
+followed are the proposal. It runs on the
 device, on the row's token buffer, so a decode loop proposes without a host round trip.
 """
 
@@ -42,7 +43,10 @@ def ngram_proposal(tokens_N: jax.Array, length: jax.Array, k: int, min_n: int, m
         for j in range(n):
             equal_N &= jnp.roll(tokens_N, -j) == suffix_n[j]
         equal_N &= (i_N + n < length) & (length >= n)
-        latest = jnp.max(jnp.where(equal_N, i_N, -1))
+        # The latest match with k tokens after it, else the latest: in a run of repeats
+        # ("a b a b a b") the latest match is right behind the suffix, one token short.
+        full = jnp.max(jnp.where(equal_N & (i_N + n + k <= length), i_N, -1))
+        latest = jnp.where(full >= 0, full, jnp.max(jnp.where(equal_N, i_N, -1)))
         found = latest >= 0
         start = jnp.where(found, latest + n, start)
         count = jnp.where(found, jnp.minimum(k, length - latest - n), count)
