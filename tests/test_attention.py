@@ -227,16 +227,17 @@ def test_fully_masked_rows_stay_finite(impl):
 def test_block_diagonal_decode_attention_matches_reference(N, K):
     from llama_jax.nn.attention.dot_product import decode_attention_block_diagonal
 
-    S = 13
+    S, T = 13, 3  # three queries: a verify pass's, at slots 8, 9, 10
     rng = np.random.default_rng(11)
-    q = rng.standard_normal((B, 1, N, H)).astype(np.float32)
+    q = rng.standard_normal((B, T, N, H)).astype(np.float32)
     k, v = (rng.standard_normal((B, K, S, H)).astype(np.float32) for _ in range(2))
-    valid = np.ones((B, S), bool)
-    valid[0, :4] = False  # left padding of row 0
-    valid[:, 9:] = False  # slots after the current token
+    valid = np.ones((B, T, S), bool)
+    valid[0, :, :4] = False  # left padding of row 0
+    for t in range(T):
+        valid[:, t, 9 + t:] = False  # slots after each query's own
     out = decode_attention_block_diagonal(q, k.reshape(B, K * S, H), v.reshape(B, K * S, H),
                                           valid, H ** -0.5)
-    ref_out = ref.attention(q, np.swapaxes(k, 1, 2), np.swapaxes(v, 1, 2), valid[:, None, :])
+    ref_out = ref.attention(q, np.swapaxes(k, 1, 2), np.swapaxes(v, 1, 2), valid)
     assert relative_error(out, ref_out) < 1e-6
 
 
