@@ -13,6 +13,7 @@ device, on the row's token buffer, so a decode loop proposes without a host roun
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from flax import struct
 
 from llama_jax.config import ModelConfig
 from llama_jax.decode.acceptance import accept
-from llama_jax.decode.sampling import Strategy, filter_logits, sample
+from llama_jax.decode.sampling import SamplingParams, Strategy, filter_logits, sample
 from llama_jax.decode.step import DecodeState, next_logits
 from llama_jax.model.kv_cache import KVCache
 from llama_jax.model.params import Params
@@ -171,13 +172,91 @@ def draft_proposals(config: ModelConfig, params: Params, cache: KVCache, st: Spe
     return guess_BK, q_BKV, cache
 
 
+class Verified(NamedTuple):
+    """A round's outcome per row: its first `n_B` of `tokens_BT` emitted (kept guesses, then
+    the target's token), the model's log-probabilities at each position (`[B, T, V]`), the
+    cache with the pass written, the guesses kept (or, after a plain step, whether the first
+    guess was the token: what verifying would have kept at least) and whether it verified."""
+
+    tokens_BT: jax.Array
+    n_B: jax.Array
+    logprobs_BTV: jax.Array
+    cache: KVCache
+    kept_B: jax.Array
+    verified: jax.Array
+
+
+def verify_or_step(config: ModelConfig, params: Params, cache: KVCache, last_B: jax.Array,
+                   guess_BK: jax.Array, q_BKV: jax.Array | None, n_guess_B: jax.Array,
+                   sampling: SamplingParams, strategy: Strategy, keys_B2: jax.Array,
+                   worth_it: jax.Array | None) -> Verified:
+    """One target pass over each row's last token and guesses, accepted (`accept`, with the
+    rows' first keys); or, where `worth_it` is False, a plain decode step (the second keys).
+    `worth_it` None: always verify."""
+    T = guess_BK.shape[1] + 1
+
+    def verify():
+        tokens_BT = jnp.concatenate([last_B[:, None], guess_BK], axis=1)
+        h_BTD, verified_cache, _ = apply(config, params, tokens_BT, cache=cache)
+        logits_BTV = lm_head(config, params, h_BTD)
+        tokens_BT, n_B = accept(logits_BTV, guess_BK, q_BKV, sampling, strategy, keys_B2[:, 0])
+        return Verified(tokens_BT, n_B, jax.nn.log_softmax(logits_BTV.astype(jnp.float32)),
+                        verified_cache, jnp.minimum(n_B - 1, n_guess_B), jnp.bool_(True))
+
+    def plain():
+        logits_BV, stepped_cache = next_logits(config, params, last_B, cache)
+        token_B = sample(logits_BV, keys_B2[:, 1], sampling, strategy)
+        B, V = logits_BV.shape
+        return Verified(jnp.broadcast_to(token_B[:, None], (B, T)), jnp.ones_like(token_B),
+                        jnp.broadcast_to(jax.nn.log_softmax(logits_BV.astype(jnp.float32))[:, None],
+                                         (B, T, V)),
+                        stepped_cache, (guess_BK[:, 0] == token_B).astype(jnp.int32),
+                        jnp.bool_(False))
+
+    return verify() if worth_it is None else jax.lax.cond(worth_it, verify, plain)
+
+
+def updated_rate(kept_rate: jax.Array, kept_B: jax.Array, proposing_B: jax.Array) -> jax.Array:
+    """The running mean of guesses kept per verify pass, moved toward this round's mean over
+    the rows that had guesses (unchanged when none had)."""
+    observed = jnp.sum(jnp.where(proposing_B, kept_B, 0)) / jnp.maximum(jnp.sum(proposing_B), 1)
+    return jnp.where(jnp.any(proposing_B), kept_rate + RATE_STEP * (observed - kept_rate),
+                     kept_rate)
+
+
+def cut(tokens_BT: jax.Array, n_B: jax.Array, room_B: jax.Array, done_B: jax.Array,
+        stop_B1S: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(n_B, stopped_B)`: each row's emitted count cut to the `room_B` tokens it may still
+    emit and after its first stop token (ids `stop_B1S`, broadcast against `[B, T, 1]`); 0
+    for rows already done."""
+    position_T = jnp.arange(tokens_BT.shape[1])
+    n_B = jnp.where(done_B, 0, jnp.minimum(n_B, room_B))
+    stop_BT = jnp.any(tokens_BT[..., None] == stop_B1S, -1) & (position_T < n_B[:, None])
+    stopped_B = jnp.any(stop_BT, axis=1)
+    return jnp.where(stopped_B, jnp.argmax(stop_BT, axis=1) + 1, n_B), stopped_B
+
+
+def put_rows(buffer: jax.Array, at_B: jax.Array, values_BT, n_B: jax.Array) -> jax.Array:
+    """`buffer` `[B, N, ...]` with each row's first `n_B` values written from column `at_B`
+    (values past the buffer dropped)."""
+    B, T = n_B.shape[0], values_BT.shape[1]
+    position_T = jnp.arange(T)
+    columns_BT = jnp.where(position_T < n_B[:, None], at_B[:, None] + position_T,
+                           buffer.shape[1])
+    return buffer.at[jnp.arange(B)[:, None], columns_BT].set(values_BT, mode="drop")
+
+
+def token_logprobs(logprobs_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
+    """The log-probabilities `[B, T]` of the tokens."""
+    return jnp.take_along_axis(logprobs_BTV, tokens_BT[..., None], -1)[..., 0]
+
+
 def speculative_round(config: ModelConfig, params: Params, st: SpecState, spec: Speculation,
                       strategy: Strategy, draft_params: Params | None) -> SpecState:
     """One round of every row: guesses, one target pass verifying them (or, for prompt
     lookup below `min_kept` or without a guess, a plain step), and each row's kept guesses
     and next token recorded; each row advances by its own count."""
     base, k = st.base, spec.k
-    T = k + 1
     keys_B3 = jax.vmap(lambda key: jax.random.split(key, 3))(
         jax.vmap(jax.random.fold_in)(st.row_key_B, st.count_B))
     active_B = ~base.done_B
@@ -192,76 +271,25 @@ def speculative_round(config: ModelConfig, params: Params, st: SpecState, spec: 
                                                        keys_B3[:, 0])
         n_guess_B = jnp.full(active_B.shape, k, jnp.int32)
     proposing_B = active_B & (n_guess_B > 0)
-
-    def verify():
-        tokens_BT = jnp.concatenate([base.last_B[:, None], guess_BK], axis=1)
-        h_BTD, cache, _ = apply(config, params, tokens_BT, cache=base.cache)
-        logits_BTV = lm_head(config, params, h_BTD)
-        tokens_BT, n_B = accept(logits_BTV, guess_BK, q_BKV, base.sampling, strategy,
-                                keys_B3[:, 1])
-        kept_B = jnp.minimum(n_B - 1, n_guess_B)
-        return tokens_BT, n_B, _logprobs(logits_BTV, tokens_BT), cache, kept_B, jnp.bool_(True)
-
-    def plain():
-        logits_BV, cache = next_logits(config, params, base.last_B, base.cache)
-        token_B = sample(logits_BV, keys_B3[:, 2], base.sampling, strategy)
-        tokens_BT = jnp.broadcast_to(token_B[:, None], (token_B.shape[0], T))
-        logprobs_BT = jnp.broadcast_to(_logprobs(logits_BV[:, None], token_B[:, None]),
-                                       tokens_BT.shape)
-        # What verifying would have kept at least: whether the first guess was the token.
-        kept_B = (guess_BK[:, 0] == token_B).astype(jnp.int32)
-        return (tokens_BT, jnp.ones_like(token_B), logprobs_BT, cache, kept_B,
-                jnp.bool_(False))
-
-    if spec.method == "ngram":
-        worth_it = jnp.any(proposing_B) & (st.kept_rate >= spec.min_kept)
-        tokens_BT, n_B, logprobs_BT, cache, kept_B, verified = jax.lax.cond(
-            worth_it, verify, plain)
-    else:
-        tokens_BT, n_B, logprobs_BT, cache, kept_B, verified = verify()
-    observed = jnp.sum(jnp.where(proposing_B, kept_B, 0)) / jnp.maximum(jnp.sum(proposing_B), 1)
-    kept_rate = jnp.where(jnp.any(proposing_B),
-                          st.kept_rate + RATE_STEP * (observed - st.kept_rate), st.kept_rate)
-    verified_B = proposing_B & verified
-    st = st.replace(
-        draft_cache=draft_cache, kept_rate=kept_rate,
-        drafted=st.drafted + jnp.sum(jnp.where(verified_B, n_guess_B, 0)),
-        kept=st.kept + jnp.sum(jnp.where(verified_B, kept_B, 0)))
-    return _record(st, tokens_BT, n_B, logprobs_BT, cache)
-
-
-def _logprobs(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
-    """The model's log-probabilities (before sampling filters) of the tokens `[B, T]`."""
-    return jnp.take_along_axis(jax.nn.log_softmax(logits_BTV), tokens_BT[..., None], -1)[..., 0]
-
-
-def _record(st: SpecState, tokens_BT: jax.Array, n_B: jax.Array, logprobs_BT: jax.Array,
-            cache: KVCache) -> SpecState:
-    """Each active row's first n tokens emitted, cut after a stop token and at `max_new`:
-    written at the row's count in the outputs and history; the row's cache ends after the
-    tokens it has fed (its last token and the kept guesses)."""
-    base = st.base
-    B, T = tokens_BT.shape
-    position_T = jnp.arange(T)
-    n_B = jnp.where(base.done_B, 0, jnp.minimum(n_B, base.max_new - st.count_B))
-    stop_BT = (jnp.any(tokens_BT[..., None] == base.stop_BS[:, None, :], -1)
-               & (position_T < n_B[:, None]))
-    stopped_B = jnp.any(stop_BT, axis=1)
-    n_B = jnp.where(stopped_B, jnp.argmax(stop_BT, axis=1) + 1, n_B)
-    valid_BT = position_T < n_B[:, None]
-    rows_B1 = jnp.arange(B)[:, None]
-
-    def put(buffer, at_B, values_BT):  # values past the row's n, or past the buffer, dropped
-        columns_BT = jnp.where(valid_BT, at_B[:, None] + position_T, buffer.shape[1])
-        return buffer.at[rows_B1, columns_BT].set(values_BT, mode="drop")
-
+    worth_it = (jnp.any(proposing_B) & (st.kept_rate >= spec.min_kept)
+                if spec.method == "ngram" else None)
+    v = verify_or_step(config, params, base.cache, base.last_B, guess_BK, q_BKV, n_guess_B,
+                       base.sampling, strategy, keys_B3[:, 1:], worth_it)
+    verified_B = proposing_B & v.verified
+    n_B, stopped_B = cut(v.tokens_BT, v.n_B, base.max_new - st.count_B, base.done_B,
+                         base.stop_BS[:, None, :])
     count_B = st.count_B + n_B
-    last_B = jnp.take_along_axis(tokens_BT, jnp.maximum(n_B - 1, 0)[:, None], 1)[:, 0]
+    last_B = jnp.take_along_axis(v.tokens_BT, jnp.maximum(n_B - 1, 0)[:, None], 1)[:, 0]
     new_base = base.replace(
-        cache=cache.replace(end=base.cache.end + n_B),
-        tokens_BN=put(base.tokens_BN, st.count_B, tokens_BT),
-        logprobs_BN=put(base.logprobs_BN, st.count_B, logprobs_BT),
+        cache=v.cache.replace(end=base.cache.end + n_B),
+        tokens_BN=put_rows(base.tokens_BN, st.count_B, v.tokens_BT, n_B),
+        logprobs_BN=put_rows(base.logprobs_BN, st.count_B,
+                             token_logprobs(v.logprobs_BTV, v.tokens_BT), n_B),
         last_B=jnp.where(n_B > 0, last_B, base.last_B),
         done_B=base.done_B | stopped_B | (count_B >= base.max_new), step=base.step + 1)
-    return st.replace(base=new_base, count_B=count_B,
-                      history_BL=put(st.history_BL, st.prompt_B + st.count_B, tokens_BT))
+    return st.replace(
+        base=new_base, count_B=count_B, draft_cache=draft_cache,
+        history_BL=put_rows(st.history_BL, st.prompt_B + st.count_B, v.tokens_BT, n_B),
+        kept_rate=updated_rate(st.kept_rate, v.kept_B, proposing_B),
+        drafted=st.drafted + jnp.sum(jnp.where(verified_B, n_guess_B, 0)),
+        kept=st.kept + jnp.sum(jnp.where(verified_B, v.kept_B, 0)))
