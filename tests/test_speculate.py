@@ -12,11 +12,14 @@ import pytest
 import llama_jax
 from llama_jax.decode.generate import GenerationStats, generate, stream
 from llama_jax.decode.speculate import ngram_proposals
+from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import init_cache
 from llama_jax.model.transformer import apply, unstack_layers
 from llama_jax.nn.heads import lm_head
 from reference import relative_error
+from llama_jax.serve.engine import Engine
 from test_generate import MLA_TINY, TINY
+from test_serve_engine import run as run_requests
 
 
 def reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -227,3 +230,45 @@ def test_stop_tokens_max_tokens_and_streaming_cut_speculative_output_exactly(mod
     chunks = list(stream(config, params, prompts, 20, stop_tokens=[], chunk_steps=1, **how))
     assert len(chunks) > 3
     assert [sum((c[0][row] for c in chunks), []) for row in range(3)] == plain
+
+
+# ------------------------------------------------------------------- in the server's engine
+
+@pytest.mark.parametrize("kind", ["gqa-stacked-int8", "mla-per_layer-int8"])
+def test_a_speculating_engine_equals_generate_alone(kind, models):
+    """16 greedy requests of mixed lengths through 4 rows that speculate (every round
+    verifies), a stop id among them: each one's tokens, log-probabilities (within 1e-4) and
+    finish reason equal `generate` without speculation; a seeded sampled request gives the
+    same tokens alone and among them; guesses were verified and some kept."""
+    config, dtype, decoder = KINDS[kind]
+    params = models[kind[:3]][1]
+    lengths = [37, 5, 18, 2, 29, 11, 44, 8, 20, 33, 7, 15, 3, 26, 40, 12]
+    new = [24, 10, 30, 5, 17, 24, 12, 30, 9, 16, 28, 20, 6, 24, 13, 19]
+    prompts = repetitive_prompts(lengths, config.vocab_size, seed=7)
+    stop = generate(config, params, prompts[:1], 12, stop_tokens=[])[0][10]
+    engine = Engine(config, params, max_batch=4, max_seq_len=80, stop_ids=[stop],
+                    cache_dtype=dtype, decode_impl=decoder, steps_per_dispatch=3,
+                    speculate="ngram", num_speculative_tokens=3, min_accepted=0)
+    sampled = dict(prompt=prompts[4], max_tokens=20, temperature=0.9, top_k=20, seed=11)
+    engine.start()
+    try:
+        alone = run_requests(engine, [sampled])[0]["tokens"]
+        results = run_requests(engine, [dict(prompt=q, max_tokens=n)
+                                        for q, n in zip(prompts, new)]
+                                       + [sampled])
+    finally:
+        assert engine.stop(30)
+    tokens, logprobs = generate(config, params, prompts, max(new), stop_tokens=[stop],
+                                cache_dtype=dtype, decode_impl=decoder, return_logprobs=True)
+    for n, result, row, row_logprobs in zip(new, results, tokens, logprobs):
+        assert result["tokens"] == row[:n]
+        assert result["reason"] == ("length" if len(row) >= n else "stop")
+        np.testing.assert_allclose(result["logprobs"], row_logprobs[:n], atol=1e-4)
+    assert results[-1]["tokens"] == alone
+    stats = engine.stats()
+    assert 0 < stats["speculative_accepted_tokens"] < stats["speculative_drafted_tokens"]
+
+
+def test_a_server_speculates_by_prompt_lookup_only():
+    with pytest.raises(GenerateError, match="prompt lookup .*--draft-checkpoint"):
+        Engine(TINY, None, speculate="draft")

@@ -9,6 +9,11 @@ step, settings and key, kept on the device and donated to every program that upd
 - `insert`: that one-row cache written over a row, ending at the slots' write slot `end`, with
   the row's first token sampled from those logits;
 - `decode`: K decode steps of every row (`step.next_logits`, the step `generate` takes);
+- `speculate`: K rounds of prompt lookup (speculate.py) of every row instead, for a server
+  that speculates: each row guesses from its own tokens, one pass verifies, and each row
+  advances by what it kept (1 to k + 1 tokens a round). Its rows have cache ends of their own
+  and keep their token ids beside the cache (`Lookup`); a row's prompt sits from slot 0 and
+  the rows are never moved;
 - `rearrange`: every row's slots moved later and the cache resized (grown or cut).
 
 A row's sampling key for step s is `fold_in(key, s)` of its own key, and rows never mix, so a
@@ -29,6 +34,8 @@ from llama_jax.config import MeshConfig, ModelConfig
 from llama_jax.decode.generate import MIN_BUCKET, bucket, placed
 from llama_jax.decode.step import NO_TOKEN, next_logits
 from llama_jax.decode.sampling import SamplingParams, Strategy, sample
+from llama_jax.decode.speculate import (Speculation, cut, ngram_proposals, put_rows,
+                                        token_logprobs, updated_rate, verify_or_step)
 from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import (KVCache, init_cache, moved, resized, shifted,
                                       with_row)
@@ -47,8 +54,22 @@ WIDEST_STRATEGY = Strategy(draw=True, sort=True)
 
 
 @struct.dataclass
+class Lookup:
+    """What prompt lookup keeps of the slots: each row's token ids at its cache slots (its
+    prompt from slot 0, its output, and its last token at its end), its running mean of
+    guesses kept per verify pass, and its guesses verified and kept since its request
+    began."""
+
+    tokens_BS: jax.Array
+    kept_rate_B: jax.Array
+    fresh_rate: jax.Array  # [] float32: a new request's (k: it verifies from the start)
+    drafted_B: jax.Array
+    accepted_B: jax.Array
+
+
+@struct.dataclass
 class Slots:
-    """The decode rows on the device."""
+    """The decode rows on the device (with `lookup`, a speculating server's)."""
 
     cache: KVCache
     last_B: jax.Array  # [B] int32: the token to feed next
@@ -58,6 +79,7 @@ class Slots:
     sampling: SamplingParams
     key_B: jax.Array  # [B] typed keys
     stop_S: jax.Array  # [n_stop] int32: the ids that end a request
+    lookup: Lookup | None = None
 
 
 @struct.dataclass
@@ -69,21 +91,33 @@ class Emitted:
     logprobs_BK: jax.Array
     top_ids_BKn: jax.Array
     top_logprobs_BKn: jax.Array
+    # speculating: each row's guesses verified and kept since its request began
+    drafted_B: jax.Array | None = None
+    accepted_B: jax.Array | None = None
 
 
 @functools.partial(jax.jit, static_argnames=("config", "batch", "max_len", "cache_dtype",
-                                             "layout", "placement"))
+                                             "layout", "spec", "placement"))
 def empty_slots(stop_S: jax.Array, *, config: ModelConfig, batch: int, max_len: int,
-                cache_dtype: str, layout: str, placement: tuple | None) -> Slots:
-    """`batch` idle rows over a cache of `max_len` slots that stop on the ids `stop_S`."""
+                cache_dtype: str, layout: str, spec: Speculation | None = None,
+                placement: tuple | None) -> Slots:
+    """`batch` idle rows over a cache of `max_len` slots that stop on the ids `stop_S` (rows
+    that speculate as `spec` says: cache ends of their own, and their tokens)."""
     with placed(placement):
         B = batch
+        cache = init_cache(config, B, max_len, cache_dtype, layout=layout)
+        lookup = None
+        if spec is not None:
+            cache = cache.with_row_ends()
+            zeros_B = jnp.zeros((B,), jnp.int32)
+            k = jnp.asarray(spec.k, jnp.float32)
+            lookup = Lookup(jnp.zeros((B, max_len), jnp.int32), jnp.full((B,), k), k, zeros_B,
+                            zeros_B)
         return Slots(
-            cache=init_cache(config, B, max_len, cache_dtype, layout=layout),
-            last_B=jnp.zeros((B,), jnp.int32), step_B=jnp.zeros((B,), jnp.int32),
+            cache=cache, last_B=jnp.zeros((B,), jnp.int32), step_B=jnp.zeros((B,), jnp.int32),
             max_new_B=jnp.ones((B,), jnp.int32), done_B=jnp.ones((B,), bool),
             sampling=SamplingParams.broadcast(B), key_B=jax.random.split(jax.random.key(0), B),
-            stop_S=stop_S)
+            stop_S=stop_S, lookup=lookup)
 
 
 def _choose(logits_BV, key_B, step_B, sampling, strategy: Strategy, top: int):
@@ -128,6 +162,66 @@ def decode(slots: Slots, params: Params, *, config: ModelConfig, n_steps: int,
     """`n_steps` decode steps of every row."""
     with placed(placement):
         return _decode_steps(config, params, slots, n_steps, strategy, top)
+
+
+def _speculative_rounds(config, params, slots: Slots, n_rounds: int, spec: Speculation,
+                        strategy, top):
+    k = spec.k
+    T = k + 1
+    B, S = slots.last_B.shape[0], slots.cache.max_len
+
+    def round_(carry, _):
+        slots, count_B, out = carry
+        lookup, active_B = slots.lookup, ~slots.done_B
+        # A row that is done still takes part in the pass: keep its writes in the cache.
+        end_B = jnp.where(active_B, slots.cache.end, jnp.minimum(slots.cache.end, S - T))
+        keys_B3 = jax.vmap(lambda key: jax.random.split(key, 3))(
+            jax.vmap(jax.random.fold_in)(slots.key_B, slots.step_B))
+        guess_BK, n_guess_B = ngram_proposals(lookup.tokens_BS, end_B + 1, k, *spec.ngram)
+        proposing_B = active_B & (n_guess_B > 0)
+        v = verify_or_step(config, params, slots.cache.replace(end=end_B), slots.last_B,
+                           guess_BK, None, n_guess_B, slots.sampling, strategy, keys_B3[:, 1:],
+                           proposing_B & (lookup.kept_rate_B >= spec.min_kept))
+        n_B, stopped_B = cut(v.tokens_BT, v.n_B, slots.max_new_B - slots.step_B, slots.done_B,
+                             slots.stop_S[None, None, :])
+        top_logprobs_BTn, top_ids_BTn = jax.lax.top_k(v.logprobs_BTV, top)
+        out = Emitted(*(put_rows(buffer, count_B, values, n_B) for buffer, values in zip(
+            (out.tokens_BK, out.logprobs_BK, out.top_ids_BKn, out.top_logprobs_BKn),
+            (v.tokens_BT, token_logprobs(v.logprobs_BTV, v.tokens_BT), top_ids_BTn,
+             top_logprobs_BTn))))
+        verified_B = proposing_B & v.verified_B
+        lookup = lookup.replace(
+            tokens_BS=put_rows(lookup.tokens_BS, end_B + 1, v.tokens_BT, n_B),
+            kept_rate_B=updated_rate(lookup.kept_rate_B, v.kept_B, proposing_B),
+            drafted_B=lookup.drafted_B + jnp.where(verified_B, n_guess_B, 0),
+            accepted_B=lookup.accepted_B + jnp.where(verified_B, v.kept_B, 0))
+        step_B = slots.step_B + n_B
+        last_B = jnp.take_along_axis(v.tokens_BT, jnp.maximum(n_B - 1, 0)[:, None], 1)[:, 0]
+        slots = slots.replace(
+            cache=v.cache.replace(end=end_B + n_B), last_B=jnp.where(n_B > 0, last_B,
+                                                                    slots.last_B),
+            step_B=step_B, lookup=lookup,
+            done_B=slots.done_B | (active_B & (stopped_B | (step_B >= slots.max_new_B))))
+        return (slots, count_B + n_B, out), None
+
+    W = n_rounds * T  # each row's tokens from column 0, NO_TOKEN after them
+    out = Emitted(jnp.full((B, W), NO_TOKEN, jnp.int32), jnp.zeros((B, W), jnp.float32),
+                  jnp.zeros((B, W, top), jnp.int32), jnp.zeros((B, W, top), jnp.float32))
+    (slots, _, out), _ = jax.lax.scan(round_, (slots, jnp.zeros((B,), jnp.int32), out),
+                                      length=n_rounds)
+    return slots, out.replace(drafted_B=slots.lookup.drafted_B,
+                              accepted_B=slots.lookup.accepted_B)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "n_steps", "spec", "strategy", "top",
+                                             "placement"), donate_argnames=("slots",))
+def speculate(slots: Slots, params: Params, *, config: ModelConfig, n_steps: int,
+              spec: Speculation, strategy: Strategy, top: int, placement: tuple | None
+              ) -> tuple[Slots, Emitted]:
+    """`n_steps` rounds of prompt lookup of every row (slots with `lookup`): each row's tokens
+    of the rounds, from column 0, and its guesses verified and kept so far."""
+    with placed(placement):
+        return _speculative_rounds(config, params, slots, n_steps, spec, strategy, top)
 
 
 def check_prefill_chunk(chunk: int) -> None:
@@ -196,17 +290,27 @@ def prefill_chunk(params: Params, one: KVCache | None, tokens_1L: jax.Array, las
 
 @functools.partial(jax.jit, donate_argnames=("slots",))
 def insert(slots: Slots, one: KVCache, logits_1V: jax.Array, row: jax.Array,
-           max_new: jax.Array, sampling: SamplingParams, key_1: jax.Array
-           ) -> tuple[Slots, Emitted]:
+           max_new: jax.Array, sampling: SamplingParams, key_1: jax.Array,
+           prompt_1S: jax.Array | None = None) -> tuple[Slots, Emitted]:
     """Row `row` holding a prefilled request: its one-row cache placed to end at the cache's
-    `end`, its settings, and its first token, sampled from the prompt's last `logits_1V` with
-    the request's key (its step 0), which it also returns."""
+    `end` (with `lookup`: from slot 0, its prompt's tokens `prompt_1S` beside it), its
+    settings, and its first token, sampled from the prompt's last `logits_1V` with the
+    request's key (its step 0), which it also returns."""
     token_1, logprob_1, top_ids, top_logprobs = _choose(
         logits_1V, key_1, jnp.zeros((1,), jnp.int32), sampling, PREFILL_STRATEGY, TOP_LOGPROBS)
     first = Emitted(token_1[:, None], logprob_1[:, None], top_ids[:, None],
                     top_logprobs[:, None])
-    one = shifted(resized(one, slots.cache.max_len), slots.cache.end - one.end)
+    one = resized(one, slots.cache.max_len)
     put = lambda rows, value: rows.at[row].set(value[0])  # noqa: E731
+    if slots.lookup is None:
+        one = shifted(one, slots.cache.end - one.end)
+    else:
+        zero = jnp.zeros((), jnp.int32)
+        slots = slots.replace(lookup=slots.lookup.replace(
+            tokens_BS=put(slots.lookup.tokens_BS, prompt_1S.at[0, one.end].set(token_1[0])),
+            kept_rate_B=slots.lookup.kept_rate_B.at[row].set(slots.lookup.fresh_rate),
+            drafted_B=slots.lookup.drafted_B.at[row].set(zero),
+            accepted_B=slots.lookup.accepted_B.at[row].set(zero)))
     slots = slots.replace(
         cache=with_row(slots.cache, row, one), step_B=slots.step_B.at[row].set(0),
         max_new_B=slots.max_new_B.at[row].set(max_new), done_B=slots.done_B.at[row].set(False),

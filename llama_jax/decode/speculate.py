@@ -112,7 +112,7 @@ class SpecState:
     prompt_B: jax.Array  # [B] int32: prompt lengths
     row_key_B: jax.Array  # [B] keys: a row's draws depend on its own key and count alone
     draft_cache: KVCache | None  # the draft model's, ends per row like the target's
-    kept_rate: jax.Array  # [] float32: running mean of guesses kept per verify pass
+    kept_rate_B: jax.Array  # [B] float32: each row's running mean of guesses kept per pass
     drafted: jax.Array  # [] int32: guesses verified (real ones: prompt lookup's may be fewer)
     kept: jax.Array  # [] int32: of those, kept
 
@@ -133,7 +133,7 @@ def start_speculation(state: DecodeState, prompts_BT: jax.Array, start_B: jax.Ar
         prompt_B=prompt_B,
         row_key_B=jax.vmap(jax.random.fold_in, (None, 0))(state.key, jnp.arange(B)),
         draft_cache=None if draft_cache is None else draft_cache.with_row_ends(),
-        kept_rate=jnp.asarray(spec.k, jnp.float32), drafted=zero, kept=zero)
+        kept_rate_B=jnp.full((B,), spec.k, jnp.float32), drafted=zero, kept=zero)
 
 
 def draft_proposals(config: ModelConfig, params: Params, cache: KVCache, st: SpecState,
@@ -175,53 +175,66 @@ def draft_proposals(config: ModelConfig, params: Params, cache: KVCache, st: Spe
 class Verified(NamedTuple):
     """A round's outcome per row: its first `n_B` of `tokens_BT` emitted (kept guesses, then
     the target's token), the model's log-probabilities at each position (`[B, T, V]`), the
-    cache with the pass written, the guesses kept (or, after a plain step, whether the first
-    guess was the token: what verifying would have kept at least) and whether it verified."""
+    cache with the pass written, the guesses kept (or, for a row that took a plain step,
+    whether its first guess was the token: what verifying would have kept at least) and
+    whether the row verified."""
 
     tokens_BT: jax.Array
     n_B: jax.Array
     logprobs_BTV: jax.Array
     cache: KVCache
     kept_B: jax.Array
-    verified: jax.Array
+    verified_B: jax.Array
 
 
 def verify_or_step(config: ModelConfig, params: Params, cache: KVCache, last_B: jax.Array,
                    guess_BK: jax.Array, q_BKV: jax.Array | None, n_guess_B: jax.Array,
                    sampling: SamplingParams, strategy: Strategy, keys_B2: jax.Array,
-                   worth_it: jax.Array | None) -> Verified:
-    """One target pass over each row's last token and guesses, accepted (`accept`, with the
-    rows' first keys); or, where `worth_it` is False, a plain decode step (the second keys).
-    `worth_it` None: always verify."""
+                   verifying_B: jax.Array | None) -> Verified:
+    """The rows `verifying_B` (None: all) verify their guesses: one target pass over each
+    row's last token and guesses, accepted (`accept`, with the rows' first keys). The others
+    take a plain step (their second keys), in that pass when some row verifies, else by a
+    plain decode step of all: a row's tokens do not depend on what its neighbours do."""
     T = guess_BK.shape[1] + 1
+
+    def guess_was(token_B):  # what verifying would have kept at least
+        return (guess_BK[:, 0] == token_B).astype(jnp.int32)
 
     def verify():
         tokens_BT = jnp.concatenate([last_B[:, None], guess_BK], axis=1)
         h_BTD, verified_cache, _ = apply(config, params, tokens_BT, cache=cache)
         logits_BTV = lm_head(config, params, h_BTD)
         tokens_BT, n_B = accept(logits_BTV, guess_BK, q_BKV, sampling, strategy, keys_B2[:, 0])
+        kept_B = jnp.minimum(n_B - 1, n_guess_B)
+        verified_B = jnp.ones_like(n_B, bool)
+        if verifying_B is not None:
+            token_B = sample(logits_BTV[:, 0], keys_B2[:, 1], sampling, strategy)
+            tokens_BT = jnp.where(verifying_B[:, None], tokens_BT, token_B[:, None])
+            n_B = jnp.where(verifying_B, n_B, 1)
+            kept_B = jnp.where(verifying_B, kept_B, guess_was(token_B))
+            verified_B = verifying_B
         return Verified(tokens_BT, n_B, jax.nn.log_softmax(logits_BTV.astype(jnp.float32)),
-                        verified_cache, jnp.minimum(n_B - 1, n_guess_B), jnp.bool_(True))
+                        verified_cache, kept_B, verified_B)
 
     def plain():
         logits_BV, stepped_cache = next_logits(config, params, last_B, cache)
         token_B = sample(logits_BV, keys_B2[:, 1], sampling, strategy)
         B, V = logits_BV.shape
+        logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32))
         return Verified(jnp.broadcast_to(token_B[:, None], (B, T)), jnp.ones_like(token_B),
-                        jnp.broadcast_to(jax.nn.log_softmax(logits_BV.astype(jnp.float32))[:, None],
-                                         (B, T, V)),
-                        stepped_cache, (guess_BK[:, 0] == token_B).astype(jnp.int32),
-                        jnp.bool_(False))
+                        jnp.broadcast_to(logprobs_BV[:, None], (B, T, V)), stepped_cache,
+                        guess_was(token_B), jnp.zeros((B,), bool))
 
-    return verify() if worth_it is None else jax.lax.cond(worth_it, verify, plain)
+    if verifying_B is None:
+        return verify()
+    return jax.lax.cond(jnp.any(verifying_B), verify, plain)
 
 
-def updated_rate(kept_rate: jax.Array, kept_B: jax.Array, proposing_B: jax.Array) -> jax.Array:
-    """The running mean of guesses kept per verify pass, moved toward this round's mean over
-    the rows that had guesses (unchanged when none had)."""
-    observed = jnp.sum(jnp.where(proposing_B, kept_B, 0)) / jnp.maximum(jnp.sum(proposing_B), 1)
-    return jnp.where(jnp.any(proposing_B), kept_rate + RATE_STEP * (observed - kept_rate),
-                     kept_rate)
+def updated_rate(kept_rate_B: jax.Array, kept_B: jax.Array, proposing_B: jax.Array
+                 ) -> jax.Array:
+    """Each row's running mean of guesses kept per verify pass, moved toward this round's
+    where the row had guesses."""
+    return jnp.where(proposing_B, kept_rate_B + RATE_STEP * (kept_B - kept_rate_B), kept_rate_B)
 
 
 def cut(tokens_BT: jax.Array, n_B: jax.Array, room_B: jax.Array, done_B: jax.Array,
@@ -271,11 +284,11 @@ def speculative_round(config: ModelConfig, params: Params, st: SpecState, spec: 
                                                        keys_B3[:, 0])
         n_guess_B = jnp.full(active_B.shape, k, jnp.int32)
     proposing_B = active_B & (n_guess_B > 0)
-    worth_it = (jnp.any(proposing_B) & (st.kept_rate >= spec.min_kept)
-                if spec.method == "ngram" else None)
+    verifying_B = (proposing_B & (st.kept_rate_B >= spec.min_kept)
+                   if spec.method == "ngram" else None)
     v = verify_or_step(config, params, base.cache, base.last_B, guess_BK, q_BKV, n_guess_B,
-                       base.sampling, strategy, keys_B3[:, 1:], worth_it)
-    verified_B = proposing_B & v.verified
+                       base.sampling, strategy, keys_B3[:, 1:], verifying_B)
+    verified_B = proposing_B & v.verified_B
     n_B, stopped_B = cut(v.tokens_BT, v.n_B, base.max_new - st.count_B, base.done_B,
                          base.stop_BS[:, None, :])
     count_B = st.count_B + n_B
@@ -290,6 +303,6 @@ def speculative_round(config: ModelConfig, params: Params, st: SpecState, spec: 
     return st.replace(
         base=new_base, count_B=count_B, draft_cache=draft_cache,
         history_BL=put_rows(st.history_BL, st.prompt_B + st.count_B, v.tokens_BT, n_B),
-        kept_rate=updated_rate(st.kept_rate, v.kept_B, proposing_B),
+        kept_rate_B=updated_rate(st.kept_rate_B, v.kept_B, proposing_B),
         drafted=st.drafted + jnp.sum(jnp.where(verified_B, n_guess_B, 0)),
         kept=st.kept + jnp.sum(jnp.where(verified_B, v.kept_B, 0)))

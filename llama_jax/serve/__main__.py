@@ -6,6 +6,7 @@
         [--quantize int8 [--quantize-head]] [--cache-dtype int8] [--steps-per-dispatch 4]
         [--prefill-chunk 128] [--prefix-cache-bytes N | --no-prefix-cache]
         [--max-queue 64] [--drain-timeout 30] [--compile-only [--topology v5e-8]]
+        [--speculate ngram [--num-speculative-tokens 4] [--ngram 1 3]]
 
 It loads any checkpoint `load_checkpoint` reads, refuses a configuration whose weights and KV
 cache do not fit the device's memory (with the numbers), compiles its programs, prints
@@ -14,6 +15,8 @@ accepting connections, lets the requests in flight finish (at most --drain-timeo
 and exits 0. With `--compile-only` it reads the checkpoint's config, not its weights, compiles
 the server's largest programs for this host's devices or a `--topology` it does not have, and
 says whether they fit each device (exit 0) or not (exit 1): `llama_jax.aot.serving`.
+`--speculate ngram` decodes by prompt lookup (docs/serving.md), turning itself off while the
+guesses are not kept often enough to pay.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import sys
 from pathlib import Path
 
 from llama_jax.cli import user_errors_exit
+from llama_jax.decode.speculate import MAX_GUESSES, METHODS
 from llama_jax.plan.info import parse_mesh
 from llama_jax.serve.flags import add_server_arguments
 
@@ -42,6 +46,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the model name clients ask for (default: the checkpoint "
                              "directory's name)")
     add_server_arguments(parser)
+    parser.add_argument("--speculate", choices=METHODS, default=None,
+                        help="speculative decoding: ngram (prompt lookup; draft models "
+                             "decode with sample.py --draft-checkpoint)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4,
+                        help=f"guesses per verify pass, 1..{MAX_GUESSES}")
+    parser.add_argument("--ngram", type=int, nargs=2, default=(1, 3), metavar=("MIN", "MAX"),
+                        help="n-gram sizes prompt lookup matches")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="requests that may wait for a slot (more get 429)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
@@ -92,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
                            prefill_chunk=args.prefill_chunk,
                            prefix_cache_bytes=0 if args.no_prefix_cache
                            else args.prefix_cache_bytes, max_queue=args.max_queue,
-                           model_name=args.served_model_name or Path(args.checkpoint).name)
+                           model_name=args.served_model_name or Path(args.checkpoint).name,
+                           speculate=args.speculate,
+                           num_speculative_tokens=args.num_speculative_tokens,
+                           ngram=tuple(args.ngram))
     log.info("compiled the server's programs in %.1f s", engine.warm_up())
     engine.start()
     from llama_jax.serve.api import create_app

@@ -289,6 +289,12 @@ class Server:
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": prompt_tokens + completion_tokens,
                  "prompt_tokens_details": {"cached_tokens": cached}}
+        if self.engine.spec is not None:  # speculative guesses, as OpenAI's predicted outputs
+            accepted = sum(c.request.accepted_tokens for c in choices)
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": accepted,
+                "rejected_prediction_tokens": sum(c.request.drafted_tokens
+                                                  for c in choices) - accepted}
         self.metrics.completed(usage, [c.finish_reason for c in choices])
         return usage
 

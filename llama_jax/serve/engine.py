@@ -67,7 +67,7 @@ from llama_jax.decode import prefix_pool
 from llama_jax.decode import slots as programs
 from llama_jax.decode.decoder import (cache_bytes_per_device, decoder_params,
                                       resolve_decode_impl)
-from llama_jax.decode.generate import bucket
+from llama_jax.decode.generate import bucket, speculation
 from llama_jax.decode.step import NO_TOKEN
 from llama_jax.decode.sampling import SamplingParams, Strategy
 from llama_jax.decode.prefix_pool import prefix_block_bytes
@@ -88,7 +88,9 @@ MIN_SLOTS = 64  # the smallest cache the slots shrink to
 COUNTERS = {"prefill_chunks": "Prefill programs run",
             "prefix_cache_lookups": "Prompts looked up in the prefix cache",
             "prefix_cache_hits": "Prompts that restored at least one prefix cache block",
-            "prefix_cache_hit_tokens": "Prompt tokens restored from the prefix cache"}
+            "prefix_cache_hit_tokens": "Prompt tokens restored from the prefix cache",
+            "speculative_drafted_tokens": "Guesses verified by speculative decoding",
+            "speculative_accepted_tokens": "Guesses speculative decoding kept"}
 
 
 class QueueFull(Exception):
@@ -136,6 +138,9 @@ class Request:
     finished: bool = dataclasses.field(default=False, init=False)
     # Prompt tokens restored from the prefix cache, set before the request's first delivery.
     cached_tokens: int = dataclasses.field(default=0, init=False)
+    # Speculating: the guesses verified for the request and those kept, so far.
+    drafted_tokens: int = dataclasses.field(default=0, init=False)
+    accepted_tokens: int = dataclasses.field(default=0, init=False)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -186,14 +191,19 @@ class Engine:
     steps run per program; prompts are prefilled in chunks of `prefill_chunk` tokens (a power
     of two); `prefix_cache_bytes` (per device) hold full chunks of earlier prompts (0: none);
     at most `max_queue` requests (or groups) wait for a row (`submit` raises QueueFull beyond
-    that). Parameters on a mesh decode under `mesh_config`'s rules."""
+    that). Parameters on a mesh decode under `mesh_config`'s rules. `speculate="ngram"`
+    decodes by prompt lookup (`num_speculative_tokens`, `ngram` and `min_accepted` as for
+    `generate`): each dispatch then runs `steps_per_dispatch` rounds, and the rows hold the
+    whole context from slot 0 (they are never moved or resized)."""
 
     def __init__(self, config: ModelConfig, params: Params, *, max_batch: int = 8,
                  max_seq_len: int | None = None, stop_ids: Sequence[int] | None = None,
                  cache_dtype=None, decode_impl: str = "auto",
                  steps_per_dispatch: int = SERVING_STEPS_PER_DISPATCH,
                  prefill_chunk: int = SERVING_PREFILL_CHUNK, prefix_cache_bytes: int = 0,
-                 max_queue: int = 64, mesh_config: MeshConfig | None = None):
+                 max_queue: int = 64, mesh_config: MeshConfig | None = None,
+                 speculate: str | None = None, num_speculative_tokens: int = 4,
+                 ngram: tuple[int, int] = (1, 3), min_accepted: float | None = None):
         self.config = config
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len or config.max_seq_len
@@ -208,7 +218,15 @@ class Engine:
             raise GenerateError(f"prefix_cache_bytes={prefix_cache_bytes} must be >= 0")
         self.steps = steps_per_dispatch
         self.cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
+        if speculate == "draft":
+            raise GenerateError("the server speculates by prompt lookup (speculate='ngram'); "
+                                "decode with a draft model by generate(draft=...) or sample.py "
+                                "--draft-checkpoint")
+        self.spec = speculation(config, speculate, num_speculative_tokens, ngram, None,
+                                max_batch, min_accepted)
         self.max_slots = serving_cache_slots(self.max_seq_len, self.steps)
+        if self.spec is not None:  # a row's last pass writes k + 1 slots past its end
+            self.max_slots = max(self.max_slots, self.max_seq_len + self.spec.k + 1)
         impl = resolve_decode_impl(decode_impl, params, cache_bytes_per_device(
             config, params, max_batch, self.max_slots, self.cache_dtype, mesh_config))
         self.params = decoder_params(params, impl)
@@ -217,7 +235,8 @@ class Engine:
         self.placement = None if mesh is None else (mesh, mesh_config or MeshConfig())
         ids = config.stop_ids if stop_ids is None else stop_ids
         self.stop_ids = [int(t) for t in ids if 0 <= int(t) < config.vocab_size] or [NO_TOKEN]
-        self.min_slots = min(self.max_slots, MIN_SLOTS)
+        # Speculating rows end where each has got to: they hold the whole context.
+        self.min_slots = self.max_slots if self.spec else min(self.max_slots, MIN_SLOTS)
         self.prefill_chunk = prefill_chunk
         self.prefix_blocks = prefix_cache_blocks(
             prefix_cache_bytes, prefix_block_bytes(config, params, prefill_chunk,
@@ -247,7 +266,7 @@ class Engine:
         self.slots = self._run(programs.empty_slots, np.asarray(self.stop_ids, np.int32),
                                config=config, batch=B, max_len=self.min_slots,
                                cache_dtype=self.cache_dtype, layout=self.layout,
-                               placement=self.placement)
+                               spec=self.spec, placement=self.placement)
         self.owners: list[Request | None] = [None] * B
         self.dispatched = [0] * B  # each row's tokens once the programs dispatched have run
         self.end, self.size = 0, self.min_slots
@@ -270,7 +289,10 @@ class Engine:
     def _arrange(self, min_end: int) -> None:
         """Makes `end >= min_end` with `steps` free slots after it: moves every row's slots
         (later; or back to the start of the longest row in use, when the cache would
-        otherwise grow or could halve) and resizes the cache to fit."""
+        otherwise grow or could halve) and resizes the cache to fit. Speculating rows stay
+        put (they hold the whole context)."""
+        if self.spec:
+            return
         rows = [self.row_start[b] for b in range(self.max_batch) if self._decoding(b)]
         first = min(rows, default=self.end)  # where the longest row in use starts
         end = max(self.end, min_end) if rows else min_end
@@ -287,7 +309,7 @@ class Engine:
         """Moves every row's slots so that `end` is the next to write, in `size` slots: in one
         copy where the new slots are a window of the old or the old of the new (`window`:
         None, when they are)."""
-        if end == self.end and size == self.size:
+        if (end == self.end and size == self.size) or self.spec:  # speculating rows stay put
             return
         shift = end - self.end
         if window is None:
@@ -326,9 +348,13 @@ class Engine:
                          placement=self.placement)
 
     def _insert(self, b: int, one: KVCache, logits_1V: jax.Array, max_new: int,
-                sampling: SamplingParams, key_1: jax.Array) -> Emitted:
+                sampling: SamplingParams, key_1: jax.Array, prompt: Sequence[int]) -> Emitted:
+        prompt_1S = None
+        if self.spec:  # prompt lookup reads the row's tokens beside its slots
+            prompt_1S = np.zeros((1, self.size), np.int32)
+            prompt_1S[0, :len(prompt)] = prompt
         self.slots, first = self._run(programs.insert, self.slots, one, logits_1V, np.int32(b),
-                                      np.int32(max_new), sampling, key_1)
+                                      np.int32(max_new), sampling, key_1, prompt_1S)
         return first
 
     def _restore(self, blocks: list[int]) -> KVCache:
@@ -346,9 +372,11 @@ class Engine:
                               np.int32(block), block_len=self.prefill_chunk)
 
     def _decode(self, strategy: Strategy, top: int) -> Emitted:
-        self.slots, emitted = self._run(programs.decode, self.slots, self.params,
-                                        config=self.config, n_steps=self.steps,
-                                        strategy=strategy, top=top, placement=self.placement)
+        program, spec = ((programs.decode, {}) if self.spec is None
+                         else (programs.speculate, {"spec": self.spec}))
+        self.slots, emitted = self._run(program, self.slots, self.params, config=self.config,
+                                        n_steps=self.steps, strategy=strategy, top=top,
+                                        placement=self.placement, **spec)
         return emitted
 
     def _start_prefill(self, group: list[Request], rows: list[int]) -> _Prefill:
@@ -408,7 +436,8 @@ class Engine:
             sampling = SamplingParams.broadcast(1, request.temperature, request.top_k,
                                                 request.top_p, request.min_p)
             self._arrange(n)
-            first = self._insert(b, job.cache, job.logits, request.max_tokens, sampling, key_1)
+            first = self._insert(b, job.cache, job.logits, request.max_tokens, sampling, key_1,
+                                 job.prompt)
             self.row_start[b] = self.end - n
             self.owners[b] = request
             self.dispatched[b] = 1
@@ -495,7 +524,7 @@ class Engine:
             for n, (one, logits) in shortest.values():
                 if n + self.steps <= size:
                     self._place(n, size)
-                    self._insert(0, one, logits, 1, sampling, key_1)
+                    self._insert(0, one, logits, 1, sampling, key_1, [0] * n)
             self._place(0, size)
             for draw, sort in ((False, False), (True, False), (True, True)):
                 self._decode(Strategy(draw, sort), top=0)
@@ -593,6 +622,13 @@ class Engine:
         for b, request in enumerate(program.owners):
             if request is None or request.finished:
                 continue
+            if e.drafted_B is not None:  # counts since the request began
+                self.counters["speculative_drafted_tokens"] += (int(e.drafted_B[b])
+                                                                - request.drafted_tokens)
+                self.counters["speculative_accepted_tokens"] += (int(e.accepted_B[b])
+                                                                 - request.accepted_tokens)
+                request.drafted_tokens = int(e.drafted_B[b])
+                request.accepted_tokens = int(e.accepted_B[b])
             chunk, reason = Chunk([], [], []), None
             if program.prompt is not None:
                 self._prompt_logprobs(chunk, jax.device_get(program.prompt), request)
