@@ -480,3 +480,71 @@ def test_a_full_queue_answers_429_and_sigterm_drains(checkpoint):
             client.close()
         code = live.stop()
     assert code == 0, "".join(live.lines[-30:])
+
+
+# ------------------------------------------------------------------- speculative decoding
+
+@pytest.fixture(scope="module")
+def speculating(checkpoint):
+    live = Live(checkpoint, "--max-batch", str(SLOTS), "--prefill-chunk", str(CHUNK),
+                "--speculate", "ngram", "--num-speculative-tokens", "3")
+    yield live
+    assert live.stop() == 0, "".join(live.lines[-30:])
+
+
+def repetitive(model, i: int, n: int) -> list[int]:
+    """A prompt of n token ids that repeats a phrase of its own (prompt lookup finds it)."""
+    rng = np.random.default_rng(100 + i)
+    return (rng.integers(3, model[0].vocab_size, max(2, n // 3)).tolist() * 3)[:n]
+
+
+def test_a_speculating_server_answers_as_without(speculating, model):
+    """Prompt lookup on: a greedy request equals `generate` (tokens as text, log-probabilities
+    within 1e-4), alone and among 16 concurrent streams of mixed lengths; streamed equals not
+    streamed, several tokens a step, each with its log-probability; usage and /metrics count
+    the guesses."""
+    prompt = repetitive(model, 0, 40)
+    tokens, logprobs, text = reference(model, prompt, 30)
+    whole = speculating.client.completions.create(model="tiny", prompt=prompt, max_tokens=30,
+                                                  temperature=0, logprobs=1)
+    assert whole.choices[0].text == text
+    np.testing.assert_allclose(whole.choices[0].logprobs.token_logprobs, logprobs, atol=1e-4)
+    streamed = list(speculating.client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=30, temperature=0, logprobs=1, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == text
+    assert sum((c.choices[0].logprobs.token_logprobs for c in streamed), []) == \
+        whole.choices[0].logprobs.token_logprobs
+    details = whole.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
+    cases = [(repetitive(model, i, 5 + 7 * i % 50), 4 + 5 * i % 40) for i in range(16)]
+
+    async def one(client, prompt, max_tokens):
+        stream = await client.completions.create(model="tiny", prompt=prompt,
+                                                 max_tokens=max_tokens, temperature=0,
+                                                 stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def all_of_them():
+        client = speculating.aclient()
+        return await asyncio.wait_for(asyncio.gather(*(one(client, *c) for c in cases)), 180)
+
+    before = scrape(speculating)
+    texts = asyncio.run(all_of_them())
+    for (prompt, max_tokens), text in zip(cases, texts):
+        assert text == reference(model, prompt, max_tokens)[2]
+    grew = {k: v - before.get(k, 0.0) for k, v in scrape(speculating).items()}
+    assert 0 < grew["llama_jax_speculative_accepted_tokens_total"] \
+        <= grew["llama_jax_speculative_drafted_tokens_total"]
+
+
+def test_a_speculating_server_cuts_stop_strings_exactly(speculating, model):
+    prompt = repetitive(model, 1, 33)
+    full = reference(model, prompt, 40)[2]
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    kwargs = dict(model="tiny", prompt=prompt, max_tokens=40, temperature=0, stop=[stop])
+    out = speculating.client.completions.create(**kwargs)
+    assert out.choices[0].text == full[:full.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    pieces = [c.choices[0].text
+              for c in speculating.client.completions.create(stream=True, **kwargs)]
+    assert "".join(pieces) == out.choices[0].text
