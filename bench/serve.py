@@ -4,7 +4,7 @@ static batches, and against transformers' own OpenAI-compatible server (`transfo
 --continuous-batching`, given as much KV cache as ours) when it runs here.
 
     python bench/serve.py [--requests 32] [--rounds 3] [--max-batch 8] [--steps-per-dispatch 4]
-                          [--no-transformers]
+                          [--no-transformers] [--speculate]
 
 The benchmark model (D=512, L=8, N=8, K=4, F=1536, V=8192, random fp32 weights) is saved once
 with a small SentencePiece tokenizer; prompts are random pieces of that tokenizer, sampling is
@@ -27,6 +27,9 @@ program is warmed up first). For the servers, time to first token (TTFT) and tim
 token after the first (TPOT, per request) are reported as p50/p99. Rounds alternate the
 implementations; medians are reported. Last, the decode steps that static batches and ideal
 continuous batching (no row ever idle) need for the requests bound what the engine can gain.
+
+`--speculate`: speculative decoding on vs off instead: the server with `--speculate ngram`
+against the same server without it, round after round on the same requests (no peers).
 """
 
 from __future__ import annotations
@@ -155,13 +158,13 @@ class Server:
                 self.process.kill()
 
 
-def ours(root: Path, max_batch: int, steps: int) -> Server:
+def ours(root: Path, max_batch: int, steps: int, *flags: str) -> Server:
     port = free_port()
     return Server([sys.executable, "-m", "llama_jax.serve", "--checkpoint",
                    str(root / "native"), "--port", str(port), "--served-model-name", "bench",
                    "--max-batch", str(max_batch), "--max-seq-len", str(MAX_SEQ_LEN),
                    "--steps-per-dispatch", str(steps), "--max-queue", "1024",
-                   "--log-level", "warning"], port, "serving bench on ")
+                   "--log-level", "warning", *flags], port, "serving bench on ")
 
 
 def transformers_server(root: Path, max_batch: int) -> Server:
@@ -288,6 +291,8 @@ def parse_args(argv):
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--steps-per-dispatch", type=int, default=SERVING_STEPS_PER_DISPATCH)
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--speculate", action="store_true",
+                        help="the server with --speculate ngram against it without, only")
     parser.add_argument("--worker", choices=WORKLOADS, help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -315,6 +320,9 @@ def main(argv=None) -> int:
     def record(name, workload, result):
         results.setdefault((name, workload), []).append(result)
 
+    if args.speculate:
+        speculation(root, args, workloads)
+        return 0
     server = ours(root, args.max_batch, args.steps_per_dispatch)
     try:
         for w in WORKLOADS:  # warm the server's caches and connections
@@ -355,6 +363,29 @@ def main(argv=None) -> int:
               f"ever idle, {continuous}: at most {static / continuous:.2f}x on decode")
     shutil.rmtree(root, ignore_errors=True)
     return 0
+
+
+def speculation(root: Path, args, workloads: dict) -> None:
+    """The server with and without `--speculate ngram`, alternating, on the same requests."""
+    flags = {"ours": (), "ours --speculate ngram": ("--speculate", "ngram")}
+    servers = {name: ours(root, args.max_batch, args.steps_per_dispatch, *f)
+               for name, f in flags.items()}
+    results: dict = {}
+    try:
+        for server in servers.values():
+            for w in WORKLOADS:
+                asyncio.run(load(server.port, "bench", workloads[w][:args.max_batch], 600))
+        for round_ in range(args.rounds):
+            for w in WORKLOADS:
+                for name, server in servers.items():
+                    results.setdefault((name, w), []).append(
+                        asyncio.run(load(server.port, "bench", workloads[w], 1800)))
+            print(f"# round {round_ + 1} done", flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    report(results)
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def report(results: dict) -> None:

@@ -234,12 +234,14 @@ def test_stop_tokens_max_tokens_and_streaming_cut_speculative_output_exactly(mod
 
 # ------------------------------------------------------------------- in the server's engine
 
-@pytest.mark.parametrize("kind", ["gqa-stacked-int8", "mla-per_layer-int8"])
-def test_a_speculating_engine_equals_generate_alone(kind, models):
+@pytest.mark.parametrize("kind, min_accepted", [("gqa-stacked-int8", 0),
+                                                ("mla-per_layer-int8", None)])
+def test_a_speculating_engine_equals_generate_alone(kind, min_accepted, models):
     """16 greedy requests of mixed lengths through 4 rows that speculate (every round
-    verifies), a stop id among them: each one's tokens, log-probabilities (within 1e-4) and
-    finish reason equal `generate` without speculation; a seeded sampled request gives the
-    same tokens alone and among them; guesses were verified and some kept."""
+    verifies; or rows verify while their guesses pay, by their own rates), a stop id among
+    them: each one's tokens, log-probabilities (within 1e-4) and finish reason equal
+    `generate` without speculation; a seeded sampled request gives the same tokens alone and
+    among them; guesses were verified and some kept."""
     config, dtype, decoder = KINDS[kind]
     params = models[kind[:3]][1]
     lengths = [37, 5, 18, 2, 29, 11, 44, 8, 20, 33, 7, 15, 3, 26, 40, 12]
@@ -248,7 +250,7 @@ def test_a_speculating_engine_equals_generate_alone(kind, models):
     stop = generate(config, params, prompts[:1], 12, stop_tokens=[])[0][10]
     engine = Engine(config, params, max_batch=4, max_seq_len=80, stop_ids=[stop],
                     cache_dtype=dtype, decode_impl=decoder, steps_per_dispatch=3,
-                    speculate="ngram", num_speculative_tokens=3, min_accepted=0)
+                    speculate="ngram", num_speculative_tokens=3, min_accepted=min_accepted)
     sampled = dict(prompt=prompts[4], max_tokens=20, temperature=0.9, top_k=20, seed=11)
     engine.start()
     try:

@@ -248,8 +248,9 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     `speculate="ngram"` guesses by prompt lookup (`ngram`: the n-gram sizes matched), or
     `draft=(draft_config, draft_params)` by a small model sharing the vocabulary;
     `num_speculative_tokens` guesses per verify pass (a step of `chunk_steps` is a round).
-    Prompt lookup verifies only while the rows accept at least `min_accepted` guesses per
-    verify pass on average, taking plain steps otherwise (None: the break-even of
+    A row verifies prompt lookup's guesses only while it may expect to keep at least
+    `min_accepted` of them per pass, from how often its first guess has been right
+    (`speculate.worth_verifying`), taking plain steps otherwise (None: the break-even of
     `speculate.verify_cost`; 0: always verify)."""
     _validate(config, prompts, max_new_tokens, temperature, top_k, top_p, min_p)
     try:

@@ -34,8 +34,9 @@ from llama_jax.config import MeshConfig, ModelConfig
 from llama_jax.decode.generate import MIN_BUCKET, bucket, placed
 from llama_jax.decode.step import NO_TOKEN, next_logits
 from llama_jax.decode.sampling import SamplingParams, Strategy, sample
-from llama_jax.decode.speculate import (Speculation, cut, ngram_proposals, put_rows,
-                                        token_logprobs, updated_rate, verify_or_step)
+from llama_jax.decode.speculate import (HIT_RATE_START, Speculation, cut, ngram_proposals,
+                                        put_rows, token_logprobs, updated_rate, verify_or_step,
+                                        worth_verifying)
 from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import (KVCache, init_cache, moved, resized, shifted,
                                       with_row)
@@ -56,13 +57,14 @@ WIDEST_STRATEGY = Strategy(draw=True, sort=True)
 @struct.dataclass
 class Lookup:
     """What prompt lookup keeps of the slots: each row's token ids at its cache slots (its
-    prompt from slot 0, its output, and its last token at its end), its running mean of
-    guesses kept per verify pass, and its guesses verified and kept since its request
-    began."""
+    prompt from slot 0, its output, and its last token at its end), its running rate of
+    first guesses right (speculate.worth_verifying), that rate as the program before the
+    last left it (which decides: the host has read it by the time it dispatches), and its
+    guesses verified and kept since its request began."""
 
     tokens_BS: jax.Array
-    kept_rate_B: jax.Array
-    fresh_rate: jax.Array  # [] float32: a new request's (k: it verifies from the start)
+    hit_rate_B: jax.Array
+    deciding_rate_B: jax.Array
     drafted_B: jax.Array
     accepted_B: jax.Array
 
@@ -91,9 +93,11 @@ class Emitted:
     logprobs_BK: jax.Array
     top_ids_BKn: jax.Array
     top_logprobs_BKn: jax.Array
-    # speculating: each row's guesses verified and kept since its request began
+    # speculating: each row's guesses verified and kept since its request began, and its
+    # rate of first guesses right after the program
     drafted_B: jax.Array | None = None
     accepted_B: jax.Array | None = None
+    hit_rate_B: jax.Array | None = None
 
 
 @functools.partial(jax.jit, static_argnames=("config", "batch", "max_len", "cache_dtype",
@@ -110,8 +114,8 @@ def empty_slots(stop_S: jax.Array, *, config: ModelConfig, batch: int, max_len: 
         if spec is not None:
             cache = cache.with_row_ends()
             zeros_B = jnp.zeros((B,), jnp.int32)
-            k = jnp.asarray(spec.k, jnp.float32)
-            lookup = Lookup(jnp.zeros((B, max_len), jnp.int32), jnp.full((B,), k), k, zeros_B,
+            start_B = jnp.full((B,), HIT_RATE_START, jnp.float32)
+            lookup = Lookup(jnp.zeros((B, max_len), jnp.int32), start_B, start_B, zeros_B,
                             zeros_B)
         return Slots(
             cache=cache, last_B=jnp.zeros((B,), jnp.int32), step_B=jnp.zeros((B,), jnp.int32),
@@ -165,10 +169,15 @@ def decode(slots: Slots, params: Params, *, config: ModelConfig, n_steps: int,
 
 
 def _speculative_rounds(config, params, slots: Slots, n_rounds: int, spec: Speculation,
-                        strategy, top):
+                        verify: bool, strategy, top):
     k = spec.k
     T = k + 1
     B, S = slots.last_B.shape[0], slots.cache.max_len
+    # Which rows verify is decided for the whole program by their own rates as the host saw
+    # them (`deciding_rate_B`), so that a row's tokens never depend on which program its
+    # neighbours made the host choose: a row worth verifying makes it choose `verify`.
+    worth_B = worth_verifying(slots.lookup.deciding_rate_B, ~slots.done_B, spec)
+    rate_before_B = slots.lookup.hit_rate_B
 
     def round_(carry, _):
         slots, count_B, out = carry
@@ -181,7 +190,7 @@ def _speculative_rounds(config, params, slots: Slots, n_rounds: int, spec: Specu
         proposing_B = active_B & (n_guess_B > 0)
         v = verify_or_step(config, params, slots.cache.replace(end=end_B), slots.last_B,
                            guess_BK, None, n_guess_B, slots.sampling, strategy, keys_B3[:, 1:],
-                           proposing_B & (lookup.kept_rate_B >= spec.min_kept))
+                           worth_B & proposing_B, run_pass=verify)
         n_B, stopped_B = cut(v.tokens_BT, v.n_B, slots.max_new_B - slots.step_B, slots.done_B,
                              slots.stop_S[None, None, :])
         top_logprobs_BTn, top_ids_BTn = jax.lax.top_k(v.logprobs_BTV, top)
@@ -192,7 +201,7 @@ def _speculative_rounds(config, params, slots: Slots, n_rounds: int, spec: Specu
         verified_B = proposing_B & v.verified_B
         lookup = lookup.replace(
             tokens_BS=put_rows(lookup.tokens_BS, end_B + 1, v.tokens_BT, n_B),
-            kept_rate_B=updated_rate(lookup.kept_rate_B, v.kept_B, proposing_B),
+            hit_rate_B=updated_rate(lookup.hit_rate_B, v.hit_B, proposing_B),
             drafted_B=lookup.drafted_B + jnp.where(verified_B, n_guess_B, 0),
             accepted_B=lookup.accepted_B + jnp.where(verified_B, v.kept_B, 0))
         step_B = slots.step_B + n_B
@@ -209,19 +218,34 @@ def _speculative_rounds(config, params, slots: Slots, n_rounds: int, spec: Specu
                   jnp.zeros((B, W, top), jnp.int32), jnp.zeros((B, W, top), jnp.float32))
     (slots, _, out), _ = jax.lax.scan(round_, (slots, jnp.zeros((B,), jnp.int32), out),
                                       length=n_rounds)
-    return slots, out.replace(drafted_B=slots.lookup.drafted_B,
-                              accepted_B=slots.lookup.accepted_B)
+    lookup = slots.lookup
+    return (slots.replace(lookup=lookup.replace(deciding_rate_B=rate_before_B)),
+            out.replace(drafted_B=lookup.drafted_B, accepted_B=lookup.accepted_B,
+                        hit_rate_B=lookup.hit_rate_B))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "n_steps", "spec", "strategy", "top",
-                                             "placement"), donate_argnames=("slots",))
+@functools.partial(jax.jit, static_argnames=("config", "n_steps", "spec", "verify", "strategy",
+                                             "top", "placement"), donate_argnames=("slots",))
 def speculate(slots: Slots, params: Params, *, config: ModelConfig, n_steps: int,
-              spec: Speculation, strategy: Strategy, top: int, placement: tuple | None
-              ) -> tuple[Slots, Emitted]:
+              spec: Speculation, verify: bool, strategy: Strategy, top: int,
+              placement: tuple | None) -> tuple[Slots, Emitted]:
     """`n_steps` rounds of prompt lookup of every row (slots with `lookup`): each row's tokens
-    of the rounds, from column 0, and its guesses verified and kept so far."""
+    of the rounds, from column 0, and its guesses verified and kept so far. With `verify`,
+    every round runs a verify pass, in which the rows worth it (`speculate.worth_verifying`
+    at the program's start) verify their guesses; without, every round is a plain step (the
+    host chooses: `any_worth_verifying`, with the rates the program before the last
+    returned)."""
     with placed(placement):
-        return _speculative_rounds(config, params, slots, n_steps, spec, strategy, top)
+        return _speculative_rounds(config, params, slots, n_steps, spec, verify, strategy,
+                                   top)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def any_worth_verifying(hit_rate_B: jax.Array, in_use_B: jax.Array, *, spec: Speculation
+                        ) -> jax.Array:
+    """Whether a row in use is worth verifying at these rates: the host's choice of
+    `speculate` program."""
+    return jnp.any(worth_verifying(hit_rate_B, in_use_B, spec))
 
 
 def check_prefill_chunk(chunk: int) -> None:
@@ -308,7 +332,8 @@ def insert(slots: Slots, one: KVCache, logits_1V: jax.Array, row: jax.Array,
         zero = jnp.zeros((), jnp.int32)
         slots = slots.replace(lookup=slots.lookup.replace(
             tokens_BS=put(slots.lookup.tokens_BS, prompt_1S.at[0, one.end].set(token_1[0])),
-            kept_rate_B=slots.lookup.kept_rate_B.at[row].set(slots.lookup.fresh_rate),
+            hit_rate_B=slots.lookup.hit_rate_B.at[row].set(HIT_RATE_START),
+            deciding_rate_B=slots.lookup.deciding_rate_B.at[row].set(HIT_RATE_START),
             drafted_B=slots.lookup.drafted_B.at[row].set(zero),
             accepted_B=slots.lookup.accepted_B.at[row].set(zero)))
     slots = slots.replace(

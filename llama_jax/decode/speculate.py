@@ -73,9 +73,11 @@ METHODS = ("ngram", "draft")
 # A verify pass feeds the last token and k guesses: at most DECODE_QUERIES queries, the most
 # that attend to the cache as a decode step does (dense, every cache kind).
 MAX_GUESSES = DECODE_QUERIES - 1
-# The running mean of kept guesses moves this far toward each verify's (prompt lookup's
-# auto-off): a few rounds of misses turn verification off, a few of hits back on.
+# Prompt lookup's auto-off: each row's running rate of first guesses that were the model's next
+# token moves this far toward each round's (verified or, on a plain step, compared), from
+# HIT_RATE_START: a few rounds of misses turn verification off, a few of hits back on.
 RATE_STEP = 0.25
+HIT_RATE_START = 0.5
 
 
 def verify_cost(batch: int, k: int) -> float:
@@ -91,8 +93,9 @@ class Speculation:
     """How a decoder speculates; static, part of its compiled programs. `method`: "ngram"
     (prompt lookup, n-gram sizes `ngram`) or "draft" (a small model of `draft_config` sharing
     the target's vocabulary, its parameters an argument). `k` guesses per verify pass.
-    Prompt lookup verifies only while its rows keep at least `min_kept` guesses per verify
-    pass on average (below, a plain step is cheaper); a draft model always verifies."""
+    A row verifies prompt lookup's guesses only while it may expect to keep at least
+    `min_kept` of them per pass (`expected_kept`; below, a plain step is cheaper); a draft
+    model always verifies."""
 
     method: str
     k: int
@@ -112,7 +115,7 @@ class SpecState:
     prompt_B: jax.Array  # [B] int32: prompt lengths
     row_key_B: jax.Array  # [B] keys: a row's draws depend on its own key and count alone
     draft_cache: KVCache | None  # the draft model's, ends per row like the target's
-    kept_rate_B: jax.Array  # [B] float32: each row's running mean of guesses kept per pass
+    hit_rate_B: jax.Array  # [B] float32: each row's running rate of first guesses right
     drafted: jax.Array  # [] int32: guesses verified (real ones: prompt lookup's may be fewer)
     kept: jax.Array  # [] int32: of those, kept
 
@@ -133,7 +136,7 @@ def start_speculation(state: DecodeState, prompts_BT: jax.Array, start_B: jax.Ar
         prompt_B=prompt_B,
         row_key_B=jax.vmap(jax.random.fold_in, (None, 0))(state.key, jnp.arange(B)),
         draft_cache=None if draft_cache is None else draft_cache.with_row_ends(),
-        kept_rate_B=jnp.full((B,), spec.k, jnp.float32), drafted=zero, kept=zero)
+        hit_rate_B=jnp.full((B,), HIT_RATE_START, jnp.float32), drafted=zero, kept=zero)
 
 
 def draft_proposals(config: ModelConfig, params: Params, cache: KVCache, st: SpecState,
@@ -175,46 +178,49 @@ def draft_proposals(config: ModelConfig, params: Params, cache: KVCache, st: Spe
 class Verified(NamedTuple):
     """A round's outcome per row: its first `n_B` of `tokens_BT` emitted (kept guesses, then
     the target's token), the model's log-probabilities at each position (`[B, T, V]`), the
-    cache with the pass written, the guesses kept (or, for a row that took a plain step,
-    whether its first guess was the token: what verifying would have kept at least) and
-    whether the row verified."""
+    cache with the pass written, whether the row verified, the guesses it kept, and whether
+    its first guess was the model's token (verified or not)."""
 
     tokens_BT: jax.Array
     n_B: jax.Array
     logprobs_BTV: jax.Array
     cache: KVCache
-    kept_B: jax.Array
     verified_B: jax.Array
+    kept_B: jax.Array
+    hit_B: jax.Array
 
 
 def verify_or_step(config: ModelConfig, params: Params, cache: KVCache, last_B: jax.Array,
                    guess_BK: jax.Array, q_BKV: jax.Array | None, n_guess_B: jax.Array,
                    sampling: SamplingParams, strategy: Strategy, keys_B2: jax.Array,
-                   verifying_B: jax.Array | None) -> Verified:
+                   verifying_B: jax.Array | None, run_pass: bool | None = None) -> Verified:
     """The rows `verifying_B` (None: all) verify their guesses: one target pass over each
     row's last token and guesses, accepted (`accept`, with the rows' first keys). The others
-    take a plain step (their second keys), in that pass when some row verifies, else by a
-    plain decode step of all: a row's tokens do not depend on what its neighbours do."""
+    take a plain step (their second keys), in that pass when it runs, else by a plain decode
+    step of all: a row's tokens do not depend on what its neighbours do. The pass runs when
+    some row verifies (`run_pass` None: a `lax.cond`; XLA:CPU copies a cache that is its
+    operand in and out of it, so a server chooses by its program instead: True or False)."""
     T = guess_BK.shape[1] + 1
 
-    def guess_was(token_B):  # what verifying would have kept at least
-        return (guess_BK[:, 0] == token_B).astype(jnp.int32)
+    def hit(token_B):
+        return guess_BK[:, 0] == token_B
 
     def verify():
         tokens_BT = jnp.concatenate([last_B[:, None], guess_BK], axis=1)
         h_BTD, verified_cache, _ = apply(config, params, tokens_BT, cache=cache)
         logits_BTV = lm_head(config, params, h_BTD)
         tokens_BT, n_B = accept(logits_BTV, guess_BK, q_BKV, sampling, strategy, keys_B2[:, 0])
-        kept_B = jnp.minimum(n_B - 1, n_guess_B)
+        kept_B, hit_B = jnp.minimum(n_B - 1, n_guess_B), n_B > 1
         verified_B = jnp.ones_like(n_B, bool)
         if verifying_B is not None:
             token_B = sample(logits_BTV[:, 0], keys_B2[:, 1], sampling, strategy)
             tokens_BT = jnp.where(verifying_B[:, None], tokens_BT, token_B[:, None])
             n_B = jnp.where(verifying_B, n_B, 1)
-            kept_B = jnp.where(verifying_B, kept_B, guess_was(token_B))
+            kept_B = jnp.where(verifying_B, kept_B, 0)
+            hit_B = jnp.where(verifying_B, hit_B, hit(token_B))
             verified_B = verifying_B
         return Verified(tokens_BT, n_B, jax.nn.log_softmax(logits_BTV.astype(jnp.float32)),
-                        verified_cache, kept_B, verified_B)
+                        verified_cache, verified_B, kept_B, hit_B)
 
     def plain():
         logits_BV, stepped_cache = next_logits(config, params, last_B, cache)
@@ -223,18 +229,28 @@ def verify_or_step(config: ModelConfig, params: Params, cache: KVCache, last_B: 
         logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32))
         return Verified(jnp.broadcast_to(token_B[:, None], (B, T)), jnp.ones_like(token_B),
                         jnp.broadcast_to(logprobs_BV[:, None], (B, T, V)), stepped_cache,
-                        guess_was(token_B), jnp.zeros((B,), bool))
+                        jnp.zeros((B,), bool), jnp.zeros_like(token_B), hit(token_B))
 
-    if verifying_B is None:
+    if verifying_B is None or run_pass:
         return verify()
+    if run_pass is False:
+        return plain()
     return jax.lax.cond(jnp.any(verifying_B), verify, plain)
 
 
-def updated_rate(kept_rate_B: jax.Array, kept_B: jax.Array, proposing_B: jax.Array
+def worth_verifying(hit_rate_B: jax.Array, proposing_B: jax.Array, spec: Speculation
+                    ) -> jax.Array:
+    """The rows whose guesses are worth a verify pass: those with guesses whose running hit
+    rate a makes the guesses expected kept, a + a² + ... + a^k (each kept if the one before
+    was, at rate a), at least `spec.min_kept`."""
+    a_B = hit_rate_B[:, None] ** jnp.arange(1, spec.k + 1)
+    return proposing_B & (jnp.sum(a_B, axis=1) >= spec.min_kept)
+
+
+def updated_rate(hit_rate_B: jax.Array, hit_B: jax.Array, proposing_B: jax.Array
                  ) -> jax.Array:
-    """Each row's running mean of guesses kept per verify pass, moved toward this round's
-    where the row had guesses."""
-    return jnp.where(proposing_B, kept_rate_B + RATE_STEP * (kept_B - kept_rate_B), kept_rate_B)
+    """Each row's running hit rate moved toward this round's where the row had guesses."""
+    return jnp.where(proposing_B, hit_rate_B + RATE_STEP * (hit_B - hit_rate_B), hit_rate_B)
 
 
 def cut(tokens_BT: jax.Array, n_B: jax.Array, room_B: jax.Array, done_B: jax.Array,
@@ -284,7 +300,7 @@ def speculative_round(config: ModelConfig, params: Params, st: SpecState, spec: 
                                                        keys_B3[:, 0])
         n_guess_B = jnp.full(active_B.shape, k, jnp.int32)
     proposing_B = active_B & (n_guess_B > 0)
-    verifying_B = (proposing_B & (st.kept_rate_B >= spec.min_kept)
+    verifying_B = (worth_verifying(st.hit_rate_B, proposing_B, spec)
                    if spec.method == "ngram" else None)
     v = verify_or_step(config, params, base.cache, base.last_B, guess_BK, q_BKV, n_guess_B,
                        base.sampling, strategy, keys_B3[:, 1:], verifying_B)
@@ -303,6 +319,6 @@ def speculative_round(config: ModelConfig, params: Params, st: SpecState, spec: 
     return st.replace(
         base=new_base, count_B=count_B, draft_cache=draft_cache,
         history_BL=put_rows(st.history_BL, st.prompt_B + st.count_B, v.tokens_BT, n_B),
-        kept_rate_B=updated_rate(st.kept_rate_B, v.kept_B, proposing_B),
+        hit_rate_B=updated_rate(st.hit_rate_B, v.hit_B, proposing_B),
         drafted=st.drafted + jnp.sum(jnp.where(verified_B, n_guess_B, 0)),
         kept=st.kept + jnp.sum(jnp.where(verified_B, v.kept_B, 0)))

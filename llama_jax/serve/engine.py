@@ -73,6 +73,7 @@ from llama_jax.decode.sampling import SamplingParams, Strategy
 from llama_jax.decode.prefix_pool import prefix_block_bytes
 from llama_jax.decode.slots import (TOP_LOGPROBS, Emitted, check_prefill_chunk,
                                     chunk_capacity, chunk_plan, chunk_shapes)
+from llama_jax.decode.speculate import HIT_RATE_START
 from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import KVCache
 from llama_jax.model.params import Params
@@ -157,6 +158,7 @@ class _Program:
     emitted: Emitted
     owners: list[Request | None]
     prompt: list[Emitted] | None = None  # a prefill's prompt scores per chunk, if asked for
+    number: int | None = None  # a decode program's, counted from 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -271,6 +273,11 @@ class Engine:
         self.dispatched = [0] * B  # each row's tokens once the programs dispatched have run
         self.end, self.size = 0, self.min_slots
         self.row_start = [0] * B  # each row's first slot
+        # Speculating: the rows' rates of first guesses right after each decode program read
+        # (the last two), and the decode program each row's request was inserted before.
+        self.programs_dispatched = 0
+        self.end_rates: dict[int, np.ndarray] = {}
+        self.inserted_before = [0] * B
 
     def _reset_pool(self) -> None:
         """An empty prefix cache."""
@@ -371,13 +378,24 @@ class Engine:
         self.pool = self._run(prefix_pool.store, self.pool, one, np.int32(chunk),
                               np.int32(block), block_len=self.prefill_chunk)
 
-    def _decode(self, strategy: Strategy, top: int) -> Emitted:
+    def _decode(self, strategy: Strategy, top: int, verify: bool = False) -> Emitted:
         program, spec = ((programs.decode, {}) if self.spec is None
-                         else (programs.speculate, {"spec": self.spec}))
+                         else (programs.speculate, {"spec": self.spec, "verify": verify}))
         self.slots, emitted = self._run(program, self.slots, self.params, config=self.config,
                                         n_steps=self.steps, strategy=strategy, top=top,
                                         placement=self.placement, **spec)
         return emitted
+
+    def _worth_verifying(self) -> bool:
+        """Whether a decoding row's guesses are worth verify passes in the next program, by
+        the rates that decide on the device: as the program before the last left them (read
+        by now without waiting for the last), or a fresh request's."""
+        p = self.programs_dispatched
+        rates = self.end_rates.get(p - 2, np.full(self.max_batch, HIT_RATE_START, np.float32))
+        rates = np.where(np.asarray(self.inserted_before) >= p - 1, HIT_RATE_START, rates)
+        in_use_B = np.asarray([self._decoding(b) for b in range(self.max_batch)])
+        return bool(self._run(programs.any_worth_verifying, rates.astype(np.float32),
+                              in_use_B, spec=self.spec))
 
     def _start_prefill(self, group: list[Request], rows: list[int]) -> _Prefill:
         """Reserves `rows` for the requests of `group` (one prompt) and restores the longest
@@ -440,6 +458,7 @@ class Engine:
                                  job.prompt)
             self.row_start[b] = self.end - n
             self.owners[b] = request
+            self.inserted_before[b] = self.programs_dispatched
             self.dispatched[b] = 1
             request.cached_tokens = job.cached
             programs_.append(_Program(first, [request], job.scores or None))
@@ -483,10 +502,12 @@ class Engine:
         live = [r for b, r in enumerate(self.owners) if self._decoding(b)]
         strategy = Strategy(draw=any(r.strategy.draw for r in live),
                             sort=any(r.strategy.sort for r in live))
-        emitted = self._decode(strategy, TOP_LOGPROBS if any(r.top_logprobs for r in live) else 0)
+        emitted = self._decode(strategy, TOP_LOGPROBS if any(r.top_logprobs for r in live) else 0,
+                               self.spec is not None and self._worth_verifying())
         self.end += self.steps
         self.dispatched = [n + self.steps for n in self.dispatched]
-        return _Program(emitted, list(self.owners))
+        self.programs_dispatched += 1
+        return _Program(emitted, list(self.owners), number=self.programs_dispatched - 1)
 
     def warm_up(self) -> float:
         """Compiles the programs a server meets and returns the seconds it took: every prefill
@@ -527,7 +548,10 @@ class Engine:
                     self._insert(0, one, logits, 1, sampling, key_1, [0] * n)
             self._place(0, size)
             for draw, sort in ((False, False), (True, False), (True, True)):
-                self._decode(Strategy(draw, sort), top=0)
+                for verify in (False, True) if self.spec else (False,):
+                    self._decode(Strategy(draw, sort), top=0, verify=verify)
+            if self.spec:
+                self._worth_verifying()
             for other in sizes:  # to every other size and back, both ways of moving
                 for window in (True, False):
                     self._place(0, other, window)
@@ -619,6 +643,10 @@ class Engine:
         """Hands each live request its tokens from `program` and finishes those that ended."""
         e = jax.device_get(program.emitted)
         stops = set(self.stop_ids)
+        if e.hit_rate_B is not None:
+            self.end_rates = {program.number: e.hit_rate_B,
+                              **{n: r for n, r in self.end_rates.items()
+                                 if n == program.number - 1}}
         for b, request in enumerate(program.owners):
             if request is None or request.finished:
                 continue
