@@ -487,7 +487,8 @@ def test_a_full_queue_answers_429_and_sigterm_drains(checkpoint):
 @pytest.fixture(scope="module")
 def speculating(checkpoint):
     live = Live(checkpoint, "--max-batch", str(SLOTS), "--prefill-chunk", str(CHUNK),
-                "--speculate", "ngram", "--num-speculative-tokens", "3")
+                "--speculate", "ngram", "--num-speculative-tokens", "3",
+                "--speculate-min-accepted", "0")  # every round verifies
     yield live
     assert live.stop() == 0, "".join(live.lines[-30:])
 

@@ -142,7 +142,7 @@ def test_greedy_with_speculation_is_greedy_without(kind, proposer, models):
     common = dict(stop_tokens=[], cache_dtype=dtype, decode_impl=decoder,
                   return_logprobs=True)
     reference, reference_lp = generate(config, params, prompts, 24, **common)
-    how = (dict(speculate="ngram", ngram=(1, 3)) if proposer == "ngram"
+    how = (dict(speculate="ngram", ngram=(1, 3), min_accepted=0) if proposer == "ngram"
            else dict(draft=first_layers(config, params, 1)))
     stats = GenerationStats()
     tokens, logprobs = generate(config, params, prompts, 24, num_speculative_tokens=3,

@@ -233,19 +233,12 @@ def speculate(slots: Slots, params: Params, *, config: ModelConfig, n_steps: int
     of the rounds, from column 0, and its guesses verified and kept so far. With `verify`,
     every round runs a verify pass, in which the rows worth it (`speculate.worth_verifying`
     at the program's start) verify their guesses; without, every round is a plain step (the
-    host chooses: `any_worth_verifying`, with the rates the program before the last
+    host chooses, by `speculate.worth_verifying` of the rates the program before the last
     returned)."""
     with placed(placement):
         return _speculative_rounds(config, params, slots, n_steps, spec, verify, strategy,
                                    top)
 
-
-@functools.partial(jax.jit, static_argnames=("spec",))
-def any_worth_verifying(hit_rate_B: jax.Array, in_use_B: jax.Array, *, spec: Speculation
-                        ) -> jax.Array:
-    """Whether a row in use is worth verifying at these rates: the host's choice of
-    `speculate` program."""
-    return jnp.any(worth_verifying(hit_rate_B, in_use_B, spec))
 
 
 def check_prefill_chunk(chunk: int) -> None:

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from llama_jax.config import ModelConfig
@@ -81,11 +82,12 @@ HIT_RATE_START = 0.5
 
 
 def verify_cost(batch: int, k: int) -> float:
-    """What a verify pass of k + 1 tokens costs in decode steps, as measured on a 2-core CPU
-    for the benchmark model (BENCHMARKS.md: 1.38 at batch 1 and 2.49 at batch 8, k = 4).
-    Accelerators verify more cheaply (a step there reads weights, not computes), so
-    speculating by this rule there errs toward off."""
-    return 1.0 + (0.1 + 0.035 * (batch - 1)) * k
+    """What a round that verifies k guesses costs in plain decode steps, as measured on a
+    2-core CPU for the benchmark model (BENCHMARKS.md): at batch 1 a verify pass of 5 tokens
+    costs 1.2–1.4 steps; at batch 8 the 40 rows are compute-bound, and a server's rounds
+    that verified cost about 4 steps. Accelerators verify more cheaply (a step there reads
+    weights rather than computes), so speculating by this rule there errs toward off."""
+    return 1.0 + (0.1 + 0.093 * (batch - 1)) * k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,9 +244,10 @@ def worth_verifying(hit_rate_B: jax.Array, proposing_B: jax.Array, spec: Specula
                     ) -> jax.Array:
     """The rows whose guesses are worth a verify pass: those with guesses whose running hit
     rate a makes the guesses expected kept, a + a² + ... + a^k (each kept if the one before
-    was, at rate a), at least `spec.min_kept`."""
-    a_B = hit_rate_B[:, None] ** jnp.arange(1, spec.k + 1)
-    return proposing_B & (jnp.sum(a_B, axis=1) >= spec.min_kept)
+    was, at rate a), at least `spec.min_kept`. Of numpy arrays too (the server's host
+    chooses its program by it without waiting for the device)."""
+    powers_Bk = hit_rate_B[:, None] ** np.arange(1, spec.k + 1)
+    return proposing_B & (powers_Bk.sum(axis=1) >= spec.min_kept)
 
 
 def updated_rate(hit_rate_B: jax.Array, hit_B: jax.Array, proposing_B: jax.Array

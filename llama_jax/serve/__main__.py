@@ -6,7 +6,8 @@
         [--quantize int8 [--quantize-head]] [--cache-dtype int8] [--steps-per-dispatch 4]
         [--prefill-chunk 128] [--prefix-cache-bytes N | --no-prefix-cache]
         [--max-queue 64] [--drain-timeout 30] [--compile-only [--topology v5e-8]]
-        [--speculate ngram [--num-speculative-tokens 4] [--ngram 1 3]]
+        [--speculate ngram [--num-speculative-tokens 4] [--ngram 1 3]
+                           [--speculate-min-accepted X]]
 
 It loads any checkpoint `load_checkpoint` reads, refuses a configuration whose weights and KV
 cache do not fit the device's memory (with the numbers), compiles its programs, prints
@@ -53,6 +54,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"guesses per verify pass, 1..{MAX_GUESSES}")
     parser.add_argument("--ngram", type=int, nargs=2, default=(1, 3), metavar=("MIN", "MAX"),
                         help="n-gram sizes prompt lookup matches")
+    parser.add_argument("--speculate-min-accepted", type=float, default=None,
+                        help="a row verifies while it expects to keep this many guesses a "
+                             "pass (default: the break-even of a 2-core CPU's verify cost at "
+                             "--max-batch; 0: always)")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="requests that may wait for a slot (more get 429)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                            model_name=args.served_model_name or Path(args.checkpoint).name,
                            speculate=args.speculate,
                            num_speculative_tokens=args.num_speculative_tokens,
-                           ngram=tuple(args.ngram))
+                           ngram=tuple(args.ngram), min_accepted=args.speculate_min_accepted)
     log.info("compiled the server's programs in %.1f s", engine.warm_up())
     engine.start()
     from llama_jax.serve.api import create_app

@@ -31,8 +31,8 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
           steps_per_dispatch: int = SERVING_STEPS_PER_DISPATCH,
           prefill_chunk: int = SERVING_PREFILL_CHUNK, prefix_cache_bytes: int | None = None,
           max_queue: int = 64, model_name: str | None = None, speculate: str | None = None,
-          num_speculative_tokens: int = 4, ngram: tuple[int, int] = (1, 3)
-          ) -> tuple[Server, Engine]:
+          num_speculative_tokens: int = 4, ngram: tuple[int, int] = (1, 3),
+          min_accepted: float | None = None) -> tuple[Server, Engine]:
     """The API state and its (not yet started) engine for `checkpoint`. The prefix cache
     takes `prefix_cache_bytes` per device (None: `default_prefix_cache_bytes`; 0: none);
     `speculate` and the rest are the engine's."""
@@ -58,7 +58,8 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
                     steps_per_dispatch=steps_per_dispatch, prefill_chunk=prefill_chunk,
                     prefix_cache_bytes=prefix_cache_bytes, max_queue=max_queue,
                     mesh_config=mesh, speculate=speculate,
-                    num_speculative_tokens=num_speculative_tokens, ngram=ngram)
+                    num_speculative_tokens=num_speculative_tokens, ngram=ngram,
+                    min_accepted=min_accepted)
     name = model_name or Path(checkpoint).name
     return Server(engine, tok, name, chat_format(checkpoint, tok)), engine
 

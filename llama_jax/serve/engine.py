@@ -73,7 +73,7 @@ from llama_jax.decode.sampling import SamplingParams, Strategy
 from llama_jax.decode.prefix_pool import prefix_block_bytes
 from llama_jax.decode.slots import (TOP_LOGPROBS, Emitted, check_prefill_chunk,
                                     chunk_capacity, chunk_plan, chunk_shapes)
-from llama_jax.decode.speculate import HIT_RATE_START
+from llama_jax.decode.speculate import HIT_RATE_START, worth_verifying
 from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import KVCache
 from llama_jax.model.params import Params
@@ -394,8 +394,7 @@ class Engine:
         rates = self.end_rates.get(p - 2, np.full(self.max_batch, HIT_RATE_START, np.float32))
         rates = np.where(np.asarray(self.inserted_before) >= p - 1, HIT_RATE_START, rates)
         in_use_B = np.asarray([self._decoding(b) for b in range(self.max_batch)])
-        return bool(self._run(programs.any_worth_verifying, rates.astype(np.float32),
-                              in_use_B, spec=self.spec))
+        return bool(worth_verifying(rates, in_use_B, self.spec).any())
 
     def _start_prefill(self, group: list[Request], rows: list[int]) -> _Prefill:
         """Reserves `rows` for the requests of `group` (one prompt) and restores the longest
@@ -550,8 +549,6 @@ class Engine:
             for draw, sort in ((False, False), (True, False), (True, True)):
                 for verify in (False, True) if self.spec else (False,):
                     self._decode(Strategy(draw, sort), top=0, verify=verify)
-            if self.spec:
-                self._worth_verifying()
             for other in sizes:  # to every other size and back, both ways of moving
                 for window in (True, False):
                     self._place(0, other, window)
