@@ -243,11 +243,16 @@ def verify_or_step(config: ModelConfig, params: Params, cache: KVCache, last_B: 
 def worth_verifying(hit_rate_B: jax.Array, proposing_B: jax.Array, spec: Speculation
                     ) -> jax.Array:
     """The rows whose guesses are worth a verify pass: those with guesses whose running hit
-    rate a makes the guesses expected kept, a + a² + ... + a^k (each kept if the one before
-    was, at rate a), at least `spec.min_kept`. Of numpy arrays too (the server's host
-    chooses its program by it without waiting for the device)."""
-    powers_Bk = hit_rate_B[:, None] ** np.arange(1, spec.k + 1)
-    return proposing_B & (powers_Bk.sum(axis=1) >= spec.min_kept)
+    rate makes the guesses expected kept (`expected_kept`) at least `spec.min_kept`. Of
+    numpy arrays too (a server's host chooses its program by it, not waiting for the
+    device)."""
+    return proposing_B & (expected_kept(hit_rate_B, spec.k) >= spec.min_kept)
+
+
+def expected_kept(hit_rate_B, k: int):
+    """The guesses a row may expect to keep of k at a hit rate a: a + a² + ... + a^k (each
+    kept if the one before was, at rate a). Of numpy or JAX arrays."""
+    return (hit_rate_B[:, None] ** np.arange(1, k + 1)).sum(axis=1)
 
 
 def updated_rate(hit_rate_B: jax.Array, hit_B: jax.Array, proposing_B: jax.Array

@@ -73,7 +73,7 @@ from llama_jax.decode.sampling import SamplingParams, Strategy
 from llama_jax.decode.prefix_pool import prefix_block_bytes
 from llama_jax.decode.slots import (TOP_LOGPROBS, Emitted, check_prefill_chunk,
                                     chunk_capacity, chunk_plan, chunk_shapes)
-from llama_jax.decode.speculate import HIT_RATE_START, worth_verifying
+from llama_jax.decode.speculate import HIT_RATE_START, expected_kept, worth_verifying
 from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import KVCache
 from llama_jax.model.params import Params
@@ -387,14 +387,19 @@ class Engine:
         return emitted
 
     def _worth_verifying(self) -> bool:
-        """Whether a decoding row's guesses are worth verify passes in the next program, by
-        the rates that decide on the device: as the program before the last left them (read
-        by now without waiting for the last), or a fresh request's."""
+        """Whether the next program's rounds should run verify passes: when the rows worth
+        verifying (by the rates that decide on the device: as the program before the last
+        left them, read by now without waiting for the last, or a fresh request's) may
+        expect to keep more guesses than the passes cost all rows in use. The pass costs
+        every row, so a row worth verifying alone may be outvoted: then it takes plain steps
+        (the same distribution; a sampled row's draws then depend on its neighbours)."""
         p = self.programs_dispatched
         rates = self.end_rates.get(p - 2, np.full(self.max_batch, HIT_RATE_START, np.float32))
         rates = np.where(np.asarray(self.inserted_before) >= p - 1, HIT_RATE_START, rates)
         in_use_B = np.asarray([self._decoding(b) for b in range(self.max_batch)])
-        return bool(worth_verifying(rates, in_use_B, self.spec).any())
+        worth_B = worth_verifying(rates, in_use_B, self.spec)
+        gain = expected_kept(rates, self.spec.k)[worth_B].sum()
+        return bool(worth_B.any() and gain >= self.spec.min_kept * in_use_B.sum())
 
     def _start_prefill(self, group: list[Request], rows: list[int]) -> _Prefill:
         """Reserves `rows` for the requests of `group` (one prompt) and restores the longest
