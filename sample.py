@@ -24,12 +24,12 @@ import sys
 from pathlib import Path
 
 from llama_jax import load_checkpoint, load_tokenizer
-from llama_jax.cli import add_int8_arguments, show_library_notes, user_errors_exit
+from llama_jax.cli import (add_int8_arguments, add_speculation_arguments, show_library_notes,
+                           user_errors_exit)
 from llama_jax.config import DTYPES
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
 from llama_jax.decode.decoder import DECODE_IMPLS, owned_decoder_params
 from llama_jax.decode.generate import GenerationStats, stream
-from llama_jax.decode.speculate import MAX_GUESSES, METHODS
 from llama_jax.errors import GenerateError
 from llama_jax.data.tokenizer import TextStream
 
@@ -58,16 +58,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "cuDNN on GPUs, splash on TPUs); decode steps use one query")
     parser.add_argument("--chunk-steps", type=int, default=8,
                         help="decode steps (speculative rounds) between prints when streaming")
-    parser.add_argument("--speculate", choices=METHODS, default=None,
-                        help="speculative decoding: ngram (prompt lookup) or draft (a draft "
-                             "model, --draft-checkpoint; implied by it)")
+    add_speculation_arguments(parser, "speculative decoding: ngram (prompt lookup) or draft (a "
+                                      "draft model, --draft-checkpoint; implied by it)")
     parser.add_argument("--draft-checkpoint",
                         help="a draft model's checkpoint (sharing the tokenizer), loaded as "
                              "--dtype and --quantize say")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4,
-                        help=f"guesses per verify pass, 1..{MAX_GUESSES}")
-    parser.add_argument("--ngram", type=int, nargs=2, default=(1, 3), metavar=("MIN", "MAX"),
-                        help="n-gram sizes prompt lookup matches")
     return parser.parse_args(argv)
 
 

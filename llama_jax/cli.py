@@ -47,6 +47,18 @@ def show_library_notes() -> None:
         logger.addHandler(_Notes())
 
 
+def add_speculation_arguments(parser: argparse.ArgumentParser, speculate_help: str) -> None:
+    """`--speculate` (described by `speculate_help`), `--num-speculative-tokens` and
+    `--ngram`."""
+    from llama_jax.decode.speculate import MAX_GUESSES, METHODS
+
+    parser.add_argument("--speculate", choices=METHODS, default=None, help=speculate_help)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4,
+                        help=f"guesses per verify pass, 1..{MAX_GUESSES}")
+    parser.add_argument("--ngram", type=int, nargs=2, default=(1, 3), metavar=("MIN", "MAX"),
+                        help="n-gram sizes prompt lookup matches")
+
+
 def add_int8_arguments(parser: argparse.ArgumentParser, cache_default: str) -> None:
     """`--quantize`, `--quantize-head` and `--cache-dtype` (whose default `cache_default`
     describes)."""

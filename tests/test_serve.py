@@ -322,20 +322,23 @@ def test_concurrent_streams_each_equal_their_answer_alone(server, model):
     alone."""
     tokenizer = model[2]
     cases = [(PROMPTS[i % len(PROMPTS)] + " " * (i % 3), 4 + 3 * i % 37) for i in range(32)]
+    for (prompt, max_tokens), text in zip(cases, concurrent_streams(server, cases)):
+        assert text == reference(model, tokenizer.encode(prompt), max_tokens)[2]
 
+
+def concurrent_streams(live, cases) -> list[str]:
+    """The texts of greedy streaming completions of `(prompt, max_tokens)` sent at once."""
     async def one(client, prompt, max_tokens):
         stream = await client.completions.create(model="tiny", prompt=prompt,
-                                                         max_tokens=max_tokens, temperature=0,
-                                                         stream=True)
+                                                 max_tokens=max_tokens, temperature=0,
+                                                 stream=True)
         return "".join([c.choices[0].text async for c in stream])
 
     async def all_of_them():
-        client = server.aclient()
+        client = live.aclient()
         return await asyncio.wait_for(asyncio.gather(*(one(client, *c) for c in cases)), 180)
 
-    texts = asyncio.run(all_of_them())
-    for (prompt, max_tokens), text in zip(cases, texts):
-        assert text == reference(model, tokenizer.encode(prompt), max_tokens)[2]
+    return asyncio.run(all_of_them())
 
 
 def test_a_seeded_sample_is_the_same_alone_and_in_a_busy_server(server, model):
@@ -518,20 +521,8 @@ def test_a_speculating_server_answers_as_without(speculating, model):
     details = whole.usage.completion_tokens_details
     assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
     cases = [(repetitive(model, i, 5 + 7 * i % 50), 4 + 5 * i % 40) for i in range(16)]
-
-    async def one(client, prompt, max_tokens):
-        stream = await client.completions.create(model="tiny", prompt=prompt,
-                                                 max_tokens=max_tokens, temperature=0,
-                                                 stream=True)
-        return "".join([c.choices[0].text async for c in stream])
-
-    async def all_of_them():
-        client = speculating.aclient()
-        return await asyncio.wait_for(asyncio.gather(*(one(client, *c) for c in cases)), 180)
-
     before = scrape(speculating)
-    texts = asyncio.run(all_of_them())
-    for (prompt, max_tokens), text in zip(cases, texts):
+    for (prompt, max_tokens), text in zip(cases, concurrent_streams(speculating, cases)):
         assert text == reference(model, prompt, max_tokens)[2]
     grew = {k: v - before.get(k, 0.0) for k, v in scrape(speculating).items()}
     assert 0 < grew["llama_jax_speculative_accepted_tokens_total"] \

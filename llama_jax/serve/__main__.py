@@ -28,8 +28,7 @@ import signal
 import sys
 from pathlib import Path
 
-from llama_jax.cli import user_errors_exit
-from llama_jax.decode.speculate import MAX_GUESSES, METHODS
+from llama_jax.cli import add_speculation_arguments, user_errors_exit
 from llama_jax.plan.info import parse_mesh
 from llama_jax.serve.flags import add_server_arguments
 
@@ -47,13 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the model name clients ask for (default: the checkpoint "
                              "directory's name)")
     add_server_arguments(parser)
-    parser.add_argument("--speculate", choices=METHODS, default=None,
-                        help="speculative decoding: ngram (prompt lookup; draft models "
-                             "decode with sample.py --draft-checkpoint)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4,
-                        help=f"guesses per verify pass, 1..{MAX_GUESSES}")
-    parser.add_argument("--ngram", type=int, nargs=2, default=(1, 3), metavar=("MIN", "MAX"),
-                        help="n-gram sizes prompt lookup matches")
+    add_speculation_arguments(parser, "speculative decoding: ngram (prompt lookup; draft "
+                                      "models decode with sample.py --draft-checkpoint)")
     parser.add_argument("--speculate-min-accepted", type=float, default=None,
                         help="a row verifies while it expects to keep this many guesses a "
                              "pass (default: the break-even of a 2-core CPU's verify cost at "
