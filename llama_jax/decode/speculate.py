@@ -1,13 +1,16 @@
 """Speculative decoding: cheap guesses of a row's next k tokens, which one target pass then
 verifies (acceptance.py keeps what the target would have produced), inside the jit-compiled
-decode loop of `generate` (`speculative_round`, over a `SpecState` carry).
+decode loop of `generate` (`speculative_round`, over a `SpecState` carry); a round's pieces
+(`verify_or_step`, `cut`, `put_rows`, the auto-off's rates) serve the server's slots too
+(slots.py).
 
 Prompt lookup (n-gram matching, as transformers' `prompt_lookup_num_tokens` and vLLM's
 `ngram` speculator do): the last n tokens of a row's sequence so far (prompt and output) are
 looked for earlier in it, for n from `max_n` down to `min_n`; at the latest earlier match of
 the longest n that matches (the latest with k tokens after it, if any has), the k tokens that
-followed are the proposal. It runs on the
-device, on the row's token buffer, so a decode loop proposes without a host round trip.
+followed are the proposal. It runs on the device, on the row's token buffer, so a decode loop
+proposes without a host round trip. A draft model (`draft_proposals`) decodes k tokens from
+its own cache in the same carry.
 """
 
 from __future__ import annotations
@@ -122,8 +125,8 @@ class SpecState:
     kept: jax.Array  # [] int32: of those, kept
 
 
-def start_speculation(state: DecodeState, prompts_BT: jax.Array, start_B: jax.Array, spec: Speculation,
-          draft_cache: KVCache | None) -> SpecState:
+def start_speculation(state: DecodeState, prompts_BT: jax.Array, start_B: jax.Array,
+                      spec: Speculation, draft_cache: KVCache | None) -> SpecState:
     """The speculative carry after prefill (`state` holds each row's first token; the
     draft's cache, if any, the prompts)."""
     B, T = prompts_BT.shape

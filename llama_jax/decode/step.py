@@ -60,7 +60,8 @@ def decode_step(config: ModelConfig, params: Params, state: DecodeState,
 
 def next_logits(config: ModelConfig, params: Params, last_B: jax.Array, cache: KVCache
                 ) -> tuple[jax.Array, KVCache]:
-    """The step every decoder takes (this loop, the server's slots, speculation's draft): the model over each
-    row's last token against its cache, and the LM head's logits [B, V] for the next token."""
+    """The step every decoder takes (this loop, the server's slots, speculation's draft):
+    the model over each row's last token against its cache, and the LM head's logits
+    [B, V] for the next token."""
     h_B1D, cache, _ = apply(config, params, last_B[:, None], cache=cache)
     return lm_head(config, params, h_B1D)[:, 0], cache

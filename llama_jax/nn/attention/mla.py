@@ -20,8 +20,9 @@ Two ways to compute it, one function of the config and the mode (`apply`):
 - expanded (training, prefill, and decode with `mla_decode: expanded`): per-head keys and
   values are materialised from the latents and attended by `dot_product_attention` under the
   configured implementation (q/k head dim H, value head dim Y).
-- absorbed (a decode step, or a verify pass of a few tokens): q_nope·(c·W_UK)ᵀ = (q_nope·W_UKᵀ)·cᵀ, so each head's query is moved
-  into the latent space once and scores against the cached latents directly; softmax·v =
+- absorbed (a decode step, or a verify pass of a few tokens): q_nope·(c·W_UK)ᵀ =
+  (q_nope·W_UKᵀ)·cᵀ, so each head's query is moved into the latent space once and scores
+  against the cached latents directly; softmax·v =
   (softmax·c)·W_UV, so W_UV comes after the softmax. That is multi-query attention with one
   "head" of width W = [c, k_R] (values: c) and N query heads: per step the cache is read once,
   and nothing per head is built for the S cached tokens (expanded rebuilds N·(J + Y) values for
