@@ -30,6 +30,7 @@ from llama_jax.config import DTYPES
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
 from llama_jax.decode.decoder import DECODE_IMPLS, owned_decoder_params
 from llama_jax.decode.generate import GenerationStats, stream
+from llama_jax.decode.speculate import MAX_GUESSES, METHODS
 from llama_jax.errors import GenerateError
 from llama_jax.data.tokenizer import TextStream
 
@@ -59,7 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunk-steps", type=int, default=8,
                         help="decode steps (speculative rounds) between prints when streaming")
     add_speculation_arguments(parser, "speculative decoding: ngram (prompt lookup) or draft (a "
-                                      "draft model, --draft-checkpoint; implied by it)")
+                                      "draft model, --draft-checkpoint; implied by it)",
+                              METHODS, MAX_GUESSES)
     parser.add_argument("--draft-checkpoint",
                         help="a draft model's checkpoint (sharing the tokenizer), loaded as "
                              "--dtype and --quantize say")

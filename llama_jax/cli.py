@@ -47,14 +47,13 @@ def show_library_notes() -> None:
         logger.addHandler(_Notes())
 
 
-def add_speculation_arguments(parser: argparse.ArgumentParser, speculate_help: str) -> None:
-    """`--speculate` (described by `speculate_help`), `--num-speculative-tokens` and
-    `--ngram`."""
-    from llama_jax.decode.speculate import MAX_GUESSES, METHODS
-
-    parser.add_argument("--speculate", choices=METHODS, default=None, help=speculate_help)
+def add_speculation_arguments(parser: argparse.ArgumentParser, speculate_help: str,
+                              methods: tuple[str, ...], max_guesses: int) -> None:
+    """`--speculate` (one of `methods`, described by `speculate_help`),
+    `--num-speculative-tokens` (up to `max_guesses`) and `--ngram`."""
+    parser.add_argument("--speculate", choices=methods, default=None, help=speculate_help)
     parser.add_argument("--num-speculative-tokens", type=int, default=4,
-                        help=f"guesses per verify pass, 1..{MAX_GUESSES}")
+                        help=f"guesses per verify pass, 1..{max_guesses}")
     parser.add_argument("--ngram", type=int, nargs=2, default=(1, 3), metavar=("MIN", "MAX"),
                         help="n-gram sizes prompt lookup matches")
 

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 from llama_jax.cli import add_speculation_arguments, user_errors_exit
+from llama_jax.decode.speculate import MAX_GUESSES, METHODS
 from llama_jax.plan.info import parse_mesh
 from llama_jax.serve.flags import add_server_arguments
 
@@ -47,7 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "directory's name)")
     add_server_arguments(parser)
     add_speculation_arguments(parser, "speculative decoding: ngram (prompt lookup; draft "
-                                      "models decode with sample.py --draft-checkpoint)")
+                                      "models decode with sample.py --draft-checkpoint)",
+                              METHODS, MAX_GUESSES)
     parser.add_argument("--speculate-min-accepted", type=float, default=None,
                         help="a row verifies while it expects to keep this many guesses a "
                              "pass (default: the break-even of a 2-core CPU's verify cost at "
