@@ -31,12 +31,11 @@ from typing import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from llama_jax.parallel import sharding
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name
 from llama_jax.errors import ConfigError, GenerateError
-from llama_jax.model.kv_cache import KVCache, init_cache
+from llama_jax.model.kv_cache import init_cache
 from llama_jax.model.transformer import apply
 from llama_jax.nn.attention.dot_product import chosen_attention
 from llama_jax.nn.heads import is_task_head, lm_head
