@@ -10,16 +10,36 @@
 #   bash bench/lease.sh 8b            # ~6 min: LLaMA-3-8B decode (training when it fits)
 #   bash bench/lease.sh aot           # ~3 min: the deviceless GPU compile against the device's
 #                                     #   own; saves the device's target description
+#   bash bench/lease.sh speculate     # ~3 min: bench/speculate.py, the verify pass on the
+#                                     #   GPU model and prompt lookup / a draft on the demo model
+#
+# `speculate` reads .lease/ (carried; git ignores it), which `bash bench/lease.sh prepare`
+# (with .venv's python, or $PYTHON) makes here from `make demo` and `make demo-draft`: their
+# last checkpoints without the optimizer state, and the benchmark's prompts from the demo
+# corpus (not on the device).
 #
 # Python packages the machine lacks travel as wheels in .whl/ (carried; see the device
 # notes): they are installed first when present. Results go under $OUT/STAGE (JSON, tables).
 # In the profile stage a failing profile is reported and the next one runs.
 set -euo pipefail
-stages="profile train decode correctness 8b aot"
+stages="profile train decode correctness 8b aot speculate prepare"
 stage=${1:-}
 if [[ -z $stage || $stage == *" "* || " $stages " != *" $stage "* ]]; then
   echo "usage: bash bench/lease.sh STAGE, STAGE one of: $stages" >&2
   exit 2
+fi
+if [[ $stage == prepare ]]; then  # here, not on the device
+  rm -rf .lease
+  for run in demo demo-draft; do
+    step=$(ls "runs/$run/checkpoints" | sort -n | tail -1)
+    mkdir -p ".lease/$run/checkpoints/$step"
+    cp "runs/$run/config.yaml" "runs/$run/tokenizer.model" ".lease/$run/"
+    for part in "runs/$run/checkpoints/$step"/*; do
+      [[ $(basename "$part") == opt_state ]] || cp -r "$part" ".lease/$run/checkpoints/$step/"
+    done
+  done
+  "${PYTHON:-.venv/bin/python}" bench/speculate.py --checkpoint runs/demo --save-prompts .lease/prompts.json
+  exit
 fi
 out=${OUT:-.}/$stage
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -52,4 +72,9 @@ case $stage in
     python3 bench/gpu.py --plan llama3-8b --sections train decode --out "$out" ;;
   aot)
     python3 bench/aot_gpu.py --out "$out" ;;
+  speculate)
+    mkdir -p "$out"
+    python3 bench/speculate.py --verify-model gpu --verify-k 2 8 15 --rounds 3 \
+      --checkpoint .lease/demo --draft .lease/demo-draft --prompts .lease/prompts.json \
+      --out "$out/speculate.json" ;;
 esac

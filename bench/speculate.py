@@ -3,10 +3,13 @@ prompt lookup and of a draft model on the demo model.
 
     python bench/speculate.py [--rounds 3] [--checkpoint runs/demo]
                               [--draft runs/demo-draft] [--k 4] [--new 128]
+                              [--verify-model bench|gpu] [--verify-k K ...] [--out FILE]
+                              [--prompts FILE | --save-prompts FILE]
 
-1. Verify cost: the benchmark model (D=512, L=8, random weights, fp32, the unrolled decoder
-   "auto" picks on CPU) at batch 1 and 8 with 192 cached tokens: one pass of k + 1 tokens
-   against the cache (rows at their own ends) over one decode step.
+1. Verify cost: the benchmark model (D=512, L=8, random weights, fp32; `--verify-model gpu`:
+   bench/gpu.py's D=2048, L=16 in bf16) with the unrolled decoder at batch 1 and 8 with 192
+   cached tokens: one pass of k + 1 tokens against the cache (rows at their own ends) over
+   one decode step.
 2. Generation, batch 1, greedy, `--new` tokens without early stop, on the demo model (`make
    demo`) and passages of the demo corpus's validation split (192 tokens from a paragraph a
    third of the way into a document):
@@ -18,6 +21,9 @@ prompt lookup and of a draft model on the demo model.
    skipped when absent). tokens/s is new tokens / (time to first token + decode), compile
    excluded; rounds alternate the modes; medians over passages and rounds. accepted: guesses
    kept / guesses verified; ratio: tokens/s over off's.
+
+On a machine without the corpus (a lent GPU), `--save-prompts FILE` writes the workloads'
+prompts where the corpus is, and `--prompts FILE` reads them there.
 """
 
 from __future__ import annotations
@@ -40,13 +46,18 @@ from llama_jax.model.transformer import apply, unstack_layers
 from llama_jax.nn.heads import lm_head
 
 from common import BENCH_MODEL
+from gpu import BIG
+
+VERIFY_MODELS = {"bench": (BENCH_MODEL, "float32"), "gpu": (BIG, "bfloat16")}
 
 WORKLOADS = ("repeat", "continue", "unrelated")
 
 
-def verify_cost(k: int, repeats: int = 30) -> dict[int, dict]:
-    """Milliseconds of a decode step and of a verify pass of k + 1 tokens, per batch."""
-    config = BENCH_MODEL
+def verify_cost(model: str, ks: list[int], repeats: int = 30) -> dict[int, dict]:
+    """Milliseconds of a decode step and of a verify pass of k + 1 tokens for each k, per
+    batch, and each pass's ratio to the step."""
+    config, dtype = VERIFY_MODELS[model]
+    config = config.with_execution(param_dtype=dtype, compute_dtype=dtype)
     params = unstack_layers(llama_jax.init_params(config, jax.random.key(0)))
 
     def forward(params, tokens_BT, cache):
@@ -54,14 +65,15 @@ def verify_cost(k: int, repeats: int = 30) -> dict[int, dict]:
         return lm_head(config, params, h_BTD), cache
 
     run = jax.jit(forward, donate_argnums=2)
+    lengths = [1] + [k + 1 for k in ks]
     out = {}
     for B in (1, 8):
         tokens = np.random.default_rng(0).integers(0, config.vocab_size, (B, 192))
-        cache = init_cache(config, B, 512, "float32", layout="per_layer")
+        cache = init_cache(config, B, 512, dtype, layout="per_layer")
         _, cache = run(params, tokens, cache)
         cache = cache.with_row_ends()
-        times: dict[int, list[float]] = {1: [], k + 1: []}
-        for T in (1, k + 1, 1, k + 1):  # alternating: both see the same drift
+        times: dict[int, list[float]] = {T: [] for T in lengths}
+        for T in lengths * 2:  # alternating: every length sees the same drift
             for i in range(repeats + 3):
                 start = time.perf_counter()
                 logits, cache = run(params, tokens[:, :T], cache)
@@ -69,8 +81,10 @@ def verify_cost(k: int, repeats: int = 30) -> dict[int, dict]:
                 if i >= 3:
                     times[T].append(time.perf_counter() - start)
                 cache = cache.replace(end=cache.end - T)  # the same context every time
-        step, verify = (statistics.median(times[T]) * 1e3 for T in (1, k + 1))
-        out[B] = {"step_ms": step, "verify_ms": verify, "ratio": verify / step}
+        step = statistics.median(times[1]) * 1e3
+        verify = {k: statistics.median(times[k + 1]) * 1e3 for k in ks}
+        out[B] = {"step_ms": step, "verify_ms": verify,
+                  "ratio": {k: ms / step for k, ms in verify.items()}}
     return out
 
 
@@ -102,12 +116,23 @@ def main() -> None:
     parser.add_argument("--draft", default="runs/demo-draft")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--verify-model", choices=tuple(VERIFY_MODELS), default="bench")
+    parser.add_argument("--prompts", help="the workloads' prompts from this JSON file")
+    parser.add_argument("--save-prompts", help="write the workloads' prompts here and stop")
+    parser.add_argument("--verify-k", type=int, nargs="*", default=[],
+                        help="more guess counts whose verify pass to time, beside --k")
+    parser.add_argument("--out", help="also write the results' JSON to this file")
     args = parser.parse_args()
+    if args.save_prompts:
+        tokenizer = llama_jax.load_tokenizer(args.checkpoint)
+        Path(args.save_prompts).write_text(json.dumps(prompts(tokenizer, args.passages)))
+        return
 
-    cost = verify_cost(args.k)
+    cost = verify_cost(args.verify_model, sorted({args.k, *args.verify_k}))
     for B, row in cost.items():
-        print(f"verify of {args.k + 1} tokens, batch {B}: step {row['step_ms']:.2f} ms, "
-              f"verify {row['verify_ms']:.2f} ms, ratio {row['ratio']:.2f}")
+        for k, ms in row["verify_ms"].items():
+            print(f"verify of {k + 1} tokens, batch {B}: step {row['step_ms']:.2f} ms, "
+                  f"verify {ms:.2f} ms, ratio {row['ratio'][k]:.2f}")
 
     config, params = llama_jax.load_checkpoint(args.checkpoint)
     params, impl = owned_decoder_params(params, "auto")
@@ -115,7 +140,8 @@ def main() -> None:
     if Path(args.draft).exists():
         draft_config, draft_params = llama_jax.load_checkpoint(args.draft)
         modes["draft"] = {"draft": (draft_config, owned_decoder_params(draft_params, impl)[0])}
-    workloads = prompts(llama_jax.load_tokenizer(args.checkpoint), args.passages)
+    workloads = (json.loads(Path(args.prompts).read_text()) if args.prompts else
+                 prompts(llama_jax.load_tokenizer(args.checkpoint), args.passages))
     rates: dict = {}
     kept: dict = {}
     for _ in range(args.rounds):
@@ -141,7 +167,11 @@ def main() -> None:
         print(f"{workload:10} {mode:6} {tps:9.1f} {ratio:6.2f} {rate:>9}")
         table.append(dict(workload=workload, mode=mode, tokens_per_s=tps, ratio=ratio,
                           accepted=accepted, drafted=drafted))
-    print(json.dumps({"verify": cost, "generate": table}))
+    result = json.dumps({"device": str(jax.devices()[0].device_kind), "verify": cost,
+                         "generate": table})
+    print(result)
+    if args.out:
+        Path(args.out).write_text(result)
 
 
 if __name__ == "__main__":
