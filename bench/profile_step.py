@@ -117,16 +117,20 @@ def profile(plan, run: str, steps: int, out: Path) -> dict:
     instructions, computations = parse_hlo(compiled.as_text())
     module = re.search(r"HloModule\s+([\w.\-]+)", compiled.as_text()).group(1)
     per_category = collections.Counter()
-    unknown = 0.0
+    unmatched = collections.Counter()
     for name, seconds in device_op_times(trace, module).items():
         if name in instructions and instructions[name][0] in _CONTAINERS:
             continue  # its body's ops have events of their own
         if name in instructions:
             per_category[category(instructions[name], computations)] += seconds / steps
         else:
-            unknown += seconds / steps
+            unmatched[name] += seconds / steps
     return {"device": str(jax.devices()[0].device_kind), "run": run,
-            "steps": steps, "wall_s_per_step": wall_s, "unmatched_s_per_step": unknown,
+            "steps": steps, "wall_s_per_step": wall_s,
+            "unmatched_s_per_step": sum(unmatched.values()),
+            # what the trace names that the compiled program's text does not: the first thing
+            # to read when the categories come out empty (a jax whose names differ)
+            "unmatched_top": dict(unmatched.most_common(10)),
             "op_s_per_step": {c: per_category.get(c, 0.0) for c in CATEGORIES},
             "trace": str(trace)}
 
@@ -142,6 +146,9 @@ def render(result: dict) -> str:
              "| category | ms per step | share |", "|---|---:|---:|"]
     for name in CATEGORIES:
         lines.append(f"| {name} | {ops[name] * 1e3:.2f} | {ops[name] / total:.1%} |")
+    if result["unmatched_top"]:
+        lines.append("unmatched: " + ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s
+                                               in result["unmatched_top"].items()))
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import llama_jax
-from llama_jax.decode.generate import GenerationStats, generate, stream
+from llama_jax.decode.generate import GenerationStats, generate, speculation, stream
 from llama_jax.decode.speculate import ngram_proposals
 from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import init_cache
@@ -275,3 +275,14 @@ def test_a_speculating_engine_equals_generate_alone(kind, min_accepted, models):
 def test_a_server_speculates_by_prompt_lookup_only():
     with pytest.raises(GenerateError, match="prompt lookup .*--draft-checkpoint"):
         Engine(TINY, None, speculate="draft")
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_prompt_lookup_breaks_even_by_the_platforms_verify_cost(batch):
+    """An accelerator's step reads weights, so a verify pass costs about one step there (an
+    H200: 0.9-1.35 steps for 3-16 tokens at batch 1-8) and speculation stays on at lower
+    expected gains than on a CPU, whose rows compute."""
+    kept = {platform: speculation(TINY, "ngram", 4, (1, 3), None, batch,
+                                  platform=platform).min_kept
+            for platform in ("cpu", "gpu", "tpu", "metal")}
+    assert kept["gpu"] == kept["tpu"] < 0.25 * batch < kept["cpu"] == kept["metal"]

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llama_jax.parallel import sharding
+from llama_jax.parallel import sharding, target
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.model.kv_cache import init_cache
@@ -269,7 +269,7 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
 
     B, T, N = bucket(len(prompts), 1), bucket(longest), bucket(max_new)
     spec = speculation(config, speculate, num_speculative_tokens, ngram, draft, B,
-                       min_accepted)
+                       min_accepted, target.platform_of_tree(params))
     prompts_BT = np.zeros((B, T), np.int32)
     start_B = np.full((B,), T - 1, np.int32)  # padding rows: one token, inactive
     for b, prompt in enumerate(prompts):
@@ -321,9 +321,11 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
 
 def speculation(config: ModelConfig, method: str | None, k: int, ngram: tuple[int, int],
                 draft: tuple[ModelConfig, Params] | None, batch: int,
-                min_accepted: float | None = None) -> Speculation | None:
+                min_accepted: float | None = None,
+                platform: str = "cpu") -> Speculation | None:
     """The static speculation settings of a request, or None; a `GenerateError` names a
-    setting that cannot be."""
+    setting that cannot be. Prompt lookup's `min_accepted` defaults to the break-even of
+    `verify_cost` at `batch` on `platform`."""
     if method is None and draft is None:
         return None
     if method is None:
@@ -342,7 +344,7 @@ def speculation(config: ModelConfig, method: str | None, k: int, ngram: tuple[in
         if len(ngram) != 2 or not 1 <= ngram[0] <= ngram[1]:
             raise GenerateError(f"ngram={ngram} must be (min, max) with 1 <= min <= max")
         if min_accepted is None:
-            min_accepted = verify_cost(batch, k) - 1.0
+            min_accepted = verify_cost(batch, k, platform) - 1.0
         return Speculation("ngram", k, ngram, min_kept=float(min_accepted))
     if draft is None:
         raise GenerateError("speculate='draft' needs draft=(draft_config, draft_params)")

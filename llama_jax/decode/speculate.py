@@ -84,13 +84,22 @@ RATE_STEP = 0.25
 HIT_RATE_START = 0.5
 
 
-def verify_cost(batch: int, k: int) -> float:
-    """What a round that verifies k guesses costs in plain decode steps, as measured on a
-    2-core CPU for the benchmark model (BENCHMARKS.md): at batch 1 a verify pass of 5 tokens
-    costs 1.2–1.4 steps; at batch 8 the 40 rows are compute-bound, and a server's rounds
-    that verified cost about 4 steps. Accelerators verify more cheaply (a step there reads
-    weights rather than computes), so speculating by this rule there errs toward off."""
-    return 1.0 + (0.1 + 0.093 * (batch - 1)) * k
+# What a verify pass's guesses cost over a plain step, per platform: (per guess at batch 1,
+# added per guess for each further row), as measured (BENCHMARKS.md). On a 2-core CPU (the
+# benchmark model) a step computes: a pass of 5 tokens costs 1.2-1.4 steps at batch 1, and a
+# server's rounds that verified about 4 at batch 8. On a GPU (bench/gpu.py's D=2048 model in
+# bf16, an H200) a step reads weights: a pass of 3 to 16 tokens cost 0.86-0.94 steps at
+# batch 1 and 0.99-1.35 at batch 8. TPUs read weights at decode too; unmeasured, they take the
+# GPU's figures.
+VERIFY_COSTS = {"cpu": (0.1, 0.093), "gpu": (0.03, 0.005), "tpu": (0.03, 0.005)}
+
+
+def verify_cost(batch: int, k: int, platform: str = "cpu") -> float:
+    """What a round that verifies k guesses costs in plain decode steps on `platform`
+    ("cpu", "gpu" or "tpu"; `VERIFY_COSTS`; another platform is costed as a CPU, which errs
+    toward plain steps)."""
+    per_guess, per_row = VERIFY_COSTS.get(platform, VERIFY_COSTS["cpu"])
+    return 1.0 + (per_guess + per_row * (batch - 1)) * k
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,7 +77,7 @@ from llama_jax.decode.speculate import HIT_RATE_START, expected_kept, worth_veri
 from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import KVCache
 from llama_jax.model.params import Params
-from llama_jax.parallel import sharding
+from llama_jax.parallel import sharding, target
 from llama_jax.plan.costs import (SERVING_PREFILL_CHUNK, SERVING_STEPS_PER_DISPATCH,
                                   prefix_cache_blocks, serving_cache_slots)
 from llama_jax.serve.prefix_index import PrefixIndex
@@ -225,7 +225,7 @@ class Engine:
                                 "decode with a draft model by generate(draft=...) or sample.py "
                                 "--draft-checkpoint")
         self.spec = speculation(config, speculate, num_speculative_tokens, ngram, None,
-                                max_batch, min_accepted)
+                                max_batch, min_accepted, target.platform_of_tree(params))
         self.max_slots = serving_cache_slots(self.max_seq_len, self.steps)
         if self.spec is not None:  # a row's last pass writes k + 1 slots past its end
             self.max_slots = max(self.max_slots, self.max_seq_len + self.spec.k + 1)
