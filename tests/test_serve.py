@@ -487,11 +487,15 @@ def test_a_full_queue_answers_429_and_sigterm_drains(checkpoint):
 
 # ------------------------------------------------------------------- speculative decoding
 
-@pytest.fixture(scope="module")
-def speculating(checkpoint):
+@pytest.fixture(scope="module", params=["ngram", "draft"])
+def speculating(checkpoint, request):
+    """A server guessing by prompt lookup, every round verifying; or by a draft model: the
+    model itself, whose every guess is kept while its cache holds the rows' contexts."""
+    how = (["--speculate", "ngram", "--speculate-min-accepted", "0"] if request.param == "ngram"
+           else ["--draft-checkpoint", str(checkpoint)])
     live = Live(checkpoint, "--max-batch", str(SLOTS), "--prefill-chunk", str(CHUNK),
-                "--speculate", "ngram", "--num-speculative-tokens", "3",
-                "--speculate-min-accepted", "0")  # every round verifies
+                "--num-speculative-tokens", "3", *how)
+    live.method = request.param
     yield live
     assert live.stop() == 0, "".join(live.lines[-30:])
 
@@ -503,10 +507,10 @@ def repetitive(model, i: int, n: int) -> list[int]:
 
 
 def test_a_speculating_server_answers_as_without(speculating, model):
-    """Prompt lookup on: a greedy request equals `generate` (tokens as text, log-probabilities
+    """Speculating: a greedy request equals `generate` (tokens as text, log-probabilities
     within 1e-4), alone and among 16 concurrent streams of mixed lengths; streamed equals not
     streamed, several tokens a step, each with its log-probability; usage and /metrics count
-    the guesses."""
+    the guesses (a draft that is the model: every one kept)."""
     prompt = repetitive(model, 0, 40)
     tokens, logprobs, text = reference(model, prompt, 30)
     whole = speculating.client.completions.create(model="tiny", prompt=prompt, max_tokens=30,
@@ -520,13 +524,16 @@ def test_a_speculating_server_answers_as_without(speculating, model):
         whole.choices[0].logprobs.token_logprobs
     details = whole.usage.completion_tokens_details
     assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
+    if speculating.method == "draft":
+        assert details.rejected_prediction_tokens == 0
     cases = [(repetitive(model, i, 5 + 7 * i % 50), 4 + 5 * i % 40) for i in range(16)]
     before = scrape(speculating)
     for (prompt, max_tokens), text in zip(cases, concurrent_streams(speculating, cases)):
         assert text == reference(model, prompt, max_tokens)[2]
     grew = {k: v - before.get(k, 0.0) for k, v in scrape(speculating).items()}
-    assert 0 < grew["llama_jax_speculative_accepted_tokens_total"] \
-        <= grew["llama_jax_speculative_drafted_tokens_total"]
+    kept = grew["llama_jax_speculative_accepted_tokens_total"]
+    drafted = grew["llama_jax_speculative_drafted_tokens_total"]
+    assert 0 < kept == drafted if speculating.method == "draft" else 0 < kept <= drafted
 
 
 def test_a_speculating_server_cuts_stop_strings_exactly(speculating, model):

@@ -212,6 +212,16 @@ def test_the_server_refuses_a_cache_that_does_not_fit(tmp_path, monkeypatch, cap
     assert main(["--checkpoint", str(tmp_path), "--prefill-chunk", "24"]) == 2
     assert capsys.readouterr().err == \
         "error: prefill_chunk=24 must be a power of two >= 16\n"
+    other = dataclasses.replace(config, vocab_size=300)
+    llama_jax.save_native(other, llama_jax.init_params(other, jax.random.key(1)),
+                          tmp_path / "draft")
+    assert main(["--checkpoint", str(tmp_path), "--draft-checkpoint",
+                 str(tmp_path / "draft")]) == 2
+    assert capsys.readouterr().err.startswith(
+        "error: the draft model's vocabulary (300 tokens) is not the model's (320)")
+    with pytest.raises(SystemExit):
+        main(["--checkpoint", str(tmp_path), "--speculate", "draft"])
+    assert "--speculate draft needs --draft-checkpoint DIR" in capsys.readouterr().err
 
 
 def _sentencepiece(directory):

@@ -234,47 +234,75 @@ def test_stop_tokens_max_tokens_and_streaming_cut_speculative_output_exactly(mod
 
 # ------------------------------------------------------------------- in the server's engine
 
-@pytest.mark.parametrize("kind, min_accepted", [("gqa-stacked-int8", 0),
-                                                ("mla-per_layer-int8", None)])
-def test_a_speculating_engine_equals_generate_alone(kind, min_accepted, models):
-    """16 greedy requests of mixed lengths through 4 rows that speculate (every round
-    verifies; or rows verify while their guesses pay, by their own rates), a stop id among
-    them: each one's tokens, log-probabilities (within 1e-4) and finish reason equal
-    `generate` without speculation; a seeded sampled request gives the same tokens alone and
-    among them where every round verifies; guesses were verified and some kept."""
+@pytest.mark.parametrize("kind, how", [("gqa-stacked-int8", "ngram, always"),
+                                       ("mla-per_layer-int8", "ngram, by rates"),
+                                       ("gqa-stacked-f32", "draft")])
+def test_a_speculating_engine_equals_generate_alone(kind, how, models):
+    """16 greedy requests of mixed lengths through 4 rows that speculate (prompt lookup,
+    every round verifying or rows verifying while their guesses pay by their own rates; or a
+    draft model: the model itself, whose every guess is kept if its cache holds each row's
+    context), a stop id among them: each one's tokens, log-probabilities (within 1e-4) and
+    finish reason equal `generate` without speculation; a seeded sampled request gives the
+    same tokens alone and among them where every round verifies; guesses were verified and
+    some (the draft: all) kept, a greedy request alone as many as in `generate`."""
     config, dtype, decoder = KINDS[kind]
     params = models[kind[:3]][1]
     lengths = [37, 5, 18, 2, 29, 11, 44, 8, 20, 33, 7, 15, 3, 26, 40, 12]
     new = [24, 10, 30, 5, 17, 24, 12, 30, 9, 16, 28, 20, 6, 24, 13, 19]
     prompts = repetitive_prompts(lengths, config.vocab_size, seed=7)
     stop = generate(config, params, prompts[:1], 12, stop_tokens=[])[0][10]
+    speculating = {"ngram, always": dict(speculate="ngram", min_accepted=0),
+                   "ngram, by rates": dict(speculate="ngram"),
+                   "draft": dict(draft=(config, params))}[how]
     engine = Engine(config, params, max_batch=4, max_seq_len=80, stop_ids=[stop],
                     cache_dtype=dtype, decode_impl=decoder, steps_per_dispatch=3,
-                    speculate="ngram", num_speculative_tokens=3, min_accepted=min_accepted)
+                    prefill_chunk=16, num_speculative_tokens=3, **speculating)
     sampled = dict(prompt=prompts[4], max_tokens=20, temperature=0.9, top_k=20, seed=11)
     engine.start()
     try:
         alone = run_requests(engine, [sampled])[0]["tokens"]
+        first = engine.stats()
+        run_requests(engine, [dict(prompt=prompts[6], max_tokens=new[6])])
+        first = {k: v - first[k] for k, v in engine.stats().items() if "speculative" in k}
         results = run_requests(engine, [dict(prompt=q, max_tokens=n)
                                         for q, n in zip(prompts, new)]
                                        + [sampled])
     finally:
         assert engine.stop(30)
+    if how != "ngram, by rates":  # (the server decides by rates a program late)
+        # a greedy request alone guesses and keeps what it does in `generate`: its guesses
+        # come from the same state (its tokens; a draft's cache of them)
+        stats = GenerationStats()
+        generate(config, params, prompts[6:7], new[6], stop_tokens=[stop], cache_dtype=dtype,
+                 decode_impl=decoder, num_speculative_tokens=3, stats=stats, **speculating)
+        assert (first["speculative_accepted_tokens"], first["speculative_drafted_tokens"]) \
+            == (stats.accepted_tokens, stats.drafted_tokens)
     tokens, logprobs = generate(config, params, prompts, max(new), stop_tokens=[stop],
                                 cache_dtype=dtype, decode_impl=decoder, return_logprobs=True)
     for n, result, row, row_logprobs in zip(new, results, tokens, logprobs):
         assert result["tokens"] == row[:n]
         assert result["reason"] == ("length" if len(row) >= n else "stop")
         np.testing.assert_allclose(result["logprobs"], row_logprobs[:n], atol=1e-4)
-    if min_accepted == 0:  # (by rates, a busy batch may outvote the row's verify passes)
+    if how != "ngram, by rates":  # (by rates, a busy batch may outvote the row's passes)
         assert results[-1]["tokens"] == alone
     stats = engine.stats()
-    assert 0 < stats["speculative_accepted_tokens"] < stats["speculative_drafted_tokens"]
+    kept, drafted = stats["speculative_accepted_tokens"], stats["speculative_drafted_tokens"]
+    assert 0 < kept == drafted if how == "draft" else 0 < kept < drafted
 
 
-def test_a_server_speculates_by_prompt_lookup_only():
-    with pytest.raises(GenerateError, match="prompt lookup .*--draft-checkpoint"):
-        Engine(TINY, None, speculate="draft")
+def test_a_servers_draft_must_share_the_vocabulary_and_one_device(models):
+    from llama_jax.config import MeshConfig
+    from llama_jax.parallel import sharding
+
+    config, params = models["gqa"]
+    other = dataclasses.replace(config, vocab_size=config.vocab_size + 1)
+    with pytest.raises(GenerateError, match="draft model's vocabulary"):
+        Engine(config, params, draft=(other, llama_jax.init_params(other, jax.random.key(2))))
+    mesh = sharding.make_mesh(MeshConfig(data=len(jax.devices())))
+    on_mesh = jax.device_put(params, jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec()))
+    with pytest.raises(GenerateError, match="draft model decodes on one device"):
+        Engine(config, on_mesh, draft=first_layers(config, params, 1))
 
 
 @pytest.mark.parametrize("batch", [1, 8])

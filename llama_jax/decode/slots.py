@@ -9,11 +9,12 @@ step, settings and key, kept on the device and donated to every program that upd
 - `insert`: that one-row cache written over a row, ending at the slots' write slot `end`, with
   the row's first token sampled from those logits;
 - `decode`: K decode steps of every row (`step.next_logits`, the step `generate` takes);
-- `speculate`: K rounds of prompt lookup (speculate.py) of every row instead, for a server
-  that speculates: each row guesses from its own tokens, one pass verifies, and each row
-  advances by what it kept (1 to k + 1 tokens a round). Its rows have cache ends of their own
-  and keep their token ids beside the cache (`Lookup`); a row's prompt sits from slot 0 and
-  the rows are never moved;
+- `speculate`: K speculative rounds (speculate.py) of every row instead, for a server that
+  speculates: each row guesses from its own tokens (prompt lookup) or by a draft model (whose
+  cache the slots hold beside the model's), one pass verifies, and each row advances by what
+  it kept (1 to k + 1 tokens a round). Its rows have cache ends of their own and keep their
+  token ids beside the cache (`Lookup`); a row's prompt sits from slot 0 and the rows are
+  never moved;
 - `rearrange`: every row's slots moved later and the cache resized (grown or cut).
 
 A row's sampling key for step s is `fold_in(key, s)` of its own key, and rows never mix, so a
@@ -34,9 +35,9 @@ from llama_jax.config import MeshConfig, ModelConfig
 from llama_jax.decode.generate import MIN_BUCKET, bucket, placed
 from llama_jax.decode.step import NO_TOKEN, next_logits
 from llama_jax.decode.sampling import SamplingParams, Strategy, sample
-from llama_jax.decode.speculate import (HIT_RATE_START, Speculation, cut, ngram_proposals,
-                                        put_rows, token_logprobs, updated_rate, verify_or_step,
-                                        worth_verifying)
+from llama_jax.decode.speculate import (HIT_RATE_START, Speculation, cut, draft_proposals,
+                                        ngram_proposals, put_rows, token_logprobs,
+                                        updated_rate, verify_or_step, worth_verifying)
 from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import (KVCache, init_cache, moved, resized, shifted,
                                       with_row)
@@ -71,7 +72,8 @@ class Lookup:
 
 @struct.dataclass
 class Slots:
-    """The decode rows on the device (with `lookup`, a speculating server's)."""
+    """The decode rows on the device (with `lookup`, a speculating server's; with
+    `draft_cache`, one whose draft model guesses)."""
 
     cache: KVCache
     last_B: jax.Array  # [B] int32: the token to feed next
@@ -82,6 +84,7 @@ class Slots:
     key_B: jax.Array  # [B] typed keys
     stop_S: jax.Array  # [n_stop] int32: the ids that end a request
     lookup: Lookup | None = None
+    draft_cache: KVCache | None = None  # the draft model's, ends per row like `cache`'s
 
 
 @struct.dataclass
@@ -106,11 +109,15 @@ def empty_slots(stop_S: jax.Array, *, config: ModelConfig, batch: int, max_len: 
                 cache_dtype: str, layout: str, spec: Speculation | None = None,
                 placement: tuple | None) -> Slots:
     """`batch` idle rows over a cache of `max_len` slots that stop on the ids `stop_S` (rows
-    that speculate as `spec` says: cache ends of their own, and their tokens)."""
+    that speculate as `spec` says: cache ends of their own, their tokens, and a draft model's
+    cache of as many slots)."""
     with placed(placement):
         B = batch
         cache = init_cache(config, B, max_len, cache_dtype, layout=layout)
-        lookup = None
+        lookup = draft_cache = None
+        if spec is not None and spec.method == "draft":
+            draft_cache = init_cache(spec.draft_config, B, max_len, cache_dtype,
+                                     layout=layout).with_row_ends()
         if spec is not None:
             cache = cache.with_row_ends()
             zeros_B = jnp.zeros((B,), jnp.int32)
@@ -121,7 +128,7 @@ def empty_slots(stop_S: jax.Array, *, config: ModelConfig, batch: int, max_len: 
             cache=cache, last_B=jnp.zeros((B,), jnp.int32), step_B=jnp.zeros((B,), jnp.int32),
             max_new_B=jnp.ones((B,), jnp.int32), done_B=jnp.ones((B,), bool),
             sampling=SamplingParams.broadcast(B), key_B=jax.random.split(jax.random.key(0), B),
-            stop_S=stop_S, lookup=lookup)
+            stop_S=stop_S, lookup=lookup, draft_cache=draft_cache)
 
 
 def _choose(logits_BV, key_B, step_B, sampling, strategy: Strategy, top: int):
@@ -168,15 +175,31 @@ def decode(slots: Slots, params: Params, *, config: ModelConfig, n_steps: int,
         return _decode_steps(config, params, slots, n_steps, strategy, top)
 
 
-def _speculative_rounds(config, params, slots: Slots, n_rounds: int, spec: Speculation,
-                        verify: bool, strategy, top):
+def _guesses(slots: Slots, end_B, draft_params, spec: Speculation, strategy, key_B):
+    """Each row's k guesses from its last token at its cache end `end_B`, how many it has,
+    the draft's distributions (None for prompt lookup) and the draft's cache."""
+    k, tokens_BS = spec.k, slots.lookup.tokens_BS
+    if spec.method == "ngram":
+        guess_BK, n_guess_B = ngram_proposals(tokens_BS, end_B + 1, k, *spec.ngram)
+        return guess_BK, n_guess_B, None, None
+    before_B = jnp.take_along_axis(tokens_BS, jnp.maximum(end_B - 1, 0)[:, None], 1)[:, 0]
+    guess_BK, q_BKV, draft_cache = draft_proposals(
+        spec.draft_config, draft_params, slots.draft_cache, end_B, before_B, slots.last_B,
+        slots.sampling, k, strategy, key_B)
+    return guess_BK, jnp.full_like(end_B, k), q_BKV, draft_cache
+
+
+def _speculative_rounds(config, params, draft_params, slots: Slots, n_rounds: int,
+                        spec: Speculation, verify: bool, strategy, top):
     k = spec.k
     T = k + 1
     B, S = slots.last_B.shape[0], slots.cache.max_len
-    # Which rows verify is decided for the whole program by their own rates as the host saw
-    # them (`deciding_rate_B`), so that a row's tokens never depend on which program its
-    # neighbours made the host choose: a row worth verifying makes it choose `verify`.
-    worth_B = worth_verifying(slots.lookup.deciding_rate_B, ~slots.done_B, spec)
+    # Which rows verify prompt lookup's guesses is decided for the whole program by their own
+    # rates as the host saw them (`deciding_rate_B`), so that a row's tokens never depend on
+    # which program its neighbours made the host choose: a row worth verifying makes it
+    # choose `verify`. A draft's guesses are always verified.
+    worth_B = (worth_verifying(slots.lookup.deciding_rate_B, ~slots.done_B, spec)
+               if spec.method == "ngram" else None)
     rate_before_B = slots.lookup.hit_rate_B
 
     def round_(carry, _):
@@ -186,11 +209,13 @@ def _speculative_rounds(config, params, slots: Slots, n_rounds: int, spec: Specu
         end_B = jnp.where(active_B, slots.cache.end, jnp.minimum(slots.cache.end, S - T))
         keys_B3 = jax.vmap(lambda key: jax.random.split(key, 3))(
             jax.vmap(jax.random.fold_in)(slots.key_B, slots.step_B))
-        guess_BK, n_guess_B = ngram_proposals(lookup.tokens_BS, end_B + 1, k, *spec.ngram)
+        guess_BK, n_guess_B, q_BKV, draft_cache = _guesses(slots, end_B, draft_params, spec,
+                                                           strategy, keys_B3[:, 0])
         proposing_B = active_B & (n_guess_B > 0)
         v = verify_or_step(config, params, slots.cache.replace(end=end_B), slots.last_B,
-                           guess_BK, None, n_guess_B, slots.sampling, strategy, keys_B3[:, 1:],
-                           worth_B & proposing_B, run_pass=verify)
+                           guess_BK, q_BKV, n_guess_B, slots.sampling, strategy, keys_B3[:, 1:],
+                           None if worth_B is None else worth_B & proposing_B,
+                           run_pass=verify)
         n_B, stopped_B = cut(v.tokens_BT, v.n_B, slots.max_new_B - slots.step_B, slots.done_B,
                              slots.stop_S[None, None, :])
         top_logprobs_BTn, top_ids_BTn = jax.lax.top_k(v.logprobs_BTV, top)
@@ -209,7 +234,7 @@ def _speculative_rounds(config, params, slots: Slots, n_rounds: int, spec: Specu
         slots = slots.replace(
             cache=v.cache.replace(end=end_B + n_B), last_B=jnp.where(n_B > 0, last_B,
                                                                     slots.last_B),
-            step_B=step_B, lookup=lookup,
+            step_B=step_B, lookup=lookup, draft_cache=draft_cache,
             done_B=slots.done_B | (active_B & (stopped_B | (step_B >= slots.max_new_B))))
         return (slots, count_B + n_B, out), None
 
@@ -226,18 +251,19 @@ def _speculative_rounds(config, params, slots: Slots, n_rounds: int, spec: Specu
 
 @functools.partial(jax.jit, static_argnames=("config", "n_steps", "spec", "verify", "strategy",
                                              "top", "placement"), donate_argnames=("slots",))
-def speculate(slots: Slots, params: Params, *, config: ModelConfig, n_steps: int,
-              spec: Speculation, verify: bool, strategy: Strategy, top: int,
-              placement: tuple | None) -> tuple[Slots, Emitted]:
-    """`n_steps` rounds of prompt lookup of every row (slots with `lookup`): each row's tokens
-    of the rounds, from column 0, and its guesses verified and kept so far. With `verify`,
-    every round runs a verify pass, in which the rows worth it (`speculate.worth_verifying`
-    at the program's start) verify their guesses; without, every round is a plain step (the
-    host chooses, by `speculate.worth_verifying` of the rates the program before the last
-    returned)."""
+def speculate(slots: Slots, params: Params, draft_params: Params | None = None, *,
+              config: ModelConfig, n_steps: int, spec: Speculation, verify: bool,
+              strategy: Strategy, top: int, placement: tuple | None) -> tuple[Slots, Emitted]:
+    """`n_steps` speculative rounds of every row (slots with `lookup`): each row's tokens of
+    the rounds, from column 0, and its guesses verified and kept so far. Prompt lookup: with
+    `verify`, every round runs a verify pass, in which the rows worth it
+    (`speculate.worth_verifying` at the program's start) verify their guesses; without, every
+    round is a plain step (the host chooses, by `speculate.worth_verifying` of the rates the
+    program before the last returned). A draft model (`draft_params`, its cache in the
+    slots) guesses, and every round verifies."""
     with placed(placement):
-        return _speculative_rounds(config, params, slots, n_steps, spec, verify, strategy,
-                                   top)
+        return _speculative_rounds(config, params, draft_params, slots, n_steps, spec, verify,
+                                   strategy, top)
 
 
 
@@ -308,9 +334,11 @@ def prefill_chunk(params: Params, one: KVCache | None, tokens_1L: jax.Array, las
 @functools.partial(jax.jit, donate_argnames=("slots",))
 def insert(slots: Slots, one: KVCache, logits_1V: jax.Array, row: jax.Array,
            max_new: jax.Array, sampling: SamplingParams, key_1: jax.Array,
-           prompt_1S: jax.Array | None = None) -> tuple[Slots, Emitted]:
+           prompt_1S: jax.Array | None = None, draft_one: KVCache | None = None
+           ) -> tuple[Slots, Emitted]:
     """Row `row` holding a prefilled request: its one-row cache placed to end at the cache's
-    `end` (with `lookup`: from slot 0, its prompt's tokens `prompt_1S` beside it), its
+    `end` (with `lookup`: from slot 0, its prompt's tokens `prompt_1S` beside it, and the
+    draft model's cache of the prompt `draft_one` where the slots hold a draft's), its
     settings, and its first token, sampled from the prompt's last `logits_1V` with the
     request's key (its step 0), which it also returns."""
     token_1, logprob_1, top_ids, top_logprobs = _choose(
@@ -329,6 +357,9 @@ def insert(slots: Slots, one: KVCache, logits_1V: jax.Array, row: jax.Array,
             deciding_rate_B=slots.lookup.deciding_rate_B.at[row].set(HIT_RATE_START),
             drafted_B=slots.lookup.drafted_B.at[row].set(zero),
             accepted_B=slots.lookup.accepted_B.at[row].set(zero)))
+    if draft_one is not None:
+        slots = slots.replace(draft_cache=with_row(
+            slots.draft_cache, row, resized(draft_one, slots.cache.max_len)))
     slots = slots.replace(
         cache=with_row(slots.cache, row, one), step_B=slots.step_B.at[row].set(0),
         max_new_B=slots.max_new_B.at[row].set(max_new), done_B=slots.done_B.at[row].set(False),

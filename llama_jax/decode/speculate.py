@@ -153,24 +153,23 @@ def start_speculation(state: DecodeState, prompts_BT: jax.Array, start_B: jax.Ar
         hit_rate_B=jnp.full((B,), HIT_RATE_START, jnp.float32), drafted=zero, kept=zero)
 
 
-def draft_proposals(config: ModelConfig, params: Params, cache: KVCache, st: SpecState,
-                    k: int, strategy: Strategy, key_B: jax.Array
+def draft_proposals(config: ModelConfig, params: Params, cache: KVCache, end_B: jax.Array,
+                    before_B: jax.Array, last_B: jax.Array, sampling: SamplingParams, k: int,
+                    strategy: Strategy, key_B: jax.Array
                     ) -> tuple[jax.Array, jax.Array | None, KVCache]:
     """The draft model's k guesses per row, drawn as the row samples (`[B, k]`), the
     distributions they were drawn from (`[B, k, V]`; None when no row samples) and its cache.
-    Its first pass feeds the row's last two tokens: the one before the last is missing from
-    the draft's cache when all k guesses of the round before were kept."""
-    base = st.base
-    length_B = st.prompt_B + st.count_B
-    before_B = jnp.take_along_axis(st.history_BL, (length_B - 2)[:, None], 1)[:, 0]
-    cache = cache.replace(end=base.cache.end - 1)
-    h_B2D, cache, _ = apply(config, params, jnp.stack([before_B, base.last_B], 1), cache=cache)
+    Each row's last token `last_B` sits at the target's cache end `end_B`. The draft's first
+    pass feeds it with the token before it (`before_B`), which is missing from the draft's
+    cache when all k guesses of the round before were kept."""
+    cache = cache.replace(end=end_B - 1)
+    h_B2D, cache, _ = apply(config, params, jnp.stack([before_B, last_B], 1), cache=cache)
     logits_BV = lm_head(config, params, h_B2D[:, -1:])[:, 0]
 
     def draw(logits_BV, i):
         keys_B = jax.vmap(jax.random.fold_in, (0, None))(key_B, i)
-        token_B = sample(logits_BV, keys_B, base.sampling, strategy)
-        q_BV = (jax.nn.softmax(filter_logits(logits_BV, base.sampling, strategy.sort), -1)
+        token_B = sample(logits_BV, keys_B, sampling, strategy)
+        q_BV = (jax.nn.softmax(filter_logits(logits_BV, sampling, strategy.sort), -1)
                 if strategy.draw else None)
         return token_B, q_BV
 
@@ -315,9 +314,11 @@ def speculative_round(config: ModelConfig, params: Params, st: SpecState, spec: 
                                               *spec.ngram)
         q_BKV = None
     else:
-        guess_BK, q_BKV, draft_cache = draft_proposals(spec.draft_config, draft_params,
-                                                       draft_cache, st, k, strategy,
-                                                       keys_B3[:, 0])
+        length_B = st.prompt_B + st.count_B
+        before_B = jnp.take_along_axis(st.history_BL, (length_B - 2)[:, None], 1)[:, 0]
+        guess_BK, q_BKV, draft_cache = draft_proposals(
+            spec.draft_config, draft_params, draft_cache, base.cache.end, before_B,
+            base.last_B, base.sampling, k, strategy, keys_B3[:, 0])
         n_guess_B = jnp.full(active_B.shape, k, jnp.int32)
     proposing_B = active_B & (n_guess_B > 0)
     verifying_B = (worth_verifying(st.hit_rate_B, proposing_B, spec)

@@ -6,8 +6,8 @@
         [--quantize int8 [--quantize-head]] [--cache-dtype int8] [--steps-per-dispatch 4]
         [--prefill-chunk 128] [--prefix-cache-bytes N | --no-prefix-cache]
         [--max-queue 64] [--drain-timeout 30] [--compile-only [--topology v5e-8]]
-        [--speculate ngram [--num-speculative-tokens 4] [--ngram 1 3]
-                           [--speculate-min-accepted X]]
+        [--speculate ngram [--ngram 1 3] [--speculate-min-accepted X] |
+         --draft-checkpoint DIR] [--num-speculative-tokens 4]
 
 It loads any checkpoint `load_checkpoint` reads, refuses a configuration whose weights and KV
 cache do not fit the device's memory (with the numbers), compiles its programs, prints
@@ -17,7 +17,8 @@ and exits 0. With `--compile-only` it reads the checkpoint's config, not its wei
 the server's largest programs for this host's devices or a `--topology` it does not have, and
 says whether they fit each device (exit 0) or not (exit 1): `llama_jax.aot.serving`.
 `--speculate ngram` decodes by prompt lookup (docs/serving.md), turning itself off while the
-guesses are not kept often enough to pay.
+guesses are not kept often enough to pay; `--draft-checkpoint DIR` by a draft model sharing
+the tokenizer (`--speculate draft`, implied).
 """
 
 from __future__ import annotations
@@ -47,13 +48,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the model name clients ask for (default: the checkpoint "
                              "directory's name)")
     add_server_arguments(parser)
-    add_speculation_arguments(parser, "speculative decoding: ngram (prompt lookup; draft "
-                                      "models decode with sample.py --draft-checkpoint)",
+    add_speculation_arguments(parser, "speculative decoding: ngram (prompt lookup) or draft "
+                                      "(a draft model, --draft-checkpoint; implied by it)",
                               METHODS, MAX_GUESSES)
+    parser.add_argument("--draft-checkpoint",
+                        help="a draft model's checkpoint (sharing the tokenizer), loaded as "
+                             "--dtype and --quantize say; on one device (no --mesh)")
     parser.add_argument("--speculate-min-accepted", type=float, default=None,
-                        help="a row verifies while it expects to keep this many guesses a "
-                             "pass (default: the break-even of a 2-core CPU's verify cost at "
-                             "--max-batch; 0: always)")
+                        help="prompt lookup: a row verifies while it expects to keep this "
+                             "many guesses a pass (default: the break-even of the platform's "
+                             "verify cost at --max-batch; 0: always)")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="requests that may wait for a slot (more get 429)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
@@ -69,6 +73,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.topology and not args.compile_only:
         parser.error("--topology needs --compile-only: a server runs on this host's devices")
+    if args.speculate == "draft" and not args.draft_checkpoint:
+        parser.error("--speculate draft needs --draft-checkpoint DIR")
+    if args.speculate == "ngram" and args.draft_checkpoint:
+        parser.error("--draft-checkpoint guesses by a draft model: drop --speculate ngram")
     return args
 
 
@@ -107,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                            model_name=args.served_model_name or Path(args.checkpoint).name,
                            speculate=args.speculate,
                            num_speculative_tokens=args.num_speculative_tokens,
-                           ngram=tuple(args.ngram), min_accepted=args.speculate_min_accepted)
+                           ngram=tuple(args.ngram), min_accepted=args.speculate_min_accepted,
+                           draft_checkpoint=args.draft_checkpoint)
     log.info("compiled the server's programs in %.1f s", engine.warm_up())
     engine.start()
     from llama_jax.serve.api import create_app

@@ -32,16 +32,22 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
           prefill_chunk: int = SERVING_PREFILL_CHUNK, prefix_cache_bytes: int | None = None,
           max_queue: int = 64, model_name: str | None = None, speculate: str | None = None,
           num_speculative_tokens: int = 4, ngram: tuple[int, int] = (1, 3),
-          min_accepted: float | None = None) -> tuple[Server, Engine]:
+          min_accepted: float | None = None,
+          draft_checkpoint: str | Path | None = None) -> tuple[Server, Engine]:
     """The API state and its (not yet started) engine for `checkpoint`. The prefix cache
     takes `prefix_cache_bytes` per device (None: `default_prefix_cache_bytes`; 0: none);
-    `speculate` and the rest are the engine's."""
+    `speculate` and the rest are the engine's; `draft_checkpoint` is a draft model's, loaded
+    as the model is (`dtype`, `quantize`; speculate="draft" is implied by it)."""
     check_prefill_chunk(prefill_chunk)
     tok = load_tokenizer(tokenizer or checkpoint)
     device_mesh = None if mesh is None else make_mesh(mesh)
     config, params = load_checkpoint(checkpoint, dtype, quantize=quantize,
                                      quantize_head=quantize_head, mesh=device_mesh,
                                      mesh_config=mesh)
+    draft = None
+    if draft_checkpoint is not None:  # loaded before the cache check counts what is free
+        draft = load_checkpoint(draft_checkpoint, dtype, quantize=quantize,
+                                quantize_head=quantize_head)
     try:
         config = config.with_execution(attention_impl=attention_impl)
         cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
@@ -52,6 +58,9 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
                                           steps_per_dispatch, mesh, prefix_cache_bytes)
     # The server keeps one copy of the weights, the decoder's: the stacked arrays go here.
     params, decode_impl = owned_decoder_params(params, decode_impl)
+    if draft is not None:
+        draft = (draft[0].with_execution(attention_impl=attention_impl),
+                 owned_decoder_params(draft[1], decode_impl)[0])
     stop_ids = sorted({*config.stop_ids, *(t for t in tok.eos_ids if t < config.vocab_size)})
     engine = Engine(config, params, max_batch=max_batch, max_seq_len=seq_len,
                     stop_ids=stop_ids, cache_dtype=cache_dtype, decode_impl=decode_impl,
@@ -59,7 +68,7 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
                     prefix_cache_bytes=prefix_cache_bytes, max_queue=max_queue,
                     mesh_config=mesh, speculate=speculate,
                     num_speculative_tokens=num_speculative_tokens, ngram=ngram,
-                    min_accepted=min_accepted)
+                    min_accepted=min_accepted, draft=draft)
     name = model_name or Path(checkpoint).name
     return Server(engine, tok, name, chat_format(checkpoint, tok)), engine
 

@@ -194,9 +194,11 @@ class Engine:
     of two); `prefix_cache_bytes` (per device) hold full chunks of earlier prompts (0: none);
     at most `max_queue` requests (or groups) wait for a row (`submit` raises QueueFull beyond
     that). Parameters on a mesh decode under `mesh_config`'s rules. `speculate="ngram"`
-    decodes by prompt lookup (`num_speculative_tokens`, `ngram` and `min_accepted` as for
+    decodes by prompt lookup, `draft=(draft_config, draft_params)` (or `speculate="draft"`
+    with it) by a draft model (`num_speculative_tokens`, `ngram` and `min_accepted` as for
     `generate`): each dispatch then runs `steps_per_dispatch` rounds, and the rows hold the
-    whole context from slot 0 (they are never moved or resized)."""
+    whole context from slot 0 (they are never moved or resized). A draft prefills each
+    prompt whole into its own cache (the prefix cache holds the model's chunks only)."""
 
     def __init__(self, config: ModelConfig, params: Params, *, max_batch: int = 8,
                  max_seq_len: int | None = None, stop_ids: Sequence[int] | None = None,
@@ -205,7 +207,8 @@ class Engine:
                  prefill_chunk: int = SERVING_PREFILL_CHUNK, prefix_cache_bytes: int = 0,
                  max_queue: int = 64, mesh_config: MeshConfig | None = None,
                  speculate: str | None = None, num_speculative_tokens: int = 4,
-                 ngram: tuple[int, int] = (1, 3), min_accepted: float | None = None):
+                 ngram: tuple[int, int] = (1, 3), min_accepted: float | None = None,
+                 draft: tuple[ModelConfig, Params] | None = None):
         self.config = config
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len or config.max_seq_len
@@ -220,21 +223,25 @@ class Engine:
             raise GenerateError(f"prefix_cache_bytes={prefix_cache_bytes} must be >= 0")
         self.steps = steps_per_dispatch
         self.cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
-        if speculate == "draft":
-            raise GenerateError("the server speculates by prompt lookup (speculate='ngram'); "
-                                "decode with a draft model by generate(draft=...) or sample.py "
-                                "--draft-checkpoint")
-        self.spec = speculation(config, speculate, num_speculative_tokens, ngram, None,
+        self.spec = speculation(config, speculate, num_speculative_tokens, ngram, draft,
                                 max_batch, min_accepted, target.platform_of_tree(params))
+        mesh = sharding.mesh_of(params)
+        self.placement = None if mesh is None else (mesh, mesh_config or MeshConfig())
+        if draft is not None and self.placement is not None:
+            raise GenerateError("a server's draft model decodes on one device: serve it "
+                                "without a mesh, or speculate by prompt lookup")
         self.max_slots = serving_cache_slots(self.max_seq_len, self.steps)
         if self.spec is not None:  # a row's last pass writes k + 1 slots past its end
             self.max_slots = max(self.max_slots, self.max_seq_len + self.spec.k + 1)
-        impl = resolve_decode_impl(decode_impl, params, cache_bytes_per_device(
-            config, params, max_batch, self.max_slots, self.cache_dtype, mesh_config))
+        reserve = cache_bytes_per_device(config, params, max_batch, self.max_slots,
+                                         self.cache_dtype, mesh_config)
+        if draft is not None:
+            reserve += cache_bytes_per_device(draft[0], draft[1], max_batch, self.max_slots,
+                                              self.cache_dtype, mesh_config)
+        impl = resolve_decode_impl(decode_impl, params, reserve)
         self.params = decoder_params(params, impl)
+        self.draft_params = None if draft is None else decoder_params(draft[1], impl)
         self.layout = "stacked" if impl == "scan" else "per_layer"
-        mesh = sharding.mesh_of(params)
-        self.placement = None if mesh is None else (mesh, mesh_config or MeshConfig())
         ids = config.stop_ids if stop_ids is None else stop_ids
         self.stop_ids = [int(t) for t in ids if 0 <= int(t) < config.vocab_size] or [NO_TOKEN]
         # Speculating rows end where each has got to: they hold the whole context.
@@ -346,22 +353,39 @@ class Engine:
         return self._executables[key](*args)
 
     def _prefill_chunk(self, one: KVCache | None, tokens_1L: np.ndarray, last: int,
-                       next_1L: np.ndarray | None, start: int):
-        self.counters["prefill_chunks"] += 1
-        return self._run(programs.prefill_chunk, self.params, one, tokens_1L, np.int32(last),
-                         next_1L, config=self.config,
+                       next_1L: np.ndarray | None, start: int, draft: bool = False):
+        """A chunk of a prompt prefilled by the model (or by the draft model)."""
+        self.counters["prefill_chunks"] += not draft
+        config, params = ((self.spec.draft_config, self.draft_params) if draft
+                          else (self.config, self.params))
+        return self._run(programs.prefill_chunk, params, one, tokens_1L, np.int32(last),
+                         next_1L, config=config,
                          max_len=chunk_capacity(start, tokens_1L.shape[1]),
                          cache_dtype=self.cache_dtype, layout=self.layout,
                          placement=self.placement)
 
+    def _draft_prefill(self, prompt: Sequence[int]) -> KVCache | None:
+        """The draft model's cache of the whole prompt, chunk by chunk as the model's (None
+        without a draft)."""
+        if self.draft_params is None:
+            return None
+        one = None
+        for start, L in chunk_plan(len(prompt), 0, self.prefill_chunk, self.max_seq_len):
+            real = prompt[start:start + L]
+            tokens_1L = np.zeros((1, L), np.int32)
+            tokens_1L[0, :len(real)] = real
+            one = self._prefill_chunk(one, tokens_1L, len(real) - 1, None, start, draft=True)[0]
+        return one
+
     def _insert(self, b: int, one: KVCache, logits_1V: jax.Array, max_new: int,
-                sampling: SamplingParams, key_1: jax.Array, prompt: Sequence[int]) -> Emitted:
+                sampling: SamplingParams, key_1: jax.Array, prompt: Sequence[int],
+                draft_one: KVCache | None = None) -> Emitted:
         prompt_1S = None
-        if self.spec:  # prompt lookup reads the row's tokens beside its slots
+        if self.spec:  # the guesses read the row's tokens beside its slots
             prompt_1S = np.zeros((1, self.size), np.int32)
             prompt_1S[0, :len(prompt)] = prompt
         self.slots, first = self._run(programs.insert, self.slots, one, logits_1V, np.int32(b),
-                                      np.int32(max_new), sampling, key_1, prompt_1S)
+                                      np.int32(max_new), sampling, key_1, prompt_1S, draft_one)
         return first
 
     def _restore(self, blocks: list[int]) -> KVCache:
@@ -379,11 +403,12 @@ class Engine:
                               np.int32(block), block_len=self.prefill_chunk)
 
     def _decode(self, strategy: Strategy, top: int, verify: bool = False) -> Emitted:
-        program, spec = ((programs.decode, {}) if self.spec is None
-                         else (programs.speculate, {"spec": self.spec, "verify": verify}))
-        self.slots, emitted = self._run(program, self.slots, self.params, config=self.config,
-                                        n_steps=self.steps, strategy=strategy, top=top,
-                                        placement=self.placement, **spec)
+        program, args, spec = ((programs.decode, (), {}) if self.spec is None else (
+            programs.speculate, (self.draft_params,), {"spec": self.spec, "verify": verify}))
+        self.slots, emitted = self._run(program, self.slots, self.params, *args,
+                                        config=self.config, n_steps=self.steps,
+                                        strategy=strategy, top=top, placement=self.placement,
+                                        **spec)
         return emitted
 
     def _worth_verifying(self) -> bool:
@@ -392,7 +417,10 @@ class Engine:
         left them, read by now without waiting for the last, or a fresh request's) may
         expect to keep more guesses than the passes cost all rows in use. The pass costs
         every row, so a row worth verifying alone may be outvoted: then it takes plain steps
-        (the same distribution; a sampled row's draws then depend on its neighbours)."""
+        (the same distribution; a sampled row's draws then depend on its neighbours). A
+        draft's guesses are always verified."""
+        if self.spec.method == "draft":
+            return True
         p = self.programs_dispatched
         rates = self.end_rates.get(p - 2, np.full(self.max_batch, HIT_RATE_START, np.float32))
         rates = np.where(np.asarray(self.inserted_before) >= p - 1, HIT_RATE_START, rates)
@@ -449,6 +477,7 @@ class Engine:
     def _insert_prefilled(self, job: _Prefill) -> list[_Program]:
         """Writes a prefilled prompt into each of its rows, with each choice's first token."""
         n, programs_ = len(job.prompt), []
+        draft_one = self._draft_prefill(job.prompt)
         for b, request in zip(job.rows, job.requests):
             del self._reserved[b]
             if request.cancelled:
@@ -459,7 +488,7 @@ class Engine:
                                                 request.top_p, request.min_p)
             self._arrange(n)
             first = self._insert(b, job.cache, job.logits, request.max_tokens, sampling, key_1,
-                                 job.prompt)
+                                 job.prompt, draft_one)
             self.row_start[b] = self.end - n
             self.owners[b] = request
             self.inserted_before[b] = self.programs_dispatched
@@ -524,8 +553,10 @@ class Engine:
         C = self.prefill_chunk
         sampling, key_1 = SamplingParams.broadcast(1), jax.random.key(0)[None]
         # A chunk program per capacity before and after it, and length (the start is an
-        # input); each takes a cache of its capacity before from an earlier chunk.
-        after: dict[int, tuple] = {}  # a prefilled cache of each capacity, and its logits
+        # input); each takes a cache of its capacity before from an earlier chunk. A draft
+        # model's chunks have the same shapes.
+        # a prefilled cache of each capacity, its logits, and the draft's cache
+        after: dict[int, tuple] = {}
         compiled = set()
         for start_, L in chunk_shapes(C, self.max_seq_len):
             before = chunk_capacity(0, start_) if start_ else None
@@ -533,9 +564,13 @@ class Engine:
             if program in compiled:
                 continue
             compiled.add(program)
-            one = None if before is None else after[before][0]
-            after[program[2]] = self._prefill_chunk(one, np.zeros((1, L), np.int32), L - 1, None,
-                                                    start_)[:2]
+            one, _, draft_one = (None,) * 3 if before is None else after[before]
+            tokens_1L = np.zeros((1, L), np.int32)
+            if self.draft_params is not None:
+                draft_one = self._prefill_chunk(draft_one, tokens_1L, L - 1, None, start_,
+                                                draft=True)[0]
+            after[program[2]] = (*self._prefill_chunk(one, tokens_1L, L - 1, None, start_)[:2],
+                                 draft_one)
         if self.pool is not None:
             for k in range(1, (self.max_seq_len - 1) // C + 1):
                 self._restore([0] * k)
@@ -546,10 +581,10 @@ class Engine:
             capacity = chunk_capacity(*chunk_plan(n, 0, C, self.max_seq_len)[-1])
             shortest[capacity] = (n, after[capacity])
         for size in sizes:
-            for n, (one, logits) in shortest.values():
+            for n, (one, logits, draft_one) in shortest.values():
                 if n + self.steps <= size:
                     self._place(n, size)
-                    self._insert(0, one, logits, 1, sampling, key_1, [0] * n)
+                    self._insert(0, one, logits, 1, sampling, key_1, [0] * n, draft_one)
             self._place(0, size)
             for draw, sort in ((False, False), (True, False), (True, True)):
                 for verify in (False, True) if self.spec else (False,):
