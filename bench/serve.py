@@ -28,8 +28,10 @@ token after the first (TPOT, per request) are reported as p50/p99. Rounds altern
 implementations; medians are reported. Last, the decode steps that static batches and ideal
 continuous batching (no row ever idle) need for the requests bound what the engine can gain.
 
-`--speculate`: speculative decoding on vs off instead: the server with `--speculate ngram`
-against the same server without it, round after round on the same requests (no peers).
+`--speculate`: speculative decoding on vs off instead: the server with `--speculate ngram`,
+and with a draft model (`--draft-checkpoint`: the benchmark model's first 2 of its 8 layers,
+embedding and head; a draft that agrees with random weights more than any trained one could),
+against the same server without either, round after round on the same requests (no peers).
 """
 
 from __future__ import annotations
@@ -103,6 +105,10 @@ def make_checkpoint(root: Path) -> Path:
     (root / "native" / "tokenizer.model").write_bytes(model.getvalue())
     llama_jax.export_hf(config, params, root / "hf")
     shutil.copy(root / "native" / "tokenizer.model", root / "hf" / "tokenizer.model")
+    layers = 2  # the draft of --speculate: the model's first layers
+    llama_jax.save_native(dataclasses.replace(config, n_layers=layers), {
+        **params, "groups": tuple(jax.tree.map(lambda w: w[:layers], g)
+                                  for g in params["groups"])}, root / "draft")
     return root
 
 
@@ -292,7 +298,8 @@ def parse_args(argv):
     parser.add_argument("--steps-per-dispatch", type=int, default=SERVING_STEPS_PER_DISPATCH)
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--speculate", action="store_true",
-                        help="the server with --speculate ngram against it without, only")
+                        help="the server with --speculate ngram and with a draft model "
+                             "against it without, only")
     parser.add_argument("--worker", choices=WORKLOADS, help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -366,8 +373,10 @@ def main(argv=None) -> int:
 
 
 def speculation(root: Path, args, workloads: dict) -> None:
-    """The server with and without `--speculate ngram`, alternating, on the same requests."""
-    flags = {"ours": (), "ours --speculate ngram": ("--speculate", "ngram")}
+    """The server without speculation, with `--speculate ngram` and with a draft model,
+    alternating, on the same requests."""
+    flags = {"ours": (), "ours --speculate ngram": ("--speculate", "ngram"),
+             "ours --draft-checkpoint": ("--draft-checkpoint", str(root / "draft"))}
     servers = {name: ours(root, args.max_batch, args.steps_per_dispatch, *f)
                for name, f in flags.items()}
     results: dict = {}

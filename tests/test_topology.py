@@ -338,6 +338,27 @@ def test_a_server_compiled_for_a_tpu_holds_its_part_of_the_cache():
     assert split.parameters < alone.parameters and split.n_devices == 4
 
 
+def test_a_speculating_server_compiled_for_a_tpu_holds_the_drafts_cache_too():
+    """Speculating servers on one v5e chip: prompt lookup's compiles its rounds that verify
+    (`speculate`) in place of decode steps, over k + 1 more slots; a draft model's also
+    compiles the draft's prefill chunk, and its slots hold the draft's cache beside the
+    model's, as the start-up check counts them."""
+    config = load_run_config("configs/tiny.yaml", TINY).model
+    draft = dataclasses.replace(config, n_layers=1)
+    tpu_devices("v5e-1")
+    shape = dict(max_batch=4, max_seq_len=128, num_speculative_tokens=3)
+    lookup = compile_serving(config, "v5e-1", speculate="ngram", **shape)
+    drafting = compile_serving(config, "v5e-1", draft_config=draft, **shape)
+    for report, names in ((lookup, ["prefill", "insert", "speculate"]),
+                          (drafting, ["prefill", "draft prefill", "insert", "speculate"])):
+        assert report.fits and [p.name for p in report.programs] == names, \
+            render_serving(report)
+        assert report.cache_slots >= 128 + 4 and report.cache == report.planned_cache
+        assert report.programs[-1].total >= report.parameters + report.cache
+    assert drafting.cache > lookup.cache and drafting.parameters > lookup.parameters
+    assert "speculating (draft, k=3)" in render_serving(drafting)
+
+
 def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
@@ -355,7 +376,7 @@ def test_a_server_that_does_not_fit_a_chip_is_reported_in_one_line(tmp_path):
     assert "server: does not fit" in big.stdout and "Traceback" not in big.stderr
     checkpoint = tiny_checkpoint_with_tokenizer(tmp_path / "m")
     here = run_module("llama_jax.serve", "--checkpoint", str(checkpoint), "--compile-only",
-                      "--max-batch", "4")
+                      "--max-batch", "4", "--draft-checkpoint", str(checkpoint))
     assert here.returncode == 0, here.stderr[-2000:]
     assert re.search(r"^server: fits: needs [\d.]+ [KM]iB of [\d.]+ GiB per device",
                      here.stdout, re.M), here.stdout

@@ -10,11 +10,12 @@ MODEL is a preset, a config file or a checkpoint directory (its config is read, 
 weights). Without `--mesh` the server runs on one device, as `serve` does. The programs are the
 server's own (`decode/slots.py`) at their largest: the last prefill chunk of the longest prompt,
 its insertion into the slots, and a dispatch of decode steps over the cache at its largest
-(`max_batch` rows of `max_seq_len` tokens plus slack) with every sampling path. While a prompt
-prefills, the slots stay on the device, so the server needs, per device, the most of: the
-decode program's peak, the insertion's, and the prefill's plus the slots; and the prefix
-cache's pool beside all of them. Beside it: the figure `serve` checks at start-up (the weights
-and the planner's KV cache).
+(`max_batch` rows of `max_seq_len` tokens plus slack) with every sampling path; speculating
+(`--speculate`, `--draft-checkpoint`), a dispatch of rounds that verify instead, and a draft
+model's last prefill chunk. While a prompt prefills, the slots stay on the device, so the
+server needs, per device, the most of: the decode program's peak, the insertion's, and the
+prefill's plus the slots; and the prefix cache's pool beside all of them. Beside it: the figure
+`serve` checks at start-up (the weights and the planner's KV cache).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from llama_jax.aot.compiled import ProgramMemory, compile_program
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name, load_model_config
 from llama_jax.decode.decoder import DECODE_IMPLS, UNROLLED_BACKENDS, cache_bytes_per_device
+from llama_jax.decode.generate import speculation
 from llama_jax.decode.prefix_pool import prefix_block_bytes
 from llama_jax.decode.slots import check_prefill_chunk, lower_programs
 from llama_jax.errors import ConfigError, GenerateError
@@ -47,7 +49,7 @@ from llama_jax.plan.costs import (SERVING_PREFILL_CHUNK, SERVING_STEPS_PER_DISPA
                                   default_prefix_cache_bytes, format_bytes, prefix_cache_blocks,
                                   serving_cache_slots)
 from llama_jax.plan.info import parse_mesh
-from llama_jax.serve.flags import add_server_arguments
+from llama_jax.serve.flags import add_server_arguments, check_speculation_flags
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,15 +75,16 @@ class ServingReport:
     planned_cache: int  # the planner's figure for it, which `serve` checks at start-up
     prefill_chunk: int
     prefix_cache: int  # the prefix cache's pool (whole blocks)
-    programs: tuple[ProgramMemory, ...]  # prefill, insert, decode
+    programs: tuple[ProgramMemory, ...]  # prefill (a draft's too), insert, decode or speculate
+    speculation: str | None = None  # "ngram, k=4", "draft, k=4" or None
 
     @property
     def needs(self) -> dict[str, int]:
         """What the server holds while each program runs: its peak, and beside a prefill the
         slots' cache (which stays on the device but is not the prefill's argument); beside
         every program, the prefix cache."""
-        return {p.name: p.total + self.prefix_cache + (self.cache if p.name == "prefill" else 0)
-                for p in self.programs}
+        return {p.name: p.total + self.prefix_cache
+                + (self.cache if p.name.endswith("prefill") else 0) for p in self.programs}
 
     @property
     def need(self) -> int:
@@ -103,12 +106,16 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
                     max_seq_len: int | None = None, cache_dtype: str | None = None,
                     decode_impl: str = "auto", steps: int = SERVING_STEPS_PER_DISPATCH,
                     prefill_chunk: int = SERVING_PREFILL_CHUNK,
-                    prefix_cache_bytes: int | None = None,
+                    prefix_cache_bytes: int | None = None, speculate: str | None = None,
+                    num_speculative_tokens: int = 4, ngram: tuple[int, int] = (1, 3),
+                    draft_config: ModelConfig | None = None,
                     log: Callable[[str], None] = lambda _: None) -> ServingReport:
     """Compiles the largest programs of a server of `config` (its dtypes and quantization as
     it would load) for `topology` (None: this host's devices), on `mesh` (None: one device),
     prefilling in chunks of `prefill_chunk` beside a prefix cache of `prefix_cache_bytes` per
-    device (None: the server's default share of the device's memory)."""
+    device (None: the server's default share of the device's memory), speculating as
+    `speculate`, `num_speculative_tokens` and `ngram` say (by a draft model of
+    `draft_config`: speculate="draft" is implied by it), as `Engine`'s."""
     check_prefill_chunk(prefill_chunk)
     max_seq_len = max_seq_len or config.max_seq_len
     if not 1 <= max_seq_len <= config.max_seq_len:
@@ -129,10 +136,23 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
     if decode_impl == "auto":  # the server drops the stacked weights: one copy either way
         decode_impl = "unrolled" if platform in UNROLLED_BACKENDS else "scan"
     params = _placed_params(config, devices, mesh)
+    draft_params = None if draft_config is None else _placed_params(draft_config, devices, None)
     if decode_impl == "unrolled":
         params = _per_layer(params)
+        draft_params = None if draft_params is None else _per_layer(draft_params)
+    spec = speculation(config, speculate, num_speculative_tokens, ngram,
+                       None if draft_config is None else (draft_config, draft_params),
+                       max_batch, None, platform)
+    if draft_config is not None and mesh is not None:
+        raise GenerateError("a server's draft model decodes on one device: compile it "
+                            "without --mesh, or speculate by prompt lookup")
     cache_slots = serving_cache_slots(max_seq_len, steps)
+    if spec is not None:  # as Engine's: a row's last pass writes k + 1 slots past its end
+        cache_slots = max(cache_slots, max_seq_len + spec.k + 1)
     planned = cache_bytes_per_device(config, params, max_batch, cache_slots, cache_dtype, mesh)
+    if draft_params is not None:
+        planned += cache_bytes_per_device(draft_config, draft_params, max_batch, cache_slots,
+                                          cache_dtype, None)
     block = prefix_block_bytes(config, params, prefill_chunk, cache_dtype, mesh)
     if prefix_cache_bytes is None:
         prefix_cache_bytes = default_prefix_cache_bytes(
@@ -146,7 +166,8 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
             config, params, max_batch=max_batch, prompt_len=max_seq_len - 1,
             chunk=prefill_chunk, cache_slots=cache_slots,
             steps=steps, cache_dtype=cache_dtype, mesh_config=mesh,
-            layout="stacked" if decode_impl == "scan" else "per_layer")
+            layout="stacked" if decode_impl == "scan" else "per_layer", spec=spec,
+            draft_params=draft_params)
         options = target.compiler_options()
         for name, program in lowered.items():
             memory, _ = compile_program(name, lambda: program, options, platform)
@@ -161,10 +182,13 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
         limit=limit, decode_impl=decode_impl,
         weights=config.quantize or config.param_dtype, cache_dtype=cache_dtype,
         max_batch=max_batch, max_seq_len=max_seq_len, cache_slots=cache_slots,
-        parameters=sharding.bytes_per_device(params),
-        cache=sharding.bytes_per_device(slots.cache.groups),  # the stored keys and values
+        parameters=sharding.bytes_per_device((params, draft_params)),
+        # the stored keys and values, the draft's beside the model's
+        cache=sharding.bytes_per_device((slots.cache.groups, None if slots.draft_cache is None
+                                         else slots.draft_cache.groups)),
         planned_cache=planned, prefill_chunk=prefill_chunk, prefix_cache=pool,
-        programs=tuple(programs))
+        programs=tuple(programs),
+        speculation=None if spec is None else f"{spec.method}, k={spec.k}")
 
 
 def _placed_params(config: ModelConfig, devices: list, mesh: MeshConfig | None):
@@ -206,7 +230,8 @@ def render(report: ServingReport) -> str:
         f"compiler   {versions}",
         f"server     {report.max_batch} slots x {report.max_seq_len} tokens ({report.cache_slots}"
         f" cache positions each); {report.weights} weights, {report.cache_dtype} KV cache, "
-        f"{report.decode_impl} decoder",
+        f"{report.decode_impl} decoder"
+        + (f"; speculating ({report.speculation})" if report.speculation else ""),
         "per device           XLA            start-up check",
         f"  weights            {format_bytes(report.parameters):>12}   "
         f"{format_bytes(report.parameters):>12}",
@@ -220,7 +245,7 @@ def render(report: ServingReport) -> str:
     if all(p.fits for p in report.programs):
         verdict = "fits" if report.fits else "does not fit"
         largest = max(report.needs, key=report.needs.get)
-        beside = ", the prefill beside the slots" if largest == "prefill" else ""
+        beside = f", the {largest} beside the slots" if largest.endswith("prefill") else ""
         lines.append(f"server: {verdict}: needs {format_bytes(report.need)} of {limit} per "
                      f"device (while the {largest} runs{beside})")
     else:
@@ -246,12 +271,21 @@ def report_for(model: str, args: argparse.Namespace, mesh: MeshConfig | None) ->
                               args.attention_impl)
     except ConfigError as e:
         raise GenerateError(f"{model}: {e}") from None
+    draft_config = None
+    if args.draft_checkpoint:
+        try:
+            draft_config = model_config(args.draft_checkpoint, args.dtype, args.quantize,
+                                        args.quantize_head, args.attention_impl)
+        except ConfigError as e:
+            raise GenerateError(f"{args.draft_checkpoint}: {e}") from None
     return compile_serving(config, args.topology, mesh=mesh, max_batch=args.max_batch,
                            max_seq_len=args.max_seq_len, cache_dtype=args.cache_dtype,
                            decode_impl=args.decode_impl, steps=args.steps_per_dispatch,
                            prefill_chunk=args.prefill_chunk,
                            prefix_cache_bytes=0 if args.no_prefix_cache
-                           else args.prefix_cache_bytes,
+                           else args.prefix_cache_bytes, speculate=args.speculate,
+                           num_speculative_tokens=args.num_speculative_tokens,
+                           ngram=tuple(args.ngram), draft_config=draft_config,
                            log=lambda line: print(line, file=sys.stderr, flush=True))
 
 
@@ -270,7 +304,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="v5e-8, v5p-8, h100x8, ... (default: this host's devices)")
     add_server_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_speculation_flags(parser, args)
+    return args
 
 
 @user_errors_exit

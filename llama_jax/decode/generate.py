@@ -44,7 +44,8 @@ from llama_jax.decode.decoder import (cache_bytes_per_device, decoder_params, is
                                       resolve_decode_impl)
 from llama_jax.decode.sampling import SamplingParams, Strategy
 from llama_jax.decode.speculate import (MAX_GUESSES, METHODS, SpecState, Speculation,
-                                        speculative_round, start_speculation, verify_cost)
+                                        draft_break_even, speculative_round, start_speculation,
+                                        verify_cost)
 from llama_jax.decode.step import NO_TOKEN, DecodeState, decode_step, emit
 
 log = logging.getLogger(__name__)
@@ -324,8 +325,8 @@ def speculation(config: ModelConfig, method: str | None, k: int, ngram: tuple[in
                 min_accepted: float | None = None,
                 platform: str = "cpu") -> Speculation | None:
     """The static speculation settings of a request, or None; a `GenerateError` names a
-    setting that cannot be. Prompt lookup's `min_accepted` defaults to the break-even of
-    `verify_cost` at `batch` on `platform`."""
+    setting that cannot be. `min_accepted` defaults to the break-even at `batch` on
+    `platform`: `verify_cost`'s for prompt lookup, `draft_break_even` for a draft."""
     if method is None and draft is None:
         return None
     if method is None:
@@ -356,7 +357,9 @@ def speculation(config: ModelConfig, method: str | None, k: int, ngram: tuple[in
     if is_task_head(draft_config):
         raise GenerateError(f"the draft model has a task head ({draft_config.head!r}), not "
                             "the LM head: it cannot guess tokens")
-    return Speculation("draft", k, draft_config=draft_config)
+    if min_accepted is None:
+        min_accepted = draft_break_even(config, draft_config, batch, k, platform)
+    return Speculation("draft", k, draft_config=draft_config, min_kept=float(min_accepted))
 
 
 def lower_programs(config: ModelConfig, params: Params, *, batch: int, prompt_len: int,

@@ -175,13 +175,17 @@ def decode(slots: Slots, params: Params, *, config: ModelConfig, n_steps: int,
         return _decode_steps(config, params, slots, n_steps, strategy, top)
 
 
-def _guesses(slots: Slots, end_B, draft_params, spec: Speculation, strategy, key_B):
-    """Each row's k guesses from its last token at its cache end `end_B`, how many it has,
-    the draft's distributions (None for prompt lookup) and the draft's cache."""
+def _guesses(slots: Slots, end_B, draft_params, spec: Speculation, verify: bool, strategy,
+             key_B):
+    """Each row's guesses from its last token at its cache end `end_B` (k; a draft's in a
+    round that does not verify: its first only, which keeps the draft's cache in step and
+    its hit rate going), how many it has, the draft's distributions (None for prompt
+    lookup) and the draft's cache."""
     k, tokens_BS = spec.k, slots.lookup.tokens_BS
     if spec.method == "ngram":
         guess_BK, n_guess_B = ngram_proposals(tokens_BS, end_B + 1, k, *spec.ngram)
         return guess_BK, n_guess_B, None, None
+    k = k if verify else 1
     before_B = jnp.take_along_axis(tokens_BS, jnp.maximum(end_B - 1, 0)[:, None], 1)[:, 0]
     guess_BK, q_BKV, draft_cache = draft_proposals(
         spec.draft_config, draft_params, slots.draft_cache, end_B, before_B, slots.last_B,
@@ -194,12 +198,11 @@ def _speculative_rounds(config, params, draft_params, slots: Slots, n_rounds: in
     k = spec.k
     T = k + 1
     B, S = slots.last_B.shape[0], slots.cache.max_len
-    # Which rows verify prompt lookup's guesses is decided for the whole program by their own
-    # rates as the host saw them (`deciding_rate_B`), so that a row's tokens never depend on
-    # which program its neighbours made the host choose: a row worth verifying makes it
-    # choose `verify`. A draft's guesses are always verified.
-    worth_B = (worth_verifying(slots.lookup.deciding_rate_B, ~slots.done_B, spec)
-               if spec.method == "ngram" else None)
+    # Which rows verify their guesses is decided for the whole program by their own rates as
+    # the host saw them (`deciding_rate_B`), so that a row's tokens never depend on which
+    # program its neighbours made the host choose: a row worth verifying makes it choose
+    # `verify`.
+    worth_B = worth_verifying(slots.lookup.deciding_rate_B, ~slots.done_B, spec)
     rate_before_B = slots.lookup.hit_rate_B
 
     def round_(carry, _):
@@ -209,13 +212,12 @@ def _speculative_rounds(config, params, draft_params, slots: Slots, n_rounds: in
         end_B = jnp.where(active_B, slots.cache.end, jnp.minimum(slots.cache.end, S - T))
         keys_B3 = jax.vmap(lambda key: jax.random.split(key, 3))(
             jax.vmap(jax.random.fold_in)(slots.key_B, slots.step_B))
-        guess_BK, n_guess_B, q_BKV, draft_cache = _guesses(slots, end_B, draft_params, spec,
-                                                           strategy, keys_B3[:, 0])
+        guess_BK, n_guess_B, q_BKV, draft_cache = _guesses(
+            slots, end_B, draft_params, spec, verify, strategy, keys_B3[:, 0])
         proposing_B = active_B & (n_guess_B > 0)
         v = verify_or_step(config, params, slots.cache.replace(end=end_B), slots.last_B,
                            guess_BK, q_BKV, n_guess_B, slots.sampling, strategy, keys_B3[:, 1:],
-                           None if worth_B is None else worth_B & proposing_B,
-                           run_pass=verify)
+                           worth_B & proposing_B, run_pass=verify)
         n_B, stopped_B = cut(v.tokens_BT, v.n_B, slots.max_new_B - slots.step_B, slots.done_B,
                              slots.stop_S[None, None, :])
         top_logprobs_BTn, top_ids_BTn = jax.lax.top_k(v.logprobs_BTV, top)
@@ -255,12 +257,12 @@ def speculate(slots: Slots, params: Params, draft_params: Params | None = None, 
               config: ModelConfig, n_steps: int, spec: Speculation, verify: bool,
               strategy: Strategy, top: int, placement: tuple | None) -> tuple[Slots, Emitted]:
     """`n_steps` speculative rounds of every row (slots with `lookup`): each row's tokens of
-    the rounds, from column 0, and its guesses verified and kept so far. Prompt lookup: with
-    `verify`, every round runs a verify pass, in which the rows worth it
-    (`speculate.worth_verifying` at the program's start) verify their guesses; without, every
-    round is a plain step (the host chooses, by `speculate.worth_verifying` of the rates the
-    program before the last returned). A draft model (`draft_params`, its cache in the
-    slots) guesses, and every round verifies."""
+    the rounds, from column 0, and its guesses verified and kept so far. With `verify`,
+    every round runs a verify pass, in which the rows worth it (`speculate.worth_verifying`
+    at the program's start) verify their guesses; without, every round is a plain step (the
+    host chooses, by `speculate.worth_verifying` of the rates the program before the last
+    returned). The guesses are prompt lookup's, or a draft model's (`draft_params`, its
+    cache in the slots; without `verify`, one step of it a round keeps its cache in step)."""
     with placed(placement):
         return _speculative_rounds(config, params, draft_params, slots, n_steps, spec, verify,
                                    strategy, top)
@@ -386,12 +388,15 @@ def rearrange(slots: Slots, shift: jax.Array, *, max_len: int, window: bool = Fa
 
 def lower_programs(config: ModelConfig, params: Params, *, max_batch: int, prompt_len: int,
                    chunk: int, cache_slots: int, steps: int, cache_dtype: str, layout: str,
-                   mesh_config: MeshConfig | None = None,
+                   mesh_config: MeshConfig | None = None, spec: Speculation | None = None,
+                   draft_params: Params | None = None,
                    ) -> tuple[dict[str, jax.stages.Lowered], Slots]:
     """The largest programs a server of `max_batch` rows runs, lowered without running
     anything: the last prefill chunk of a `prompt_len`-token prompt (in chunks of `chunk`),
     its insertion, and `steps` decode steps with every sampling path and top
-    log-probabilities, over a cache of `cache_slots`.
+    log-probabilities, over a cache of `cache_slots`. A server that speculates as `spec`
+    says runs `steps` rounds that verify instead of the decode steps, and with a draft model
+    (`draft_params`) the draft's last prefill chunk too.
     `params` may be abstract (`jax.ShapeDtypeStruct`s placed on the devices of any platform;
     on a mesh, laid out by `mesh_config`'s rules). Returns them by name, and the slots they
     run over (abstract, laid out as `empty_slots` lays them out there)."""
@@ -412,7 +417,8 @@ def lower_programs(config: ModelConfig, params: Params, *, max_batch: int, promp
 
     def empty(max_len: int) -> jax.stages.Lowered:
         return empty_slots.lower(stop_S, config=config, batch=max_batch, max_len=max_len,
-                                 cache_dtype=cache_dtype, layout=layout, placement=placement)
+                                 cache_dtype=cache_dtype, layout=layout, spec=spec,
+                                 placement=placement)
 
     # The cache rules lay the slots out alike at any length: one slot's program is compiled
     # to learn the layout (the full one might not fit, and that is for the decode to say).
@@ -420,19 +426,34 @@ def lower_programs(config: ModelConfig, params: Params, *, max_batch: int, promp
     full = empty(cache_slots).out_info
     slots = placed_like(full, jax.tree.unflatten(jax.tree.structure(full), layout_of))
     start, L = chunk_plan(prompt_len, 0, chunk, prompt_len)[-1]
-    before = None if start == 0 else placed_like(jax.eval_shape(
-        lambda: init_cache(config, 1, chunk_capacity(0, start), cache_dtype, layout=layout)))
     tokens = placed_like((np.zeros((1, L), np.int32), np.int32(L - 1)))
+
+    def last_chunk(config: ModelConfig, params: Params) -> jax.stages.Lowered:
+        before = None if start == 0 else placed_like(jax.eval_shape(
+            lambda: init_cache(config, 1, chunk_capacity(0, start), cache_dtype, layout=layout)))
+        return prefill_chunk.lower(params, before, *tokens, config=config,
+                                   max_len=chunk_capacity(start, L), cache_dtype=cache_dtype,
+                                   layout=layout, placement=placement)
+
     sampling = placed_like(SamplingParams.broadcast(1))
     key_1 = jax.ShapeDtypeStruct((1,), jax.random.key(0).dtype, sharding=beside)
-    lowered = {"prefill": prefill_chunk.lower(params, before, *tokens, config=config,
-                                              max_len=chunk_capacity(start, L),
-                                              cache_dtype=cache_dtype, layout=layout,
-                                              placement=placement)}
+    lowered = {"prefill": last_chunk(config, params)}
     one, logits, _ = (placed_like(x) for x in lowered["prefill"].out_info)
+    prompt_1S = draft_one = None
+    if spec is not None:
+        prompt_1S = placed_like(np.zeros((1, cache_slots), np.int32))
+    if draft_params is not None:
+        lowered["draft prefill"] = last_chunk(spec.draft_config, draft_params)
+        draft_one = placed_like(lowered["draft prefill"].out_info[0])
     lowered["insert"] = insert.lower(slots, one, logits, *placed_like((np.int32(0), np.int32(1))),
-                                     sampling, key_1)
-    lowered["decode"] = decode.lower(slots, params, config=config, n_steps=steps,
-                                     strategy=WIDEST_STRATEGY, top=TOP_LOGPROBS,
-                                     placement=placement)
+                                     sampling, key_1, prompt_1S, draft_one)
+    if spec is None:
+        lowered["decode"] = decode.lower(slots, params, config=config, n_steps=steps,
+                                         strategy=WIDEST_STRATEGY, top=TOP_LOGPROBS,
+                                         placement=placement)
+    else:
+        lowered["speculate"] = speculate.lower(slots, params, draft_params, config=config,
+                                               n_steps=steps, spec=spec, verify=True,
+                                               strategy=WIDEST_STRATEGY, top=TOP_LOGPROBS,
+                                               placement=placement)
     return lowered, slots

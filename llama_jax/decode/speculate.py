@@ -32,6 +32,7 @@ from llama_jax.model.params import Params
 from llama_jax.model.transformer import apply
 from llama_jax.nn.attention.dot_product import DECODE_QUERIES
 from llama_jax.nn.heads import lm_head
+from llama_jax.plan.costs import param_counts
 
 
 def ngram_proposal(tokens_N: jax.Array, length: jax.Array, k: int, min_n: int, max_n: int
@@ -102,14 +103,24 @@ def verify_cost(batch: int, k: int, platform: str = "cpu") -> float:
     return 1.0 + (per_guess + per_row * (batch - 1)) * k
 
 
+def draft_break_even(config: ModelConfig, draft_config: ModelConfig, batch: int, k: int,
+                     platform: str = "cpu") -> float:
+    """The guesses a draft model's round must keep for it to cost no more per token than a
+    server's plain round, which takes a step of the model and one of the draft (keeping the
+    draft's cache in step): a verify round costs `verify_cost` and k draft steps, a draft
+    step the draft's share r of the model's parameters. (V + k r) / (1 + kept) <= 1 + r."""
+    r = param_counts(draft_config).total / param_counts(config).total
+    return (verify_cost(batch, k, platform) + k * r) / (1 + r) - 1
+
+
 @dataclasses.dataclass(frozen=True)
 class Speculation:
     """How a decoder speculates; static, part of its compiled programs. `method`: "ngram"
     (prompt lookup, n-gram sizes `ngram`) or "draft" (a small model of `draft_config` sharing
     the target's vocabulary, its parameters an argument). `k` guesses per verify pass.
-    A row verifies prompt lookup's guesses only while it may expect to keep at least
-    `min_kept` of them per pass (`expected_kept`; below, a plain step is cheaper); a draft
-    model always verifies."""
+    A row verifies its guesses only while it may expect to keep at least `min_kept` of them
+    per pass (`expected_kept`; below, a plain step is cheaper); `generate` verifies a draft
+    model's in every round (a server's rows by `min_kept` too)."""
 
     method: str
     k: int

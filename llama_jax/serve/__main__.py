@@ -29,10 +29,9 @@ import signal
 import sys
 from pathlib import Path
 
-from llama_jax.cli import add_speculation_arguments, user_errors_exit
-from llama_jax.decode.speculate import MAX_GUESSES, METHODS
+from llama_jax.cli import user_errors_exit
 from llama_jax.plan.info import parse_mesh
-from llama_jax.serve.flags import add_server_arguments
+from llama_jax.serve.flags import add_server_arguments, check_speculation_flags
 
 log = logging.getLogger("llama_jax.serve")
 
@@ -48,16 +47,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the model name clients ask for (default: the checkpoint "
                              "directory's name)")
     add_server_arguments(parser)
-    add_speculation_arguments(parser, "speculative decoding: ngram (prompt lookup) or draft "
-                                      "(a draft model, --draft-checkpoint; implied by it)",
-                              METHODS, MAX_GUESSES)
-    parser.add_argument("--draft-checkpoint",
-                        help="a draft model's checkpoint (sharing the tokenizer), loaded as "
-                             "--dtype and --quantize say; on one device (no --mesh)")
-    parser.add_argument("--speculate-min-accepted", type=float, default=None,
-                        help="prompt lookup: a row verifies while it expects to keep this "
-                             "many guesses a pass (default: the break-even of the platform's "
-                             "verify cost at --max-batch; 0: always)")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="requests that may wait for a slot (more get 429)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
@@ -73,10 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.topology and not args.compile_only:
         parser.error("--topology needs --compile-only: a server runs on this host's devices")
-    if args.speculate == "draft" and not args.draft_checkpoint:
-        parser.error("--speculate draft needs --draft-checkpoint DIR")
-    if args.speculate == "ngram" and args.draft_checkpoint:
-        parser.error("--draft-checkpoint guesses by a draft model: drop --speculate ngram")
+    check_speculation_flags(parser, args)
     return args
 
 

@@ -417,10 +417,7 @@ class Engine:
         left them, read by now without waiting for the last, or a fresh request's) may
         expect to keep more guesses than the passes cost all rows in use. The pass costs
         every row, so a row worth verifying alone may be outvoted: then it takes plain steps
-        (the same distribution; a sampled row's draws then depend on its neighbours). A
-        draft's guesses are always verified."""
-        if self.spec.method == "draft":
-            return True
+        (the same distribution; a sampled row's draws then depend on its neighbours)."""
         p = self.programs_dispatched
         rates = self.end_rates.get(p - 2, np.full(self.max_batch, HIT_RATE_START, np.float32))
         rates = np.where(np.asarray(self.inserted_before) >= p - 1, HIT_RATE_START, rates)

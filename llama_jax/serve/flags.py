@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 
-from llama_jax.cli import add_int8_arguments
+from llama_jax.cli import add_int8_arguments, add_speculation_arguments
 from llama_jax.config import DTYPES
 from llama_jax.decode.decoder import DECODE_IMPLS
+from llama_jax.decode.speculate import MAX_GUESSES, METHODS
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
 from llama_jax.plan.costs import (PREFIX_CACHE_SHARE, PREFIX_CACHE_SLOTS_MULTIPLE,
                                   SERVING_PREFILL_CHUNK, SERVING_STEPS_PER_DISPATCH)
@@ -15,7 +16,8 @@ from llama_jax.plan.costs import (PREFIX_CACHE_SHARE, PREFIX_CACHE_SLOTS_MULTIPL
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's shape: its slots, dtypes, int8 weights and cache, attention and
-    decoder, mesh, decode steps per dispatch, prefill chunk and prefix cache."""
+    decoder, mesh, decode steps per dispatch, prefill chunk, prefix cache and speculative
+    decoding (`check_speculation_flags` checks the last after parsing)."""
     parser.add_argument("--max-batch", type=int, default=8, help="decode slots")
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="tokens per request, prompt and output (default: the model's "
@@ -41,3 +43,21 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "slots' cache)")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="compute every prompt in full")
+    add_speculation_arguments(parser, "speculative decoding: ngram (prompt lookup) or draft "
+                                      "(a draft model, --draft-checkpoint; implied by it)",
+                              METHODS, MAX_GUESSES)
+    parser.add_argument("--draft-checkpoint",
+                        help="a draft model's checkpoint (sharing the tokenizer), loaded as "
+                             "--dtype and --quantize say; on one device (no --mesh)")
+    parser.add_argument("--speculate-min-accepted", type=float, default=None,
+                        help="prompt lookup: a row verifies while it expects to keep this "
+                             "many guesses a pass (default: the break-even of the platform's "
+                             "verify cost at --max-batch; 0: always)")
+
+
+def check_speculation_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses a draft method without a draft, and a draft beside prompt lookup."""
+    if args.speculate == "draft" and not args.draft_checkpoint:
+        parser.error("--speculate draft needs --draft-checkpoint DIR")
+    if args.speculate == "ngram" and args.draft_checkpoint:
+        parser.error("--draft-checkpoint guesses by a draft model: drop --speculate ngram")
