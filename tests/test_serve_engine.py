@@ -224,6 +224,27 @@ def test_the_server_refuses_a_cache_that_does_not_fit(tmp_path, monkeypatch, cap
     assert "--speculate draft needs --draft-checkpoint DIR" in capsys.readouterr().err
 
 
+def test_the_cache_check_counts_a_speculating_servers_longer_slots_and_draft(params,
+                                                                              monkeypatch):
+    """Free memory that holds the plain server's slots but not k + 1 more slots a row, nor a
+    draft's cache beside them, is refused for those."""
+    from llama_jax.decode.decoder import cache_bytes_per_device, memory_need
+    from llama_jax.serve import app
+
+    config, weights = CONFIGS["gqa"], params["gqa"]
+    shape = (config, weights, 4, 64, "float32", 1, None, 0)  # 64 + 3 slack slots
+    plain = memory_need(cache_bytes_per_device(config, weights, 4, 67, "float32", None),
+                        weights)
+    monkeypatch.setattr(app, "free_memory_bytes", lambda: plain)
+    app.check_cache_fits(*shape)
+    with pytest.raises(GenerateError, match="KV cache"):
+        app.check_cache_fits(*shape, speculative_tokens=4)
+    monkeypatch.setattr(app, "free_memory_bytes", lambda: plain * 3 // 2)
+    app.check_cache_fits(*shape, speculative_tokens=4)
+    with pytest.raises(GenerateError, match="KV cache"):
+        app.check_cache_fits(*shape, speculative_tokens=4, draft=(config, weights))
+
+
 def _sentencepiece(directory):
     import sentencepiece as spm
 

@@ -146,9 +146,7 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
     if draft_config is not None and mesh is not None:
         raise GenerateError("a server's draft model decodes on one device: compile it "
                             "without --mesh, or speculate by prompt lookup")
-    cache_slots = serving_cache_slots(max_seq_len, steps)
-    if spec is not None:  # as Engine's: a row's last pass writes k + 1 slots past its end
-        cache_slots = max(cache_slots, max_seq_len + spec.k + 1)
+    cache_slots = serving_cache_slots(max_seq_len, steps, spec and spec.k)
     planned = cache_bytes_per_device(config, params, max_batch, cache_slots, cache_dtype, mesh)
     if draft_params is not None:
         planned += cache_bytes_per_device(draft_config, draft_params, max_batch, cache_slots,

@@ -120,11 +120,16 @@ def serving_cache_bytes(config: ModelConfig, max_batch: int, max_seq_len: int,
             * kv_cache_bytes_per_token(config, cache_dtype))
 
 
-def serving_cache_slots(max_seq_len: int, steps_per_dispatch: int) -> int:
+def serving_cache_slots(max_seq_len: int, steps_per_dispatch: int,
+                        speculative_tokens: int | None = None) -> int:
     """The cache positions a server's slot holds at its largest: `max_seq_len` and the slack
     of SERVING_SLACK_DISPATCHES dispatches, which a row may run past its end before it
-    leaves."""
-    return max_seq_len + SERVING_SLACK_DISPATCHES * steps_per_dispatch
+    leaves; speculating with k `speculative_tokens`, at least k + 1 past `max_seq_len` (a
+    row's last verify pass writes them past its end)."""
+    slots = max_seq_len + SERVING_SLACK_DISPATCHES * steps_per_dispatch
+    if speculative_tokens is None:
+        return slots
+    return max(slots, max_seq_len + speculative_tokens + 1)
 
 
 def train_flops_per_token(config: ModelConfig, seq_len: int, frozen_backbone: bool = False

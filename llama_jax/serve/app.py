@@ -54,8 +54,11 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
     except ConfigError as e:
         raise GenerateError(str(e)) from None
     seq_len = max_seq_len or config.max_seq_len
+    speculating = speculate is not None or draft is not None
     prefix_cache_bytes = check_cache_fits(config, params, max_batch, seq_len, cache_dtype,
-                                          steps_per_dispatch, mesh, prefix_cache_bytes)
+                                          steps_per_dispatch, mesh, prefix_cache_bytes,
+                                          num_speculative_tokens if speculating else None,
+                                          draft)
     # The server keeps one copy of the weights, the decoder's: the stacked arrays go here.
     params, decode_impl = owned_decoder_params(params, decode_impl)
     if draft is not None:
@@ -75,13 +78,18 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
 
 def check_cache_fits(config, params, max_batch: int, max_seq_len: int, cache_dtype: str,
                      steps_per_dispatch: int, mesh: MeshConfig | None,
-                     prefix_cache_bytes: int | None = None) -> int:
+                     prefix_cache_bytes: int | None = None,
+                     speculative_tokens: int | None = None, draft=None) -> int:
     """Refuses slots whose KV cache is more than the memory left after loading the model: on
     a mesh, the part of the cache one device holds against that device's free memory; then a
-    prefix cache of `prefix_cache_bytes` more than what is left after the slots. Returns the
-    prefix cache's bytes (per device; None asks for the default share)."""
-    slots = serving_cache_slots(max_seq_len, steps_per_dispatch)
+    prefix cache of `prefix_cache_bytes` more than what is left after the slots. Speculating
+    with k `speculative_tokens` (and a draft model `(config, params)`), the slots are k + 1
+    longer (and the draft's cache is beside them). Returns the prefix cache's bytes (per
+    device; None asks for the default share)."""
+    slots = serving_cache_slots(max_seq_len, steps_per_dispatch, speculative_tokens)
     cache = cache_bytes_per_device(config, params, max_batch, slots, cache_dtype, mesh)
+    if draft is not None:
+        cache += cache_bytes_per_device(*draft, max_batch, slots, cache_dtype, None)
     need = memory_need(cache, params)
     free = free_memory_bytes()
     # CPU: the host's memory, whole

@@ -230,9 +230,8 @@ class Engine:
         if draft is not None and self.placement is not None:
             raise GenerateError("a server's draft model decodes on one device: serve it "
                                 "without a mesh, or speculate by prompt lookup")
-        self.max_slots = serving_cache_slots(self.max_seq_len, self.steps)
-        if self.spec is not None:  # a row's last pass writes k + 1 slots past its end
-            self.max_slots = max(self.max_slots, self.max_seq_len + self.spec.k + 1)
+        self.max_slots = serving_cache_slots(self.max_seq_len, self.steps,
+                                             self.spec and self.spec.k)
         reserve = cache_bytes_per_device(config, params, max_batch, self.max_slots,
                                          self.cache_dtype, mesh_config)
         if draft is not None:
