@@ -33,7 +33,7 @@ import jax
 from llama_jax.aot.compiled import ProgramMemory, compile_program
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name, load_model_config
-from llama_jax.decode.decoder import DECODE_IMPLS, UNROLLED_BACKENDS, cache_bytes_per_device
+from llama_jax.decode.decoder import DECODE_IMPLS, UNROLLED_BACKENDS, slots_cache_bytes
 from llama_jax.decode.generate import speculation
 from llama_jax.decode.prefix_pool import prefix_block_bytes
 from llama_jax.decode.slots import check_prefill_chunk, lower_programs
@@ -147,10 +147,8 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
         raise GenerateError("a server's draft model decodes on one device: compile it "
                             "without --mesh, or speculate by prompt lookup")
     cache_slots = serving_cache_slots(max_seq_len, steps, spec and spec.k)
-    planned = cache_bytes_per_device(config, params, max_batch, cache_slots, cache_dtype, mesh)
-    if draft_params is not None:
-        planned += cache_bytes_per_device(draft_config, draft_params, max_batch, cache_slots,
-                                          cache_dtype, None)
+    planned = slots_cache_bytes(config, params, max_batch, cache_slots, cache_dtype, mesh,
+                                None if draft_config is None else (draft_config, draft_params))
     block = prefix_block_bytes(config, params, prefill_chunk, cache_dtype, mesh)
     if prefix_cache_bytes is None:
         prefix_cache_bytes = default_prefix_cache_bytes(

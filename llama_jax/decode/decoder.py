@@ -82,6 +82,17 @@ def cache_bytes_per_device(config: ModelConfig, params: Params, batch: int, slot
     return kv_cache_bytes_per_device(config, batch, slots, cache_dtype, rules, shape)
 
 
+def slots_cache_bytes(config: ModelConfig, params: Params, batch: int, slots: int,
+                      cache_dtype: str, mesh_config: MeshConfig | None,
+                      draft: tuple[ModelConfig, Params] | None = None) -> int:
+    """`cache_bytes_per_device` of a server's slots, and of a draft model's cache of the same
+    slots beside them (`draft`: its config and parameters, on one device)."""
+    cache = cache_bytes_per_device(config, params, batch, slots, cache_dtype, mesh_config)
+    if draft is not None:
+        cache += cache_bytes_per_device(*draft, batch, slots, cache_dtype, None)
+    return cache
+
+
 def memory_need(bytes_per_device: int, params: Params) -> int:
     """What `bytes_per_device` on each device holding `params` takes from the memory
     `free_memory_bytes()` reports: one device's own on an accelerator, every device's on CPU,

@@ -7,8 +7,7 @@ from pathlib import Path
 
 from llama_jax.config import MeshConfig, cache_dtype_name
 from llama_jax.data.tokenizer import load_tokenizer
-from llama_jax.decode.decoder import (cache_bytes_per_device, memory_need,
-                                      owned_decoder_params)
+from llama_jax.decode.decoder import memory_need, owned_decoder_params, slots_cache_bytes
 from llama_jax.decode.slots import check_prefill_chunk
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.formats.checkpoint import load_checkpoint
@@ -87,9 +86,7 @@ def check_cache_fits(config, params, max_batch: int, max_seq_len: int, cache_dty
     longer (and the draft's cache is beside them). Returns the prefix cache's bytes (per
     device; None asks for the default share)."""
     slots = serving_cache_slots(max_seq_len, steps_per_dispatch, speculative_tokens)
-    cache = cache_bytes_per_device(config, params, max_batch, slots, cache_dtype, mesh)
-    if draft is not None:
-        cache += cache_bytes_per_device(*draft, max_batch, slots, cache_dtype, None)
+    cache = slots_cache_bytes(config, params, max_batch, slots, cache_dtype, mesh, draft)
     need = memory_need(cache, params)
     free = free_memory_bytes()
     # CPU: the host's memory, whole

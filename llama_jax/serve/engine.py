@@ -65,8 +65,7 @@ import numpy as np
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name
 from llama_jax.decode import prefix_pool
 from llama_jax.decode import slots as programs
-from llama_jax.decode.decoder import (cache_bytes_per_device, decoder_params,
-                                      resolve_decode_impl)
+from llama_jax.decode.decoder import decoder_params, resolve_decode_impl, slots_cache_bytes
 from llama_jax.decode.generate import bucket, speculation
 from llama_jax.decode.step import NO_TOKEN
 from llama_jax.decode.sampling import SamplingParams, Strategy
@@ -232,12 +231,8 @@ class Engine:
                                 "without a mesh, or speculate by prompt lookup")
         self.max_slots = serving_cache_slots(self.max_seq_len, self.steps,
                                              self.spec and self.spec.k)
-        reserve = cache_bytes_per_device(config, params, max_batch, self.max_slots,
-                                         self.cache_dtype, mesh_config)
-        if draft is not None:
-            reserve += cache_bytes_per_device(draft[0], draft[1], max_batch, self.max_slots,
-                                              self.cache_dtype, mesh_config)
-        impl = resolve_decode_impl(decode_impl, params, reserve)
+        impl = resolve_decode_impl(decode_impl, params, slots_cache_bytes(
+            config, params, max_batch, self.max_slots, self.cache_dtype, mesh_config, draft))
         self.params = decoder_params(params, impl)
         self.draft_params = None if draft is None else decoder_params(draft[1], impl)
         self.layout = "stacked" if impl == "scan" else "per_layer"
