@@ -18,7 +18,9 @@ from typing import Callable
 
 import jax
 
+from llama_jax.aot.estimate import StepEstimate, estimate
 from llama_jax.plan.costs import format_bytes
+from llama_jax.plan.hardware import Hardware
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 # XLA:TPU's out-of-memory messages: "... required for HLO temporaries (400.00G) exceeds
@@ -43,6 +45,7 @@ class ProgramMemory:
     error: str | None = None  # the compiler's message, when it did not fit
     custom_calls: tuple[str, ...] = ()  # the kernels XLA calls out to (Mosaic's
     # tpu_custom_call, cuDNN's __cudnn$fmha...), sorted, each once
+    clock: StepEstimate | None = None  # XLA:TPU's cycle estimate of the program (aot/estimate)
 
     @property
     def fits(self) -> bool:
@@ -67,19 +70,23 @@ class ProgramMemory:
             (f" of {format_bytes(limit)} per device)" if limit else " per device)")
 
 
-    def report_lines(self, limit: int | None) -> list[str]:
-        """"NAME: compiled in S s; <verdict>", and the compiler's message when it did not fit."""
+    def report_lines(self, limit: int | None, model_flops: float | None = None) -> list[str]:
+        """"NAME: compiled in S s; <verdict>", the compiler's message when it did not fit, and
+        its clock's estimate (with an MFU from `model_flops` per device per call)."""
         lines = [f"{self.name}: compiled in {self.compile_s:.1f} s; {self.verdict(limit)}"]
         if not self.fits and self.error:
             lines.append(f"  XLA: {self.error}")
+        if self.clock is not None:
+            lines += ["  " + line for line in self.clock.report_lines(model_flops)]
         return lines
 
 
 def compile_program(name: str, lower: Callable[[], jax.stages.Lowered],
-                    options: dict[str, str], platform: str,
+                    options: dict[str, str], platform: str, device: Hardware | None = None,
                     ) -> tuple[ProgramMemory, jax.stages.Compiled | None]:
-    """Lowers and compiles one program for `platform`, timing it: its memory and the
-    executable, or (did not fit in the device's memory) what it needed and None."""
+    """Lowers and compiles one program for `platform`, timing it: its memory (and, for a TPU
+    `device` of the hardware table, XLA's cycle estimate) and the executable, or (did not fit
+    in the device's memory) what it needed and None."""
     start = time.perf_counter()
     try:
         compiled = lower().compile(options)
@@ -88,7 +95,7 @@ def compile_program(name: str, lower: Callable[[], jax.stages.Lowered],
         if "RESOURCE_EXHAUSTED" not in message:
             raise
         return out_of_memory(name, time.perf_counter() - start, message), None
-    return of_compiled(name, time.perf_counter() - start, compiled, platform), compiled
+    return of_compiled(name, time.perf_counter() - start, compiled, platform, device), compiled
 
 
 def custom_calls(hlo_text: str) -> tuple[str, ...]:
@@ -97,17 +104,20 @@ def custom_calls(hlo_text: str) -> tuple[str, ...]:
 
 
 def of_compiled(name: str, compile_s: float, compiled: jax.stages.Compiled,
-                platform: str) -> ProgramMemory:
-    calls = custom_calls(compiled.as_text() or "")
+                platform: str, device: Hardware | None = None) -> ProgramMemory:
+    text = compiled.as_text() or ""
+    calls = custom_calls(text)
+    clock = estimate(text, device.clock_hz, device.peak_bf16_flops, device.ici_bandwidth) \
+        if platform == "tpu" and device is not None and device.clock_hz else None
     stats = compiled.memory_analysis()
     if stats is None:
-        return ProgramMemory(name, compile_s, custom_calls=calls)
+        return ProgramMemory(name, compile_s, custom_calls=calls, clock=clock)
     # XLA:CPU's figure is not a peak of the host's memory: there the total is the sum
     peak = (getattr(stats, "peak_memory_in_bytes", 0) or None) if platform != "cpu" else None
     return ProgramMemory(name, compile_s, arguments=stats.argument_size_in_bytes,
                          outputs=stats.output_size_in_bytes - stats.alias_size_in_bytes,
                          temporaries=stats.temp_size_in_bytes, peak=peak,
-                         custom_calls=calls)
+                         custom_calls=calls, clock=clock)
 
 
 def out_of_memory(name: str, compile_s: float, message: str) -> ProgramMemory:

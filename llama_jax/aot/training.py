@@ -23,7 +23,7 @@ from llama_jax.config import MeshConfig, RunConfig
 from llama_jax.nn.attention.dot_product import describe_attention
 from llama_jax.parallel import sharding, target, topology as topologies
 from llama_jax.parallel.sharding import MESH_AXES
-from llama_jax.plan import hardware
+from llama_jax.plan import costs, hardware
 from llama_jax.plan.costs import format_bytes
 from llama_jax.plan.memory import MemoryPlan, plan_memory
 from llama_jax.training.finetune import load_run_config
@@ -42,6 +42,8 @@ class TrainingReport:
     platform: str
     n_devices: int
     mesh: dict[str, int]
+    compute: str  # the compute dtype, "(auto)" where the target chose it
+    model_flops: float  # per device per step: 6·P_mm + causal attention per token
     attention: str  # the run's attention line (implementation and why)
     versions: dict[str, str]  # jax, jaxlib, libtpu / the CUDA plugin
     xla_flags: str  # the process's XLA_FLAGS
@@ -79,8 +81,10 @@ def compile_training(run: RunConfig, topology: str | None = None, slices: int = 
         devices, described = topologies.devices(named, gpu_target), named.describe()
         entry = hardware.HARDWARE[named.hardware]
     mesh = sharding.make_mesh(run.mesh, devices)
-    check_run(run, mesh)
     platform = target.platform_name(devices[0])
+    with target.compiling_for(mesh):  # an automatic compute dtype is the target's
+        run = dataclasses.replace(run, model=run.model.for_platform())
+    check_run(run, mesh)
     plan = plan_memory(run.model, run.mesh, len(devices), batch=run.train.batch_size,
                        seq=run.train.seq_len, remat=run.model.remat,
                        micro_batches=run.train.micro_batches, backend=platform,
@@ -94,12 +98,15 @@ def compile_training(run: RunConfig, topology: str | None = None, slices: int = 
         if evaluate:
             lowerings.append(("evaluation", jitted.lower_evaluate))
         for name, lower in lowerings:
-            memory, _ = compile_program(name, lower, options, platform)
+            memory, _ = compile_program(name, lower, options, platform, entry)
             log(f"{name}: compiled in {memory.compile_s:.1f} s")
             programs.append(memory)
     state = jitted.start.abstract
     return TrainingReport(
         target=described, platform=platform, n_devices=len(devices), mesh=dict(mesh.shape),
+        compute=run.model.compute_dtype + (" (auto)" if run.model.compute_dtype_auto else ""),
+        model_flops=run.train.batch_size * run.train.seq_len * costs.train_flops_per_token(
+            run.model, run.train.seq_len) / len(devices),
         attention=describe_attention(run.model, run.train.seq_len, platform),
         versions=topologies.compiler_versions(platform) if topology else {},
         xla_flags=os.environ.get("XLA_FLAGS", ""), compiler_options=options,
@@ -147,7 +154,7 @@ def render(report: TrainingReport, run: RunConfig) -> str:
         f"run        mesh {', '.join(f'{k}={v}' for k, v in report.mesh.items())}; batch "
         f"{train.batch_size} x {train.seq_len} tokens ({train.micro_batches} micro-batch"
         f"{'es' if train.micro_batches > 1 else ''})",
-        f"           remat {run.model.remat}; {run.model.compute_dtype} compute, "
+        f"           remat {run.model.remat}; {report.compute} compute, "
         f"{run.model.param_dtype} parameters; {report.attention}",
         "per device           XLA            planner",
         f"  parameters         {_gib(report.parameters):>12}   {_gib(plan.weights):>12}",
@@ -159,5 +166,6 @@ def render(report: TrainingReport, run: RunConfig) -> str:
         f"  memory XLA allows  {_gib(report.limit):>12}",
     ]
     for program in report.programs:
-        lines += program.report_lines(report.limit)
+        lines += program.report_lines(
+            report.limit, report.model_flops if program is step else None)
     return "\n".join(lines)

@@ -28,6 +28,7 @@ from llama_jax.nn.mlp import MLPS
 from llama_jax.nn.moe import ROUTERS
 from llama_jax.nn.norms import NORMS
 from llama_jax.nn.positions import POSITIONS
+from llama_jax.parallel import target
 from llama_jax.quant import QUANTIZATIONS
 
 # The choices of the component fields are their registries' names (nn/); these are the other
@@ -278,8 +279,11 @@ class ModelConfig:
                               doc="standard deviation of the initial weights")
     param_dtype: str = setting("float32", type="dtype", role=EXECUTION,
                                doc="parameters (and optimizer master weights)")
-    compute_dtype: str = setting("float32", type="dtype", role=EXECUTION,
-                                 doc="activations and matmul inputs")
+    compute_dtype: str = setting("auto", type="dtype", role=EXECUTION,
+                                 doc="activations and matmul inputs; auto: bfloat16 on TPUs "
+                                     "and GPUs (fp32 master weights in param_dtype), float32 "
+                                     "on CPUs (where bfloat16 is slower), by the platform "
+                                     "compiled for")
     remat: str = setting("none", type="str", choices=REMAT_POLICIES, role=EXECUTION,
                          doc="what the backward pass recomputes: none | full | dots | "
                              "dots_no_batch | attention | dots_with_attention")
@@ -318,6 +322,13 @@ class ModelConfig:
                                            "(and exported) but never stop generation")
 
     def __post_init__(self):
+        # "auto" is chosen by the platform compiled for when the config is built; the config
+        # remembers it (not a field: equal configs compute the same), so that a compile for
+        # another platform chooses again (`for_platform`) and reports can say so.
+        auto = self.compute_dtype == "auto"
+        if auto:
+            object.__setattr__(self, "compute_dtype", target.default_compute_dtype())
+        object.__setattr__(self, "_compute_dtype_auto", auto)
         check_settings(self)
         self._check_sections()
         self._resolve_defaults()
@@ -508,7 +519,19 @@ class ModelConfig:
         for name in settings:
             require(roles.get(name) == "execution", name, settings[name],
                     "is not an execution setting")
+        if self.compute_dtype_auto:  # still the platform's choice, unless one is given
+            settings.setdefault("compute_dtype", "auto")
         return dataclasses.replace(self, **settings)
+
+    @property
+    def compute_dtype_auto(self) -> bool:
+        """Whether the compute dtype is the platform's choice (`compute_dtype: auto`)."""
+        return self._compute_dtype_auto
+
+    def for_platform(self) -> "ModelConfig":
+        """The config as built on the platform being compiled for (`parallel.target`): an
+        automatic compute dtype chosen again for it; an explicit one kept."""
+        return self.with_execution(compute_dtype="auto") if self.compute_dtype_auto else self
 
     # The dimension letters (docs/model.md), so code can say `config.K` where the math says K.
     V = property(lambda self: self.vocab_size)
@@ -534,6 +557,8 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain data for a YAML file (tuples become lists)."""
         out = {**dataclasses.asdict(self), "eos_ids": list(self.eos_ids)}
+        if self.compute_dtype_auto:  # it chooses again where the file is read
+            out["compute_dtype"] = "auto"
         for section in ("moe", "mla"):  # a dense GQA model's file has neither section
             if getattr(self, section) is None:
                 del out[section]

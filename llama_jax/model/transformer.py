@@ -168,7 +168,12 @@ def run_layers(config: ModelConfig, groups: tuple, x_BTD: jax.Array, context: Co
                                   caches if caches is not None else [None] * len(groups)):
         step = functools.partial(block, config, group)
         if config.remat != "none" and kv is None:
-            step = jax.checkpoint(step, policy=REMAT_POLICY_FNS[config.remat], prevent_cse=False)
+            # A scan's body cannot be merged with the backward pass, so CSE is safe to allow
+            # there (and avoids the barriers it costs); an unrolled loop needs the barrier, or
+            # XLA merges the recomputed forward with the saved one and remat saves nothing.
+            unrolled = isinstance(p_group, tuple) or not config.scan_layers
+            step = jax.checkpoint(step, policy=REMAT_POLICY_FNS[config.remat],
+                                  prevent_cse=unrolled)
         x_BTD, kv, group_aux = _run_group(step, p_group, group.n_layers, x_BTD, context, kv,
                                           config.scan_layers)
         new_caches.append(kv)

@@ -58,6 +58,13 @@ def platform() -> str:
     return target if target is not None else host_platform()
 
 
+def default_compute_dtype() -> str:
+    """`compute_dtype: auto` on the platform being compiled for: bfloat16 on TPUs and GPUs
+    (their matmul units' native input; parameters and optimizer stay in param_dtype), float32
+    on CPUs, where XLA widens 16-bit matmuls and bfloat16 runs slower."""
+    return "float32" if platform() == "cpu" else "bfloat16"
+
+
 def platform_of_tree(tree) -> str:
     """The platform of the devices holding a tree's arrays (or abstract arrays with shardings);
     `platform()` for host data."""

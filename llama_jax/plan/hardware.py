@@ -25,10 +25,20 @@ class Hardware:
     bandwidth: float  # HBM bytes/s
     backend: str  # the JAX backend that drives it: "cpu", "gpu" or "tpu"
     device_kinds: tuple[str, ...] = ()  # prefixes of `jax.Device.device_kind` it goes by
+    # TPUs: the clock XLA:TPU's cycle estimates run at (the bf16 peak over the MXUs' multiply-
+    # adds per cycle: v5p 459e12 / (2 cores x 4 MXUs x 128 x 128 x 2) = 1.75 GHz) and the
+    # inter-chip interconnect's bytes/s per chip, all links together (datasheet Gbps / 8).
+    clock_hz: float | None = None
+    ici_bandwidth: float | None = None
 
 
 def _gib(n: float) -> int:
     return round(n * 2**30)
+
+
+def _clock(peak: float, cores: int, mxus: int, side: int) -> float:
+    """A TPU's clock from its bf16 peak: each MXU does side x side multiply-adds a cycle."""
+    return peak / (cores * mxus * side * side * 2)
 
 
 # Peaks and bandwidths from vendor datasheets. A TPU's memory is what XLA:TPU lets a program
@@ -36,10 +46,14 @@ def _gib(n: float) -> int:
 # each generation): less than the datasheet's HBM, and the figure that decides whether a plan
 # fits. "cpu" has no entry: it is measured on the machine instead.
 HARDWARE = {h.name: h for h in (
-    Hardware("v4", 275e12, _gib(30.75), 1200e9, "tpu", ("TPU v4",)),
-    Hardware("v5e", 197e12, _gib(15.75), 819e9, "tpu", ("TPU v5 lite", "TPU v5e")),
-    Hardware("v5p", 459e12, _gib(95.74), 2765e9, "tpu", ("TPU v5p", "TPU v5")),
-    Hardware("v6e", 918e12, _gib(31.25), 1640e9, "tpu", ("TPU v6 lite", "TPU v6e")),
+    Hardware("v4", 275e12, _gib(30.75), 1200e9, "tpu", ("TPU v4",), _clock(275e12, 2, 4, 128),
+             2400e9 / 8),
+    Hardware("v5e", 197e12, _gib(15.75), 819e9, "tpu", ("TPU v5 lite", "TPU v5e"),
+             _clock(197e12, 1, 4, 128), 1600e9 / 8),
+    Hardware("v5p", 459e12, _gib(95.74), 2765e9, "tpu", ("TPU v5p", "TPU v5"),
+             _clock(459e12, 2, 4, 128), 4800e9 / 8),
+    Hardware("v6e", 918e12, _gib(31.25), 1640e9, "tpu", ("TPU v6 lite", "TPU v6e"),
+             _clock(918e12, 1, 4, 256), 3584e9 / 8),
     Hardware("a100", 312e12, 80 << 30, 2039e9, "gpu", ("NVIDIA A100",)),
     Hardware("h100", 989e12, 80 << 30, 3350e9, "gpu", ("NVIDIA H100",)),
     Hardware("h200", 989e12, 141 << 30, 4800e9, "gpu", ("NVIDIA H200",)),

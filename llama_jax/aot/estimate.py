@@ -1,0 +1,342 @@
+"""The compiler's own clock: a compiled program's time per step as XLA:TPU prices it, deviceless.
+
+XLA:TPU writes `estimated_cycles` into the backend config of every top-level instruction of its
+optimized HLO (fusions, copies, broadcasts: the work its cost model prices). Summed as they
+stand they undercount a scanned model badly: a while loop's body is written once, so a 32-layer
+scan is priced as one layer (about 1/11 of the step). Here each computation is weighted by the
+trip counts of the loops that run it (a scan's condition compares its counter with a constant),
+and the cycles become seconds at the chip's clock (`plan.hardware.Hardware.clock_hz`).
+
+What the model does not price, and what this adds (labelled as ours in every report):
+- Mosaic kernels (`tpu_custom_call`: splash attention) are priced at ~0. Each splash kernel is
+  added at its matmuls' FLOPs at the chip's bf16 peak: forward 2 matmuls, dq 3, dkv 4 (each
+  `2·B·N·T·S·H·½`, causal), its shape read from the forward kernel's output.
+- Collectives get no cycles. They are listed by kind with their bytes per step and a time at
+  the chip's ICI bandwidth (`Hardware.ici_bandwidth`, all links together): a ring's
+  `(n-1)/n` of the buffer for all-gather and all-to-all, twice that for all-reduce,
+  `(n-1)` shards for reduce-scatter, the buffer for a collective permute. They are not added to
+  the step's time: XLA overlaps most of them with compute.
+
+Conditionals count their most expensive branch; loops whose trip count is not a constant
+compared with the counter count once (reported in `unknown_loops`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+from typing import Iterable
+
+# An instruction: `[ROOT] %name = SHAPE opcode(operands), attributes`; a tuple SHAPE holds spaces.
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*)$")
+_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) ")
+_ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8\w*|c64|c128)\[([\d,]*)\]")
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLED = re.compile(r"\b(condition|body|to_apply|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_CONSTANT = re.compile(r"constant\((-?\d+)\)")
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_BYTES = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+# Matmuls per splash kernel (forward: QKᵀ, PV; dq: QKᵀ, dO·Vᵀ, dS·K; dkv: QKᵀ, dO·Vᵀ, Pᵀ·dO,
+# dSᵀ·Q), by the kernel's name.
+SPLASH_MATMULS = (("_dkv", 4), ("_dq", 3), ("_fwd", 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    opcode: str
+    shape: str  # the result's shape text (a tuple's in parentheses)
+    rest: str  # operands and attributes
+
+    @property
+    def cycles(self) -> int:
+        found = _CYCLES.search(self.rest)
+        return int(found.group(1)) if found else 0
+
+    @property
+    def op_name(self) -> str:
+        found = _OP_NAME.search(self.rest)
+        return found.group(1) if found else ""
+
+
+def parse_module(text: str) -> tuple[dict[str, list[Instruction]], str]:
+    """An optimized HLO module's text as its computations' instructions, and the entry's name."""
+    computations: dict[str, list[Instruction]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        if line.endswith("{") and not line.startswith((" ", "HloModule")):
+            header = _HEADER.match(line)
+            if header:
+                current = computations.setdefault(header.group(1), [])
+                entry = header.group(1) if line.startswith("ENTRY") else entry
+            continue
+        found = _INSTRUCTION.match(line)
+        if found and current is not None:
+            current.append(_instruction(found.group(1), found.group(2)))
+    return computations, entry
+
+
+def _instruction(name: str, text: str) -> Instruction:
+    if text.startswith("("):  # a tuple shape: up to its closing parenthesis
+        depth = 0
+        for end, char in enumerate(text):
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if depth == 0:
+                break
+        shape, rest = text[:end + 1], text[end + 2:]
+    else:
+        shape, _, rest = text.partition(" ")
+    opcode, _, rest = rest.partition("(")
+    return Instruction(name, opcode, shape, rest)
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape's arrays (a tuple's summed)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        width = _BYTES.get(dtype) or max(1, int(re.sub(r"\D", "", dtype)[:3] or 8) // 8)
+        total += width * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def trip_count(condition: list[Instruction]) -> int | None:
+    """A scan's trips: its condition compares the counter with a constant (`LT n`: n trips,
+    `LE n`: n + 1), the counter starting at 0 as `lax.scan` and `fori_loop` start it."""
+    constants = {i.name: int(c.group(1)) for i in condition
+                 if i.opcode == "constant" and (c := _CONSTANT.search(f"constant({i.rest}"))}
+    for instruction in condition:
+        if instruction.opcode != "compare":
+            continue
+        operands = re.findall(r"%([\w.\-]+)", instruction.rest.split(")")[0])
+        bound = [constants[o] for o in operands if o in constants]
+        direction = re.search(r"direction=(\w+)", instruction.rest)
+        if bound and direction and direction.group(1) in ("LT", "GT", "LE", "GE"):
+            return bound[0] + (direction.group(1) in ("LE", "GE"))
+    return None
+
+
+def weights(computations: dict[str, list[Instruction]], entry: str
+            ) -> tuple[dict[str, float], list[str]]:
+    """How many times each executed computation runs per call of the entry (fusions' bodies
+    are not executed computations: their fusion instruction carries the cycles), and the loops
+    whose trip count could not be read (counted once)."""
+    weight: dict[str, float] = defaultdict(float)
+    unknown: list[str] = []
+
+    def cost(branch: str) -> int:
+        return sum(i.cycles for i in computations.get(branch, ()))
+
+    def visit(name: str, times: float) -> None:
+        weight[name] += times
+        for instruction in computations.get(name, ()):
+            called = dict(_CALLED.findall(instruction.rest))
+            if instruction.opcode == "while":
+                trips = trip_count(computations.get(called["condition"], []))
+                if trips is None:
+                    unknown.append(instruction.name)
+                visit(called["body"], times * (trips or 1))
+            elif instruction.opcode == "conditional":
+                branches = _branches(instruction, called)
+                visit(max(branches, key=cost), times)
+            elif instruction.opcode == "call" and "to_apply" in called:
+                visit(called["to_apply"], times)
+    visit(entry, 1.0)
+    return dict(weight), unknown
+
+
+def _branches(instruction: Instruction, called: dict[str, str]) -> list[str]:
+    listed = _BRANCHES.search(instruction.rest)
+    if listed:
+        return re.findall(r"%([\w.\-]+)", listed.group(1))
+    return [called[k] for k in ("true_computation", "false_computation") if k in called]
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveTotal:
+    """One kind of collective over a step, per device."""
+
+    kind: str
+    count: float  # executions per step
+    bytes: float  # the buffers' bytes per step (all-gather: the gathered result)
+    seconds: float | None  # ours: the traffic at the chip's ICI bandwidth (None: no figure)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopOp:
+    """Instructions of the same origin (the JAX op that made them), priced per step."""
+
+    name: str
+    opcode: str
+    count: float
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEstimate:
+    """A compiled program's time per step by XLA:TPU's cycle model, trip-weighted."""
+
+    clock_hz: float
+    peak_flops: float  # the chip's bf16 peak (the kernels' rate, and MFU's denominator)
+    cycles: float  # trip-weighted estimated cycles of every instruction XLA priced
+    unweighted_cycles: float  # the same counting each loop body once (what XLA's sum says)
+    kernel_seconds: float  # ours: Mosaic kernels at their analytic FLOPs and the bf16 peak
+    kernels: float  # Mosaic kernel calls per step
+    collectives: tuple[CollectiveTotal, ...]
+    top_ops: tuple[TopOp, ...]
+    unknown_loops: tuple[str, ...]  # loops counted once: no constant trip count found
+
+    @property
+    def compute_seconds(self) -> float:
+        return self.cycles / self.clock_hz
+
+    @property
+    def seconds(self) -> float:
+        """The step's estimate: XLA's priced work plus the kernels it does not price
+        (collectives apart: most overlap compute)."""
+        return self.compute_seconds + self.kernel_seconds
+
+    @property
+    def collective_seconds(self) -> float | None:
+        times = [c.seconds for c in self.collectives if c.seconds is not None]
+        return sum(times) if times else None
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.update(seconds=self.seconds, compute_seconds=self.compute_seconds,
+                   collective_seconds=self.collective_seconds)
+        return out
+
+    def mfu(self, model_flops: float) -> float:
+        """Model FLOPs utilisation at the estimated time, for `model_flops` per device."""
+        return model_flops / (self.seconds * self.peak_flops)
+
+    def report_lines(self, model_flops: float | None = None, top: int = 8) -> list[str]:
+        """The estimate as text: the time (and MFU from the model FLOPs per device), then the
+        collectives and the top ops."""
+        mfu = f"; MFU {self.mfu(model_flops):.1%}" if model_flops else ""
+        lines = [f"XLA's clock  {duration(self.seconds)} per call estimated{mfu} "
+                 f"({self.cycles:.3g} trip-weighted cycles at {self.clock_hz / 1e9:.2f} GHz = "
+                 f"{duration(self.compute_seconds)}; + {duration(self.kernel_seconds)} for "
+                 f"{self.kernels:g} Mosaic kernels at their FLOPs (ours); each loop body once: "
+                 f"{duration(self.unweighted_cycles / self.clock_hz)})"]
+        if self.unknown_loops:
+            lines.append(f"  loops counted once (no constant trip count): "
+                         f"{', '.join(self.unknown_loops)}")
+        if self.collectives:
+            lines.append("  collectives per step (ours: bytes at the ICI bandwidth, not added)")
+            for c in self.collectives:
+                time = "" if c.seconds is None else f"  ~{duration(c.seconds)}"
+                lines.append(f"    {c.kind:<19}{c.count:>7g} x  {c.bytes / 2**30:9.3f} GiB{time}")
+        if self.top_ops:
+            lines.append("  top ops by estimated time per step")
+            for op in self.top_ops[:top]:
+                lines.append(f"    {duration(op.seconds):>9}  {op.count:>6g} x {op.opcode:<10} "
+                             f"{op.name[-90:]}")
+        return lines
+
+
+def duration(seconds: float) -> str:
+    """"1.234 s", "12.3 ms" or "45.6 us"."""
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
+
+
+def estimate(text: str, clock_hz: float, peak_flops: float,
+             ici_bandwidth: float | None = None, top: int = 12) -> StepEstimate:
+    """The step's estimate from an optimized HLO module's text (`compiled.as_text()` of an
+    XLA:TPU compile) at `clock_hz`; Mosaic kernels at `peak_flops`, collectives at
+    `ici_bandwidth` bytes/s (None: bytes only)."""
+    computations, entry = parse_module(text)
+    weight, unknown = weights(computations, entry)
+    executed = [(i, weight[name]) for name, instructions in computations.items()
+                if name in weight for i in instructions]
+    cycles = sum(i.cycles * w for i, w in executed)
+    unweighted = sum(i.cycles for name in weight for i in computations[name])
+    kernel_flops, kernels = _kernel_flops(executed)
+    by_origin: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for i, w in executed:
+        if i.cycles:
+            entry_ = by_origin[(_origin(i.op_name) or i.name, i.opcode)]
+            entry_[0] += w
+            entry_[1] += i.cycles * w / clock_hz
+    top_ops = sorted((TopOp(name, opcode, count, seconds)
+                      for (name, opcode), (count, seconds) in by_origin.items()),
+                     key=lambda op: -op.seconds)[:top]
+    return StepEstimate(clock_hz=clock_hz, peak_flops=peak_flops, cycles=cycles, unweighted_cycles=unweighted,
+                        kernel_seconds=kernel_flops / peak_flops, kernels=kernels,
+                        collectives=collective_totals(executed, ici_bandwidth),
+                        top_ops=tuple(top_ops), unknown_loops=tuple(unknown))
+
+
+# The wrappers JAX writes into a training step's op names, in words.
+_WRAPPERS = (("transpose(jvp())", "backward"), ("jvp()", "forward"),
+             ("/while/body/closed_call", " layer"),
+             ("/checkpoint/rematted_computation", " recomputed"), ("/checkpoint", ""))
+
+
+def _origin(op_name: str) -> str:
+    """A JAX op name without the `jit(...)` of its program, its wrappers in words."""
+    name = re.sub(r"^jit\([^)]*\)/", "", op_name)
+    for wrapper, words in _WRAPPERS:
+        name = name.replace(wrapper, words)
+    return name
+
+
+def _kernel_flops(executed: Iterable[tuple[Instruction, float]]) -> tuple[float, float]:
+    """Mosaic kernels' FLOPs per step (splash attention's, by their names) and their count."""
+    calls = [(i, w) for i, w in executed
+             if i.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in i.rest]
+    per_matmul = 0.0
+    for i, _ in calls:  # B·N·T·H from the forward kernel's attention output, S = T
+        if "_fwd" in i.name:
+            outputs = [[int(d) for d in dims.split(",") if d] for _, dims in _ARRAY.findall(i.shape)]
+            out = max((o for o in outputs if len(o) >= 3), key=math.prod, default=None)
+            if out:
+                per_matmul = max(per_matmul, 2 * math.prod(out) * out[-2] / 2)
+    flops = 0.0
+    for i, w in calls:
+        matmuls = next((n for tag, n in SPLASH_MATMULS if tag in i.name), 0)
+        flops += matmuls * per_matmul * w
+    return flops, sum(w for _, w in calls)
+
+
+def group_size(instruction: Instruction) -> int | None:
+    """The number of devices in each of a collective's replica groups, where it says."""
+    listed = _GROUPS_LIST.search(instruction.rest)
+    if listed:
+        return len(listed.group(1).split(","))
+    iota = _GROUPS_IOTA.search(instruction.rest)
+    return int(iota.group(2)) if iota else None
+
+
+# Each kind's traffic per device in multiples of its result's bytes, for a group of n.
+_TRAFFIC = {"all-gather": lambda n: (n - 1) / n, "all-reduce": lambda n: 2 * (n - 1) / n,
+            "reduce-scatter": lambda n: n - 1, "all-to-all": lambda n: (n - 1) / n,
+            "collective-permute": lambda n: 1.0}
+
+
+def collective_totals(executed: Iterable[tuple[Instruction, float]],
+                      ici_bandwidth: float | None) -> tuple[CollectiveTotal, ...]:
+    """Collectives per step by kind: synchronous ones and the `-done` halves of asynchronous
+    ones (whose result is the collective's), weighted by trip counts."""
+    totals: dict[str, list[float]] = {}
+    for i, w in executed:
+        kind = i.opcode.removesuffix("-done")
+        if kind not in COLLECTIVES or i.opcode.endswith("-start"):
+            continue
+        n = group_size(i) or 2**20  # unknown: a large group, traffic -> a whole buffer
+        size = shape_bytes(i.shape)
+        entry = totals.setdefault(kind, [0.0, 0.0, 0.0])
+        entry[0] += w
+        entry[1] += size * w
+        entry[2] += _TRAFFIC[kind](n) * size * w
+    return tuple(CollectiveTotal(kind, count, size,
+                                 traffic / ici_bandwidth if ici_bandwidth else None)
+                 for kind, (count, size, traffic) in sorted(totals.items()))
