@@ -31,8 +31,10 @@ import time
 # Mesh axes that get a `--ici-parallelism-AXIS N` flag, passed on as MaxText's `ici_AXIS_parallelism`.
 ICI_AXES = ("data", "fsdp", "fsdp_transpose", "sequence", "context", "tensor", "tensor_sequence",
             "expert", "pipeline")
-COLLECTIVES = ("all-gather", "all-gather-start", "all-reduce", "all-reduce-start", "reduce-scatter",
-               "collective-permute", "collective-permute-start", "all-to-all")
+# ` op(` instructions, plus XLA:TPU's reduce-scatter, which it emits as a kCustom fusion calling an
+# `%all-reduce-scatter...` computation (an all-reduce + dynamic-slice, itself counted under that name).
+COLLECTIVE = re.compile(r" ((?:all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all)(?:-start)?)\("
+                        r"|calls=%(all-reduce-scatter)")
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,11 +57,14 @@ def parse_args() -> argparse.Namespace:
 
 
 def maxtext_overrides(a: argparse.Namespace) -> list[str]:
-    """MaxText `key=value` overrides for base.yml. Synthetic data, so no dataset or tokenizer is read."""
+    """MaxText `key=value` overrides for base.yml. Synthetic data, so no dataset or tokenizer is read.
+    MaxText always sets XLA_FLAGS=--xla_dump_to=<dump_hlo_local_dir> (unless XLA_FLAGS is already set),
+    default /tmp/xla_dump shared by every run; point it next to the outputs instead. The dump holds
+    XLA:TPU's buffer assignment and memory-usage report, which explain the peak."""
     kv = [f"compile_topology={a.topology}", f"compile_topology_num_slices={a.slices}",
           "dataset_type=synthetic", f"model_name={a.model}", f"per_device_batch_size={a.per_device_batch:g}",
           f"max_target_length={a.seq}", f"attention={a.attention}", f"remat_policy={a.remat}",
-          f"run_name={a.name}", f"base_output_directory={os.path.join(a.out, 'maxtext_output')}"]
+          f"run_name={a.name}", f"dump_hlo_local_dir={os.path.join(a.out, a.name + '.xla_dump')}/"]
     kv += [f"ici_{axis}_parallelism={getattr(a, f'ici_{axis}')}" for axis in ICI_AXES
            if getattr(a, f"ici_{axis}") is not None]
     return kv + a.extra
@@ -80,14 +85,13 @@ def count_collectives(hlo: str) -> dict:
     loop bodies of the scanned layers, ...), so a count inside a loop body can be read as per-layer."""
     total, per_comp, comp = {}, {}, None
     for line in hlo.splitlines():
-        if line and not line[0].isspace() and "{" in line:  # a computation header
-            comp = re.sub(r"^ENTRY ", "", line).split(" ", 1)[0].lstrip("%")
-            continue
-        for op in COLLECTIVES:
-            if f" {op}(" in line:
-                total[op] = total.get(op, 0) + 1
-                per_comp.setdefault(comp, {}).setdefault(op, 0)
-                per_comp[comp][op] += 1
+        if line.startswith(("%", "ENTRY %")):  # a computation header: [ENTRY ]%name (params) -> ... {
+            comp = line.removeprefix("ENTRY ").split(" ", 1)[0].lstrip("%")
+        elif m := COLLECTIVE.search(line):
+            op = m.group(1) or "fusion:" + m.group(2)
+            total[op] = total.get(op, 0) + 1
+            per_comp.setdefault(comp, {}).setdefault(op, 0)
+            per_comp[comp][op] += 1
     return {"total": total, "per_computation": per_comp}
 
 

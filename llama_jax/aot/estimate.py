@@ -42,9 +42,9 @@ _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 _BYTES = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-# Matmuls per splash kernel (forward: QKᵀ, PV; dq: QKᵀ, dO·Vᵀ, dS·K; dkv: QKᵀ, dO·Vᵀ, Pᵀ·dO,
-# dSᵀ·Q), by the kernel's name.
-SPLASH_MATMULS = (("_dkv", 4), ("_dq", 3), ("_fwd", 2))
+# Splash kernels by their names' tags: the kind and its matmuls (forward: QKᵀ, PV; dq: QKᵀ,
+# dO·Vᵀ, dS·K; dkv: QKᵀ, dO·Vᵀ, Pᵀ·dO, dSᵀ·Q). Another Mosaic kernel is "other", unpriced.
+SPLASH_KERNELS = (("_dkv", "dkv", 4), ("_dq", "dq", 3), ("_fwd", "forward", 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +186,8 @@ class StepEstimate:
     cycles: float  # trip-weighted estimated cycles of every instruction XLA priced
     unweighted_cycles: float  # the same counting each loop body once (what XLA's sum says)
     kernel_seconds: float  # ours: Mosaic kernels at their analytic FLOPs and the bf16 peak
-    kernels: float  # Mosaic kernel calls per step
+    kernels: tuple[tuple[str, float], ...]  # Mosaic kernel calls per step by kind: splash's
+    # forward, dq and dkv, and other
     collectives: tuple[CollectiveTotal, ...]
     top_ops: tuple[TopOp, ...]
     unknown_loops: tuple[str, ...]  # loops counted once: no constant trip count found
@@ -223,8 +224,9 @@ class StepEstimate:
         lines = [f"XLA's clock  {duration(self.seconds)} per call estimated{mfu} "
                  f"({self.cycles:.3g} trip-weighted cycles at {self.clock_hz / 1e9:.2f} GHz = "
                  f"{duration(self.compute_seconds)}; + {duration(self.kernel_seconds)} for "
-                 f"{self.kernels:g} Mosaic kernels at their FLOPs (ours); each loop body once: "
-                 f"{duration(self.unweighted_cycles / self.clock_hz)})"]
+                 f"Mosaic kernels at their FLOPs (ours: "
+                 f"{', '.join(f'{n:g} {kind}' for kind, n in self.kernels) or 'none'}); "
+                 f"each loop body once: {duration(self.unweighted_cycles / self.clock_hz)})"]
         if self.unknown_loops:
             lines.append(f"  loops counted once (no constant trip count): "
                          f"{', '.join(self.unknown_loops)}")
@@ -289,8 +291,10 @@ def _origin(op_name: str) -> str:
     return name
 
 
-def _kernel_flops(executed: Iterable[tuple[Instruction, float]]) -> tuple[float, float]:
-    """Mosaic kernels' FLOPs per step (splash attention's, by their names) and their count."""
+def _kernel_flops(executed: Iterable[tuple[Instruction, float]]
+                  ) -> tuple[float, tuple[tuple[str, float], ...]]:
+    """Mosaic kernels' FLOPs per step (splash attention's, by their names) and their calls
+    by kind."""
     calls = [(i, w) for i, w in executed
              if i.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in i.rest]
     per_matmul = 0.0
@@ -300,11 +304,13 @@ def _kernel_flops(executed: Iterable[tuple[Instruction, float]]) -> tuple[float,
             out = max((o for o in outputs if len(o) >= 3), key=math.prod, default=None)
             if out:
                 per_matmul = max(per_matmul, 2 * math.prod(out) * out[-2] / 2)
-    flops = 0.0
+    flops, counts = 0.0, defaultdict(float)
     for i, w in calls:
-        matmuls = next((n for tag, n in SPLASH_MATMULS if tag in i.name), 0)
+        kind, matmuls = next(((kind, n) for tag, kind, n in SPLASH_KERNELS if tag in i.name),
+                             ("other", 0))
         flops += matmuls * per_matmul * w
-    return flops, sum(w for _, w in calls)
+        counts[kind] += w
+    return flops, tuple(sorted(counts.items()))
 
 
 def group_size(instruction: Instruction) -> int | None:

@@ -199,7 +199,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m llama_jax.plan.info", description=__doc__.split(
         "\n\n")[0])
     parser.add_argument("config", help="preset name (e.g. llama3-8b) or path to a config file")
-    parser.add_argument("--batch", type=int, default=1, help="batch size B (default 1)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="batch size B (default: one sequence per data-parallel device of "
+                             "the training plan's mesh, else 1)")
     parser.add_argument("--max-batch", type=int, default=None,
                         help="serving: the KV cache of this many decode slots (with "
                              "--max-seq-len; default 8 when that is given)")
@@ -260,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         args.hardware = named.hardware
         args.mesh = args.mesh or f"fsdp={named.n_devices}"
     device = hardware.hardware(args.hardware or "h100")
+    mesh = parse_mesh(args.mesh) if args.mesh else None
+    batch_said = args.batch is not None
+    if not batch_said:
+        args.batch = sharding.batch_shards(mesh, dict(zip(MESH_AXES, mesh.sizes))) \
+            if mesh is not None else 1
     if args.bandwidth is None:
         args.bandwidth = device.bandwidth / 1e9 if args.hardware else DEFAULT_BANDWIDTH_GBPS
     for flag, value in (("--batch", args.batch), ("--seq", seq), ("--bandwidth", args.bandwidth),
@@ -268,7 +275,6 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"{flag}={value} must be > 0")
     if not 0 < args.mfu <= 1:
         raise ConfigError(f"--mfu={args.mfu} must be in (0, 1]")
-    mesh = parse_mesh(args.mesh) if args.mesh else None
     if named is not None and math.prod(mesh.sizes) != named.n_devices:
         raise ConfigError(f"--mesh {args.mesh} has {math.prod(mesh.sizes)} devices; "
                           f"{named.describe()}")
@@ -283,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
             attention_impl=args.attention_impl, loss_chunk=args.loss_chunk,
             mu_dtype=args.mu_dtype)
         text += "\n" + render_training(result["training"], args.batch, seq)
+        if not batch_said:
+            text += (f"\n  (--batch not given: one sequence per data-parallel device, "
+                     f"{args.batch} in all)")
+        result["training"]["batch_default"] = not batch_said
     if args.max_batch is not None or args.max_seq_len is not None:
         result["serving"] = plan_serving(config, args.max_batch or 8,
                                          args.max_seq_len or config.max_seq_len,

@@ -1,0 +1,189 @@
+"""The compiler's clock (aot/estimate.py) and the execution defaults a pod run depends on.
+
+XLA:TPU's cycle estimates count a loop body once: the estimate must weight it by its trip count,
+so a scanned step and the same step unrolled agree. The defaults checked here are the ones a
+team renting a slice would otherwise find out on the slice: the compute dtype follows the target
+(bf16 on TPUs), presets load from an installed wheel, unrolled layers keep their remat.
+"""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llama_jax import load_run_config
+from llama_jax.aot import estimate
+from llama_jax.aot.training import compile_training, render
+from llama_jax.config import ModelConfig
+from llama_jax.parallel import target, topology
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["model.dim=1024", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4",
+        "model.vocab_size=2048", "model.max_seq_len=1024", "model.param_dtype=float32",
+        "train.seq_len=512", "train.batch_size=8", "model.remat=full", "mesh.data=1",
+        "mesh.fsdp=4"]
+SLICE = "v5p-8"  # 4 chips
+# (1024 wide: at 256 the scan's per-layer weight casts and gradient updates, real costs of the
+# scanned program, put it 11% above the unrolled one; here matmuls dominate, as at scale)
+
+# A module as XLA:TPU writes it (trimmed): a 5-trip loop whose body holds a fusion of 100
+# cycles and an all-gather over 4 devices, a conditional whose branches cost 7 and 3, a fusion
+# of 10 cycles in the entry.
+MODULE = """HloModule test, is_scheduled=true
+
+%fused (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%p), backend_config={"estimated_cycles":"999"}
+}
+
+%body (param: (s32[], bf16[4,8])) -> (s32[], bf16[4,8]) {
+  %param = (s32[], bf16[4,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%param), index=0
+  %f = bf16[4,8]{1,0} fusion(%param), kind=kLoop, calls=%fused, metadata={op_name="jit(step)/jvp()/while/body/closed_call/dot_general"}, backend_config={"flag_configs":[],"estimated_cycles":"100"}
+  %ag = bf16[4,8]{1,0} all-gather(%f), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+  ROOT %t = (s32[], bf16[4,8]{1,0}) tuple(%i, %ag)
+}
+
+%cond (param.1: (s32[], bf16[4,8])) -> pred[] {
+  %param.1 = (s32[], bf16[4,8]{1,0}) parameter(0)
+  %c = s32[] constant(5)
+  %i.1 = s32[] get-tuple-element(%param.1), index=0
+  ROOT %lt = pred[] compare(%i.1, %c), direction=LT
+}
+
+%cheap (x: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  ROOT %b = f32[] negate(%x), backend_config={"estimated_cycles":"3"}
+}
+
+%dear (y: f32[]) -> f32[] {
+  %y = f32[] parameter(0)
+  ROOT %d = f32[] negate(%y), backend_config={"estimated_cycles":"7"}
+}
+
+ENTRY %main (a: (s32[], bf16[4,8]), k: pred[], z: f32[]) -> f32[] {
+  %a = (s32[], bf16[4,8]{1,0}) parameter(0)
+  %k = pred[] parameter(1)
+  %z = f32[] parameter(2)
+  %w = (s32[], bf16[4,8]{1,0}) while(%a), condition=%cond, body=%body
+  %e = f32[] fusion(%z), kind=kLoop, calls=%fused, backend_config={"estimated_cycles":"10"}
+  ROOT %r = f32[] conditional(%k, %e, %e), true_computation=%cheap, false_computation=%dear
+}
+"""
+
+
+def test_the_estimate_weights_loop_bodies_by_their_trips():
+    clock, ici = 1e9, 1e3
+    step = estimate.estimate(MODULE, clock, peak_flops=1e12, ici_bandwidth=ici)
+    assert step.cycles == 10 + 5 * 100 + 7  # fused insides not counted; the dearer branch
+    assert step.unweighted_cycles == 10 + 100 + 7  # each body once, as XLA sums it
+    assert step.seconds == pytest.approx(517 / clock)
+    (gather,) = step.collectives
+    assert (gather.kind, gather.count, gather.bytes) == ("all-gather", 5, 5 * 4 * 8 * 2)
+    assert gather.seconds == pytest.approx(5 * 64 * 3 / 4 / ici)  # a ring's (n-1)/n
+    assert step.top_ops[0] == estimate.TopOp("forward layer/dot_general", "fusion", 5,
+                                             500 / clock)
+    assert "517 ns" not in "\n".join(step.report_lines())  # durations in readable units
+    assert step.mfu(model_flops=517e-9 * 1e12 / 2) == pytest.approx(0.5)
+
+
+def test_a_loop_without_a_constant_trip_count_is_counted_once_and_said():
+    module = MODULE.replace("%c = s32[] constant(5)", "%c = s32[] get-tuple-element(%param.1), index=0")
+    step = estimate.estimate(module, 1e9, peak_flops=1e12)
+    assert step.cycles == 10 + 100 + 7 and step.unknown_loops == ("w",)
+    assert step.collectives[0].seconds is None  # no ICI bandwidth given: bytes only
+
+
+def tpu_devices():
+    assert topology._tpu_compiler_found(), "needs libtpu: `make test` installs it"
+    return topology.devices(topology.parse(SLICE))
+
+
+@pytest.fixture(scope="module")
+def steps():
+    """The tiny run's training step compiled for the slice, scanned and unrolled."""
+    tpu_devices()
+    return {scan: compile_training(load_run_config(
+        "configs/tiny.yaml", [*TINY, f"model.scan_layers={scan}"]), SLICE, evaluate=False)
+        for scan in ("true", "false")}
+
+
+def test_a_scanned_step_is_priced_as_its_unrolled_twin(steps):
+    scanned, unrolled = (steps[s].programs[0].clock for s in ("true", "false"))
+    assert scanned.seconds == pytest.approx(unrolled.seconds, rel=0.10)
+    # XLA's own sum counts the scan's body once: far below the weighted figure
+    assert scanned.unweighted_cycles < 0.6 * scanned.cycles
+    assert unrolled.unweighted_cycles == pytest.approx(unrolled.cycles, rel=0.01)
+    # splash's Mosaic kernels, unpriced by XLA, are added: forward, recomputed forward, dq,
+    # dkv per layer under full remat
+    assert scanned.kernel_seconds == pytest.approx(unrolled.kernel_seconds)
+    assert scanned.kernel_seconds > 0
+
+
+@pytest.mark.parametrize("scan", ["true", "false"])
+def test_full_remat_recomputes_every_layer_scanned_or_unrolled(steps, scan):
+    """An unrolled loop under jax.checkpoint needs its CSE barrier: without it XLA merges the
+    recomputed forward with the saved one (half the forward kernels, far more memory)."""
+    kernels = dict(steps[scan].programs[0].clock.kernels)
+    # per layer: the forward, its recomputation, dq and dkv
+    assert kernels == {"forward": 2 * 4, "dq": 4, "dkv": 4}, kernels
+
+
+def test_the_report_prints_the_clock_and_the_automatic_dtype(steps):
+    report = steps["true"]
+    run = load_run_config("configs/tiny.yaml", TINY)
+    text = render(report, run)
+    assert "bfloat16 (auto) compute" in text
+    assert "XLA's clock" in text and "MFU" in text and "top ops" in text
+    as_dict = report.as_dict()
+    assert as_dict["programs"][0]["clock"]["cycles"] == report.programs[0].clock.cycles
+    assert report.model_flops > 0
+
+
+def test_the_compute_dtype_follows_the_target_unless_set():
+    tiny = dict(vocab_size=64, dim=32, n_layers=1, n_heads=2)
+    here = ModelConfig(**tiny)
+    assert (here.compute_dtype, here.compute_dtype_auto) == ("float32", True)  # the CPU's
+    with target.compiling_for(tpu_devices()):
+        assert ModelConfig(**tiny).compute_dtype == "bfloat16"
+        assert here.for_platform().compute_dtype == "bfloat16"
+        assert here.with_execution(remat="full").compute_dtype == "bfloat16"
+        explicit = ModelConfig(**tiny, compute_dtype="float32")
+        assert explicit.for_platform().compute_dtype == "float32"
+    preset = load_run_config("llama3-8b", []).model
+    assert preset.compute_dtype_auto and preset.to_dict()["compute_dtype"] == "auto"
+    assert not load_run_config("llama3-8b", ["model.compute_dtype=float32"]).model \
+        .compute_dtype_auto
+
+
+def test_presets_load_from_an_installed_wheel(tmp_path):
+    """A non-editable install has no repository around it: the presets ship in the package."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for name in ("llama_jax", "configs"):
+        shutil.copytree(ROOT / name, source / name, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels),
+                    str(source)], check=True, capture_output=True, timeout=300)
+    (wheel,) = wheels.glob("*.whl")
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    script = ("import llama_jax, sys; from llama_jax import load_run_config; "
+              "from llama_jax.config import list_presets; "
+              "assert llama_jax.__file__.startswith(sys.argv[1]), llama_jax.__file__; "
+              "m = load_run_config('llama3-8b', []).model; "
+              "print(m.dim, m.vocab_size, m.rope_theta, len(list_presets()))")
+    out = subprocess.run([sys.executable, "-c", script, str(site)], cwd=tmp_path,
+                         env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin",
+                              "JAX_PLATFORMS": "cpu"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    dim, vocab, theta, presets = out.stdout.split()
+    assert (dim, vocab, float(theta)) == ("4096", "128256", 500000.0)
+    assert int(presets) == len(list((ROOT / "configs").glob("[!_]*.yaml")))
