@@ -17,7 +17,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_PROMPTS := --prompt "The json module" --prompt "To open a file, use" \
 	--prompt "A list comprehension"
 
-.PHONY: test test-pods demo demo-draft doc-task corpus bench install clean
+.PHONY: test test-pods demo demo-draft doc-task corpus bench bench-xla-clock install clean
 
 install: $(VENV)/.installed
 
@@ -95,8 +95,28 @@ bench: install
 	$(PY) bench/score.py
 	$(PY) bench/decode_matmuls.py
 
+# Ours vs MaxText 0.2.5 on XLA:TPU's own cycle estimates (bench/xla_clock.py, BENCHMARKS.md),
+# deviceless: each side in a Python 3.12 venv of its own with jax[tpu] 0.12.0.1 (libtpu
+# 0.0.50.1), this library in .venv-xla, MaxText in .venv-maxtext (bench/xla_clock_venv.sh).
+# ~15 min on 2 cores; MaxText's programs are cached in /tmp/xla_clock.
+PY312 := $(shell for p in python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12); \
+  do $$p -c 'import sys, venv; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && \
+  { command -v $$p; break; }; done)
+XLA_CLOCK_VENV := .venv-xla
+$(XLA_CLOCK_VENV)/.installed: pyproject.toml
+	@if [ -z "$(PY312)" ]; then echo "error: bench-xla-clock needs a Python 3.12 with venv" \
+	  "(jax 0.12 and MaxText 0.2.5 need it)" >&2; exit 1; fi
+	$(PY312) -m venv $(XLA_CLOCK_VENV)
+	$(XLA_CLOCK_VENV)/bin/python -m pip install -q --upgrade pip
+	$(XLA_CLOCK_VENV)/bin/python -m pip install -q "jax[tpu]==0.12.0.1" -e .
+	touch $@
+
+bench-xla-clock: $(XLA_CLOCK_VENV)/.installed
+	PYTHON=$(PY312) bash bench/xla_clock_venv.sh .venv-maxtext
+	$(XLA_CLOCK_VENV)/bin/python bench/xla_clock.py --maxtext-python .venv-maxtext/bin/python
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(XLA_CLOCK_VENV) .venv-maxtext .pytest_cache
 
 # Tests simulate an 8-device mesh on the CPU (tests/conftest.py sets it, and XLA's flags for
 # fast compiles) and run in TEST_WORKERS processes, each taking whole test files, so that a

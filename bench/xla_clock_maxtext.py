@@ -105,6 +105,9 @@ def main() -> None:
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", a.topology)
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # libtpu takes /tmp/libtpu_lockfile so two processes don't share real chips; with none here, let a
+    # compile run beside another libtpu process (e.g. our own deviceless compile) instead of aborting.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
     import maxtext
     from maxtext.trainers.pre_train import train_compile

@@ -6,18 +6,23 @@ team renting a slice would otherwise find out on the slice: the compute dtype fo
 (bf16 on TPUs), presets load from an installed wheel, unrolled layers keep their remat.
 """
 
+import dataclasses
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
 from llama_jax import load_run_config
 from llama_jax.aot import estimate
 from llama_jax.aot.training import compile_training, render
 from llama_jax.config import ModelConfig
-from llama_jax.parallel import target, topology
+from llama_jax.parallel import sharding, target, topology
+from llama_jax.training.trainer import jitted_programs
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.dim=1024", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4",
@@ -43,6 +48,7 @@ MODULE = """HloModule test, is_scheduled=true
   %i = s32[] get-tuple-element(%param), index=0
   %f = bf16[4,8]{1,0} fusion(%param), kind=kLoop, calls=%fused, metadata={op_name="jit(step)/jvp()/while/body/closed_call/dot_general"}, backend_config={"flag_configs":[],"estimated_cycles":"100"}
   %ag = bf16[4,8]{1,0} all-gather(%f), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+  %rs = bf16[1,8]{1,0} fusion(%ag), kind=kCustom, calls=%all-reduce-scatter.1, replica_groups=[1,4]<=[4]
   ROOT %t = (s32[], bf16[4,8]{1,0}) tuple(%i, %ag)
 }
 
@@ -80,9 +86,12 @@ def test_the_estimate_weights_loop_bodies_by_their_trips():
     assert step.cycles == 10 + 5 * 100 + 7  # fused insides not counted; the dearer branch
     assert step.unweighted_cycles == 10 + 100 + 7  # each body once, as XLA sums it
     assert step.seconds == pytest.approx(517 / clock)
-    (gather,) = step.collectives
+    gather, scatter = step.collectives
     assert (gather.kind, gather.count, gather.bytes) == ("all-gather", 5, 5 * 4 * 8 * 2)
     assert gather.seconds == pytest.approx(5 * 64 * 3 / 4 / ici)  # a ring's (n-1)/n
+    # XLA:TPU's reduce-scatter is a fusion; its result is a shard, its traffic n - 1 shards
+    assert (scatter.kind, scatter.count, scatter.bytes) == ("reduce-scatter", 5, 5 * 8 * 2)
+    assert scatter.seconds == pytest.approx(5 * 16 * 3 / ici)
     assert step.top_ops[0] == estimate.TopOp("forward layer/dot_general", "fusion", 5,
                                              500 / clock)
     assert "517 ns" not in "\n".join(step.report_lines())  # durations in readable units
@@ -187,3 +196,70 @@ def test_presets_load_from_an_installed_wheel(tmp_path):
     dim, vocab, theta, presets = out.stdout.split()
     assert (dim, vocab, float(theta)) == ("4096", "128256", 500000.0)
     assert int(presets) == len(list((ROOT / "configs").glob("[!_]*.yaml")))
+
+
+@pytest.mark.parametrize("equation, x_shape, w_shape", [
+    ("BTD,DNH->BTNH", (2, 3, 16), (16, 4, 8)), ("BTNH,NHD->BTD", (2, 3, 4, 8), (4, 8, 16))])
+def test_an_accelerators_matmul_equals_the_cpus(equation, x_shape, w_shape):
+    """On TPUs and GPUs `dense` is the einsum as written (the partitioner gathers each FSDP
+    weight as stored); on CPUs one 2-D matmul. Traced for a TPU and run here, the same numbers."""
+    from llama_jax.nn.ops import dense
+    k1, k2 = jax.random.split(jax.random.key(0))
+    x, w = jax.random.normal(k1, x_shape), jax.random.normal(k2, w_shape)
+    here = dense(equation, x, w)
+    with target.compiling_for(tpu_devices()):
+        there = dense(equation, x, w)
+        assert target.platform() == "tpu"
+    np.testing.assert_allclose(there, here, rtol=1e-6, atol=1e-6)
+
+
+def test_fsdp_gathers_weights_by_all_gather_on_a_torus():
+    """On a torus slice (v5p-128: 4x4x4 chips, wraparound on every side, as the real one has)
+    FSDP's weight gathers are all-gathers, forward and in the backward's recomputation; the
+    only full-size all-reduces are the gradients' (XLA:TPU's choice over reduce-scatter, as it
+    makes for MaxText's step). Described as an open mesh of chips, XLA:TPU instead wrote each
+    shard into a zero-filled full-size buffer and all-reduced it: twice the bytes, plus the
+    fills."""
+    devices = topology.devices(topology.parse("v5p-128"))
+    run = load_run_config("configs/tiny.yaml", [*TINY, "mesh.fsdp=64", "train.batch_size=64"])
+    mesh = sharding.make_mesh(run.mesh, devices)
+    with target.compiling_for(mesh):
+        run = dataclasses.replace(run, model=run.model.for_platform())
+    with target.compiling_for(mesh), sharding.use_mesh(mesh, run.mesh):
+        text = jitted_programs(run, 1, mesh).lower_step().compile().as_text()
+    # one layer's weights, full size: attention's q, k/v, o and the MLP's matrices
+    F = run.model.ffn_dim
+    layer = {(1024, 8, 128), (1024, 4, 128), (8, 128, 1024), (1024, F), (F, 1024)}
+    gathered, reduced = _weight_collectives(text, layer)
+    assert gathered.keys() == layer, gathered
+    assert all(2 <= n for n in gathered.values()), gathered  # the forward and its recomputation
+    assert reduced and all("transpose(" in name for name in reduced), reduced  # gradients only
+
+
+def _weight_collectives(text: str, layer: set) -> tuple[dict, list]:
+    """All-gathers by the layer weight shape they produce (a leading 1 of the layer slice
+    dropped), and the op names of all-reduces that produce one."""
+    computations, _ = estimate.parse_module(text)
+    gathered, reduced = {}, []
+    for instruction in (i for c in computations.values() for i in c):
+        kind = instruction.opcode.removesuffix("-start").removesuffix("-done")
+        shapes = {tuple(int(d) for d in dims.split(",") if d)
+                  for _, dims in re.findall(r"(\w+)\[([\d,]*)\]", instruction.shape)}
+        shapes = {shape[1:] if shape[:1] == (1,) else shape for shape in shapes} & layer
+        if kind == "all-gather" and not instruction.opcode.endswith("-done"):
+            for shape in shapes:
+                gathered[shape] = gathered.get(shape, 0) + 1
+        elif kind == "all-reduce" and shapes and not instruction.opcode.endswith("-done"):
+            reduced.append(instruction.op_name)
+    return gathered, reduced
+
+
+@pytest.mark.parametrize("name, wrap", [
+    ("v5p-64", (False, False, False)), ("v5p-128", (True, True, True)),
+    ("v5p-512", (True, True, True)), ("v4-128", (True, True, True)),
+    ("v5e-64", (False, False, False)), ("v5e-128", (False, True, False)),
+    ("v6e-256", (True, True, False))])
+def test_slices_close_their_rings_as_the_real_ones(name, wrap):
+    """Wraparound links: every side of a 3-D slice of 4x4x4 chips and up, a 16-chip side of a
+    2-D one (Google's slice shapes, as MaxText's compile table has them)."""
+    assert topology.parse(name).wrap == wrap

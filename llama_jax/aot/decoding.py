@@ -23,6 +23,7 @@ import sys
 import jax
 
 from llama_jax.aot.compiled import ProgramMemory, compile_program
+from llama_jax.aot.estimate import duration
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import ModelConfig, load_model_config
 from llama_jax.decode.generate import lower_programs
@@ -47,19 +48,28 @@ class DecodeCase:
     step: ProgramMemory
     bytes_accessed: float | None  # XLA's cost analysis of one step (unrolled only)
     floor_bytes: int  # what a step must read: the weights as stored and the cache
+    bandwidth: float  # the chip's HBM bytes/s: the floor's time is floor_bytes / bandwidth
     # int8 weights: buffers of an int8 matrix's shape in a float type that the compiled step
     # writes to memory (a dequantized copy); 0 when every dequantization is fused into its
     # matmul
     dequantized_copies: int | None
 
+    @property
+    def floor_ratio(self) -> float | None:
+        """XLA:TPU's estimated step time over the HBM floor's (None: no estimate)."""
+        clock = self.step.clock
+        return None if clock is None else clock.seconds / (self.floor_bytes / self.bandwidth)
+
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self) | {"fits": self.prefill.fits and self.step.fits}
+        return dataclasses.asdict(self) | {"fits": self.prefill.fits and self.step.fits,
+                                           "floor_ratio": self.floor_ratio}
 
 
 def compile_decoding(config: ModelConfig, topology: str, *, batch: int = 1,
                      context: int = 2048, cases=CASES) -> list[DecodeCase]:
     """The decode programs of `config` (bf16 compute) for one chip of `topology`, per case."""
-    device = topologies.devices(topologies.parse(topology))[0]
+    named = topologies.parse(topology)
+    device, chip = topologies.devices(named)[0], hardware.HARDWARE[named.hardware]
     platform = target.platform_name(device)
     here = jax.sharding.SingleDeviceSharding(device)
     prompt = context // 2
@@ -76,13 +86,15 @@ def compile_decoding(config: ModelConfig, topology: str, *, batch: int = 1,
             prefill, step = lower_programs(model, params, batch=batch, prompt_len=prompt,
                                            new_tokens=context - prompt, cache_dtype=cache)
             options = target.compiler_options()
-            prefill_memory, _ = compile_program("prefill", lambda: prefill, options, platform)
+            prefill_memory, _ = compile_program("prefill", lambda: prefill, options, platform,
+                                                chip)
             step_memory, compiled = compile_program("decode step", lambda: step, options,
-                                                    platform)
+                                                    platform, chip)
         results.append(DecodeCase(
             impl, weights, cache, prefill_memory, step_memory,
             _bytes_accessed(compiled) if impl == "unrolled" else None,
             costs.decode_bytes_per_step(model, batch, context, "bfloat16", cache),
+            chip.bandwidth,
             dequantized_copies(compiled, params, impl == "scan")
             if weights == "int8" and compiled else None))
     return results
@@ -125,6 +137,9 @@ def render(cases: list[DecodeCase], limit: int | None) -> str:
             f"{costs.format_bytes(c.floor_bytes)}")
         copies = "" if c.dequantized_copies is None else \
             f"; dequantized weight copies: {c.dequantized_copies}"
+        if c.floor_ratio is not None:
+            copies += (f"; XLA's clock {duration(c.step.clock.seconds)} per step = "
+                       f"{c.floor_ratio:.2f}x the HBM floor")
         lines.append(f"{c.decode_impl} decoder, {c.weights} weights, {c.cache_dtype} cache: "
                      f"prefill {c.prefill.verdict(limit)}; step {c.step.verdict(limit)}"
                      f"{read}{copies}")

@@ -277,18 +277,17 @@ def estimate(text: str, clock_hz: float, peak_flops: float,
                         top_ops=tuple(top_ops), unknown_loops=tuple(unknown))
 
 
-# The wrappers JAX writes into a training step's op names, in words.
-_WRAPPERS = (("transpose(jvp())", "backward"), ("jvp()", "forward"),
-             ("/while/body/closed_call", " layer"),
-             ("/checkpoint/rematted_computation", " recomputed"), ("/checkpoint", ""))
+# The wrappers JAX writes into a training step's op names (jax 0.10 and 0.12), in words.
+_WRAPPERS = ((r"^jit\([^)]*\)/", ""), (r"transpose\(jvp\(\)\)", "backward"),
+             (r"jvp\(\)", "forward"), (r"/while/body/(closed_call|eval_jaxpr)", " layer"),
+             (r"/checkpoint/rematted_computation", " recomputed"), (r"/checkpoint", ""))
 
 
 def _origin(op_name: str) -> str:
     """A JAX op name without the `jit(...)` of its program, its wrappers in words."""
-    name = re.sub(r"^jit\([^)]*\)/", "", op_name)
     for wrapper, words in _WRAPPERS:
-        name = name.replace(wrapper, words)
-    return name
+        op_name = re.sub(wrapper, words, op_name)
+    return op_name
 
 
 def _kernel_flops(executed: Iterable[tuple[Instruction, float]]
@@ -328,14 +327,23 @@ _TRAFFIC = {"all-gather": lambda n: (n - 1) / n, "all-reduce": lambda n: 2 * (n 
             "collective-permute": lambda n: 1.0}
 
 
+def _collective_kind(i: Instruction) -> str | None:
+    """A collective's kind: synchronous ones, the `-done` halves of asynchronous ones (whose
+    result is the collective's), and XLA:TPU's reduce-scatter, a fusion that calls an
+    `all-reduce-scatter` computation."""
+    if i.opcode == "fusion" and "calls=%all-reduce-scatter" in i.rest:
+        return "reduce-scatter"
+    kind = i.opcode.removesuffix("-done")
+    return kind if kind in COLLECTIVES and not i.opcode.endswith("-start") else None
+
+
 def collective_totals(executed: Iterable[tuple[Instruction, float]],
                       ici_bandwidth: float | None) -> tuple[CollectiveTotal, ...]:
-    """Collectives per step by kind: synchronous ones and the `-done` halves of asynchronous
-    ones (whose result is the collective's), weighted by trip counts."""
+    """Collectives per step by kind (`_collective_kind`), weighted by trip counts."""
     totals: dict[str, list[float]] = {}
     for i, w in executed:
-        kind = i.opcode.removesuffix("-done")
-        if kind not in COLLECTIVES or i.opcode.endswith("-start"):
+        kind = _collective_kind(i)
+        if kind is None:
             continue
         n = group_size(i) or 2**20  # unknown: a large group, traffic -> a whole buffer
         size = shape_bytes(i.shape)

@@ -128,10 +128,12 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
     cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
     if topology is None:  # what `serve` checks against: the memory free now
         devices, described, limit = jax.devices(), "this host", free_memory_bytes()
+        chip = None
     else:
         named = topologies.parse(topology)
         devices, described = topologies.devices(named), named.describe()
-        limit = hardware.HARDWARE[named.hardware].memory_bytes
+        chip = hardware.HARDWARE[named.hardware]
+        limit = chip.memory_bytes
     platform = target.platform_name(devices[0])
     if decode_impl == "auto":  # the server drops the stacked weights: one copy either way
         decode_impl = "unrolled" if platform in UNROLLED_BACKENDS else "scan"
@@ -166,7 +168,7 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
             draft_params=draft_params)
         options = target.compiler_options()
         for name, program in lowered.items():
-            memory, _ = compile_program(name, lambda: program, options, platform)
+            memory, _ = compile_program(name, lambda: program, options, platform, chip)
             log(f"{name}: compiled in {memory.compile_s:.1f} s")
             programs.append(memory)
     mesh_shape = dict(m.shape) if (m := sharding.mesh_of(params)) is not None else {}

@@ -31,8 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llama_jax.nn.ops import cast_weight, einsum_f32
+from llama_jax.nn.ops import cast_weight, einsum_f32, einsum_f32_narrow_grads
 from llama_jax.nn.registry import Registry
+from llama_jax.quant import is_int8
 from llama_jax.parallel.sharding import constrain
 from llama_jax.spec import bias, weight
 
@@ -115,14 +116,15 @@ def _count(sums: dict) -> float:
 
 
 def lm_head(config: ModelConfig, params: dict, h_BTD: jax.Array) -> jax.Array:
-    """fp32 logits: the loss and sampling want them in full precision."""
+    """fp32 logits: the loss and sampling want them in full precision. Their gradient reaches
+    the head's two backward matmuls in the compute dtype (`einsum_f32_narrow_grads`)."""
     if config.tie_embeddings:
-        table_VD = cast_weight(params["embed"]["table"], h_BTD.dtype)
-        logits_BTV = einsum_f32("BTD,VD->BTV", h_BTD, table_VD)
+        equation, w = "BTD,VD->BTV", params["embed"]["table"]
     else:
-        w_DV = cast_weight(params["lm_head"]["w"], h_BTD.dtype)
-        logits_BTV = einsum_f32("BTD,DV->BTV", h_BTD, w_DV)
-    return constrain(logits_BTV, ("batch", "seq", "vocab"))
+        equation, w = "BTD,DV->BTV", params["lm_head"]["w"]
+    w = cast_weight(w, h_BTD.dtype)
+    matmul = einsum_f32 if is_int8(w) else einsum_f32_narrow_grads
+    return constrain(matmul(equation, h_BTD, w), ("batch", "seq", "vocab"))
 
 
 def real_tokens(config: ModelConfig, tokens_BT: jax.Array) -> jax.Array:

@@ -8,6 +8,7 @@ they are constant along (`_int8_einsum`), so no dequantized copy of the weight i
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -68,6 +69,32 @@ def matmul_precision(a: jax.Array, b: jax.Array) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if wide else jax.lax.Precision.DEFAULT
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def einsum_f32_narrow_grads(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`einsum_f32` whose backward pass takes the cotangent in the operands' dtype: for 16-bit
+    operands the two backward matmuls are 16-bit ones (fp32 accumulation), as for every other
+    matmul of a bf16 step, rather than fp32 cotangent x bf16 weight. Forward: the fp32 result
+    of `einsum_f32`. For the LM head, whose fp32 logits the loss wants: its backward matmuls
+    over the vocabulary are the step's largest. Needs each index in the output or in both
+    operands (a matmul)."""
+    return einsum_f32(equation, a, b)
+
+
+def _narrow_forward(equation, a, b):
+    return einsum_f32(equation, a, b), (a, b)
+
+
+def _narrow_backward(equation, operands, ct):
+    a, b = operands
+    (lhs, rhs), out = equation.split("->")[0].split(","), equation.split("->")[1]
+    ct = ct.astype(a.dtype)
+    return (einsum_f32(f"{out},{rhs}->{lhs}", ct, b).astype(a.dtype),
+            einsum_f32(f"{lhs},{out}->{rhs}", a, ct).astype(b.dtype))
+
+
+einsum_f32_narrow_grads.defvjp(_narrow_forward, _narrow_backward)
+
+
 def _widened_on_cpu(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
     """16-bit operands widened to fp32 when compiling for a CPU (see `einsum_f32`); unchanged
     elsewhere."""
@@ -102,6 +129,10 @@ def dense(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
     lhs, rhs = inputs.split(",")
     n_in = len(set(lhs) & set(rhs))
     assert lhs[-n_in:] == rhs[:n_in] and out == lhs[:-n_in] + rhs[n_in:], equation
+    if not is_int8(w) and target.platform() != "cpu":
+        # The einsum as written: the partitioner then gathers each FSDP weight as it is stored,
+        # where reshaping first made XLA:TPU gather transposed copies as well.
+        return einsum_f32(equation, x, cast_weight(w, x.dtype)).astype(x.dtype)
     # As one 2-D matmul (rows x contracted): XLA:CPU runs these faster than the N-D einsum.
     rows, contracted = x.shape[:x.ndim - n_in], math.prod(x.shape[x.ndim - n_in:])
     x_MK = x.reshape(-1, contracted)

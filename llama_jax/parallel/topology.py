@@ -77,6 +77,18 @@ class Topology:
         return f"{TPU_GENERATIONS[self.hardware].libtpu}:{'x'.join(map(str, self.grid))}"
 
     @property
+    def wrap(self) -> tuple[bool, bool, bool]:
+        """Which sides of the slice close into a ring (the ICI's wraparound links), as the real
+        slice has them: every side of a 3-D slice of 4x4x4 chips or more (v4, v5p), a side of
+        16 chips of a 2-D one (v5e, v6e). Without them XLA:TPU compiles for an open mesh of
+        chips, on which it cannot ring-all-gather across the slice: it zero-fills a full buffer
+        per gather and all-reduces it instead (twice the bytes), which the real pod does not."""
+        if len(self.grid) == 3:
+            torus = min(self.grid) >= 4
+            return (torus, torus, torus)
+        return (*(side == 16 for side in self.grid), False)
+
+    @property
     def cloud_name(self) -> str:
         """The slice as Google Cloud names its accelerator type (v5litepod-16, v5p-256)."""
         cloud = {"v5e": "v5litepod"}.get(self.hardware, self.hardware)
@@ -85,8 +97,10 @@ class Topology:
     def describe(self) -> str:
         """One line: the name, what it is, and how libtpu / the CUDA plugin is asked for it."""
         if self.platform == "tpu":
+            rings = "".join("w" if closed else "-" for closed in self.wrap[:len(self.grid)])
             what = f"{self.libtpu_name}{' megacore' if self.megacore else ''}, " \
-                   f"{self.devices_per_slice} chips"
+                   f"{self.devices_per_slice} chips" + \
+                   (f", wraparound {rings}" if any(self.wrap) else "")
         else:
             what = f"{self.devices_per_slice} x {self.hardware.upper()}, " \
                    f"{math.ceil(self.devices_per_slice / GPUS_PER_HOST)} host(s)"
@@ -180,6 +194,7 @@ def devices(topology: Topology, gpu_target: str | None = None) -> list:
         _require(_tpu_compiler_found(), "compiling for a TPU needs libtpu: pip install "
                  "'jax[tpu]' (the version matching jax), or set TPU_LIBRARY_PATH to a libtpu.so")
         options = {"num_slices": topology.slices} if topology.slices > 1 else {}
+        options["wrap"] = topology.wrap
         if topology.megacore:
             options["chip_config_name"] = "megacore"
         if topology.devices_per_slice == 1:
