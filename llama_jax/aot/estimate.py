@@ -40,6 +40,7 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _CONSTANT = re.compile(r"constant\((-?\d+)\)")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}")
 _BYTES = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 # Splash kernels by their names' tags: the kind and its matmuls (forward: QKᵀ, PV; dq: QKᵀ,
@@ -318,12 +319,21 @@ def group_size(instruction: Instruction) -> int | None:
     if listed:
         return len(listed.group(1).split(","))
     iota = _GROUPS_IOTA.search(instruction.rest)
-    return int(iota.group(2)) if iota else None
+    if iota:
+        return int(iota.group(2))
+    mesh = _GROUPS_MESH.search(instruction.rest)  # mesh['a'=4,'b'=64] {'b'}: the named axes
+    if mesh:
+        sizes = {name: int(n) for name, n in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
+        return math.prod(sizes[name] for name in re.findall(r"'([^']+)'", mesh.group(2)))
+    return None
 
 
-# Each kind's traffic per device in multiples of its result's bytes, for a group of n.
-_TRAFFIC = {"all-gather": lambda n: (n - 1) / n, "all-reduce": lambda n: 2 * (n - 1) / n,
-            "reduce-scatter": lambda n: n - 1, "all-to-all": lambda n: (n - 1) / n,
+# Each kind's traffic per device in multiples of its result's bytes, for a group of n (None:
+# a group whose size the instruction does not say; all but reduce-scatter have a limit).
+_TRAFFIC = {"all-gather": lambda n: 1.0 if n is None else (n - 1) / n,
+            "all-reduce": lambda n: 2.0 if n is None else 2 * (n - 1) / n,
+            "reduce-scatter": lambda n: None if n is None else n - 1,
+            "all-to-all": lambda n: 1.0 if n is None else (n - 1) / n,
             "collective-permute": lambda n: 1.0}
 
 
@@ -345,12 +355,12 @@ def collective_totals(executed: Iterable[tuple[Instruction, float]],
         kind = _collective_kind(i)
         if kind is None:
             continue
-        n = group_size(i) or 2**20  # unknown: a large group, traffic -> a whole buffer
+        factor = _TRAFFIC[kind](group_size(i))
         size = shape_bytes(i.shape)
         entry = totals.setdefault(kind, [0.0, 0.0, 0.0])
         entry[0] += w
         entry[1] += size * w
-        entry[2] += _TRAFFIC[kind](n) * size * w
-    return tuple(CollectiveTotal(kind, count, size,
-                                 traffic / ici_bandwidth if ici_bandwidth else None)
+        entry[2] += float("nan") if factor is None else factor * size * w
+    return tuple(CollectiveTotal(kind, count, size, traffic / ici_bandwidth
+                                 if ici_bandwidth and not math.isnan(traffic) else None)
                  for kind, (count, size, traffic) in sorted(totals.items()))

@@ -195,6 +195,11 @@ class MoeConfig:
                     f"a group by its {least} best experts")
 
 
+class ChosenDtype(str):
+    """A compute dtype that `compute_dtype: auto` chose for the platform being compiled for:
+    the dtype's name (equal to it, hashed as it), marked as chosen rather than written."""
+
+
 EXECUTION, GENERATION, INIT, NAMES = ROLES  # the non-architecture roles (config/fields.py)
 
 
@@ -322,14 +327,15 @@ class ModelConfig:
                                            "(and exported) but never stop generation")
 
     def __post_init__(self):
-        # "auto" is chosen by the platform compiled for when the config is built; the config
-        # remembers it (not a field: equal configs compute the same), so that a compile for
-        # another platform chooses again (`for_platform`) and reports can say so.
-        auto = self.compute_dtype == "auto"
+        # "auto" is chosen by the platform compiled for whenever the config is built (copies
+        # included), and stays marked as chosen (`ChosenDtype`), so that a compile for another
+        # platform chooses again (`for_platform`) and reports can say so.
+        auto = self.compute_dtype == "auto" or isinstance(self.compute_dtype, ChosenDtype)
         if auto:
             object.__setattr__(self, "compute_dtype", target.default_compute_dtype())
-        object.__setattr__(self, "_compute_dtype_auto", auto)
         check_settings(self)
+        if auto:
+            object.__setattr__(self, "compute_dtype", ChosenDtype(self.compute_dtype))
         self._check_sections()
         self._resolve_defaults()
         self._check_relations()
@@ -519,14 +525,12 @@ class ModelConfig:
         for name in settings:
             require(roles.get(name) == "execution", name, settings[name],
                     "is not an execution setting")
-        if self.compute_dtype_auto:  # still the platform's choice, unless one is given
-            settings.setdefault("compute_dtype", "auto")
         return dataclasses.replace(self, **settings)
 
     @property
     def compute_dtype_auto(self) -> bool:
         """Whether the compute dtype is the platform's choice (`compute_dtype: auto`)."""
-        return self._compute_dtype_auto
+        return isinstance(self.compute_dtype, ChosenDtype)
 
     def for_platform(self) -> "ModelConfig":
         """The config as built on the platform being compiled for (`parallel.target`): an
@@ -557,8 +561,7 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain data for a YAML file (tuples become lists)."""
         out = {**dataclasses.asdict(self), "eos_ids": list(self.eos_ids)}
-        if self.compute_dtype_auto:  # it chooses again where the file is read
-            out["compute_dtype"] = "auto"
+        out["compute_dtype"] = str(self.compute_dtype)  # the dtype it ran in, as plain data
         for section in ("moe", "mla"):  # a dense GQA model's file has neither section
             if getattr(self, section) is None:
                 del out[section]
