@@ -82,16 +82,15 @@ def compile_training(run: RunConfig, topology: str | None = None, slices: int = 
         entry = hardware.HARDWARE[named.hardware]
     mesh = sharding.make_mesh(run.mesh, devices)
     platform = target.platform_name(devices[0])
-    with target.compiling_for(mesh):  # an automatic compute dtype is the target's
-        run = dataclasses.replace(run, model=run.model.for_platform())
-    check_run(run, mesh)
-    plan = plan_memory(run.model, run.mesh, len(devices), batch=run.train.batch_size,
-                       seq=run.train.seq_len, remat=run.model.remat,
-                       micro_batches=run.train.micro_batches, backend=platform,
-                       mu_dtype=run.train.mu_dtype)
-    log(f"compiling for {described}, mesh {dict(mesh.shape)}")
     programs = []
     with target.compiling_for(mesh), sharding.use_mesh(mesh, run.mesh):
+        run = dataclasses.replace(run, model=run.model.for_platform())  # auto: the target's
+        check_run(run, mesh)
+        plan = plan_memory(run.model, run.mesh, len(devices), batch=run.train.batch_size,
+                           seq=run.train.seq_len, remat=run.model.remat,
+                           micro_batches=run.train.micro_batches, backend=platform,
+                           mu_dtype=run.train.mu_dtype)
+        log(f"compiling for {described}, mesh {dict(mesh.shape)}")
         jitted = jitted_programs(run, _ANY_BOS_ID, mesh)
         options = target.compiler_options()
         lowerings = [("train step", jitted.lower_step)]
@@ -105,8 +104,7 @@ def compile_training(run: RunConfig, topology: str | None = None, slices: int = 
     return TrainingReport(
         target=described, platform=platform, n_devices=len(devices), mesh=dict(mesh.shape),
         compute=run.model.compute_dtype + (" (auto)" if run.model.compute_dtype_auto else ""),
-        model_flops=run.train.batch_size * run.train.seq_len * costs.train_flops_per_token(
-            run.model, run.train.seq_len) / len(devices),
+        model_flops=costs.train_flops_per_step(run) / len(devices),
         attention=describe_attention(run.model, run.train.seq_len, platform),
         versions=topologies.compiler_versions(platform) if topology else {},
         xla_flags=os.environ.get("XLA_FLAGS", ""), compiler_options=options,

@@ -24,7 +24,7 @@ import math
 import jax.numpy as jnp
 
 from llama_jax import quant
-from llama_jax.config import ModelConfig
+from llama_jax.config import ModelConfig, RunConfig
 from llama_jax.nn.heads import head_matmul_size
 from llama_jax.nn.attention import kv_storage
 from llama_jax.nn.attention.mixers import mixer_of
@@ -141,6 +141,13 @@ def train_flops_per_token(config: ModelConfig, seq_len: int, frozen_backbone: bo
     if frozen_backbone:
         return 2 * param_counts(config).matmul + 4 * head_matmul_size(config) + attention // 3
     return 6 * param_counts(config).matmul + attention
+
+
+def train_flops_per_step(run: RunConfig) -> float:
+    """A run's model FLOPs per optimizer step, all devices together (`train_flops_per_token`
+    over its batch; a frozen backbone's forward only)."""
+    return run.train.batch_size * run.train.seq_len * train_flops_per_token(
+        run.model, run.train.seq_len, frozen_backbone=run.train.freeze == "backbone")
 
 
 def decode_bytes_per_step(config: ModelConfig, batch: int, context: int,

@@ -211,11 +211,9 @@ class _Window:
     def of(cls, run: RunConfig, n_devices: int, memory: Callable[[], int | None]) -> _Window:
         """The first window of `run` on `n_devices`, starting now."""
         train_cfg = run.train
-        tokens = train_cfg.batch_size * train_cfg.seq_len
-        flops = tokens * costs.train_flops_per_token(
-            run.model, train_cfg.seq_len, frozen_backbone=train_cfg.freeze == "backbone")
         peak = train_cfg.peak_flops or hardware.peak_flops_per_device(run.model.compute_dtype)
-        return cls(tokens, flops, peak * n_devices, learning_rate_schedule(train_cfg), memory)
+        return cls(train_cfg.batch_size * train_cfg.seq_len, costs.train_flops_per_step(run),
+                   peak * n_devices, learning_rate_schedule(train_cfg), memory)
 
     def close(self, step: int, values: dict) -> dict:
         """What `step` logs over the window (`values`: the step's metrics); the next window
