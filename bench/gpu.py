@@ -2,13 +2,18 @@
 against transformers (PyTorch) and the machine's own measured ceilings, in one run.
 
     python bench/gpu.py [--sections correctness train decode] [--plan bench|llama3-8b|tiny]
-                        [--out DIR]
+                        [--train-runs RUN ...] [--decode-runs RUN ...] [--dump DIR] [--out DIR]
 
 Every part runs in a child process of its own (the parent never touches the device, so each
 child has the whole GPU), and children that are timed against each other run one after another.
 `--plan tiny` (or `--tiny`) shrinks every size for a dry run on CPU (cuDNN rows then report that
 they need a GPU); `--plan llama3-8b` trains and decodes LLaMA-3-8B (random weights) instead of
 the benchmark model, training only when its fp32 state fits the GPU's memory.
+`--train-runs`/`--decode-runs` replace the plan's runs (TRAIN_RUNS, DECODE_RUNS below: any
+"impl+field=value" or "impl:weights/cache" string). `--dump DIR` has each timed run of ours
+write the optimized HLO of its training step (`jit_train_step`) or decode loop (`jit__decode`)
+under DIR/RUN (XLA's own dump: the programs that ran, for pricing them afterwards with
+`llama_jax.aot.estimate`).
 
 Correctness (relative error ‖out − ref‖/‖ref‖ on random inputs, PASS when ≤ the tolerance;
 everything at JAX's default matmul precision: an fp32 model's full precision is the library's
@@ -68,6 +73,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -690,6 +696,16 @@ def run_worker(kind: str, args: list[str], plan: Plan, result_path: str) -> None
     Path(result_path).write_text(json.dumps(result))
 
 
+# The programs `--dump` keeps: the training step and the decode loop.
+DUMPED_MODULES = "jit_train_step|jit__decode"
+
+
+def dump_flags(directory: Path) -> str:
+    """XLA flags that write the optimized HLO of DUMPED_MODULES under `directory`."""
+    return (f"--xla_dump_to={directory} --xla_dump_hlo_as_text "
+            f"--xla_dump_hlo_module_re={DUMPED_MODULES}")
+
+
 def child(kind: str, *args: str, plan: str, cpu: bool = False,
           run_env: dict | None = None) -> dict:
     """Runs a worker in a fresh process (its output goes to ours) and returns its result.
@@ -711,9 +727,13 @@ def child(kind: str, *args: str, plan: str, cpu: bool = False,
         return json.loads(result.read_text())
 
 
-def run_child(kind: str, run: str, *args: str, plan: str) -> dict:
-    """`child` for one run of TRAIN_RUNS or DECODE_RUNS, in the environment it names."""
+def run_child(kind: str, run: str, *args: str, plan: str, dump: Path | None) -> dict:
+    """`child` for one run of TRAIN_RUNS or DECODE_RUNS, in the environment it names; with
+    `dump`, a run of ours writes its programs under dump/KIND-RUN."""
     base, env = split_run(run)
+    if dump is not None and base != "transformers":
+        directory = dump / re.sub(r"[^A-Za-z0-9_.=-]", "_", f"{kind}-{run}")
+        env = {**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} {dump_flags(directory)}"}
     return child(kind, base, *args, plan=plan, run_env=env)
 
 
@@ -731,14 +751,13 @@ def correctness(name: str, tmp: str) -> dict:
     return refs if "error" in refs else child("checks", ref_path, plan=name)
 
 
-def training(name: str, peak: dict) -> dict:
+def training(name: str, plan: Plan, peak: dict, dump: Path | None) -> dict:
     if "error" in peak:
         return {"error": f"no matmul peak measured: {peak['error']}"}
-    plan = PLANS[name]
     runs = {}
     for run in plan.train_runs:
         planned = planned_training_bytes(plan, split_run(run)[0])
-        runs[run] = (run_child("train", run, plan=name) if planned <= peak["memory_bytes"] else
+        runs[run] = (run_child("train", run, plan=name, dump=dump) if planned <= peak["memory_bytes"] else
                      {"error": f"planned {planned / 2 ** 30:.0f} GiB (weights, gradients, "
                                f"AdamW moments, activations) > the device's "
                                f"{peak['memory_bytes'] / 2 ** 30:.0f} GiB: not run"})
@@ -751,15 +770,15 @@ def training(name: str, peak: dict) -> dict:
     return {"flops_per_token": flops, "tokens_per_step": tokens, "runs": runs}
 
 
-def decoding(name: str, peak: dict, tmp: str) -> dict:
+def decoding(name: str, plan: Plan, peak: dict, tmp: str, dump: Path | None) -> dict:
     if "error" in peak:
         return {"error": f"no bandwidth measured: {peak['error']}"}
     hf_dir = str(Path(tmp) / "hf")
-    plan = PLANS[name]
     exported = child("export", hf_dir, plan=name)
     if "error" in exported:
         return exported
-    runs = {run: run_child("decode", run, hf_dir, plan=name) for run in plan.decode_runs}
+    runs = {run: run_child("decode", run, hf_dir, plan=name, dump=dump)
+            for run in plan.decode_runs}
     context = plan.decode_prompt + plan.decode_new // 2
 
     def floor_s(run: str, batch: int) -> float:
@@ -807,7 +826,7 @@ def print_training(training: dict, plan: Plan) -> None:
           "| implementation | tok/s | step ms (min-max) | MFU | vs transformers | peak GiB "
           "| compile s | loss first→last |\n|---|---|---|---|---|---|---|---|")
     runs = training["runs"]
-    theirs = runs["transformers"].get("tokens_per_s")
+    theirs = runs.get("transformers", {}).get("tokens_per_s")
     for impl, r in runs.items():
         if "error" in r:
             print(f"| {impl} | {r['error']} | | | | | | |")
@@ -882,6 +901,9 @@ def main() -> None:
                         help="bench: the benchmark model (default); llama3-8b: LLaMA-3-8B's "
                              "training step and decode; tiny: toy sizes, for a CPU dry run")
     parser.add_argument("--tiny", action="store_true", help="the same as --plan tiny")
+    parser.add_argument("--train-runs", nargs="+", help="instead of the plan's training runs")
+    parser.add_argument("--decode-runs", nargs="+", help="instead of the plan's decode runs")
+    parser.add_argument("--dump", type=Path, help="write each timed run's optimized HLO here")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -892,14 +914,16 @@ def main() -> None:
         run_worker(args.worker[0], args.worker[1:], plan, args.result)
         return
 
+    plan = dataclasses.replace(plan, train_runs=tuple(args.train_runs or plan.train_runs),
+                               decode_runs=tuple(args.decode_runs or plan.decode_runs))
     results: dict = {"plan": dataclasses.asdict(plan)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         sections = {
             "correctness": lambda: correctness(name, tmp),
-            "train": lambda: training(name, results["peak"]),
-            "decode": lambda: decoding(name, results["peak"], tmp)}
+            "train": lambda: training(name, plan, results["peak"], args.dump),
+            "decode": lambda: decoding(name, plan, results["peak"], tmp, args.dump)}
         for section in args.sections:
             if section != "correctness" and "peak" not in results:
                 results["peak"] = child("peak", plan=name)

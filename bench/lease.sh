@@ -3,6 +3,12 @@
 # order they are worth running (device time is short). On the device machine, from the
 # repository root:
 #
+#   bash bench/lease.sh               # ~6 min, the plan to run first (the `clock` stage):
+#                                     #   training (cuDNN; its remat policies dots_with_attention
+#                                     #   and none) and decode (scan, unrolled, unrolled int8) vs
+#                                     #   transformers, each of our programs saved as XLA
+#                                     #   optimized it (hlo.tar.gz), priced by XLA's GPU cost
+#                                     #   model against the measured step (bench/gpu_clock.py)
 #   bash bench/lease.sh profile       # ~4 min: where the training step and a decode step go
 #   bash bench/lease.sh train         # ~7 min: bench/gpu.py training, every run vs transformers
 #   bash bench/lease.sh decode        # ~5 min: bench/gpu.py decode, every run vs the floor
@@ -22,8 +28,8 @@
 # notes): they are installed first when present. Results go under $OUT/STAGE (JSON, tables).
 # In the profile stage a failing profile is reported and the next one runs.
 set -euo pipefail
-stages="profile train decode correctness 8b aot speculate prepare"
-stage=${1:-}
+stages="clock profile train decode correctness 8b aot speculate prepare"
+stage=${1:-clock}
 if [[ -z $stage || $stage == *" "* || " $stages " != *" $stage "* ]]; then
   echo "usage: bash bench/lease.sh STAGE, STAGE one of: $stages" >&2
   exit 2
@@ -54,6 +60,22 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 profile() { "$@" || echo "FAILED ($?): $*"; }
 
 case $stage in
+  clock)
+    # XLA's GPU cost model writes its estimate into each fusion's backend config; an unknown
+    # flag would stop every child, so it is tried first.
+    cost=--xla_gpu_collect_cost_model_stats=true
+    if XLA_FLAGS=$cost python3 -c "import jax; jax.jit(lambda x: x + 1)(1.0)"; then
+      export XLA_FLAGS="${XLA_FLAGS:-} $cost"
+    else
+      echo "this XLA lacks $cost: the programs are saved without its estimates"
+    fi
+    rm -rf /tmp/lease-hlo
+    python3 bench/gpu.py --sections train decode --out "$out" --dump /tmp/lease-hlo \
+      --train-runs cudnn cudnn+remat=dots_with_attention cudnn+remat=none transformers \
+      --decode-runs scan unrolled unrolled:int8/bfloat16 transformers
+    (cd /tmp/lease-hlo && find . -name '*after_optimizations.txt' -print0 |
+       tar --null -czf "$out/hlo.tar.gz" -T -)
+    python3 bench/gpu_clock.py "$out" ;;
   profile)
     profile python3 bench/profile_step.py --impl cudnn --out "$out/step"
     profile python3 bench/profile_step.py --impl cudnn --set remat=dots_with_attention \

@@ -103,6 +103,72 @@ def test_a_loop_without_a_constant_trip_count_is_counted_once_and_said():
     assert step.collectives[0].seconds is None  # no ICI bandwidth given: bytes only
 
 
+# A module as XLA:GPU writes it under --xla_gpu_collect_cost_model_stats (trimmed): a loop of
+# 4 trips (XLA's known_trip_count; its condition is a fusion, no constant to read) whose body
+# runs a loop fusion (10 us by the default model, 99 by "sol"), a Triton softmax (85 ms by the
+# default model, 2 us by the indexing model), a cuBLAS GEMM [64, 128] x [128, 256], a fusion
+# on another stream (3 us) and a copy of a tuple element; then causal cuDNN attention once.
+_COST = '"reification_cost":[{{"exec_time_us":{},"name":""}},{{"exec_time_us":99,"name":"sol"}}'
+GPU_MODULE = """HloModule gpu, is_scheduled=true
+
+%fused_neg (p: f32[64,256]) -> f32[64,256] {
+  %p = f32[64,256]{1,0} parameter(0)
+  ROOT %n = f32[64,256]{1,0} negate(%p)
+}
+
+%async_computation (q: f32[64,256]) -> f32[64,256] {
+  %q = f32[64,256]{1,0} parameter(0)
+  ROOT %side = f32[64,256]{1,0} fusion(%q), kind=kLoop, calls=%fused_neg, backend_config={C3}]}
+}
+
+%body (arg_tuple: (s32[], bf16[64,128], bf16[128,256])) -> (s32[], bf16[64,128], bf16[128,256]) {
+  %arg_tuple = (s32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) parameter(0)
+  %loop = f32[64,256]{1,0} fusion(%arg_tuple#1), kind=kLoop, calls=%fused_neg, metadata={op_name="jit(step)/jvp()/while/body/closed_call/add"}, backend_config={C10}]}
+  %soft = f32[64,256]{1,0} fusion(%loop), kind=kCustom, calls=%fused_neg, backend_config={"fusion_backend_config":{"kind":"__triton"},"reification_cost":[{"exec_time_us":85000,"name":""},{"exec_time_us":2,"name":"indexing-cost-model"}]}
+  %gemm = (bf16[64,256]{1,0}, s8[1024]{0}) custom-call(%arg_tuple#1, %arg_tuple#2), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_batch_dimensions":[],"lhs_contracting_dimensions":["1"],"rhs_batch_dimensions":[],"rhs_contracting_dimensions":["0"]}},"reification_cost":[{"exec_time_us":5637,"name":"sol"}]}
+  %start = ((f32[64,256]{1,0}), f32[64,256]{1,0}, u32[]) async-start(%soft), calls=%async_computation
+  %done = f32[64,256]{1,0} async-done(%start)
+  %copy = bf16[128,256]{0,1} copy(%arg_tuple#2)
+  %i = s32[] get-tuple-element(%arg_tuple), index=0
+  ROOT %t = (s32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) tuple(%i, %arg_tuple#1, %copy)
+}
+
+%cond (arg_tuple.1: (s32[], bf16[64,128], bf16[128,256])) -> pred[] {
+  %arg_tuple.1 = (s32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) parameter(0)
+  ROOT %lt = pred[] fusion(%arg_tuple.1), kind=kLoop, calls=%fused_neg
+}
+
+ENTRY %main (a: (s32[], bf16[64,128], bf16[128,256]), q: bf16[2,128,4,64]) -> bf16[2,4,128,64] {
+  %a = (s32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) parameter(0)
+  %q = bf16[2,128,4,64]{3,2,1,0} parameter(1)
+  %w = (s32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) while(%a), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %fmha = (bf16[2,4,128,64]{3,1,2,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":{"intermediate_tensor_shape":{"dimensions":["2","4","128","128"]},"mask_type":"CAUSAL"}}
+}
+""".replace("{C3}", "{" + _COST.format(3)).replace("{C10}", "{" + _COST.format(10))
+
+
+def test_the_gpu_estimate_takes_xla_s_prices_and_adds_the_library_calls():
+    peak, bandwidth = 1e12, 1e9
+    step = estimate.estimate_gpu(GPU_MODULE, peak, bandwidth)
+    us = 1e-6
+    # XLA's: the loop fusion by the default model, the Triton one by the indexing model, the
+    # fusion on the other stream; 4 trips each
+    assert step.priced_seconds == pytest.approx(4 * (10 + 2 + 3) * us)
+    assert step.unweighted_seconds == pytest.approx((10 + 2 + 3) * us)
+    gemm = max(2 * 64 * 256 * 128 / peak, (64 * 128 + 128 * 256 + 64 * 256) * 2 / bandwidth)
+    copy = 2 * 128 * 256 * 2 / bandwidth
+    attention = 2 * (2 * 2 * 4 * 128 * 128 * 64) * 0.5 / peak  # two causal matmuls
+    assert step.kernel_seconds == pytest.approx(4 * (gemm + copy) + attention)
+    assert dict(step.kernels) == {"gemm": 4, "copy": 4, "attention forward": 1}
+    # kernels: per trip the loop fusion, the softmax, the GEMM, the side fusion, the copy;
+    # the condition's fusion once more than the trips; the attention call
+    assert step.launches == 4 * 5 + 5 + 1 and step.unknown_loops == ()
+    assert step.unpriced == 5  # the condition's fusion: XLA wrote no price on it
+    assert step.clock_hz is None and step.cycles == 0
+    text = "\n".join(step.report_lines())
+    assert "26 kernels launched per call; 5 unpriced" in text and "XLA:GPU" in text
+
+
 def tpu_devices():
     assert topology._tpu_compiler_found(), "needs libtpu: `make test` installs it"
     return topology.devices(topology.parse(SLICE))

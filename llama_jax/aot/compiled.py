@@ -18,7 +18,7 @@ from typing import Callable
 
 import jax
 
-from llama_jax.aot.estimate import StepEstimate, estimate
+from llama_jax.aot.estimate import StepEstimate, estimate, estimate_gpu
 from llama_jax.plan.costs import format_bytes
 from llama_jax.plan.hardware import Hardware
 
@@ -27,6 +27,8 @@ _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 # available HBM (30.75G)" and "Used 120.50G of 95.74G hbm. Exceeded hbm capacity by ..."
 _OOM = (re.compile(r"\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)"),
         re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"))
+# The compile option under which XLA:GPU writes its fusions' estimated times into the program.
+GPU_COST_OPTION = "xla_gpu_collect_cost_model_stats"
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 
 
@@ -45,11 +47,16 @@ class ProgramMemory:
     error: str | None = None  # the compiler's message, when it did not fit
     custom_calls: tuple[str, ...] = ()  # the kernels XLA calls out to (Mosaic's
     # tpu_custom_call, cuDNN's __cudnn$fmha...), sorted, each once
-    clock: StepEstimate | None = None  # XLA:TPU's cycle estimate of the program (aot/estimate)
+    clock: StepEstimate | None = None  # XLA's own estimate of the program (aot/estimate)
 
     @property
     def fits(self) -> bool:
         return self.error is None
+
+    def as_dict(self) -> dict:
+        """Its fields, the clock's with its derived figures (seconds, cycles)."""
+        return dataclasses.asdict(self) | {"total": self.total,
+                                           "clock": self.clock and self.clock.as_dict()}
 
     @property
     def total(self) -> int:
@@ -84,9 +91,11 @@ class ProgramMemory:
 def compile_program(name: str, lower: Callable[[], jax.stages.Lowered],
                     options: dict[str, str], platform: str, device: Hardware | None = None,
                     ) -> tuple[ProgramMemory, jax.stages.Compiled | None]:
-    """Lowers and compiles one program for `platform`, timing it: its memory (and, for a TPU
-    `device` of the hardware table, XLA's cycle estimate) and the executable, or (did not fit
-    in the device's memory) what it needed and None."""
+    """Lowers and compiles one program for `platform`, timing it: its memory (and, for a TPU or
+    GPU `device` of the hardware table, XLA's estimate of its time) and the executable, or (did
+    not fit in the device's memory) what it needed and None."""
+    if platform == "gpu" and device is not None:  # XLA:GPU prices its fusions when asked
+        options = {**options, GPU_COST_OPTION: True}
     start = time.perf_counter()
     try:
         compiled = lower().compile(options)
@@ -107,8 +116,11 @@ def of_compiled(name: str, compile_s: float, compiled: jax.stages.Compiled,
                 platform: str, device: Hardware | None = None) -> ProgramMemory:
     text = compiled.as_text() or ""
     calls = custom_calls(text)
-    clock = estimate(text, device.clock_hz, device.peak_bf16_flops, device.ici_bandwidth) \
-        if platform == "tpu" and device is not None and device.clock_hz else None
+    clock = None
+    if platform == "tpu" and device is not None and device.clock_hz:
+        clock = estimate(text, device.clock_hz, device.peak_bf16_flops, device.ici_bandwidth)
+    elif platform == "gpu" and device is not None:
+        clock = estimate_gpu(text, device.peak_bf16_flops, device.bandwidth)
     stats = compiled.memory_analysis()
     if stats is None:
         return ProgramMemory(name, compile_s, custom_calls=calls, clock=clock)

@@ -62,7 +62,9 @@ class DecodeCase:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self) | {"fits": self.prefill.fits and self.step.fits,
-                                           "floor_ratio": self.floor_ratio}
+                                           "floor_ratio": self.floor_ratio,
+                                           "prefill": self.prefill.as_dict(),
+                                           "step": self.step.as_dict()}
 
 
 def compile_decoding(config: ModelConfig, topology: str, *, batch: int = 1,
@@ -129,7 +131,8 @@ def _bytes_accessed(compiled) -> float | None:
     return (analysis or {}).get("bytes accessed")
 
 
-def render(cases: list[DecodeCase], limit: int | None) -> str:
+def render(cases: list[DecodeCase], limit: int | None, layers: int) -> str:
+    """One line per case; a GPU's also counts the step's kernels (per layer: over `layers`)."""
     lines = []
     for c in cases:
         read = "" if c.bytes_accessed is None else (
@@ -140,6 +143,9 @@ def render(cases: list[DecodeCase], limit: int | None) -> str:
         if c.floor_ratio is not None:
             copies += (f"; XLA's clock {duration(c.step.clock.seconds)} per step = "
                        f"{c.floor_ratio:.2f}x the HBM floor")
+        if c.step.clock is not None and c.step.clock.launches is not None:
+            copies += (f"; {c.step.clock.launches:g} kernels per step "
+                       f"({c.step.clock.launches / layers:.1f} per layer)")
         lines.append(f"{c.decode_impl} decoder, {c.weights} weights, {c.cache_dtype} cache: "
                      f"prefill {c.prefill.verdict(limit)}; step {c.step.verdict(limit)}"
                      f"{read}{copies}")
@@ -163,12 +169,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     named = topologies.parse(args.topology)
-    cases = compile_decoding(load_model_config(args.config), args.topology, batch=args.batch,
-                             context=args.context)
+    config = load_model_config(args.config)
+    cases = compile_decoding(config, args.topology, batch=args.batch, context=args.context)
     limit = hardware.HARDWARE[named.hardware].memory_bytes
     print(json.dumps([c.as_dict() for c in cases], indent=1) if args.json
           else f"{args.config} on one chip of {named.describe()}, batch {args.batch}, "
-               f"context {args.context}\n" + render(cases, limit))
+               f"context {args.context}\n" + render(cases, limit, config.n_layers))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The compiler's own clock: a compiled program's time per step as XLA:TPU prices it, deviceless.
+"""The compiler's own clock: a compiled program's time per step as XLA prices it, deviceless.
 
 XLA:TPU writes `estimated_cycles` into the backend config of every top-level instruction of its
 optimized HLO (fusions, copies, broadcasts: the work its cost model prices). Summed as they
@@ -17,13 +17,26 @@ What the model does not price, and what this adds (labelled as ours in every rep
   `(n-1)` shards for reduce-scatter, the buffer for a collective permute. They are not added to
   the step's time: XLA overlaps most of them with compute.
 
-Conditionals count their most expensive branch; loops whose trip count is not a constant
-compared with the counter count once (reported in `unknown_loops`).
+XLA:GPU prices its fusions when asked (`--xla_gpu_collect_cost_model_stats`, which compile-only
+GPU reports set): each fusion's backend config then carries a `reification_cost` whose
+`exec_time_us` is its performance model's time (`estimate_gpu`). Its library calls it does not
+price usefully, and this adds them (ours): GEMMs (cuBLAS calls and XLA's Triton GEMM fusions,
+which its models price 10x apart) at the larger of their FLOPs at the bf16 peak and their
+operands' and result's bytes at the HBM bandwidth; cuDNN flash attention at its matmuls' FLOPs
+(forward 2, backward 5: the scores recomputed, dP, dV, dQ, dK); copies at their bytes. For Triton
+fusions XLA's indexing cost model is taken (its default model prices a [16, 2048] softmax at
+85 ms). A GPU estimate also counts the kernels a call launches (`launches`): every executed
+instruction that does work.
+
+Conditionals count their most expensive branch. A loop runs its body the trip count XLA:GPU
+writes on it (`known_trip_count`) or, failing that, the constant its condition compares the
+counter with; a loop with neither counts once (reported in `unknown_loops`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from collections import defaultdict
@@ -35,7 +48,22 @@ _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) ")
 _ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8\w*|c64|c128)\[([\d,]*)\]")
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_CALLED = re.compile(r"\b(condition|body|to_apply|true_computation|false_computation)=%([\w.\-]+)")
+_CALLED = re.compile(r"\b(condition|body|to_apply|true_computation|false_computation|calls)"
+                     r"=%([\w.\-]+)")
+_KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_GPU_COST = re.compile(r'"reification_cost":(\[[^\]]*\])')
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_OPERANDS = re.compile(r"%([\w.\-]+(?:#\d+)?)")  # `%t#3`: element 3 of the tuple %t
+_LHS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]'
+                              r"|lhs_contracting_dims=\{([^}]*)\}")
+_SCORES = re.compile(r'"intermediate_tensor_shape":\{"dimensions":\[([^\]]*)\]')
+# Instructions that launch no kernel on a GPU: bookkeeping, control flow (its bodies' kernels
+# count), and the halves of asynchronous pairs (the wrapped computation's kernels count).
+NO_KERNEL = frozenset((
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
+    "conditional", "async-start", "async-update", "async-done", "opt-barrier", "after-all",
+    "add-dependency", "partition-id", "replica-id", "domain", "copy-done", "send-done",
+    "recv-done"))
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _CONSTANT = re.compile(r"constant\((-?\d+)\)")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
@@ -61,8 +89,26 @@ class Instruction:
         return int(found.group(1)) if found else 0
 
     @property
+    def gpu_seconds(self) -> float | None:
+        """XLA:GPU's time for a fusion (None: not priced) by the model XLA:GPU itself trusts
+        for its kind: the indexing cost model for a Triton fusion (the default performance
+        model prices a [16, 2048] softmax at 85 ms there), the default one for the rest."""
+        found = _GPU_COST.search(self.rest)
+        if not found:
+            return None
+        model = "indexing-cost-model" if '"kind":"__triton"' in self.rest else ""
+        costs = [c for c in json.loads(found.group(1)) if c.get("name") == model]
+        return float(costs[0]["exec_time_us"]) * 1e-6 if costs else None
+
+    @property
     def op_name(self) -> str:
         found = _OP_NAME.search(self.rest)
+        return found.group(1) if found else ""
+
+    @property
+    def target(self) -> str:
+        """A custom call's target ("" for other instructions)."""
+        found = _TARGET.search(self.rest) if self.opcode == "custom-call" else None
         return found.group(1) if found else ""
 
 
@@ -122,31 +168,42 @@ def trip_count(condition: list[Instruction]) -> int | None:
     return None
 
 
+def loop_trips(loop: Instruction, computations: dict[str, list[Instruction]],
+               condition: str) -> int | None:
+    """A while loop's trips: XLA:GPU's `known_trip_count`, else its condition's constant."""
+    known = _KNOWN_TRIPS.search(loop.rest)
+    return int(known.group(1)) if known else trip_count(computations.get(condition, []))
+
+
 def weights(computations: dict[str, list[Instruction]], entry: str
             ) -> tuple[dict[str, float], list[str]]:
     """How many times each executed computation runs per call of the entry (fusions' bodies
-    are not executed computations: their fusion instruction carries the cycles), and the loops
-    whose trip count could not be read (counted once)."""
+    are not executed computations: their fusion instruction carries the price; an
+    asynchronous start's wrapped computation is), and the loops whose trip count could not be
+    read (counted once)."""
     weight: dict[str, float] = defaultdict(float)
     unknown: list[str] = []
 
-    def cost(branch: str) -> int:
-        return sum(i.cycles for i in computations.get(branch, ()))
+    def cost(branch: str) -> float:
+        return sum(i.cycles + (i.gpu_seconds or 0) for i in computations.get(branch, ()))
 
     def visit(name: str, times: float) -> None:
         weight[name] += times
         for instruction in computations.get(name, ()):
             called = dict(_CALLED.findall(instruction.rest))
             if instruction.opcode == "while":
-                trips = trip_count(computations.get(called["condition"], []))
+                trips = loop_trips(instruction, computations, called["condition"])
                 if trips is None:
                     unknown.append(instruction.name)
                 visit(called["body"], times * (trips or 1))
+                visit(called["condition"], times * ((trips or 1) + 1))  # checked once more
             elif instruction.opcode == "conditional":
                 branches = _branches(instruction, called)
                 visit(max(branches, key=cost), times)
             elif instruction.opcode == "call" and "to_apply" in called:
                 visit(called["to_apply"], times)
+            elif instruction.opcode == "async-start" and "calls" in called:
+                visit(called["calls"], times)
     visit(entry, 1.0)
     return dict(weight), unknown
 
@@ -180,28 +237,35 @@ class TopOp:
 
 @dataclasses.dataclass(frozen=True)
 class StepEstimate:
-    """A compiled program's time per step by XLA:TPU's cycle model, trip-weighted."""
+    """A compiled program's time per call by XLA's own cost model, trip-weighted."""
 
-    clock_hz: float
+    model: str  # whose prices: "XLA:TPU cycles" or "XLA:GPU cost model"
+    clock_hz: float | None  # a TPU's clock, at which its cycles become seconds
     peak_flops: float  # the chip's bf16 peak (the kernels' rate, and MFU's denominator)
-    cycles: float  # trip-weighted estimated cycles of every instruction XLA priced
-    unweighted_cycles: float  # the same counting each loop body once (what XLA's sum says)
-    kernel_seconds: float  # ours: Mosaic kernels at their analytic FLOPs and the bf16 peak
-    kernels: tuple[tuple[str, float], ...]  # Mosaic kernel calls per step by kind: splash's
-    # forward, dq and dkv, and other
+    priced_seconds: float  # trip-weighted: every instruction XLA priced
+    unweighted_seconds: float  # the same counting each loop body once (what XLA's sum says)
+    kernel_seconds: float  # ours: the kernels XLA does not price (`kernels`), analytically
+    kernels: tuple[tuple[str, float], ...]  # those kernels' calls per step by kind
     collectives: tuple[CollectiveTotal, ...]
     top_ops: tuple[TopOp, ...]
-    unknown_loops: tuple[str, ...]  # loops counted once: no constant trip count found
+    unknown_loops: tuple[str, ...]  # loops counted once: no trip count found
+    launches: float | None = None  # GPU: kernels launched per call
+    unpriced: float = 0.0  # GPU: of those, the ones neither XLA nor this prices (copies...)
 
     @property
-    def compute_seconds(self) -> float:
-        return self.cycles / self.clock_hz
+    def cycles(self) -> float:
+        """XLA:TPU's trip-weighted cycles."""
+        return self.priced_seconds * self.clock_hz if self.clock_hz else 0.0
+
+    @property
+    def unweighted_cycles(self) -> float:
+        return self.unweighted_seconds * self.clock_hz if self.clock_hz else 0.0
 
     @property
     def seconds(self) -> float:
         """The step's estimate: XLA's priced work plus the kernels it does not price
         (collectives apart: most overlap compute)."""
-        return self.compute_seconds + self.kernel_seconds
+        return self.priced_seconds + self.kernel_seconds
 
     @property
     def collective_seconds(self) -> float | None:
@@ -210,7 +274,7 @@ class StepEstimate:
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        out.update(seconds=self.seconds, compute_seconds=self.compute_seconds,
+        out.update(seconds=self.seconds, cycles=self.cycles,
                    collective_seconds=self.collective_seconds)
         return out
 
@@ -222,14 +286,19 @@ class StepEstimate:
         """The estimate as text: the time (and MFU from the model FLOPs per device), then the
         collectives and the top ops."""
         mfu = f"; MFU {self.mfu(model_flops):.1%}" if model_flops else ""
-        lines = [f"XLA's clock  {duration(self.seconds)} per call estimated{mfu} "
-                 f"({self.cycles:.3g} trip-weighted cycles at {self.clock_hz / 1e9:.2f} GHz = "
-                 f"{duration(self.compute_seconds)}; + {duration(self.kernel_seconds)} for "
-                 f"Mosaic kernels at their FLOPs (ours: "
-                 f"{', '.join(f'{n:g} {kind}' for kind, n in self.kernels) or 'none'}); "
-                 f"each loop body once: {duration(self.unweighted_cycles / self.clock_hz)})"]
+        priced = (f"{self.cycles:.3g} trip-weighted cycles at {self.clock_hz / 1e9:.2f} GHz"
+                  if self.clock_hz else "XLA:GPU's fusions, trip-weighted")
+        unpriced = f"; {self.unpriced:g} unpriced" if self.unpriced else ""
+        launches = ("" if self.launches is None else
+                    f"\n  {self.launches:g} kernels launched per call{unpriced}")
+        lines = (f"XLA's clock  {duration(self.seconds)} per call estimated{mfu} "
+                 f"({priced} = {duration(self.priced_seconds)}; + "
+                 f"{duration(self.kernel_seconds)} for the kernels XLA does not price, at "
+                 f"their FLOPs (ours: {', '.join(f'{n:g} {kind}' for kind, n in self.kernels) or 'none'}); "
+                 f"each loop body once: {duration(self.unweighted_seconds)}){launches}"
+                 ).split("\n")
         if self.unknown_loops:
-            lines.append(f"  loops counted once (no constant trip count): "
+            lines.append(f"  loops counted once (no trip count): "
                          f"{', '.join(self.unknown_loops)}")
         if self.collectives:
             lines.append("  collectives per step (ours: bytes at the ICI bandwidth, not added)")
@@ -256,26 +325,137 @@ def estimate(text: str, clock_hz: float, peak_flops: float,
     """The step's estimate from an optimized HLO module's text (`compiled.as_text()` of an
     XLA:TPU compile) at `clock_hz`; Mosaic kernels at `peak_flops`, collectives at
     `ici_bandwidth` bytes/s (None: bytes only)."""
+    executed, weight, computations, unknown = _executed(text)
+    kernel_flops, kernels = _kernel_flops(executed)
+    return StepEstimate(
+        model="XLA:TPU cycles", clock_hz=clock_hz, peak_flops=peak_flops,
+        priced_seconds=sum(i.cycles * w for i, w in executed) / clock_hz,
+        unweighted_seconds=sum(i.cycles for name in weight for i in computations[name])
+        / clock_hz,
+        kernel_seconds=kernel_flops / peak_flops, kernels=kernels,
+        collectives=collective_totals(executed, ici_bandwidth),
+        top_ops=_top_ops(executed, lambda i: i.cycles / clock_hz, top),
+        unknown_loops=tuple(unknown))
+
+
+def estimate_gpu(text: str, peak_flops: float, bandwidth: float,
+                 ici_bandwidth: float | None = None, top: int = 12) -> StepEstimate:
+    """The step's estimate from an XLA:GPU optimized HLO module's text compiled with
+    `--xla_gpu_collect_cost_model_stats`: its fusions at XLA's prices, cuBLAS and cuDNN calls
+    at `peak_flops` / `bandwidth` bytes/s (ours), and the kernels launched per call."""
+    executed, weight, computations, unknown = _executed(text)
+    shapes = _Shapes(computations)
+    ours = {id(i): _library_call(i, computations, shapes, peak_flops, bandwidth)
+            for i, _ in executed}
+    kernels: dict[str, float] = defaultdict(float)
+    for i, w in executed:
+        if ours[id(i)]:
+            kernels[ours[id(i)][0]] += w
+    launching = [(i, w) for i, w in executed if i.opcode not in NO_KERNEL]
+
+    def xla(i: Instruction) -> float:  # a GEMM fusion is ours
+        return 0.0 if ours[id(i)] else i.gpu_seconds or 0.0
+    return StepEstimate(
+        model="XLA:GPU cost model", clock_hz=None, peak_flops=peak_flops,
+        priced_seconds=sum(xla(i) * w for i, w in executed),
+        unweighted_seconds=sum(xla(i) for name in weight for i in computations[name]),
+        kernel_seconds=sum(ours[id(i)][1] * w for i, w in executed if ours[id(i)]),
+        kernels=tuple(sorted(kernels.items())),
+        collectives=collective_totals(executed, ici_bandwidth),
+        top_ops=_top_ops(executed, lambda i: xla(i) + (ours[id(i)] or (0, 0))[1], top),
+        unknown_loops=tuple(unknown), launches=sum(w for _, w in launching),
+        unpriced=sum(w for i, w in launching if i.gpu_seconds is None and not ours[id(i)]))
+
+
+def _executed(text: str) -> tuple[list[tuple[Instruction, float]], dict[str, float],
+                                  dict[str, list[Instruction]], list[str]]:
+    """Every executed instruction with its runs per call; the computations' weights; the
+    computations; the loops counted once."""
     computations, entry = parse_module(text)
     weight, unknown = weights(computations, entry)
     executed = [(i, weight[name]) for name, instructions in computations.items()
                 if name in weight for i in instructions]
-    cycles = sum(i.cycles * w for i, w in executed)
-    unweighted = sum(i.cycles for name in weight for i in computations[name])
-    kernel_flops, kernels = _kernel_flops(executed)
+    return executed, weight, computations, unknown
+
+
+def _top_ops(executed: list[tuple[Instruction, float]], seconds, top: int) -> tuple[TopOp, ...]:
+    """Instructions grouped by origin (the JAX op that made them), dearest first."""
     by_origin: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
     for i, w in executed:
-        if i.cycles:
-            entry_ = by_origin[(_origin(i.op_name) or i.name, i.opcode)]
-            entry_[0] += w
-            entry_[1] += i.cycles * w / clock_hz
-    top_ops = sorted((TopOp(name, opcode, count, seconds)
-                      for (name, opcode), (count, seconds) in by_origin.items()),
-                     key=lambda op: -op.seconds)[:top]
-    return StepEstimate(clock_hz=clock_hz, peak_flops=peak_flops, cycles=cycles, unweighted_cycles=unweighted,
-                        kernel_seconds=kernel_flops / peak_flops, kernels=kernels,
-                        collectives=collective_totals(executed, ici_bandwidth),
-                        top_ops=tuple(top_ops), unknown_loops=tuple(unknown))
+        if seconds(i):
+            entry = by_origin[(_origin(i.op_name) or i.name, i.opcode)]
+            entry[0] += w
+            entry[1] += seconds(i) * w
+    return tuple(sorted((TopOp(name, opcode, count, total)
+                         for (name, opcode), (count, total) in by_origin.items()),
+                        key=lambda op: -op.seconds)[:top])
+
+
+class _Shapes(dict):
+    """Instruction name -> result shape, for every instruction of a module; `name#n` gives
+    element n of a tuple result (arrays in order: XLA:GPU's flat tuples)."""
+
+    def __init__(self, computations: dict[str, list[Instruction]]):
+        super().__init__((i.name, i.shape) for instructions in computations.values()
+                         for i in instructions)
+
+    def get(self, name: str, default: str = "") -> str:
+        tuple_name, _, index = name.partition("#")
+        if not index:
+            return super().get(name, default)
+        arrays = _ARRAY.finditer(super().get(tuple_name, ""))
+        return next((a.group(0) for n, a in enumerate(arrays) if n == int(index)), default)
+
+
+def _dims(shape: str) -> list[list[int]]:
+    """The dimensions of each array in an HLO shape."""
+    return [[int(d) for d in dims.split(",") if d] for _, dims in _ARRAY.findall(shape)]
+
+
+def _library_call(i: Instruction, computations: dict[str, list[Instruction]],
+                  shapes: _Shapes, peak_flops: float,
+                  bandwidth: float) -> tuple[str, float] | None:
+    """(kind, seconds), ours, of a GEMM (a cuBLAS call, or a fusion around a dot: XLA's
+    models price those 10x apart), a cuDNN attention call or a copy (its bytes read and
+    written); None for other instructions."""
+    operands = _OPERANDS.findall(i.rest.split(")")[0])
+    moved = sum(shape_bytes(shapes.get(o, "")) for o in operands) + shape_bytes(i.shape)
+    if i.opcode == "copy":
+        return "copy", moved / bandwidth
+    if i.target.startswith("__cublas"):
+        out = _ARRAY.search(i.shape).group(0)  # the product; a workspace follows
+        moved -= shape_bytes(i.shape) - shape_bytes(out)
+        return "gemm", max(_dot_flops(i, out, operands, shapes) / peak_flops, moved / bandwidth)
+    if i.opcode == "fusion":
+        called = dict(_CALLED.findall(i.rest)).get("calls")
+        dots = [d for d in computations.get(called, ()) if d.opcode == "dot"]
+        if not dots:
+            return None
+        flops = sum(_dot_flops(d, d.shape, _OPERANDS.findall(d.rest.split(")")[0]), shapes)
+                    for d in dots)
+        return "gemm", max(flops / peak_flops, moved / bandwidth)
+    if i.target.startswith("__cudnn$fmha"):
+        scores = _SCORES.search(i.rest)
+        if not scores:
+            return "attention", 0.0
+        head = _dims(i.shape)[0][-1]
+        per_matmul = 2 * math.prod(int(d.strip('"')) for d in scores.group(1).split(",")) * head
+        causal = 0.5 if '"mask_type":"CAUSAL"' in i.rest else 1.0
+        backward = "Backward" in i.target
+        return ("attention backward" if backward else "attention forward",
+                (5 if backward else 2) * per_matmul * causal / peak_flops)
+    return None
+
+
+def _dot_flops(i: Instruction, out: str, operands: list[str], shapes: _Shapes) -> float:
+    """2 x the product's elements x the contracted size (read off the left operand)."""
+    lhs = _dims(shapes.get(operands[0], "")) if operands else []
+    contracting = _LHS_CONTRACTING.search(i.rest)
+    if not lhs or not contracting:
+        return 0.0
+    dims = (contracting.group(1) or contracting.group(2) or "").replace('"', "")
+    k = math.prod(lhs[0][int(d)] for d in dims.split(",") if d)
+    return 2.0 * math.prod(_dims(out)[0]) * k
 
 
 # The wrappers JAX writes into a training step's op names (jax 0.10 and 0.12), in words.

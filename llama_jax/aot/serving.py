@@ -98,7 +98,8 @@ class ServingReport:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self) | {"needs": self.needs, "need": self.need,
-                                           "fits": self.fits}
+                                           "fits": self.fits,
+                                           "programs": [p.as_dict() for p in self.programs]}
 
 
 def compile_serving(config: ModelConfig, topology: str | None = None, *,

@@ -63,8 +63,7 @@ class TrainingReport:
         out = dataclasses.asdict(self)
         out["plan"]["training"] = self.plan.training
         out["fits"] = self.fits
-        for program, memory in zip(out["programs"], self.programs):
-            program["total"] = memory.total
+        out["programs"] = [memory.as_dict() for memory in self.programs]
         return out
 
 
