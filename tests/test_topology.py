@@ -96,10 +96,10 @@ def test_the_platform_follows_the_mesh_and_comes_back():
         params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
             a.shape, a.dtype, sharding=NamedSharding(mesh, P())), abstract_params(config))
     assert target.platform() == "cpu"
-    # The decoder's choices read the parameters' devices: a TPU keeps the scan, and one
-    # device's memory is one device's (a CPU's devices all draw on the host).
-    assert resolve_decode_impl("auto", params) == "scan"
+    # The decoder's choices read the parameters' devices: one device's memory is one device's
+    # (a CPU's devices all draw on the host), and a TPU decodes unrolled when the copy fits.
     assert memory_need(100, params) == 100
+    assert resolve_decode_impl("auto", params) == "unrolled"
 
 
 @pytest.fixture(scope="module")
@@ -317,16 +317,16 @@ def test_int8_weights_are_dequantized_inside_their_matmuls_on_a_tpu():
 
 def test_a_server_compiled_for_a_tpu_holds_its_part_of_the_cache():
     """A tiny model's server (`aot.serving`, the engine's own programs) on v5e chips: alone on
-    one chip with the TPU's scan decoder, and over data=2 x tensor=2 with the unrolled one.
+    one chip with the scan decoder, and over data=2 x tensor=2 with the unrolled one (`auto`'s
+    on TPUs).
     Each chip holds the part of the slots' KV cache that `serve`'s start-up check counts (a
     quarter over the mesh: rows over data, KV heads over tensor), and the decode program
     holds the weights and the cache."""
     config = load_run_config("configs/tiny.yaml", TINY).model
     tpu_devices("v5e:2x2")
     shape = dict(max_batch=8, max_seq_len=256, cache_dtype="int8")
-    alone = compile_serving(config, "v5e:2x2", **shape)
-    split = compile_serving(config, "v5e:2x2", mesh=MeshConfig(data=2, tensor=2),
-                            decode_impl="unrolled", **shape)
+    alone = compile_serving(config, "v5e:2x2", decode_impl="scan", **shape)
+    split = compile_serving(config, "v5e:2x2", mesh=MeshConfig(data=2, tensor=2), **shape)
     assert (alone.decode_impl, split.decode_impl) == ("scan", "unrolled")
     for report in (alone, split):
         assert report.platform == "tpu" and report.fits, render_serving(report)

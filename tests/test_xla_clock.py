@@ -270,18 +270,47 @@ def test_presets_load_from_an_installed_wheel(tmp_path):
 
 
 @pytest.mark.parametrize("equation, x_shape, w_shape", [
-    ("BTD,DNH->BTNH", (2, 3, 16), (16, 4, 8)), ("BTNH,NHD->BTD", (2, 3, 4, 8), (4, 8, 16))])
+    ("BTD,DNH->BTNH", (2, 3, 16), (16, 4, 8)), ("BTNH,NHD->BTD", (2, 3, 4, 8), (4, 8, 16)),
+    # fewer rows than a TPU's sublane tile: padded to 8 (9) rows there, then cut back
+    ("BTD,DNH->BTNH", (1, 1, 16), (16, 4, 8)), ("BTD,DF->BTF", (3, 1, 16), (16, 24)),
+    ("BTD,DF->BTF", (1, 3, 16), (16, 24))])
 def test_an_accelerators_matmul_equals_the_cpus(equation, x_shape, w_shape):
     """On TPUs and GPUs `dense` is the einsum as written (the partitioner gathers each FSDP
-    weight as stored); on CPUs one 2-D matmul. Traced for a TPU and run here, the same numbers."""
+    weight as stored), on a TPU with a decode step's few rows padded to 8; on CPUs one 2-D
+    matmul. Traced for a TPU and run here, the same numbers, and the same logits."""
+    from llama_jax.nn.heads import lm_head
     from llama_jax.nn.ops import dense
     k1, k2 = jax.random.split(jax.random.key(0))
     x, w = jax.random.normal(k1, x_shape), jax.random.normal(k2, w_shape)
-    here = dense(equation, x, w)
+    config = ModelConfig(vocab_size=24, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32)
+    head = {"lm_head": {"w": w}} if w.ndim == 2 else None
+    here = dense(equation, x, w), head and lm_head(config, head, x)
     with target.compiling_for(tpu_devices()):
-        there = dense(equation, x, w)
+        there = dense(equation, x, w), head and lm_head(config, head, x)
         assert target.platform() == "tpu"
-    np.testing.assert_allclose(there, here, rtol=1e-6, atol=1e-6)
+        lowered = jax.jit(lambda x: dense(equation, x, w)).lower(x).as_text()
+    np.testing.assert_allclose(there[0], here[0], rtol=1e-6, atol=1e-6)
+    if head:
+        np.testing.assert_allclose(there[1], here[1], rtol=1e-6, atol=1e-6)
+    rows = int(np.prod(x_shape[:-1 if "BTD," in equation else -2]))
+    assert ("stablehlo.pad" in lowered) == (rows < 8)
+
+
+def test_a_batch_1_decode_step_on_a_v5e_runs_near_its_hbm_floor(monkeypatch):
+    """One decode step at batch 1 compiled for a v5e, on XLA:TPU's clock: its matmuls, padded
+    to 8 rows, stay on the MXUs; one row each, XLA rewrites them as multiplies and reductions
+    on the vector units, priced 3-4x the time their weights take to read."""
+    from llama_jax.aot.decoding import compile_decoding
+    from llama_jax.nn import ops
+    config = ModelConfig(vocab_size=4096, dim=1024, n_layers=2, n_heads=8, n_kv_heads=4,
+                         ffn_dim=4096, max_seq_len=512)
+    cases = [("unrolled", "bfloat16", "bfloat16"), ("scan", "int8", "bfloat16")]
+    padded = compile_decoding(config, "v5e-1", batch=1, context=256, cases=cases)
+    monkeypatch.setattr(ops, "TPU_MIN_ROWS", 1)
+    single = compile_decoding(config, "v5e-1", batch=1, context=256, cases=cases)
+    assert padded[0].floor_ratio <= 1.25, padded[0].floor_ratio  # the goal, bf16 unrolled
+    for p, s in zip(padded, single):
+        assert p.step.clock.seconds < 0.6 * s.step.clock.seconds, (p.decode_impl, p.weights)
 
 
 def test_fsdp_gathers_weights_by_all_gather_on_a_torus():

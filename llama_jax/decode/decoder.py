@@ -29,10 +29,13 @@ log = logging.getLogger(__name__)
 # stacked cache in the carry, or an unrolled loop over per-layer weights and caches. Both
 # compute the same function; "auto" picks by backend (`resolve_decode_impl`).
 DECODE_IMPLS = ("auto", "scan", "unrolled")
-# Backends where the unrolled decoder measured faster (BENCHMARKS.md). XLA:CPU copies every
+# Backends where the unrolled decoder is the faster (BENCHMARKS.md). XLA:CPU copies every
 # layer's weights out of the stacked arrays at every scan step. On an H100 the unrolled
-# decoder was 1.2x the scan at batch 1 and 1.9x at batch 8. TPUs keep the scan (not measured).
-UNROLLED_BACKENDS = ("cpu", "gpu")
+# decoder was 1.2x the scan at batch 1 and 1.9x at batch 8 (one lease; another measured it
+# slower, its launches bound by the host). On XLA:TPU's clock (no TPU has run it) LLaMA-3 8B's
+# batch-1 step on a v5e is 1.45x faster unrolled (23.7 ms against 34.3, bf16): the scan copies
+# each layer's MLP weights out of the stacked arrays first.
+UNROLLED_BACKENDS = ("cpu", "gpu", "tpu")
 
 # ids of the arrays -> (weakrefs to them, unstacked copy), oldest first: a model's, and a
 # speculative decoder's draft's
