@@ -45,6 +45,9 @@ MESHES = {
     "dp8": MeshConfig(data=8), "fsdp8": MeshConfig(data=1, fsdp=8),
     "tp8": MeshConfig(data=1, tensor=8), "fsdp4-tp2": MeshConfig(data=1, fsdp=4, tensor=2),
     "dp2-fsdp2-tp2": MeshConfig(data=2, fsdp=2, tensor=2),
+    # sequence parallelism: the residual stream between blocks split over tensor too
+    "fsdp4-tp2-sp": MeshConfig(data=1, fsdp=4, tensor=2,
+                               activation_rules={"residual_seq": "tensor"}),
     "ep8": MeshConfig(data=1, expert=8), "fsdp2-ep4": MeshConfig(data=1, fsdp=2, expert=4),
 }
 BOS = 1

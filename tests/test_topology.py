@@ -327,6 +327,12 @@ def test_a_server_compiled_for_a_tpu_holds_its_part_of_the_cache():
     shape = dict(max_batch=8, max_seq_len=256, cache_dtype="int8")
     alone = compile_serving(config, "v5e:2x2", decode_impl="scan", **shape)
     split = compile_serving(config, "v5e:2x2", mesh=MeshConfig(data=2, tensor=2), **shape)
+    # the compute dtype `auto` chose on this CPU host is chosen again for the TPUs, and the
+    # cache's default dtype follows it
+    auto = load_run_config("configs/tiny.yaml", [t for t in TINY if "compute" not in t]).model
+    assert auto.compute_dtype == "float32"
+    bf16 = compile_serving(auto, "v5e-1", max_batch=1, max_seq_len=64)
+    assert bf16.cache_dtype == "bfloat16" and bf16.fits
     assert (alone.decode_impl, split.decode_impl) == ("scan", "unrolled")
     for report in (alone, split):
         assert report.platform == "tpu" and report.fits, render_serving(report)

@@ -96,6 +96,13 @@ def test_the_estimate_weights_loop_bodies_by_their_trips():
     assert step.mfu(model_flops=517e-9 * 1e12 / 2) == pytest.approx(0.5)
 
 
+def test_an_instruction_xla_could_not_price_counts_nothing():
+    """XLA:TPU writes INT64_MAX as the estimate of an instruction it has none for (its gather
+    offload fusions): that is no price, not 2^63 cycles."""
+    module = MODULE.replace('"estimated_cycles":"10"', '"estimated_cycles":"9223372036854775807"')
+    assert estimate.estimate(module, 1e9, peak_flops=1e12).cycles == 5 * 100 + 7
+
+
 def test_a_loop_without_a_constant_trip_count_is_counted_once_and_said():
     module = MODULE.replace("%c = s32[] constant(5)", "%c = s32[] get-tuple-element(%param.1), index=0")
     step = estimate.estimate(module, 1e9, peak_flops=1e12)

@@ -47,6 +47,7 @@ _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*)$")
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) ")
 _ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8\w*|c64|c128)\[([\d,]*)\]")
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_NO_ESTIMATE = 2**63 - 1
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLED = re.compile(r"\b(condition|body|to_apply|true_computation|false_computation|calls)"
                      r"=%([\w.\-]+)")
@@ -85,8 +86,10 @@ class Instruction:
 
     @property
     def cycles(self) -> int:
+        """XLA:TPU's estimate; 0 where it has none, written as INT64_MAX (seen on its gather
+        offload fusions)."""
         found = _CYCLES.search(self.rest)
-        return int(found.group(1)) if found else 0
+        return int(found.group(1)) if found and int(found.group(1)) < _NO_ESTIMATE else 0
 
     @property
     def gpu_seconds(self) -> float | None:

@@ -126,7 +126,6 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
         raise GenerateError(f"decode_impl={decode_impl!r} must be one of "
                             f"{', '.join(DECODE_IMPLS)}; max_batch={max_batch} and "
                             f"steps={steps} must be >= 1")
-    cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
     if topology is None:  # what `serve` checks against: the memory free now
         devices, described, limit = jax.devices(), "this host", free_memory_bytes()
         chip = None
@@ -135,6 +134,10 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
         devices, described = topologies.devices(named), named.describe()
         chip = hardware.HARDWARE[named.hardware]
         limit = chip.memory_bytes
+    with target.compiling_for(devices):  # `compute_dtype: auto` chooses for the target
+        config = config.for_platform()
+        draft_config = draft_config and draft_config.for_platform()
+    cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)  # its default follows
     platform = target.platform_name(devices[0])
     if decode_impl == "auto":  # the server drops the stacked weights: one copy either way
         decode_impl = "unrolled" if platform in UNROLLED_BACKENDS else "scan"

@@ -20,6 +20,7 @@ import warnings
 from typing import Any, Mapping
 
 from llama_jax.config.fields import ROLES, build_section, check_keys, check_settings, setting
+from llama_jax.dtypes import DTYPES, dtype_name
 from llama_jax.errors import ConfigError, require
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
 from llama_jax.nn.attention.mixers import MIXERS
@@ -333,6 +334,8 @@ class ModelConfig:
         auto = self.compute_dtype == "auto" or isinstance(self.compute_dtype, ChosenDtype)
         if auto:
             object.__setattr__(self, "compute_dtype", target.default_compute_dtype())
+        else:  # a bad value's error names "auto" among the choices
+            dtype_name(self.compute_dtype, "compute_dtype", ("auto", *DTYPES))
         check_settings(self)
         if auto:
             object.__setattr__(self, "compute_dtype", ChosenDtype(self.compute_dtype))

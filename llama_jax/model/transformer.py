@@ -142,7 +142,7 @@ def block(config: ModelConfig, group: LayerGroup, p: Params, x_BTD: jax.Array,
     pre-norm:  h = x + Attn(Norm(x));  out = h + MLP(Norm(h))
     post-norm: h = Norm(x + Attn(x));  out = Norm(h + MLP(h))
     """
-    x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
+    x_BTD = constrain(x_BTD, ("batch", "residual_seq", "embed"))
     pre = config.norm_position == "pre"
     attn_in = apply_norm(config, p["attn_norm"], x_BTD) if pre else x_BTD
     attn_BTD, kv = mixer_of(config).apply(config, p["attn"], attn_in, context, kv)
@@ -157,7 +157,7 @@ def block(config: ModelConfig, group: LayerGroup, p: Params, x_BTD: jax.Array,
     out_BTD = h_BTD + mlp_BTD
     if not pre:
         out_BTD = apply_norm(config, p["mlp_norm"], out_BTD)
-    return constrain(out_BTD, ("batch", "seq", "embed")), kv, aux
+    return constrain(out_BTD, ("batch", "residual_seq", "embed")), kv, aux
 
 
 def run_layers(config: ModelConfig, groups: tuple, x_BTD: jax.Array, context: Context,

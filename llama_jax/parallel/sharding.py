@@ -57,7 +57,7 @@ RULE_TABLES = {
                           "mlp": "tensor", "vocab": "tensor", "experts": "expert",
                           "expert_batch": ["data", "fsdp"]},
                          ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
-                          "vocab", "experts", "expert_batch")),
+                          "vocab", "experts", "expert_batch", "residual_seq")),
     "cache_rules": ({"batch": BATCH_AXES, "kv_heads": "tensor"},
                     ("batch", "kv_heads", "seq", "head_dim", "latent")),
 }

@@ -17,14 +17,15 @@ Activations saved for the backward pass, per layer and per token held by the dev
   b·(2·N·H + 2·K·H + 2D + 2F) (1F for a plain MLP), plus the dense path's fp32 scores, 4·N·T,
   or the blockwise paths' log-sum-exp, 4·N;
 - dots_no_batch: the weight matmuls only (attention is recomputed): b·(N·H + 2·K·H + 2D + 2F);
-- full: the block input only, b·D (the block is recomputed);
+- full: the block input only, b·D (the block is recomputed), over the tensor axis where the
+  rules split the residual stream's sequence (`residual_seq`: sequence parallelism);
 - attention: the block input and attention's q, k, v and output, b·(D + N·H + 2·K·H + N·Hv),
   plus the blockwise paths' fp32 log-sum-exp, 4·N (the dense path recomputes its scores);
 - dots_with_attention: dots_no_batch's matmul outputs and attention's output and log-sum-exp.
 cuDNN with packed documents (as training is) also keeps its `[T, S]` document mask as a b-byte
 bias per layer, b·T per token, except under the recomputing policies.
 Heads and the FFN width are divided by the tensor axis when the activation rules shard them.
-Kept besides: the embedded input, b·D per token; with the dropless MoE dispatch on a mesh and
+Kept besides: the embedded input, b·D per token (split as the block input); with the dropless MoE dispatch on a mesh and
 no remat, each layer's experts, gathered in the compute dtype.
 Working set on top, two parts: the loss's — the fp32 logits, their softmax and its gradient,
 3·4·V per token (over tensor when the vocabulary is sharded; under `loss_chunk` C, for C
@@ -113,6 +114,9 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
     attn = _attention_memory(config, backend, T, b, heads)
     mixer = mixer_of(config).saved_activations(config, heads,
                                                 config.K // _ways(rules, shape, "kv_heads", config.K))
+    # The residual stream between blocks (each block's input; `residual_seq`), split over the
+    # sequence when the rules say so (sequence parallelism): what full remat keeps.
+    residual = b * D // _ways(rules, shape, "residual_seq", seq)
     per_token = whole_layer = gathered_kept = gathered_working = gathered_layer = 0
     for group, group_specs in zip(layer_groups(config), specs["groups"]):
         mlp = _mlp_memory(config, group.moe, b, lambda width: width // _ways(
@@ -130,7 +134,7 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
             "none": b * (4 * D + mixer["none"]) + mlp["none"] + attn.saved,
             "dots": b * (2 * D + mixer["dots"]) + mlp["dots"] + attn.saved_by_dots,
             "dots_no_batch": b * (2 * D + mixer["dots_no_batch"]) + mlp["dots_no_batch"],
-            "full": b * D,
+            "full": residual,
             "attention": b * (D + mixer["attention"]) + attn.residuals,
             "dots_with_attention": b * (2 * D + mixer["dots_with_attention"])
             + mlp["dots_no_batch"] + attn.residuals,
@@ -161,7 +165,7 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
                       gradients=state_elems * param_bytes,
                       optimizer=(costs.dtype_bytes(mu_dtype or config.param_dtype)
                                  + param_bytes) * state_elems,
-                      activations=tokens * (per_token + b * D) + gathered_kept
+                      activations=tokens * (per_token + residual) + gathered_kept
                       + (max if backend in SHARED_WORKING_SETS else sum)(
                           (logits, layer_backward)),
                       kv_cache=kv)
