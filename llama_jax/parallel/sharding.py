@@ -48,6 +48,10 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert")
 # replicated over tensor (its one shared "head" cannot be split). A config's `mesh:`
 # section overrides entries.
 BATCH_AXES = ["data", "fsdp", "expert"]
+# Axes whose size routinely does not divide their mesh axes, said nowhere: the residual
+# stream's sequence of a decode step (one token), which sequence parallelism
+# (`residual_seq: tensor`) leaves whole.
+UNSPLIT_AS_A_RULE = frozenset({"residual_seq"})
 RULE_TABLES = {
     "weight_rules": ({"embed": "fsdp", "q_heads": "tensor", "kv_heads": "tensor",
                       "mlp": "tensor", "vocab": "tensor", "experts": "expert", "latent": "fsdp"},
@@ -109,8 +113,9 @@ def spec(axes: Sequence[str | None], shape: Sequence[int], rules: tuple,
             if mesh_axis in used or ways == 1:
                 continue
             if size % (math.prod(mesh_shape[a] for a in kept) * ways):
-                log.info("%s: mesh axis %r (size %d) does not divide %s=%d; not sharded "
-                         "along it", what, mesh_axis, ways, name, size)
+                if name not in UNSPLIT_AS_A_RULE:
+                    log.info("%s: mesh axis %r (size %d) does not divide %s=%d; not sharded "
+                             "along it", what, mesh_axis, ways, name, size)
                 continue
             kept.append(mesh_axis)
         used.update(kept)
