@@ -75,11 +75,13 @@ def test_matches_float64_reference(impl, heads):
     assert relative_error(out, expected) < 1e-6
 
 
-@pytest.mark.parametrize("mesh_config", [MeshConfig(data=8), MeshConfig(data=2, tensor=4)],
-                         ids=["dp8", "dp2-tp4"])
+@pytest.mark.parametrize("mesh_config", [MeshConfig(data=8), MeshConfig(data=2, tensor=4),
+                                         MeshConfig(data=1, tensor=8)],
+                         ids=["dp8", "dp2-tp4", "tp8"])
 def test_splash_runs_per_shard_on_a_mesh(mesh_config):
     """A Pallas kernel is not partitioned by XLA: on a mesh it runs under shard_map, per row
-    and head shard (`sharding.per_shard`)."""
+    and head shard (`sharding.per_shard`). Over tensor=8 the 8 query heads split and the 4
+    KV heads do not: each query head's shard must still get its own KV head."""
     B8, N, K = 8, 8, 4
     rng = np.random.default_rng(2)
     q = rng.standard_normal((B8, T, N, H)).astype(np.float32)

@@ -224,6 +224,17 @@ def optimizer_state_shardings(optimizer, abstract_params, params_sharding,
         is_leaf=lambda x: isinstance(x, masked))
 
 
+def activation_ways(axis: str, size: int) -> int:
+    """Into how many pieces the active mesh's activation rules cut a dimension named `axis` of
+    `size` (1 without a mesh)."""
+    active = _ACTIVE.get()
+    if active is None:
+        return 1
+    mesh, mesh_config = active
+    return shard_ways(spec((axis,), (size,), mesh_config.activation_rules, mesh.shape),
+                      mesh.shape)
+
+
 def per_shard(fn: Callable, in_axes: Sequence[Sequence[str | None]],
               out_axes: Sequence[str | None], table: str = "activation_rules") -> Callable:
     """`fn` run on each device's shard (`jax.shard_map`) when a mesh is active, and `fn` itself

@@ -44,7 +44,7 @@ from llama_jax.nn.attention.chunked import (LSE_NAME, MASKED, OUTPUT_NAME, chunk
                                             visible)
 from llama_jax.nn.ops import einsum_f32
 from llama_jax.parallel import target
-from llama_jax.parallel.sharding import per_shard
+from llama_jax.parallel.sharding import activation_ways, per_shard
 from llama_jax.quant import Int8, as_float, is_int8
 
 if TYPE_CHECKING:
@@ -294,6 +294,12 @@ def splash_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, ma
         return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=kernels.SegmentIds(s, s)))(
             q_BNTH, k_BKSH, v_BKSH, segment_BT)
 
+    K = k_BSKH.shape[2]
+    if activation_ways("kv_heads", K) < activation_ways("heads", N):
+        # The KV heads do not split over the mesh as the query heads do (tensor=8 over 4 KV
+        # heads): each query head gets its own copy of its KV head, so that every shard holds
+        # the KV heads of its own queries.
+        k_BSKH, v_BSKH = (jnp.repeat(x_BSKH, N // K, axis=2) for x_BSKH in (k_BSKH, v_BSKH))
     attend = per_shard(attend, in_axes=(("batch", "heads", None, None),
                                         ("batch", "kv_heads", None, None),
                                         ("batch", "kv_heads", None, None), ("batch", None)),
