@@ -3,9 +3,10 @@
 # order they are worth running (device time is short). On the device machine, from the
 # repository root:
 #
-#   bash bench/lease.sh               # ~6 min, the plan to run first (the `clock` stage):
+#   bash bench/lease.sh               # ~7 min, the plan to run first (the `clock` stage):
 #                                     #   training (cuDNN; its remat policies dots_with_attention
-#                                     #   and none) and decode (scan, unrolled, unrolled int8) vs
+#                                     #   and full) and decode (scan, unrolled, unrolled int8, the
+#                                     #   scan with XLA's dynamic-slice fusion) vs
 #                                     #   transformers, each of our programs saved as XLA
 #                                     #   optimized it (hlo.tar.gz), priced by XLA's GPU cost
 #                                     #   model against the measured step (bench/gpu_clock.py)
@@ -71,8 +72,8 @@ case $stage in
     fi
     rm -rf /tmp/lease-hlo
     python3 bench/gpu.py --sections train decode --out "$out" --dump /tmp/lease-hlo \
-      --train-runs cudnn cudnn+remat=dots_with_attention cudnn+remat=none transformers \
-      --decode-runs scan unrolled unrolled:int8/bfloat16 transformers
+      --train-runs cudnn cudnn+remat=dots_with_attention cudnn+remat=full transformers \
+      --decode-runs scan unrolled unrolled:int8/bfloat16 "scan +slice-fusion" transformers
     (cd /tmp/lease-hlo && find . -name '*after_optimizations.txt' -print0 |
        tar --null -czf "$out/hlo.tar.gz" -T -)
     python3 bench/gpu_clock.py "$out" ;;
