@@ -64,8 +64,12 @@ def main() -> int:
     args = parser.parse_args()
     results = json.loads((args.directory / "gpu.json").read_text())
     peak = results["peak"]
-    chip = next(h for h in HARDWARE.values() if h.backend == "gpu"
-                and peak["device"].startswith(h.device_kinds))
+    chip = next((h for h in HARDWARE.values() if h.backend == "gpu"
+                 and peak["device"].startswith(h.device_kinds)), None)
+    if chip is None:
+        print(f"gpu_clock: {args.directory / 'gpu.json'} was measured on {peak['device']!r}, "
+              "not a GPU of the hardware table (llama_jax/plan/hardware.py)", file=sys.stderr)
+        return 2
     layers = results["plan"]["big"]["n_layers"]
     batches = results["plan"]["decode_batches"]
     steps = measured(results)
