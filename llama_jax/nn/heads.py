@@ -31,8 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llama_jax.nn.ops import (cast_weight, einsum_f32, einsum_f32_narrow_grads, few_rows_on_tpu,
-                              with_rows_padded)
+from llama_jax.nn.ops import cast_weight, einsum_f32, einsum_f32_narrow_grads, row_tiled
 from llama_jax.nn.registry import Registry
 from llama_jax.quant import is_int8
 from llama_jax.parallel.sharding import constrain
@@ -125,9 +124,8 @@ def lm_head(config: ModelConfig, params: dict, h_BTD: jax.Array) -> jax.Array:
         equation, w = "BTD,DV->BTV", params["lm_head"]["w"]
     w = cast_weight(w, h_BTD.dtype)
     matmul = einsum_f32 if is_int8(w) else einsum_f32_narrow_grads
-    if few_rows_on_tpu(h_BTD, 1):  # a decode step's: see `ops.TPU_MIN_ROWS`
-        return with_rows_padded(lambda h: matmul(equation, h, w), h_BTD, 1)
-    return constrain(matmul(equation, h_BTD, w), ("batch", "seq", "vocab"))
+    logits_BTV = row_tiled(lambda h: matmul(equation, h, w), h_BTD, 1)  # `ops.TPU_MIN_ROWS`
+    return constrain(logits_BTV, ("batch", "seq", "vocab"))
 
 
 def real_tokens(config: ModelConfig, tokens_BT: jax.Array) -> jax.Array:

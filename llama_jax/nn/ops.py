@@ -127,17 +127,13 @@ def grouped_f32(rows: jax.Array, w_EIO: jax.Array | Int8, sizes_E: jax.Array) ->
 TPU_MIN_ROWS = 8
 
 
-def few_rows_on_tpu(x: jax.Array, n_in: int) -> bool:
-    """Whether `x`'s rows (every axis but its last `n_in`, the contracted ones) are fewer than
-    XLA:TPU keeps on its MXUs, in a program compiled for a TPU."""
-    return target.platform() == "tpu" and math.prod(x.shape[:x.ndim - n_in]) < TPU_MIN_ROWS
-
-
-def with_rows_padded(matmul: Callable[[jax.Array], jax.Array], x: jax.Array,
-                     n_in: int) -> jax.Array:
-    """`matmul(x)` computed on `x` with zero rows added along its first axis up to
-    TPU_MIN_ROWS rows, the result's added rows dropped."""
+def row_tiled(matmul: Callable[[jax.Array], jax.Array], x: jax.Array, n_in: int) -> jax.Array:
+    """`matmul(x)`; in a program compiled for a TPU, when `x`'s rows (every axis but its last
+    `n_in`, the contracted ones) are fewer than TPU_MIN_ROWS, computed on `x` with zero rows
+    added along its first axis up to that many, the result's added rows dropped."""
     per_lead = math.prod(x.shape[1:x.ndim - n_in])
+    if target.platform() != "tpu" or x.shape[0] * per_lead >= TPU_MIN_ROWS:
+        return matmul(x)
     extra = -(-TPU_MIN_ROWS // per_lead) - x.shape[0]
     return matmul(jnp.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1)))[:x.shape[0]]
 
@@ -152,8 +148,11 @@ def dense(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
     lhs, rhs = inputs.split(",")
     n_in = len(set(lhs) & set(rhs))
     assert lhs[-n_in:] == rhs[:n_in] and out == lhs[:-n_in] + rhs[n_in:], equation
-    if few_rows_on_tpu(x, n_in):
-        return with_rows_padded(lambda x: dense(equation, x, w), x, n_in)
+    return row_tiled(lambda x: _dense(equation, x, w, n_in), x, n_in)
+
+
+def _dense(equation: str, x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
+    """`dense` of `x` as given: the einsum on accelerators, one 2-D matmul on CPUs."""
     if not is_int8(w) and target.platform() != "cpu":
         # The einsum as written: the partitioner then gathers each FSDP weight as it is stored,
         # where reshaping first made XLA:TPU gather transposed copies as well.
