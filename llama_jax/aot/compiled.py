@@ -18,7 +18,7 @@ from typing import Callable
 
 import jax
 
-from llama_jax.aot.estimate import StepEstimate, estimate, estimate_gpu
+from llama_jax.aot.estimate import CUSTOM_CALL_TARGET, StepEstimate, estimate, estimate_gpu
 from llama_jax.plan.costs import format_bytes
 from llama_jax.plan.hardware import Hardware
 
@@ -29,7 +29,6 @@ _OOM = (re.compile(r"\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMG
         re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"))
 # The compile option under which XLA:GPU writes its fusions' estimated times into the program.
 GPU_COST_OPTION = "xla_gpu_collect_cost_model_stats"
-_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +108,7 @@ def compile_program(name: str, lower: Callable[[], jax.stages.Lowered],
 
 def custom_calls(hlo_text: str) -> tuple[str, ...]:
     """The custom-call targets an HLO module's text names."""
-    return tuple(sorted(set(_CUSTOM_CALL.findall(hlo_text))))
+    return tuple(sorted(set(CUSTOM_CALL_TARGET.findall(hlo_text))))
 
 
 def of_compiled(name: str, compile_s: float, compiled: jax.stages.Compiled,

@@ -36,6 +36,7 @@ counter with; a loop with neither counts once (reported in `unknown_loops`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -53,7 +54,7 @@ _CALLED = re.compile(r"\b(condition|body|to_apply|true_computation|false_computa
                      r"=%([\w.\-]+)")
 _KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GPU_COST = re.compile(r'"reification_cost":(\[[^\]]*\])')
-_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+CUSTOM_CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _OPERANDS = re.compile(r"%([\w.\-]+(?:#\d+)?)")  # `%t#3`: element 3 of the tuple %t
 _LHS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]'
                               r"|lhs_contracting_dims=\{([^}]*)\}")
@@ -79,19 +80,21 @@ SPLASH_KERNELS = (("_dkv", "dkv", 4), ("_dq", "dq", 3), ("_fwd", "forward", 2))
 
 @dataclasses.dataclass(frozen=True)
 class Instruction:
+    """One instruction of an optimized module; what is read off its text is read once."""
+
     name: str
     opcode: str
     shape: str  # the result's shape text (a tuple's in parentheses)
     rest: str  # operands and attributes
 
-    @property
+    @functools.cached_property
     def cycles(self) -> int:
         """XLA:TPU's estimate; 0 where it has none, written as INT64_MAX (seen on its gather
         offload fusions)."""
-        found = _CYCLES.search(self.rest)
-        return int(found.group(1)) if found and int(found.group(1)) < _NO_ESTIMATE else 0
+        cycles = int(found.group(1)) if (found := _CYCLES.search(self.rest)) else 0
+        return cycles if cycles < _NO_ESTIMATE else 0
 
-    @property
+    @functools.cached_property
     def gpu_seconds(self) -> float | None:
         """XLA:GPU's time for a fusion (None: not priced) by the model XLA:GPU itself trusts
         for its kind: the indexing cost model for a Triton fusion (the default performance
@@ -103,15 +106,15 @@ class Instruction:
         costs = [c for c in json.loads(found.group(1)) if c.get("name") == model]
         return float(costs[0]["exec_time_us"]) * 1e-6 if costs else None
 
-    @property
+    @functools.cached_property
     def op_name(self) -> str:
         found = _OP_NAME.search(self.rest)
         return found.group(1) if found else ""
 
-    @property
+    @functools.cached_property
     def target(self) -> str:
         """A custom call's target ("" for other instructions)."""
-        found = _TARGET.search(self.rest) if self.opcode == "custom-call" else None
+        found = CUSTOM_CALL_TARGET.search(self.rest) if self.opcode == "custom-call" else None
         return found.group(1) if found else ""
 
 
@@ -291,15 +294,15 @@ class StepEstimate:
         mfu = f"; MFU {self.mfu(model_flops):.1%}" if model_flops else ""
         priced = (f"{self.cycles:.3g} trip-weighted cycles at {self.clock_hz / 1e9:.2f} GHz"
                   if self.clock_hz else "XLA:GPU's fusions, trip-weighted")
-        unpriced = f"; {self.unpriced:g} unpriced" if self.unpriced else ""
-        launches = ("" if self.launches is None else
-                    f"\n  {self.launches:g} kernels launched per call{unpriced}")
-        lines = (f"XLA's clock  {duration(self.seconds)} per call estimated{mfu} "
+        ours = ", ".join(f"{n:g} {kind}" for kind, n in self.kernels) or "none"
+        lines = [f"XLA's clock  {duration(self.seconds)} per call estimated{mfu} "
                  f"({priced} = {duration(self.priced_seconds)}; + "
                  f"{duration(self.kernel_seconds)} for the kernels XLA does not price, at "
-                 f"their FLOPs (ours: {', '.join(f'{n:g} {kind}' for kind, n in self.kernels) or 'none'}); "
-                 f"each loop body once: {duration(self.unweighted_seconds)}){launches}"
-                 ).split("\n")
+                 f"their FLOPs (ours: {ours}); "
+                 f"each loop body once: {duration(self.unweighted_seconds)})"]
+        if self.launches is not None:
+            unpriced = f"; {self.unpriced:g} unpriced" if self.unpriced else ""
+            lines.append(f"  {self.launches:g} kernels launched per call{unpriced}")
         if self.unknown_loops:
             lines.append(f"  loops counted once (no trip count): "
                          f"{', '.join(self.unknown_loops)}")
@@ -422,13 +425,15 @@ def _library_call(i: Instruction, computations: dict[str, list[Instruction]],
     models price those 10x apart), a cuDNN attention call or a copy (its bytes read and
     written); None for other instructions."""
     operands = _OPERANDS.findall(i.rest.split(")")[0])
-    moved = sum(shape_bytes(shapes.get(o, "")) for o in operands) + shape_bytes(i.shape)
+
+    def moved(result: str) -> float:  # the operands read and `result` written, in seconds
+        return (sum(shape_bytes(shapes.get(o, "")) for o in operands)
+                + shape_bytes(result)) / bandwidth
     if i.opcode == "copy":
-        return "copy", moved / bandwidth
+        return "copy", moved(i.shape)
     if i.target.startswith("__cublas"):
         out = _ARRAY.search(i.shape).group(0)  # the product; a workspace follows
-        moved -= shape_bytes(i.shape) - shape_bytes(out)
-        return "gemm", max(_dot_flops(i, out, operands, shapes) / peak_flops, moved / bandwidth)
+        return "gemm", max(_dot_flops(i, out, operands, shapes) / peak_flops, moved(out))
     if i.opcode == "fusion":
         called = dict(_CALLED.findall(i.rest)).get("calls")
         dots = [d for d in computations.get(called, ()) if d.opcode == "dot"]
@@ -436,7 +441,7 @@ def _library_call(i: Instruction, computations: dict[str, list[Instruction]],
             return None
         flops = sum(_dot_flops(d, d.shape, _OPERANDS.findall(d.rest.split(")")[0]), shapes)
                     for d in dots)
-        return "gemm", max(flops / peak_flops, moved / bandwidth)
+        return "gemm", max(flops / peak_flops, moved(i.shape))
     if i.target.startswith("__cudnn$fmha"):
         scores = _SCORES.search(i.rest)
         if not scores:

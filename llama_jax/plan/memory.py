@@ -25,8 +25,8 @@ Activations saved for the backward pass, per layer and per token held by the dev
 cuDNN with packed documents (as training is) also keeps its `[T, S]` document mask as a b-byte
 bias per layer, b·T per token, except under the recomputing policies.
 Heads and the FFN width are divided by the tensor axis when the activation rules shard them.
-Kept besides: the embedded input, b·D per token (split as the block input); with the dropless MoE dispatch on a mesh and
-no remat, each layer's experts, gathered in the compute dtype.
+Kept besides: the embedded input, b·D per token (split as the block input); with the dropless
+MoE dispatch on a mesh and no remat, each layer's experts, gathered in the compute dtype.
 Working set on top, two parts: the loss's — the fp32 logits, their softmax and its gradient,
 3·4·V per token (over tensor when the vocabulary is sharded; under `loss_chunk` C, for C
 positions of each row instead of T, plus the head's fp32 gradient 4·D·V, which the pieces add
