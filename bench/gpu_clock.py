@@ -62,6 +62,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", type=Path)
     args = parser.parse_args()
+    for needed in ("gpu.json", "hlo.tar.gz"):
+        if not (args.directory / needed).is_file():
+            print(f"gpu_clock: {args.directory / needed} is missing: DIR is the clock/ folder "
+                  "`bash bench/lease.sh` wrote", file=sys.stderr)
+            return 2
     results = json.loads((args.directory / "gpu.json").read_text())
     peak = results["peak"]
     chip = next((h for h in HARDWARE.values() if h.backend == "gpu"
