@@ -124,7 +124,7 @@ def lm_head(config: ModelConfig, params: dict, h_BTD: jax.Array) -> jax.Array:
         equation, w = "BTD,DV->BTV", params["lm_head"]["w"]
     w = cast_weight(w, h_BTD.dtype)
     matmul = einsum_f32 if is_int8(w) else einsum_f32_narrow_grads
-    logits_BTV = row_tiled(lambda h: matmul(equation, h, w), h_BTD, 1)  # `ops.TPU_MIN_ROWS`
+    logits_BTV = row_tiled(lambda h: matmul(equation, h, w), h_BTD, 1)  # `ops.MIN_ROWS`
     return constrain(logits_BTV, ("batch", "seq", "vocab"))
 
 

@@ -120,21 +120,25 @@ def grouped_f32(rows: jax.Array, w_EIO: jax.Array | Int8, sizes_E: jax.Array) ->
                               precision=precision)
 
 
-# XLA:TPU rewrites a dot of fewer rows than a sublane tile (8) into multiplies and a reduction
-# on the vector units: LLaMA-3 8B's batch-1 decode step is priced at 3.1x its HBM floor that
-# way, 2.0x with its matmuls' rows padded to 8 (they stay on the MXUs, reading each weight once
-# as before; the padding's products are thrown away).
-TPU_MIN_ROWS = 8
+# XLA rewrites a dot of very few rows into multiplies and a reduction. XLA:TPU runs those on the
+# vector units: LLaMA-3 8B's batch-1 decode step is priced at 3.1x its HBM floor that way, 2.0x
+# with its matmuls' rows padded to 8 (they stay on the MXUs, reading each weight once as
+# before; the padding's products are thrown away). XLA:GPU wrote the products of one row and
+# the K/V weights to memory in fp32 before reducing them (2x the weights' bytes, each way);
+# with 8 rows it runs GEMM fusions (q/k/v merged into one, int8 weights dequantized inside
+# them): XLA:GPU's clock priced a 2-layer LLaMA-3 8B's unrolled step on an H100 at 1.18x its
+# floor before, 1.04x after.
+MIN_ROWS = 8
 
 
 def row_tiled(matmul: Callable[[jax.Array], jax.Array], x: jax.Array, n_in: int) -> jax.Array:
-    """`matmul(x)`; in a program compiled for a TPU, when `x`'s rows (every axis but its last
-    `n_in`, the contracted ones) are fewer than TPU_MIN_ROWS, computed on `x` with zero rows
-    added along its first axis up to that many, the result's added rows dropped."""
+    """`matmul(x)`; in a program compiled for an accelerator, when `x`'s rows (every axis but
+    its last `n_in`, the contracted ones) are fewer than MIN_ROWS, computed on `x` with zero
+    rows added along its first axis up to that many, the result's added rows dropped."""
     per_lead = math.prod(x.shape[1:x.ndim - n_in])
-    if target.platform() != "tpu" or x.shape[0] * per_lead >= TPU_MIN_ROWS:
+    if target.platform() == "cpu" or x.shape[0] * per_lead >= MIN_ROWS:
         return matmul(x)
-    extra = -(-TPU_MIN_ROWS // per_lead) - x.shape[0]
+    extra = -(-MIN_ROWS // per_lead) - x.shape[0]
     return matmul(jnp.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1)))[:x.shape[0]]
 
 

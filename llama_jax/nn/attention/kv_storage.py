@@ -7,10 +7,11 @@ head, an MLA latent of one token), or a `quant.Int8` of such values and scales
 int8 values as they are and applies the scales to its scores (keys) and probabilities (values)
 (`ops.einsum_f32`), so a decode step reads one byte per cached value plus 4 per vector.
 
-Per-layer caches (the unrolled decoder's) keep 16-bit floats as their uint16 bits
-(`bits=True`): XLA:CPU upcasts a bf16 `dynamic_update_slice` to fp32 (rewriting the whole
+Per-layer caches (the unrolled decoder's) compiled for a CPU keep 16-bit floats as their uint16
+bits (`bits=True`): XLA:CPU upcasts a bf16 `dynamic_update_slice` to fp32 (rewriting the whole
 cache at every write), and even a bitcast view of a bf16 buffer made it copy the cache before
-each in-place update.
+each in-place update. Elsewhere they hold the floats: read as bits, an accelerator's step
+widened a copy of each layer's whole cache (one more kernel and twice the cache's bytes).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from llama_jax.parallel import target
 from llama_jax.parallel.sharding import constrain
 from llama_jax.quant import SCALE_BYTES, Int8, is_int8, to_int8_vectors
 
@@ -30,10 +32,12 @@ SlotFn = Callable[[jax.Array, int], jax.Array]
 
 
 def zeros(shape: Sequence[int], dtype: str, bits: bool = False) -> jax.Array | Int8:
-    """An empty cache of `shape` (last axis: the cached vectors) holding `dtype` values."""
+    """An empty cache of `shape` (last axis: the cached vectors) holding `dtype` values (as
+    their uint16 bits for `bits` in a program compiled for a CPU)."""
     if dtype == INT8:
         return Int8(jnp.zeros(shape, jnp.int8), jnp.zeros((*shape[:-1], 1), jnp.float32))
-    stored = jnp.uint16 if bits and jnp.dtype(dtype).itemsize == 2 else dtype
+    as_bits = bits and target.platform() == "cpu" and jnp.dtype(dtype).itemsize == 2
+    stored = jnp.uint16 if as_bits else dtype
     return jnp.zeros(shape, stored)
 
 
