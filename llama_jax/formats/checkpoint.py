@@ -5,7 +5,7 @@
 The directory's contents decide the format: `config.yaml` + `params/` (llama_jax, orbax),
 `config.json` + safetensors (Hugging Face: Llama or GPT-2), `params.json` +
 `consolidated.NN.pth` (Meta), or a training run's workdir (`config.yaml` + `checkpoints/`: its
-latest checkpoint).
+latest checkpoint). A file is read as GGUF (llama.cpp's format) when it starts with GGUF's magic.
 """
 
 from __future__ import annotations
@@ -17,21 +17,24 @@ import jax
 from llama_jax.config import QUANTIZATIONS, MeshConfig, ModelConfig, dtype_name
 from llama_jax.errors import CheckpointError, ConfigError
 from llama_jax.files import atomic_directory
-from llama_jax.formats import hf, meta, native, workdir
+from llama_jax.formats import gguf, hf, meta, native, workdir
 from llama_jax.formats.loading import Loading
 from llama_jax.formats.torch_layout import family_of
 from llama_jax.model.params import Params, param_specs
 from llama_jax.parallel.sharding import param_shardings
 
-FORMATS = {"native": native, "hf": hf, "meta": meta, "run": workdir}
+FORMATS = {"native": native, "hf": hf, "meta": meta, "run": workdir, "gguf": gguf}
 
 
 def detect_format(path: str | Path) -> str:
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint directory")
+        raise CheckpointError(f"{path}: no such checkpoint directory or file")
     if not path.is_dir():
-        raise CheckpointError(f"{path}: expected a checkpoint directory, got a file")
+        if gguf.is_gguf(path):
+            return "gguf"
+        raise CheckpointError(f"{path}: not a GGUF file (it does not start with "
+                              f"{gguf.MAGIC.decode()}), and not a checkpoint directory")
     for name, is_format in (("native", native.is_native), ("hf", hf.is_hf),
                             ("meta", meta.is_meta), ("run", workdir.is_workdir)):
         if is_format(path):
@@ -101,4 +104,6 @@ def checkpoint_config(path: str | Path) -> ModelConfig:
         return hf.read_config(path)
     if fmt == "meta":
         return meta.read_config(path, meta.open_shards(path))
+    if fmt == "gguf":
+        return gguf.read_config(path, gguf.open_file(path))
     return native.read_config(path)  # native checkpoints and training runs keep a config.yaml

@@ -1,0 +1,147 @@
+"""GGUF checkpoints: a file written here with gguf's own writer, the way llama.cpp's converter
+writes one (Q/K rows permuted for interleaved RoPE, blocks of several quantized types), loads
+to the logits transformers computes from the same file; bad files are refused in one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+import llama_jax  # noqa: E402
+from llama_jax import load_checkpoint  # noqa: E402
+from llama_jax.errors import CheckpointError  # noqa: E402
+from llama_jax.formats.checkpoint import checkpoint_config  # noqa: E402
+from reference import relative_error  # noqa: E402
+
+# GGUF name of each HF tensor of a layer, and the type it is stored in: every block format the
+# gguf package can write, besides the float ones
+LAYER = {"self_attn.q_proj": ("attn_q", Q.Q4_1), "self_attn.k_proj": ("attn_k", Q.Q8_0),
+         "self_attn.v_proj": ("attn_v", Q.Q5_0), "self_attn.o_proj": ("attn_output", Q.Q4_0),
+         "mlp.gate_proj": ("ffn_gate", Q.Q5_1), "mlp.up_proj": ("ffn_up", Q.F16),
+         "mlp.down_proj": ("ffn_down", Q.BF16), "input_layernorm": ("attn_norm", Q.F32),
+         "post_attention_layernorm": ("ffn_norm", Q.F32)}
+THETA = 50000.0
+TOP = {"model.embed_tokens": ("token_embd", Q.Q8_0), "model.norm": ("output_norm", Q.F32),
+       "lm_head": ("output", Q.F16)}
+
+
+def hf_model(tied: bool = False):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+        rope_parameters=dict(rope_type="default", rope_theta=THETA),
+        max_position_embeddings=256, tie_word_embeddings=tied)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norms away from 1, so a swapped or missing norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf `permute`: HF's half-split RoPE rows to interleaved."""
+    return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def write_gguf(path, model, architecture: str = "llama") -> None:
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(THETA)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_eos_token_id(2)
+    names = {f"model.layers.{i}.{hf}": (f"blk.{i}.{g}", t)
+             for i in range(c.num_hidden_layers) for hf, (g, t) in LAYER.items()}
+    names.update(TOP)
+    for name, tensor in model.state_dict().items():
+        stem = name.removesuffix(".weight")
+        if stem == "lm_head" and c.tie_word_embeddings:
+            continue
+        gguf_name, qtype = names[stem]
+        w = tensor.float().numpy()
+        if gguf_name.endswith("attn_q"):
+            w = llama_cpp_permute(w, c.num_attention_heads)
+        elif gguf_name.endswith("attn_k"):
+            w = llama_cpp_permute(w, c.num_key_value_heads)
+        writer.add_tensor(gguf_name + ".weight", gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    files = {}
+    for tied in (False, True):
+        path = tmp_path_factory.mktemp("gguf") / f"model-{'tied' if tied else 'untied'}.gguf"
+        write_gguf(path, hf_model(tied))
+        files[tied] = path
+    return files
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_quantized_gguf_loads_to_transformers_logits_from_the_same_file(written, tied):
+    path = written[tied]
+    config, params = load_checkpoint(path, "float32")
+    assert (config.dim, config.n_layers, config.n_heads, config.n_kv_heads, config.ffn_dim,
+            config.rope_theta, config.tie_embeddings, config.eos_ids) == (
+        64, 2, 4, 2, 128, 50000.0, tied, (2,))
+    reference = transformers.LlamaForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    tokens = np.random.default_rng(1).integers(0, 96, (2, 24))
+    with torch.no_grad():
+        expected = reference(torch.tensor(tokens)).logits.numpy()
+    assert relative_error(np.asarray(llama_jax.forward(config, params, tokens)), expected) < 1e-5
+
+
+def test_a_gguf_loads_in_bf16_and_as_int8(written):
+    path = written[False]
+    reference_config, reference = load_checkpoint(path, "float32")
+    tokens = np.random.default_rng(2).integers(0, 96, (1, 16))
+    expected = np.asarray(llama_jax.forward(reference_config, reference, tokens))
+    for dtype, quantize, tolerance in (("bfloat16", None, 3e-2), ("float32", "int8", 3e-2)):
+        config, params = load_checkpoint(path, dtype, quantize=quantize)
+        assert config.param_dtype == dtype and config.quantize == quantize
+        got = np.asarray(llama_jax.forward(config, params, tokens), np.float32)
+        assert relative_error(got, expected) < tolerance, (dtype, quantize)
+
+
+def test_checkpoint_config_reads_a_gguf_without_its_weights(written):
+    config = checkpoint_config(written[True])
+    # GGUF keeps float32 values
+    assert (config.vocab_size, config.max_seq_len, config.norm_eps) == (96, 256, np.float32(1e-5))
+
+
+def test_bad_gguf_files_are_refused_in_one_line_naming_the_file(written, tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(written[False].read_bytes()[:5000])
+    with pytest.raises(CheckpointError, match=f"{truncated}: not a readable GGUF file"):
+        load_checkpoint(truncated)
+    other = tmp_path / "model.bin"
+    other.write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(CheckpointError, match=f"{other}: not a GGUF file"):
+        load_checkpoint(other)
+    gpt2 = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(gpt2), "gpt2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match=f"{gpt2}: general.architecture is 'gpt2'"):
+        load_checkpoint(gpt2)
