@@ -7,7 +7,9 @@
   the optional `tiktoken` package (`pip install 'llama_jax[llama3]'`).
 
 `load_tokenizer(path)` takes the file or a checkpoint directory holding `tokenizer.model`, and
-tells the two formats apart by content (tiktoken files are lines of `base64 rank`).
+tells the two formats apart by content (tiktoken files are lines of `base64 rank`). A directory
+with only a `tokenizer.json`, and a GGUF file's byte-level BPE vocabulary, are read by the
+`tokenizers` library (json_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -134,12 +136,22 @@ def _known(ids: Sequence[int], vocab_size: int) -> list[int]:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer in `path` (a `tokenizer.model` file or a directory containing one)."""
+    """The tokenizer in `path`: a `tokenizer.model` file, a GGUF file's vocabulary, or a
+    checkpoint directory holding `tokenizer.model` or else `tokenizer.json`
+    (json_tokenizer.py)."""
+    from llama_jax.data import json_tokenizer
+    from llama_jax.formats import gguf
+
     path = Path(path)
     if path.is_dir():
+        if not (path / TOKENIZER_FILE).is_file() and json_tokenizer.has_tokenizer_json(path):
+            return json_tokenizer.from_directory(path)
         path = path / TOKENIZER_FILE
     if not path.is_file():
-        raise CheckpointError(f"{path}: no tokenizer file (expected {TOKENIZER_FILE})")
+        raise CheckpointError(f"{path}: no tokenizer file (expected {TOKENIZER_FILE}, or "
+                              f"{json_tokenizer.TOKENIZER_JSON} in its directory)")
+    if gguf.is_gguf(path):
+        return json_tokenizer.from_gguf(path, gguf.metadata(gguf.open_file(path)))
     with path.open("rb") as f:
         first_line = f.readline(1024)
     if _TIKTOKEN_LINE.match(first_line.rstrip(b"\n")):
