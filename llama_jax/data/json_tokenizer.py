@@ -103,8 +103,8 @@ def from_directory(directory: Path) -> JsonTokenizer:
     except Exception as e:  # tokenizers raises a bare Exception for unreadable files
         raise CheckpointError(f"{file}: not a tokenizer.json the tokenizers library reads: "
                               f"{e}") from None
-    settings = _read_json(directory / TOKENIZER_CONFIG)
-    bos, eos = (_token_text(settings.get(k)) for k in ("bos_token", "eos_token"))
+    settings = read_settings(directory / TOKENIZER_CONFIG)
+    bos, eos = (token_text(settings.get(k)) for k in ("bos_token", "eos_token"))
     add_bos = settings.get("add_bos_token")
     if add_bos is None:  # as the post-processor does it (Llama's TemplateProcessing adds <s>)
         add_bos = bos is not None and bos in json.dumps(json.loads(tokenizer.to_str())
@@ -112,7 +112,8 @@ def from_directory(directory: Path) -> JsonTokenizer:
     return JsonTokenizer(tokenizer, file, bos, [eos], bool(add_bos))
 
 
-def _read_json(file: Path) -> dict:
+def read_settings(file: Path) -> dict:
+    """A JSON settings file beside a tokenizer (tokenizer_config.json); {} when absent."""
     if not file.is_file():
         return {}
     try:
@@ -121,7 +122,7 @@ def _read_json(file: Path) -> dict:
         raise CheckpointError(f"{file}: cannot read: {e}") from None
 
 
-def _token_text(token) -> str | None:
+def token_text(token) -> str | None:
     """tokenizer_config.json writes a token as its text or as an AddedToken dict."""
     return token.get("content") if isinstance(token, dict) else token
 

@@ -1,10 +1,10 @@
 """Chat prompts: OpenAI `messages` as the token ids of the model's chat format.
 
-- The checkpoint's `chat_template` (in its `tokenizer_config.json`) when it has one, rendered
-  with jinja2 as transformers renders it (a sandbox, `trim_blocks`, `lstrip_blocks`,
-  `raise_exception`, `bos_token` / `eos_token`, `add_generation_prompt=True`); the names of
-  control tokens in the result (`<|eot_id|>`, `<s>`, ...) become those tokens, and BOS comes
-  only from the template, as with `apply_chat_template(tokenize=True)`.
+- The checkpoint's own chat template when it has one (`load_chat_template`: its
+  `chat_template.jinja`, `tokenizer_config.json` or GGUF metadata), rendered as transformers
+  renders it with `add_generation_prompt=True`; the names of control tokens in the result
+  (`<|eot_id|>`, `<s>`, ...) become those tokens, and BOS comes only from the template, as
+  with `apply_chat_template(tokenize=True)`.
 - Otherwise Meta's formats (llama-models' `ChatFormat`): LLaMA 3's headers for a tiktoken
   tokenizer (`<|start_header_id|>role<|end_header_id|>\\n\\n` + the content as given +
   `<|eot_id|>`, then the assistant's header), LLaMA 2's `[INST]` turns for a SentencePiece one
@@ -14,30 +14,25 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Callable, Sequence
 
+from llama_jax.data.chat_template import load_chat_template
 from llama_jax.data.tokenizer import Llama3Tokenizer, Tokenizer
 from llama_jax.errors import GenerateError
 
 ROLES = ("system", "user", "assistant")
-TOKENIZER_CONFIG = "tokenizer_config.json"
 # A message is {"role": ..., "content": text}; a chat format turns a list of them into ids.
 ChatFormat = Callable[[Sequence[dict]], list[int]]
 
 
 def chat_format(checkpoint: str | Path, tokenizer: Tokenizer) -> ChatFormat:
-    """The chat format of a checkpoint directory and its tokenizer (see the module doc)."""
-    file = Path(checkpoint) / TOKENIZER_CONFIG
-    if file.is_file():
-        try:
-            settings = json.loads(file.read_text())
-        except (OSError, ValueError) as e:
-            raise GenerateError(f"{file}: not a readable JSON file: {e}") from None
-        if settings.get("chat_template"):
-            return _template_format(file, settings, tokenizer)
+    """The chat format of a checkpoint (directory or GGUF file) and its tokenizer (see the
+    module doc)."""
+    template = load_chat_template(checkpoint) if Path(checkpoint).exists() else None
+    if template is not None:
+        return lambda messages: encode_with_special_tokens(tokenizer, template.render(messages))
     if isinstance(tokenizer, Llama3Tokenizer):
         return lambda messages: llama3_chat(tokenizer, messages)
     return lambda messages: llama2_chat(tokenizer, messages)
@@ -78,36 +73,6 @@ def llama2_chat(tokenizer: Tokenizer, messages: Sequence[dict]) -> list[int]:
         ids += tokenizer.encode(f"[INST] {prompt['content'].strip()} [/INST] "
                                 f"{answer['content'].strip()} ", bos=True, eos=True)
     return ids + tokenizer.encode(f"[INST] {turns[-1]['content'].strip()} [/INST]", bos=True)
-
-
-def _template_format(file: Path, settings: dict, tokenizer: Tokenizer) -> ChatFormat:
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise GenerateError(f"the chat template refused the messages: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = raise_exception
-    try:
-        template = env.from_string(settings["chat_template"])
-    except jinja2.TemplateError as e:
-        raise GenerateError(f"{file}: chat_template: {e}") from None
-    tokens = {name: _token_text(settings.get(name)) for name in ("bos_token", "eos_token")}
-
-    def render(messages: Sequence[dict]) -> list[int]:
-        try:
-            text = template.render(messages=list(messages), add_generation_prompt=True, **tokens)
-        except jinja2.TemplateError as e:
-            raise GenerateError(f"{file}: chat_template: {e}") from None
-        return encode_with_special_tokens(tokenizer, text)
-    return render
-
-
-def _token_text(token) -> str:
-    """A tokenizer_config.json token: its text, or an AddedToken dict's content."""
-    return token.get("content", "") if isinstance(token, dict) else (token or "")
 
 
 def encode_with_special_tokens(tokenizer: Tokenizer, text: str) -> list[int]:
