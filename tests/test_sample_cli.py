@@ -113,3 +113,37 @@ def test_bad_input_is_one_line_and_exit_2(checkpoint, argv, message, capsys):
 def test_missing_checkpoint(tmp_path, capsys):
     assert sample.main(["--checkpoint", str(tmp_path / "nope"), "--prompt", "x"]) == 2
     assert "no tokenizer file" in capsys.readouterr().err
+
+
+def test_chat_streams_each_answer_in_the_checkpoints_template_keeping_history(
+        checkpoint, tmp_path, capsys, monkeypatch):
+    """`--chat`: one user message per stdin line (blank lines skipped), each answer what
+    `generate` gives for the whole conversation rendered by the checkpoint's own template."""
+    import io
+    import json
+    import shutil
+
+    from llama_jax.data.chat import chat_format
+
+    chatty = tmp_path / "chatty"
+    shutil.copytree(checkpoint, chatty)
+    (chatty / "tokenizer_config.json").write_text(json.dumps({"chat_template": (
+        "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"), "bos_token": "<s>"}))
+    monkeypatch.setattr("sys.stdin", io.StringIO("The cat\n\nand the dog\n"))
+    assert sample.main(["--checkpoint", str(chatty), "--chat", "--system", "Be terse.",
+                        "--temperature", "0", "--max-new-tokens", "8"]) == 0
+    out, _ = capsys.readouterr()
+    config, params = llama_jax.load_checkpoint(chatty)
+    tok = llama_jax.load_tokenizer(chatty)
+    render = chat_format(chatty, tok)
+    messages, expected = [{"role": "system", "content": "Be terse."}], ""
+    for line in ("The cat", "and the dog"):
+        messages.append({"role": "user", "content": line})
+        answer = tok.decode(generate(config, params, [render(messages)], 8)[0])
+        messages.append({"role": "assistant", "content": answer})
+        expected += answer + "\n"
+    assert out == expected
+    assert render(messages[:2])[:1] == [tok.bos_id]  # the template's BOS, as a control token
+    assert sample.main(["--checkpoint", str(chatty), "--chat", "--prompt", "x"]) == 2
+    assert "--chat takes its messages from stdin" in capsys.readouterr().err

@@ -25,7 +25,7 @@ import pytest
 import llama_jax
 from llama_jax.data.tokenizer import TextStream
 from llama_jax.decode.generate import generate
-from llama_jax.serve.chat import llama2_chat
+from llama_jax.data.chat import llama2_chat
 from checkpoints import tiny_checkpoint_with_tokenizer
 
 openai = pytest.importorskip("openai")

@@ -19,7 +19,7 @@ from llama_jax.config import MoeConfig
 from llama_jax.decode.generate import generate
 from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import init_cache, moved, resized, shifted, with_row
-from llama_jax.serve.chat import (chat_format, encode_with_special_tokens, llama2_chat,
+from llama_jax.data.chat import (chat_format, encode_with_special_tokens, llama2_chat,
                                   llama3_chat)
 from llama_jax.serve.engine import Engine, Request
 from llama_jax.serve.text import StopText

@@ -44,10 +44,11 @@ class ChatTemplate:
         """The prompt text for `messages` (`extra`: more template variables, e.g. `tools`).
         A template that refuses the messages (`raise_exception`) or fails raises
         GenerateError naming the source and the template's own message."""
+        template = _compiled(self.text)
         import jinja2
 
         try:
-            return _compiled(self.text).render(
+            return template.render(
                 messages=list(messages), add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token, eos_token=self.eos_token, **extra)
         except _Refused as e:
@@ -77,7 +78,11 @@ def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None,
 
 @functools.cache
 def _environment():
-    import jinja2
+    try:
+        import jinja2
+    except ImportError:
+        raise CheckpointError("chat templates need jinja2 (pip install 'llama_jax[serve]' "
+                              "or 'llama_jax[gguf]')") from None
     from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -106,6 +111,7 @@ def _compiled(text: str):
 
 def _checked(template: ChatTemplate) -> ChatTemplate:
     """The template, compiled once so a syntax error is reported while loading."""
+    _environment()  # says so first when jinja2 is missing
     import jinja2
 
     try:

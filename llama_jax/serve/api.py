@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from llama_jax.data.tokenizer import Tokenizer
 from llama_jax.errors import GenerateError
-from llama_jax.serve.chat import ChatFormat
+from llama_jax.data.chat import ChatFormat
 from llama_jax.serve.engine import Chunk, Engine, QueueFull, Request
 from llama_jax.serve.metrics import ServerMetrics
 from llama_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError

@@ -17,7 +17,7 @@ from llama_jax.parallel.sharding import make_mesh
 from llama_jax.plan.costs import (SERVING_PREFILL_CHUNK, SERVING_STEPS_PER_DISPATCH,
                                   default_prefix_cache_bytes, serving_cache_slots)
 from llama_jax.serve.api import Server
-from llama_jax.serve.chat import chat_format
+from llama_jax.data.chat import chat_format
 from llama_jax.serve.engine import Engine
 
 GIB = 1 << 30
