@@ -6,7 +6,8 @@ checks this, imports under `typing.TYPE_CHECKING` aside):
 
     errors, dtypes, files,     small shared leaves: the error classes (one base, `UserError`),
     spec, quant, cli,          dtype names, atomic file writes, tensor descriptions, int8
-    xla_flags                  tensors, the CLIs' error exit, the XLA flags set on GPU
+    xla_flags, gguf_file       tensors, the CLIs' error exit, the XLA flags set on GPU, GGUF
+                               files opened (their weights, vocabulary and chat template)
     parallel                   device meshes, logical-axis sharding rules, multi-host start-up,
                                a device's free memory, the platform compiled for, named
                                TPU / GPU topologies

@@ -124,7 +124,7 @@ def _checked(template: ChatTemplate) -> ChatTemplate:
 def load_chat_template(path: str | Path, name: str | None = None) -> ChatTemplate | None:
     """The chat template of a checkpoint directory or GGUF file (`name`: one of several named
     templates, e.g. "tool_use"; default: the one named "default"), None when it has none."""
-    from llama_jax.formats import gguf
+    from llama_jax import gguf_file as gguf
 
     path = Path(path)
     if path.is_file() and gguf.is_gguf(path):

