@@ -145,3 +145,59 @@ def test_bad_gguf_files_are_refused_in_one_line_naming_the_file(written, tmp_pat
     writer.close()
     with pytest.raises(CheckpointError, match=f"{gpt2}: general.architecture is 'gpt2'"):
         load_checkpoint(gpt2)
+
+
+# Where each K-quant block (256 values) keeps its fp16 scale d (and dmin), by llama.cpp's
+# block layouts; the other bytes (packed scales and quants) may be anything
+K_QUANTS = {Q.Q2_K: (84, (80, 82)), Q.Q3_K: (110, (108,)), Q.Q4_K: (144, (0, 2)),
+            Q.Q5_K: (176, (0, 2)), Q.Q6_K: (210, (208,))}
+
+
+def k_quant_blocks(rng, rows: int, cols: int, qtype) -> np.ndarray:
+    """Random blocks of `qtype` for a [rows, cols] matrix, their scales small and finite."""
+    size, scale_offsets = K_QUANTS[qtype]
+    blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    for offset in scale_offsets:
+        d = rng.uniform(1e-3, 4e-3, (rows, cols // 256)).astype(np.float16)
+        blocks[..., offset:offset + 2] = d[..., None].view(np.uint8).reshape(*d.shape, 2)
+    return blocks.reshape(rows, -1)
+
+
+def test_k_quant_blocks_load_as_transformers_reads_them(tmp_path):
+    """Q4_K_M-style files mix the K-quants; gguf cannot write them, so their blocks are random
+    bytes with sane scales, read by both sides from the same file (rows of 256 values)."""
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        rope_parameters=dict(rope_type="default", rope_theta=THETA), rms_norm_eps=1e-5,
+        tie_word_embeddings=True)).eval()
+    path = tmp_path / "k-quants.gguf"
+    write_gguf(path, model)  # then the matrices again, as K-quant blocks
+    reader = gguf.GGUFReader(path)
+    rng = np.random.default_rng(0)
+    kinds = dict(zip(["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                      "ffn_down"], [Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q3_K, Q.Q2_K, Q.Q4_K, Q.Q6_K]))
+    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    for field in reader.fields.values():
+        if not field.name.startswith(("GGUF.", "general.architecture")):
+            writer.add_key_value(field.name, field.contents(), field.types[0],
+                                 field.types[-1] if len(field.types) > 1 else None)
+    for t in reader.tensors:
+        kind = kinds.get(t.name.split(".")[2]) if t.name.startswith("blk.") else None
+        if kind is None:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+        else:
+            rows, cols = int(t.shape[1]), int(t.shape[0])
+            writer.add_tensor(t.name, k_quant_blocks(rng, rows, cols, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config, params = load_checkpoint(tmp_path / "k.gguf", "float32")
+    reference = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path, gguf_file="k.gguf", dtype=torch.float32).eval()
+    tokens = np.random.default_rng(3).integers(0, 64, (2, 16))
+    with torch.no_grad():
+        expected = reference(torch.tensor(tokens)).logits.numpy()
+    assert relative_error(np.asarray(llama_jax.forward(config, params, tokens)), expected) < 1e-5
