@@ -24,8 +24,8 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 @functools.cache
 def texts() -> list[str]:
-    files = sorted(STDLIB.glob("[a-m]*.py"))[:40]
-    return [f.read_text(errors="replace")[:6000] for f in files]
+    files = sorted(STDLIB.glob("[a-m]*.py"))[:24]
+    return [f.read_text(errors="replace")[:4000] for f in files]
 
 
 SAMPLE = ("Grüße, ça va? 日本語のテキスト 🙂 x=12345\n\tdef f(a, b):  return a ** b\n"
