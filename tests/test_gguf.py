@@ -201,3 +201,73 @@ def test_k_quant_blocks_load_as_transformers_reads_them(tmp_path):
     with torch.no_grad():
         expected = reference(torch.tensor(tokens)).logits.numpy()
     assert relative_error(np.asarray(llama_jax.forward(config, params, tokens)), expected) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def trained_here(tmp_path_factory):
+    """A model as this library trains one: random weights and a SentencePiece tokenizer from
+    `train_sentencepiece`, saved natively."""
+    import dataclasses
+
+    import jax
+
+    from corpus import STDLIB
+    from llama_jax.data.tokenizer import train_sentencepiece
+
+    texts = [f.read_text(errors="replace")[:4000] for f in sorted(STDLIB.glob("[n-z]*.py"))[:20]]
+    model = train_sentencepiece(texts, 400)
+    config = dataclasses.replace(llama_jax.load_model_config("tiny"), vocab_size=400,
+                                 eos_ids=(2,))
+    path = tmp_path_factory.mktemp("native") / "model"
+    llama_jax.save_native(config, llama_jax.init_params(config, jax.random.key(0)), path)
+    (path / "tokenizer.model").write_bytes(model)
+    return path, texts
+
+
+def test_a_model_trained_here_exports_to_gguf_and_reads_back(trained_here, tmp_path):
+    from llama_jax.formats.convert import convert
+
+    source, texts = trained_here
+    out = tmp_path / "model.gguf"
+    report = convert(source, out, to="gguf", dtype="f32")
+    assert report["round_trip"] <= 1e-6 and out.is_file()
+    config, params = load_checkpoint(source)
+    tokens = np.random.default_rng(4).integers(0, 400, (2, 20))
+    expected = np.asarray(llama_jax.forward(config, params, tokens))
+    back_config, back = load_checkpoint(out)
+    assert back_config.architecture() == config.architecture()
+    assert relative_error(np.asarray(llama_jax.forward(back_config, back, tokens)),
+                          expected) < 1e-6
+    reference = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path, gguf_file=out.name, dtype=torch.float32).eval()
+    with torch.no_grad():  # llama.cpp's layout as transformers reads it
+        assert relative_error(reference(torch.tensor(tokens)).logits.numpy(), expected) < 1e-5
+    ours, theirs = llama_jax.load_tokenizer(source), llama_jax.load_tokenizer(out)
+    for text in texts[:5] + ["Grüße  zwei  Leerzeichen\n\tund 12345 ünïcödé"]:
+        assert theirs.encode(text) == ours.encode(text)
+        assert theirs.decode(ours.encode(text)) == ours.decode(ours.encode(text))
+    assert (theirs.bos_id, theirs.eos_ids) == (ours.bos_id, ours.eos_ids)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "q8_0"])
+def test_gguf_export_types_stay_within_their_rounding(trained_here, tmp_path, dtype):
+    from llama_jax.formats.convert import GGUF_TOLERANCE, convert
+
+    out = tmp_path / f"model-{dtype}.gguf"
+    report = convert(trained_here[0], out, to="gguf", dtype=dtype)
+    assert 0 < report["round_trip"] <= GGUF_TOLERANCE[dtype]
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    assert kinds == {"F32", dtype.upper()}  # vectors stay F32
+
+
+def test_gguf_export_refuses_what_it_cannot_write(trained_here, tmp_path):
+    from llama_jax.formats.convert import convert
+
+    existing = tmp_path / "there.gguf"
+    existing.write_bytes(b"keep me")
+    with pytest.raises(CheckpointError, match="already exists"):
+        convert(trained_here[0], existing, to="gguf")
+    assert existing.read_bytes() == b"keep me"
+    with pytest.raises(CheckpointError, match="q4_k"):
+        convert(trained_here[0], tmp_path / "x.gguf", to="gguf", dtype="q4_k")
+    assert not list(tmp_path.glob(".x.gguf*"))

@@ -138,12 +138,14 @@ def test_bad_tokenizer_files_are_refused_naming_the_file(tmp_path):
     (broken / "tokenizer.json").write_text('{"model": {"type": "NoSuchModel"}}')
     with pytest.raises(CheckpointError, match=f"{broken / 'tokenizer.json'}: not a tokenizer"):
         load_tokenizer(broken)
-    llama_vocab = tmp_path / "spm.gguf"
-    writer = gguf.GGUFWriter(str(llama_vocab), "llama")
-    writer.add_tokenizer_model("llama")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(CheckpointError, match=f"{llama_vocab}: tokenizer.ggml.model is 'llama'"):
-        load_tokenizer(llama_vocab)
+    for model, message in (("rwkv", "tokenizer.ggml.model is 'rwkv'"),
+                           ("llama", "tokenizer.ggml.tokens is missing")):
+        vocab = tmp_path / f"{model}.gguf"
+        writer = gguf.GGUFWriter(str(vocab), "llama")
+        writer.add_tokenizer_model(model)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with pytest.raises(CheckpointError, match=f"{vocab}: {message}"):
+            load_tokenizer(vocab)

@@ -38,7 +38,18 @@ class JsonTokenizer:
         self.bos_id = self._id(bos_token) if bos_token else None
         self.eos_ids = tuple(dict.fromkeys(self._id(t) for t in eos_tokens if t))
         self._add_bos = add_bos and self.bos_id is not None
-        self._byte_level = _decoder_type(tokenizer) == "ByteLevel"
+        self.byte_level = _decoder_type(tokenizer) == "ByteLevel"
+
+    def id_to_token(self, id: int) -> str:
+        return self._tok.id_to_token(id)
+
+    def merges(self) -> list[str]:
+        """The BPE merges, "left right" each, in rank order."""
+        merges = json.loads(self._tok.to_str())["model"].get("merges") or []
+        return [m if isinstance(m, str) else " ".join(m) for m in merges]
+
+    def adds_bos(self) -> bool:
+        return self._add_bos
 
     def _id(self, token: str) -> int:
         found = self._tok.token_to_id(token)
@@ -59,7 +70,7 @@ class JsonTokenizer:
         if not 0 <= id < self.vocab_size or id in self.special_ids:
             return b""
         piece = self._tok.id_to_token(id)
-        if self._byte_level:
+        if self.byte_level:
             return bytes(_byte_of_char()[c] for c in piece)
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # byte fallback
             return bytes([int(piece[3:5], 16)])
@@ -131,10 +142,6 @@ def from_gguf(path: Path, kv: dict) -> JsonTokenizer:
     """The byte-level BPE vocabulary of a GGUF file's `tokenizer.ggml.*` keys (`kv`: the file's
     metadata), as transformers converts it: GPT-2's pre-tokenizer and byte-level decoder, the
     control and user-defined tokens added (control ones special)."""
-    model = kv.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise CheckpointError(f"{path}: tokenizer.ggml.model is {model!r}; llama_jax reads the "
-                              "gpt2 (byte-level BPE) vocabularies of GGUF files")
     tokenizers = _tokenizers()
     tokens = list(kv["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in kv.get("tokenizer.ggml.merges", ())]

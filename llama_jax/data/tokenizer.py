@@ -57,11 +57,14 @@ class Tokenizer(Protocol):
 
 
 class SentencePieceTokenizer:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, model_proto: bytes | None = None):
+        """The model in the file at `path`, or the serialized `model_proto` read from it."""
         import sentencepiece
 
         try:
-            self._sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+            self._sp = (sentencepiece.SentencePieceProcessor(model_file=str(path))
+                        if model_proto is None else
+                        sentencepiece.SentencePieceProcessor(model_proto=model_proto))
         except (OSError, RuntimeError) as e:
             raise CheckpointError(f"{path}: not a SentencePiece model: {e}") from None
         self.path = path
@@ -77,6 +80,10 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode(_known(ids, self.vocab_size))
+
+    def model_proto(self) -> bytes:
+        """The SentencePiece model, serialized (its pieces, scores, types and settings)."""
+        return self._sp.serialized_model_proto()
 
     def token_bytes(self, id: int) -> bytes:
         if not 0 <= id < self.vocab_size or id in self.special_ids or self._sp.is_unknown(id):
@@ -151,12 +158,26 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise CheckpointError(f"{path}: no tokenizer file (expected {TOKENIZER_FILE}, or "
                               f"{json_tokenizer.TOKENIZER_JSON} in its directory)")
     if gguf.is_gguf(path):
-        return json_tokenizer.from_gguf(path, gguf.metadata(gguf.open_file(path)))
+        return _gguf_tokenizer(path, gguf.metadata(gguf.open_file(path)))
     with path.open("rb") as f:
         first_line = f.readline(1024)
     if _TIKTOKEN_LINE.match(first_line.rstrip(b"\n")):
         return Llama3Tokenizer(path)
     return SentencePieceTokenizer(path)
+
+
+def _gguf_tokenizer(path: Path, kv: dict) -> Tokenizer:
+    """The vocabulary of a GGUF file (`kv`: its metadata): byte-level BPE (`gpt2`) or
+    SentencePiece (`llama`), gguf_vocab.py."""
+    from llama_jax.data import gguf_vocab, json_tokenizer
+
+    model = kv.get("tokenizer.ggml.model")
+    if model == "gpt2":
+        return json_tokenizer.from_gguf(path, kv)
+    if model == "llama":
+        return SentencePieceTokenizer(path, gguf_vocab.sentencepiece_proto(path, kv))
+    raise CheckpointError(f"{path}: tokenizer.ggml.model is {model!r}; llama_jax reads gpt2 "
+                          "(byte-level BPE) and llama (SentencePiece) vocabularies")
 
 
 def train_sentencepiece(texts: Iterable[str], vocab_size: int) -> bytes:

@@ -1,9 +1,11 @@
 """Convert checkpoints between formats, behind a parity gate.
 
     python -m llama_jax.formats.convert SRC DST [--to native|hf] [--dtype D] [--no-reference]
+    python -m llama_jax.formats.convert SRC OUT.gguf --to gguf [--dtype f16|bf16|q8_0|f32]
 
-SRC is anything `load_checkpoint` reads (HF, Meta, native). The result is written to a hidden
-temporary directory beside DST, loaded back, and moved to DST only if:
+SRC is anything `load_checkpoint` reads (HF, Meta, GGUF, native). The result is written to a
+hidden temporary directory (a file, for GGUF) beside DST, loaded back, and moved to DST only
+if:
 
 1. our float32 forward on the written model gives the same logits as on the loaded source
    (a fixed random batch), and the architecture read back equals the source's;
@@ -13,13 +15,17 @@ temporary directory beside DST, loaded back, and moved to DST only if:
    permutation, independent of ours) within the tolerance of the target dtype.
 
 Otherwise nothing is left behind and the exit status is non-zero. An existing DST is never
-overwritten. Tokenizer files next to the source weights are copied along.
+overwritten. Tokenizer files next to the source weights are copied along; a GGUF file gets the
+source's tokenizer (SentencePiece or byte-level BPE) and chat template inside, its matrices
+in `--dtype` (default f16), and its logits read back must be within that type's rounding of
+the source's (GGUF_TOLERANCE).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -28,10 +34,12 @@ import jax
 import numpy as np
 
 from llama_jax.formats.checkpoint import detect_format, load_checkpoint
-from llama_jax.files import atomic_directory, check_new_directory
+from llama_jax.data.chat_template import load_chat_template
+from llama_jax.data.tokenizer import load_tokenizer
+from llama_jax.files import atomic_directory, check_new_directory, sibling_temp
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import DTYPES, ModelConfig
-from llama_jax.formats import hf, meta, native
+from llama_jax.formats import gguf, hf, meta, native
 from llama_jax.errors import CheckpointError
 from llama_jax.formats.torch_layout import names, slots, torch_shape
 from llama_jax.model.transformer import forward
@@ -41,6 +49,8 @@ WRITERS = {"native": native.save, "hf": hf.save}  # each writes into an existing
 # Relative logit error allowed against transformers, by the dtype the weights were loaded in.
 TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
 ROUND_TRIP_TOLERANCE = 1e-6  # same weights, same dtype: only summation order may differ
+# Relative logit error allowed between a GGUF written as each type and its float32 source
+GGUF_TOLERANCE = {"f32": ROUND_TRIP_TOLERANCE, "f16": 5e-3, "bf16": 3e-2, "q8_0": 5e-2}
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "generation_config.json")
 
@@ -106,8 +116,13 @@ def convert(src: str | Path, dst: str | Path, to: str = "native", dtype: str | N
             reference: bool = True) -> dict:
     """Converts SRC to DST through the parity gate; returns the gate's measurements."""
     src, dst = Path(src), Path(dst)
+    if to == "gguf":
+        return convert_to_gguf(src, dst, dtype or "f16")
     if to not in WRITERS:
-        raise CheckpointError(f"--to {to!r}: expected one of {', '.join(WRITERS)}")
+        raise CheckpointError(f"--to {to!r}: expected one of {', '.join([*WRITERS, 'gguf'])}")
+    if dtype not in (None, *DTYPES):
+        raise CheckpointError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)} for "
+                              f"--to {to}")
     check_new_directory(dst)  # again in atomic_directory; here to fail before loading anything
     fmt = detect_format(src)
     config, params = load_checkpoint(src, dtype)
@@ -142,14 +157,56 @@ def convert(src: str | Path, dst: str | Path, to: str = "native", dtype: str | N
     return report
 
 
+def convert_to_gguf(src: Path, dst: Path, file_type: str) -> dict:
+    """SRC as one GGUF file at DST (`file_type`: gguf.GGUF_TYPES) through the gate: the
+    written file's float32 logits within GGUF_TOLERANCE of the source's."""
+    if file_type not in gguf.GGUF_TYPES:
+        raise CheckpointError(f"--dtype {file_type}: expected one of "
+                              f"{', '.join(gguf.GGUF_TYPES)} for --to gguf")
+    if dst.exists():
+        raise CheckpointError(f"{dst}: already exists; refusing to overwrite it")
+    fmt = detect_format(src)
+    config, params = load_checkpoint(src, "float32")
+    tokens = gate_tokens(config)
+    source_logits = float32_logits(config, params, tokens)
+    tmp = sibling_temp(dst)
+    try:
+        gguf.save(config, params, tmp, file_type, _tokenizer_of(src), _template_of(src))
+        del params
+        written_config, written = load_checkpoint(tmp, "float32")
+        err = relative_error(float32_logits(written_config, written, tokens), source_logits)
+        if not err <= GGUF_TOLERANCE[file_type]:
+            raise ParityError(f"{dst}: the written model's logits differ from the source's by "
+                              f"{err:.3g} (relative; allowed {GGUF_TOLERANCE[file_type]:g} for "
+                              f"{file_type}); nothing written")
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return {"source_format": fmt, "dtype": file_type, "round_trip": err}
+
+
+def _tokenizer_of(src: Path):
+    """The source's tokenizer, or None when it has none."""
+    try:
+        return load_tokenizer(src)
+    except CheckpointError:
+        return None
+
+
+def _template_of(src: Path) -> str | None:
+    template = load_chat_template(src)
+    return template.text if template is not None else None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m llama_jax.formats.convert",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="checkpoint directory (HF, Meta or llama_jax)")
-    parser.add_argument("dst", help="new directory to write (must not exist)")
-    parser.add_argument("--to", default="native", choices=sorted(WRITERS))
-    parser.add_argument("--dtype", choices=DTYPES, default=None,
-                        help="parameter dtype to write (default: as stored)")
+    parser.add_argument("dst", help="new directory (or .gguf file) to write (must not exist)")
+    parser.add_argument("--to", default="native", choices=sorted([*WRITERS, "gguf"]))
+    parser.add_argument("--dtype", choices=[*DTYPES, *gguf.GGUF_TYPES], default=None,
+                        help="parameter dtype to write (default: as stored); for --to gguf the "
+                             "matrices' type (default f16)")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip the comparison with transformers (saves a second copy in RAM)")
     return parser.parse_args(argv)

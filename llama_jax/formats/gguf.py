@@ -25,7 +25,8 @@ from llama_jax.config import ModelConfig
 from llama_jax.errors import CheckpointError, ConfigError
 from llama_jax.gguf_file import metadata, open_file
 from llama_jax.formats.loading import Loading, Placement, assemble
-from llama_jax.formats.torch_layout import Slot, family_of, torch_pieces, torch_shape
+from llama_jax.formats.torch_layout import (Slot, family_of, torch_pieces, torch_shape,
+                                            torch_tensors)
 from llama_jax.model.params import Params
 
 ARCHITECTURE = "general.architecture"
@@ -80,6 +81,12 @@ def read_config(path: Path, reader) -> ModelConfig:
 
     tensors = _tensor_names(reader)
     n_heads = key("attention.head_count")
+
+    def decimal(name: str, default: float) -> float:
+        """A float32 key as the shortest decimal that is that float32 (1e-05, not
+        9.99999974e-06), so a config written and read back is the same."""
+        return float(str(np.float32(key(name, default))))
+
     dim = key("embedding_length")
     vocab = key("vocab_size", None) or len(kv.get("tokenizer.ggml.tokens") or ()) or \
         _rows(reader, "token_embd.weight")
@@ -90,8 +97,8 @@ def read_config(path: Path, reader) -> ModelConfig:
             vocab_size=int(vocab), dim=dim, n_layers=key("block_count"), n_heads=n_heads,
             n_kv_heads=key("attention.head_count_kv", n_heads),
             head_dim=key("attention.key_length", None), ffn_dim=key("feed_forward_length"),
-            norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
+            norm_eps=decimal("attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta=decimal("rope.freq_base", 10000.0),
             max_seq_len=key("context_length", 2048),
             tie_embeddings="output.weight" not in tensors,
             eos_ids=tuple(dict.fromkeys(int(i) for i in eos)))
@@ -152,3 +159,70 @@ def load(path: Path, loading: Loading,
 
     return config, assemble(config, torch_pieces(config, read, meta=True),
                             np.dtype(config.param_dtype), placement)
+
+
+# What `save` writes matrices as (`convert --to gguf --dtype`); vectors are always F32, and a
+# matrix whose rows do not split into Q8_0's blocks of 32 falls back to F16, as in llama.cpp
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+_Q8_BLOCK = 32
+
+
+def save(config: ModelConfig, params: Params, path: Path, file_type: str = "f16",
+         tokenizer=None, chat_template: str | None = None) -> None:
+    """Writes a LLaMA-architecture model as one GGUF file at `path` (which must not exist),
+    its matrices as `file_type`, with `tokenizer`'s vocabulary and the chat template when
+    given: a file llama.cpp, Ollama and `load_checkpoint` read."""
+    import gguf
+
+    _check_writable(config, file_type, path)
+    qtype = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+             "bf16": gguf.GGMLQuantizationType.BF16,
+             "q8_0": gguf.GGMLQuantizationType.Q8_0}[file_type]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _add_architecture(writer, config)
+    if tokenizer is not None:  # its BOS and EOS ids with it
+        from llama_jax.data.gguf_vocab import add_vocabulary
+        add_vocabulary(writer, tokenizer, path)
+    else:
+        for eos in config.eos_ids[:1]:
+            writer.add_eos_token_id(eos)
+    if chat_template:
+        writer.add_chat_template(chat_template)
+    for meta_name, w in torch_tensors(config, params, meta=True):
+        w = np.asarray(w, np.float32)
+        kind = gguf.GGMLQuantizationType.F32 if w.ndim == 1 else qtype
+        if kind == gguf.GGMLQuantizationType.Q8_0 and w.shape[-1] % _Q8_BLOCK:
+            kind = gguf.GGMLQuantizationType.F16
+        writer.add_tensor(gguf_name(meta_name), gguf.quants.quantize(w, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _check_writable(config: ModelConfig, file_type: str, path: Path) -> None:
+    if file_type not in GGUF_TYPES:
+        raise CheckpointError(f"{path}: GGUF type {file_type!r} is not one of "
+                              f"{', '.join(GGUF_TYPES)}")
+    if family_of(config).model_type != "llama" or config.head != "lm":
+        raise CheckpointError(f"{path}: only LLaMA-architecture language models are written as "
+                              "GGUF")
+    if config.rope_scaling is not None or config.quantize is not None:
+        raise CheckpointError(f"{path}: RoPE scaling and int8 weights are not written as GGUF "
+                              "yet (load the model without quantize)")
+
+
+def _add_architecture(writer, config: ModelConfig) -> None:
+    """The `llama.*` keys `read_config` reads back."""
+    for add, value in ((writer.add_block_count, config.n_layers),
+                       (writer.add_context_length, config.max_seq_len),
+                       (writer.add_embedding_length, config.dim),
+                       (writer.add_feed_forward_length, config.F),
+                       (writer.add_head_count, config.n_heads),
+                       (writer.add_head_count_kv, config.K), (writer.add_key_length, config.H),
+                       (writer.add_value_length, config.H),
+                       (writer.add_rope_dimension_count, config.H),
+                       (writer.add_rope_freq_base, config.rope_theta),
+                       (writer.add_layer_norm_rms_eps, config.norm_eps),
+                       (writer.add_vocab_size, config.vocab_size)):
+        add(value)
