@@ -97,6 +97,12 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def sampling(args: argparse.Namespace) -> dict:
+    """`stream`'s sampling settings and cache dtype, as the flags give them."""
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, cache_dtype=args.cache_dtype)
+
+
 def chat(args: argparse.Namespace, config, params, tokenizer, decode_impl: str) -> int:
     """The `--chat` loop: a turn per stdin line, each answer streamed and kept."""
     render = chat_format(args.checkpoint, tokenizer)
@@ -113,10 +119,8 @@ def chat(args: argparse.Namespace, config, params, tokenizer, decode_impl: str) 
         messages.append({"role": "user", "content": line.rstrip("\n")})
         text, answer = TextStream(tokenizer), []
         for new_tokens, _ in stream(config, params, [render(messages)], args.max_new_tokens,
-                                    temperature=args.temperature, top_k=args.top_k,
-                                    top_p=args.top_p, min_p=args.min_p, seed=args.seed + turn,
-                                    cache_dtype=args.cache_dtype, decode_impl=decode_impl,
-                                    chunk_steps=args.chunk_steps):
+                                    **sampling(args), seed=args.seed + turn,
+                                    decode_impl=decode_impl, chunk_steps=args.chunk_steps):
             answer += new_tokens[0]
             print(text.push(new_tokens[0]), end="", flush=True)
         print(text.flush(), flush=True)
@@ -150,10 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     streaming = len(prompts) == 1
     text = TextStream(tokenizer, token_prompts[0])
     generated: list[list[int]] = [[] for _ in prompts]
-    chunks = stream(config, params, token_prompts, args.max_new_tokens,
-                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                    min_p=args.min_p, seed=args.seed, cache_dtype=args.cache_dtype,
-                    decode_impl=decode_impl,
+    chunks = stream(config, params, token_prompts, args.max_new_tokens, **sampling(args),
+                    seed=args.seed, decode_impl=decode_impl,
                     chunk_steps=args.chunk_steps if streaming else None, stats=stats,
                     speculate=args.speculate, num_speculative_tokens=args.num_speculative_tokens,
                     ngram=tuple(args.ngram), draft=draft)

@@ -39,3 +39,11 @@ def metadata(reader) -> dict[str, Any]:
     """The file's key-value metadata as Python values (strings, numbers, lists)."""
     return {key: field.contents() for key, field in reader.fields.items()
             if not key.startswith("GGUF.")}
+
+
+def token_named(kv: dict[str, Any], id_key: str) -> str | None:
+    """The vocabulary's token whose id the key `tokenizer.ggml.<id_key>` holds (e.g.
+    "eos_token_id"); None when the file has no such key or vocabulary."""
+    tokens = kv.get("tokenizer.ggml.tokens") or ()
+    i = kv.get(f"tokenizer.ggml.{id_key}")
+    return tokens[i] if i is not None and 0 <= i < len(tokens) else None

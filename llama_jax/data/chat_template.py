@@ -153,16 +153,13 @@ def load_chat_template(path: str | Path, name: str | None = None) -> ChatTemplat
 
 
 def _from_gguf(path: Path, kv: dict, name: str | None) -> ChatTemplate | None:
+    from llama_jax import gguf_file as gguf
+
     key = GGUF_KEY if name is None else f"{GGUF_KEY}.{name}"
     if key not in kv:
         if name is not None:
             raise CheckpointError(f"{path}: no {key}")
         return None
-    tokens = kv.get("tokenizer.ggml.tokens") or ()
-
-    def token(id_key: str) -> str:
-        i = kv.get(f"tokenizer.ggml.{id_key}")
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else ""
-
-    return _checked(ChatTemplate(f"{path} ({key})", kv[key], token("bos_token_id"),
-                                 token("eos_token_id")))
+    return _checked(ChatTemplate(f"{path} ({key})", kv[key],
+                                 gguf.token_named(kv, "bos_token_id") or "",
+                                 gguf.token_named(kv, "eos_token_id") or ""))

@@ -12,11 +12,34 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llama_jax.data.json_tokenizer import JsonTokenizer
+from llama_jax.data.json_tokenizer import JsonTokenizer, tokenizers_library
 from llama_jax.errors import CheckpointError
+from llama_jax.gguf_file import token_named
 
 # llama.cpp's token types, which are SentencePiece's piece types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6
+
+
+def byte_level_tokenizer(path: Path, kv: dict) -> JsonTokenizer:
+    """The `gpt2` (byte-level BPE) vocabulary of a GGUF file's metadata `kv`, as transformers
+    converts it: GPT-2's pre-tokenizer and byte-level decoder, the control and user-defined
+    tokens added (control ones special)."""
+    tokenizers = tokenizers_library()
+    tokens = list(kv["tokenizer.ggml.tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in kv.get("tokenizer.ggml.merges", ())]
+    types = list(kv.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(
+        {t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False, byte_fallback=False))
+    prefix = bool(kv.get("tokenizer.ggml.add_space_prefix", False))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=prefix)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    tokenizer.add_special_tokens([tokenizers.AddedToken(t, normalized=False)
+                                  for t, kind in zip(tokens, types) if kind == CONTROL])
+    tokenizer.add_tokens([tokenizers.AddedToken(t, normalized=False)
+                          for t, kind in zip(tokens, types) if kind == USER_DEFINED])
+    return JsonTokenizer(tokenizer, path, token_named(kv, "bos_token_id"),
+                         [token_named(kv, "eos_token_id"), token_named(kv, "eot_token_id")],
+                         bool(kv.get("tokenizer.ggml.add_bos_token", False)), byte_level=True)
 
 
 def sentencepiece_proto(path: Path, kv: dict) -> bytes:

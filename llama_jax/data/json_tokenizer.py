@@ -1,7 +1,7 @@
 """Tokenizers the `tokenizers` library runs: a checkpoint's `tokenizer.json` (what transformers
 saves: byte-level BPE as in SmolLM/SmolLM2, DeepSeek and most fine-tunes, or SentencePiece-style
 BPE with byte fallback), or the byte-level BPE vocabulary a GGUF file carries
-(`tokenizer.ggml.model: gpt2`), built the way transformers builds it from the same file.
+(`tokenizer.ggml.model: gpt2`, built by gguf_vocab.py).
 
 Whether `encode(text, bos=True)` starts with a BOS token follows the checkpoint: its
 `tokenizer_config.json` `add_bos_token` (else whether tokenizer.json's post-processor adds one),
@@ -19,16 +19,14 @@ from llama_jax.errors import CheckpointError
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
-# GGUF token types (llama.cpp's llama_token_type): control and user-defined tokens are added
-# tokens of the tokenizer; control ones are special (no text of their own)
-_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
 
 
 class JsonTokenizer:
     """A `tokenizers.Tokenizer` behind llama_jax's Tokenizer interface."""
 
     def __init__(self, tokenizer, path: Path, bos_token: str | None, eos_tokens: Sequence[str],
-                 add_bos: bool):
+                 add_bos: bool, byte_level: bool):
+        """`byte_level`: its pieces are written in byte-level BPE's alphabet (GPT-2's)."""
         self._tok = tokenizer
         self.path = path
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -38,7 +36,7 @@ class JsonTokenizer:
         self.bos_id = self._id(bos_token) if bos_token else None
         self.eos_ids = tuple(dict.fromkeys(self._id(t) for t in eos_tokens if t))
         self._add_bos = add_bos and self.bos_id is not None
-        self.byte_level = _decoder_type(tokenizer) == "ByteLevel"
+        self.byte_level = byte_level
 
     def id_to_token(self, id: int) -> str:
         return self._tok.id_to_token(id)
@@ -77,11 +75,6 @@ class JsonTokenizer:
         return piece.replace("\u2581", " ").encode()
 
 
-def _decoder_type(tokenizer) -> str | None:
-    decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
-    return decoder.get("type")
-
-
 @functools.cache
 def _byte_of_char() -> dict[str, int]:
     """Byte-level BPE's alphabet: the printable character each byte is written as (GPT-2's
@@ -92,7 +85,8 @@ def _byte_of_char() -> dict[str, int]:
     return {c: b for b, c in chars.items()}
 
 
-def _tokenizers():
+def tokenizers_library():
+    """The `tokenizers` package, or the error that says how to install it."""
     try:
         import tokenizers
     except ImportError:
@@ -110,17 +104,18 @@ def from_directory(directory: Path) -> JsonTokenizer:
     `tokenizer_config.json`: the BOS/EOS tokens and whether BOS is added)."""
     file = directory / TOKENIZER_JSON
     try:
-        tokenizer = _tokenizers().Tokenizer.from_file(str(file))
+        tokenizer = tokenizers_library().Tokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises a bare Exception for unreadable files
         raise CheckpointError(f"{file}: not a tokenizer.json the tokenizers library reads: "
                               f"{e}") from None
+    spec = json.loads(tokenizer.to_str())  # its pipeline as written, read once
     settings = read_settings(directory / TOKENIZER_CONFIG)
     bos, eos = (token_text(settings.get(k)) for k in ("bos_token", "eos_token"))
     add_bos = settings.get("add_bos_token")
     if add_bos is None:  # as the post-processor does it (Llama's TemplateProcessing adds <s>)
-        add_bos = bos is not None and bos in json.dumps(json.loads(tokenizer.to_str())
-                                                        .get("post_processor") or {})
-    return JsonTokenizer(tokenizer, file, bos, [eos], bool(add_bos))
+        add_bos = bos is not None and bos in json.dumps(spec.get("post_processor") or {})
+    byte_level = (spec.get("decoder") or {}).get("type") == "ByteLevel"
+    return JsonTokenizer(tokenizer, file, bos, [eos], bool(add_bos), byte_level)
 
 
 def read_settings(file: Path) -> dict:
@@ -136,30 +131,3 @@ def read_settings(file: Path) -> dict:
 def token_text(token) -> str | None:
     """tokenizer_config.json writes a token as its text or as an AddedToken dict."""
     return token.get("content") if isinstance(token, dict) else token
-
-
-def from_gguf(path: Path, kv: dict) -> JsonTokenizer:
-    """The byte-level BPE vocabulary of a GGUF file's `tokenizer.ggml.*` keys (`kv`: the file's
-    metadata), as transformers converts it: GPT-2's pre-tokenizer and byte-level decoder, the
-    control and user-defined tokens added (control ones special)."""
-    tokenizers = _tokenizers()
-    tokens = list(kv["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in kv.get("tokenizer.ggml.merges", ())]
-    types = list(kv.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(
-        {t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False, byte_fallback=False))
-    prefix = bool(kv.get("tokenizer.ggml.add_space_prefix", False))
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=prefix)
-    tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    tokenizer.add_special_tokens([tokenizers.AddedToken(t, normalized=False)
-                                  for t, kind in zip(tokens, types) if kind == _GGUF_CONTROL])
-    tokenizer.add_tokens([tokenizers.AddedToken(t, normalized=False)
-                          for t, kind in zip(tokens, types) if kind == _GGUF_USER_DEFINED])
-
-    def token(key: str) -> str | None:
-        i = kv.get(f"tokenizer.ggml.{key}")
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
-
-    return JsonTokenizer(tokenizer, path, token("bos_token_id"),
-                         [token("eos_token_id"), token("eot_token_id")],
-                         bool(kv.get("tokenizer.ggml.add_bos_token", False)))

@@ -8,8 +8,8 @@
 
 `load_tokenizer(path)` takes the file or a checkpoint directory holding `tokenizer.model`, and
 tells the two formats apart by content (tiktoken files are lines of `base64 rank`). A directory
-with only a `tokenizer.json`, and a GGUF file's byte-level BPE vocabulary, are read by the
-`tokenizers` library (json_tokenizer.py).
+with only a `tokenizer.json` is read by the `tokenizers` library (json_tokenizer.py), a GGUF
+file's vocabulary by gguf_vocab.py.
 """
 
 from __future__ import annotations
@@ -169,11 +169,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 def _gguf_tokenizer(path: Path, kv: dict) -> Tokenizer:
     """The vocabulary of a GGUF file (`kv`: its metadata): byte-level BPE (`gpt2`) or
     SentencePiece (`llama`), gguf_vocab.py."""
-    from llama_jax.data import gguf_vocab, json_tokenizer
+    from llama_jax.data import gguf_vocab
 
     model = kv.get("tokenizer.ggml.model")
     if model == "gpt2":
-        return json_tokenizer.from_gguf(path, kv)
+        return gguf_vocab.byte_level_tokenizer(path, kv)
     if model == "llama":
         return SentencePieceTokenizer(path, gguf_vocab.sentencepiece_proto(path, kv))
     raise CheckpointError(f"{path}: tokenizer.ggml.model is {model!r}; llama_jax reads gpt2 "

@@ -68,7 +68,8 @@ def read_config(path: Path, reader) -> ModelConfig:
     if kv.get("llama.expert_count"):
         raise CheckpointError(f"{path}: llama.expert_count={kv['llama.expert_count']}: "
                               "mixture-of-experts GGUF files are not read yet")
-    if "llama.rope.scaling.type" in kv or "rope_freqs.weight" in _tensor_names(reader):
+    tensors = {t.name for t in reader.tensors}
+    if "llama.rope.scaling.type" in kv or "rope_freqs.weight" in tensors:
         raise CheckpointError(f"{path}: RoPE scaling (llama.rope.scaling.type or a rope_freqs "
                               "tensor) is not read yet")
 
@@ -79,7 +80,6 @@ def read_config(path: Path, reader) -> ModelConfig:
             raise CheckpointError(f"{path}: missing key 'llama.{name}'")
         return default
 
-    tensors = _tensor_names(reader)
     n_heads = key("attention.head_count")
 
     def decimal(name: str, default: float) -> float:
@@ -104,10 +104,6 @@ def read_config(path: Path, reader) -> ModelConfig:
             eos_ids=tuple(dict.fromkeys(int(i) for i in eos)))
     except ConfigError as e:
         raise CheckpointError(f"{path}: {e}") from None
-
-
-def _tensor_names(reader) -> set[str]:
-    return {t.name for t in reader.tensors}
 
 
 def _rows(reader, name: str) -> int:
