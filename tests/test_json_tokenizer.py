@@ -138,6 +138,10 @@ def test_bad_tokenizer_files_are_refused_naming_the_file(tmp_path):
     (broken / "tokenizer.json").write_text('{"model": {"type": "NoSuchModel"}}')
     with pytest.raises(CheckpointError, match=f"{broken / 'tokenizer.json'}: not a tokenizer"):
         load_tokenizer(broken)
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_text("not a model")
+    with pytest.raises(CheckpointError, match=f"{not_gguf}: not a GGUF file"):
+        load_tokenizer(not_gguf)
     for model, message in (("rwkv", "tokenizer.ggml.model is 'rwkv'"),
                            ("llama", "tokenizer.ggml.tokens is missing")):
         vocab = tmp_path / f"{model}.gguf"

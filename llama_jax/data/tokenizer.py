@@ -159,6 +159,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
                               f"{json_tokenizer.TOKENIZER_JSON} in its directory)")
     if gguf.is_gguf(path):
         return _gguf_tokenizer(path, gguf.metadata(gguf.open_file(path)))
+    if path.suffix == ".gguf":  # named as one: say what it is not, not "not SentencePiece"
+        raise CheckpointError(f"{path}: not a GGUF file (it does not start with "
+                              f"{gguf.MAGIC.decode()})")
     with path.open("rb") as f:
         first_line = f.readline(1024)
     if _TIKTOKEN_LINE.match(first_line.rstrip(b"\n")):
