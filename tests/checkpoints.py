@@ -199,3 +199,41 @@ def load_onto_a_mesh(path):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     return placed
 
+
+
+def gguf_variants() -> dict[str, dict]:
+    """Architectures GGUF export writes beyond the tiny preset's (fields replaced): Mixtral-
+    style experts, and Llama-3.1's RoPE scaling (heads of 64 features, so the fit of its
+    low/high factors from the file's divisors is used)."""
+    from llama_jax.config import MoeConfig, RopeScaling
+
+    return {"dense": {}, "moe": dict(mlp="moe", moe=MoeConfig(n_experts=4, top_k=2)),
+            "llama3": dict(dim=128, n_heads=2, n_kv_heads=1, head_dim=64, rope_type="llama3",
+                           rope_scaling=RopeScaling(
+                               factor=4.0, original_max_position_embeddings=2048,
+                               low_freq_factor=2.0, high_freq_factor=8.0))}
+
+
+def stdlib_tokenizer() -> tuple[bytes, list[str]]:
+    """A SentencePiece model (400 pieces) trained on Python's standard library, and its text."""
+    from corpus import STDLIB
+    from llama_jax.data.tokenizer import train_sentencepiece
+
+    texts = [f.read_text(errors="replace")[:4000] for f in sorted(STDLIB.glob("[n-z]*.py"))[:20]]
+    return train_sentencepiece(texts, 400), texts
+
+
+def save_trained_here(path: Path, variant: str, tokenizer_model: bytes) -> Path:
+    """A model as this library trains one: random weights (`gguf_variants()[variant]` on the
+    tiny preset) and a SentencePiece tokenizer, saved natively at `path`."""
+    import dataclasses
+
+    import jax
+
+    import llama_jax
+
+    config = dataclasses.replace(llama_jax.load_model_config("tiny"), vocab_size=400,
+                                 eos_ids=(2,), **gguf_variants()[variant])
+    llama_jax.save_native(config, llama_jax.init_params(config, jax.random.key(0)), path)
+    (path / "tokenizer.model").write_bytes(tokenizer_model)
+    return path

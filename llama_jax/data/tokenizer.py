@@ -169,6 +169,21 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return SentencePieceTokenizer(path)
 
 
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether `path` holds a tokenizer for `load_tokenizer` to read (which may still find it
+    broken): a tokenizer file, a GGUF file with a vocabulary, or a checkpoint directory with
+    either tokenizer file."""
+    from llama_jax.data import json_tokenizer
+    from llama_jax import gguf_file as gguf
+
+    path = Path(path)
+    if path.is_dir():
+        return (path / TOKENIZER_FILE).is_file() or json_tokenizer.has_tokenizer_json(path)
+    if gguf.is_gguf(path):
+        return "tokenizer.ggml.model" in gguf.metadata(gguf.open_file(path))
+    return path.is_file()
+
+
 def _gguf_tokenizer(path: Path, kv: dict) -> Tokenizer:
     """The vocabulary of a GGUF file (`kv`: its metadata): byte-level BPE (`gpt2`) or
     SentencePiece (`llama`), gguf_vocab.py."""

@@ -35,13 +35,13 @@ import numpy as np
 
 from llama_jax.formats.checkpoint import detect_format, load_checkpoint
 from llama_jax.data.chat_template import load_chat_template
-from llama_jax.data.tokenizer import load_tokenizer
+from llama_jax.data.tokenizer import has_tokenizer, load_tokenizer
 from llama_jax.files import atomic_directory, check_new_directory, sibling_temp
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import DTYPES, ModelConfig
 from llama_jax.formats import gguf, hf, meta, native
 from llama_jax.errors import CheckpointError
-from llama_jax.formats.torch_layout import names, slots, torch_shape
+from llama_jax.formats.torch_layout import META, names, slots, torch_shape
 from llama_jax.model.transformer import forward
 from llama_jax.model.params import Params
 
@@ -100,7 +100,7 @@ def _hf_state_from_meta(src: Path, config: ModelConfig) -> dict:
     shards = meta.open_shards(src)
     state = {}
     for slot in slots(config):
-        for meta_name, hf_name in zip(names(slot, meta=True), names(slot)):
+        for meta_name, hf_name in zip(names(slot, META), names(slot)):
             w = torch.from_numpy(meta.gather(shards, meta_name, torch_shape(slot), src)).float()
             if slot.rope_heads:
                 heads = slot.rope_heads
@@ -186,11 +186,9 @@ def convert_to_gguf(src: Path, dst: Path, file_type: str) -> dict:
 
 
 def _tokenizer_of(src: Path):
-    """The source's tokenizer, or None when it has none."""
-    try:
-        return load_tokenizer(src)
-    except CheckpointError:
-        return None
+    """The source's tokenizer, or None when it has none (a broken one is an error: a GGUF
+    written without its vocabulary would not chat)."""
+    return load_tokenizer(src) if has_tokenizer(src) else None
 
 
 def _template_of(src: Path) -> str | None:

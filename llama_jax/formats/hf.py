@@ -40,7 +40,7 @@ import numpy as np
 from llama_jax.config import MlaConfig, ModelConfig, MoeConfig, RopeScaling
 from llama_jax.errors import CheckpointError, ConfigError
 from llama_jax.formats.loading import Loading, Placement, assemble
-from llama_jax.formats.torch_layout import (Family, Slot, family_of, stored_tensors,
+from llama_jax.formats.torch_layout import (HF, Family, Slot, family_of, stored_tensors,
                                             torch_pieces, torch_shape, torch_tensors)
 from llama_jax.model.params import Params
 
@@ -316,7 +316,7 @@ def load(path: Path, loading: Loading,
                                   f"{expected_shape} from {path / CONFIG}")
         return w
 
-    return config, assemble(config, torch_pieces(config, read, meta=False),
+    return config, assemble(config, torch_pieces(config, read, HF),
                             np.dtype(config.param_dtype), placement)
 
 

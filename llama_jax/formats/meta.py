@@ -22,7 +22,7 @@ import numpy as np
 from llama_jax.config import ModelConfig, RopeScaling
 from llama_jax.errors import CheckpointError, ConfigError
 from llama_jax.formats.loading import Loading, Placement, assemble
-from llama_jax.formats.torch_layout import Slot, torch_pieces, torch_shape
+from llama_jax.formats.torch_layout import META, Slot, torch_pieces, torch_shape
 from llama_jax.model.params import Params
 
 PARAMS = "params.json"
@@ -140,5 +140,5 @@ def load(path: Path, loading: Loading,
         return gather(opened["shards"], name, torch_shape(slot), path)
 
     del shards
-    return config, assemble(config, torch_pieces(config, read, meta=True),
+    return config, assemble(config, torch_pieces(config, read, META),
                             np.dtype(config.param_dtype), placement)

@@ -61,7 +61,7 @@ class TorchTensor:
     # Rows of RoPE features stored interleaved (adjacent pairs) by the `interleaved` format:
     # per head of this config attribute ("N", "K"; "1": one head).
     rope_heads: str = ""
-    interleaved: str = "meta"  # "meta" (Meta's LLaMA checkpoints) or "hf" (DeepSeek's)
+    interleaved: str = "meta"  # the Layout.rope that interleaves them: "meta" or "hf" (DeepSeek)
     # A fused stored tensor holds several of ours side by side along its out axis: their
     # widths by dimension letter, repeated per head of `fused_heads` ("" = once); ours is
     # the `part`-th. GPT-2's c_attn: ("D", "D", "D"); DeepSeek's kv_b_proj: ("J", "Y") per "N".
@@ -69,6 +69,22 @@ class TorchTensor:
     fused_heads: str = ""
     part: int = 0
     per_expert: bool = False  # our leading E axis is stored as one tensor per expert ("{e}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A checkpoint format's conventions: whose names its tensors carry and whose q/k row order
+    it keeps ("hf" or "meta" each; rows are interleaved where `rope` is the tensor's
+    `interleaved`)."""
+
+    names: str
+    rope: str
+
+
+HF = Layout("hf", "hf")
+META = Layout("meta", "meta")
+# llama.cpp's converter renames HF's tensors one to one, and permutes q/k rows to Meta's order
+GGUF = Layout("hf", "meta")
 
 
 def _llama_layer(path: str, hf: str, meta: str, in_axes: int = 0, rope_heads: str = ""):
@@ -321,10 +337,9 @@ class Slot:
     fused_heads: int = 1
     rope_heads: int = 0
 
-    def rope_interleaved(self, meta: bool) -> bool:
-        """Whether the format (Meta's when `meta`, else HF's) stores this tensor's RoPE rows
-        interleaved."""
-        return bool(self.rope_heads) and meta == (self.tensor.interleaved == "meta")
+    def rope_interleaved(self, layout: Layout) -> bool:
+        """Whether a format of `layout` stores this tensor's RoPE rows interleaved."""
+        return bool(self.rope_heads) and layout.rope == self.tensor.interleaved
 
     @property
     def pieces(self) -> list[dict[str, int]]:
@@ -392,20 +407,20 @@ def half_to_interleaved(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, rows // heads // 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols)
 
 
-def from_torch(slot: Slot, w: np.ndarray, meta: bool) -> np.ndarray:
+def from_torch(slot: Slot, w: np.ndarray, layout: Layout) -> np.ndarray:
     """One stored tensor (torch layout) → our layout for that leaf (one layer's slice); of a
     fused tensor, the slot's part."""
     tensor = slot.tensor
     if slot.fused:
         w = _split_part(slot, w)
-    if slot.rope_interleaved(meta):
+    if slot.rope_interleaved(layout):
         w = interleaved_to_half(w, slot.rope_heads)
     if tensor.stored == "linear":
         w = w.T
     return w.reshape(slot.shape)
 
 
-def to_torch(slot: Slot, a: np.ndarray, meta: bool) -> np.ndarray:
+def to_torch(slot: Slot, a: np.ndarray, layout: Layout) -> np.ndarray:
     """Inverse of `from_torch`: our slice → a contiguous tensor in HF (or Meta) layout (the
     slot's part only, for a fused tensor: see `torch_tensors`)."""
     tensor = slot.tensor
@@ -415,7 +430,7 @@ def to_torch(slot: Slot, a: np.ndarray, meta: bool) -> np.ndarray:
         a = a.reshape(math.prod(a.shape[:tensor.in_axes]), -1)
         if tensor.stored == "linear":
             a = a.T
-    if slot.rope_interleaved(meta):
+    if slot.rope_interleaved(layout):
         a = half_to_interleaved(a, slot.rope_heads)
     return np.ascontiguousarray(a)
 
@@ -439,22 +454,22 @@ def _join_parts(slot: Slot, parts: list[np.ndarray]) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(rows.reshape(-1, *rows.shape[2:]), 0, axis))
 
 
-def names(slot: Slot, meta: bool = False) -> list[str]:
+def names(slot: Slot, layout: Layout = HF) -> list[str]:
     """The checkpoint name of each of a slot's pieces (`Slot.pieces`)."""
-    name = slot.tensor.meta if meta else slot.tensor.hf
+    name = slot.tensor.meta if layout.names == "meta" else slot.tensor.hf
     if name is None:
         raise CheckpointError(f"tensor {slot.tree_path} has no name in Meta's format, which "
                               "stores Llama models only")
     return [name.format(**piece) for piece in slot.pieces]
 
 
-def stored_tensors(config: ModelConfig, meta: bool = False
+def stored_tensors(config: ModelConfig, layout: Layout = HF
                    ) -> dict[str, list[tuple[Slot, int]]]:
     """Checkpoint name → the (slot, index among its pieces) it holds — several, in part order,
     for a fused tensor — in the order of our tree (a fused tensor where its first part is)."""
     out: dict[str, list[tuple[Slot, int]]] = {}
     for slot in slots(config):
-        for j, name in enumerate(names(slot, meta)):
+        for j, name in enumerate(names(slot, layout)):
             out.setdefault(name, []).append((slot, j))
     return {name: sorted(parts, key=lambda part: part[0].tensor.part)
             for name, parts in out.items()}
@@ -463,19 +478,19 @@ def stored_tensors(config: ModelConfig, meta: bool = False
 Reader = Callable[[Slot, str], np.ndarray]  # (slot, checkpoint name) -> the stored tensor
 
 
-def torch_pieces(config: ModelConfig, read: Reader, meta: bool) -> dict[str, Pieces]:
+def torch_pieces(config: ModelConfig, read: Reader, layout: Layout) -> dict[str, Pieces]:
     """Every leaf's pieces in our layout, by path (for `loading.assemble`): each stored tensor
     is read by `read(slot, name)` (in torch layout, shape-checked by the reader; a fused tensor
     once per part) when the leaf's iterator reaches it, so one piece is in memory at a time."""
-    return {slot.tree_path: (slot.shape, _pieces(slot, read, meta)) for slot in slots(config)}
+    return {slot.tree_path: (slot.shape, _pieces(slot, read, layout)) for slot in slots(config)}
 
 
-def _pieces(slot: Slot, read: Reader, meta: bool) -> Iterator[np.ndarray]:
-    for name in names(slot, meta):
-        yield from_torch(slot, read(slot, name), meta)
+def _pieces(slot: Slot, read: Reader, layout: Layout) -> Iterator[np.ndarray]:
+    for name in names(slot, layout):
+        yield from_torch(slot, read(slot, name), layout)
 
 
-def torch_tensors(config: ModelConfig, params: Params, meta: bool = False
+def torch_tensors(config: ModelConfig, params: Params, layout: Layout = HF
                   ) -> Iterator[tuple[str, np.ndarray]]:
     """Yields (name, tensor) in torch layout for every stored tensor, one at a time (for
     writers); a fused tensor is joined from its parts."""
@@ -485,8 +500,8 @@ def torch_tensors(config: ModelConfig, params: Params, meta: bool = False
         leaf = leaves[slot.tree_path]
         lead = leaf.shape[:leaf.ndim - len(slot.shape)]  # (layers, experts) of a piece
         piece = leaf[tuple(int(i) for i in np.unravel_index(j, lead))] if lead else leaf
-        return to_torch(slot, np.asarray(piece), meta)
+        return to_torch(slot, np.asarray(piece), layout)
 
-    for name, parts in stored_tensors(config, meta).items():
+    for name, parts in stored_tensors(config, layout).items():
         tensors = [part(slot, j) for slot, j in parts]
         yield name, tensors[0] if len(tensors) == 1 else _join_parts(parts[0][0], tensors)

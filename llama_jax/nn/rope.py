@@ -40,15 +40,26 @@ _CHUNK_BITS = 6
 _N_CHUNKS = 4  # 4 exact chunks + remainder: remainder < 2^-24 turns per position
 
 
-def inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """θ_i = base^(-2i/H) for i < H/2, in float64, rescaled for rope_type "llama3" or "yarn"."""
+def base_frequencies(config: ModelConfig) -> np.ndarray:
+    """θ_i = base^(-2i/H) for i < H/2, in float64."""
     H = config.rope_dim
-    inv_freq = config.rope_theta ** -(np.arange(0, H, 2, dtype=np.float64) / H)
+    return config.rope_theta ** -(np.arange(0, H, 2, dtype=np.float64) / H)
+
+
+def inverse_frequencies(config: ModelConfig) -> np.ndarray:
+    """θ_i (`base_frequencies`) rescaled for rope_type "llama3" or "yarn"."""
+    inv_freq = base_frequencies(config)
     if config.rope_type == "llama3":
         inv_freq = llama3_scaled(inv_freq, config.rope_scaling)
     if config.rope_type == "yarn":
         inv_freq = yarn_scaled(inv_freq, config.rope_scaling, config.rope_theta)
     return inv_freq
+
+
+def frequency_divisors(config: ModelConfig) -> np.ndarray:
+    """What rope scaling divides each θ_i by (1 where it keeps it): the per-frequency factors
+    llama.cpp stores as a `rope_freqs` tensor."""
+    return base_frequencies(config) / inverse_frequencies(config)
 
 
 def llama3_scaled(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
