@@ -414,6 +414,19 @@ def test_gguf_export_types_stay_within_their_rounding(trained_here, tmp_path, dt
     assert kinds == {"F32", dtype.upper()}  # vectors stay F32
 
 
+def test_an_int8_checkpoint_exports_to_gguf_dequantized(trained_here, tmp_path):
+    from llama_jax.formats.convert import GGUF_TOLERANCE, convert
+
+    config, params = load_checkpoint(trained_here[0], quantize="int8")
+    llama_jax.save_native(config, params, tmp_path / "int8")
+    (tmp_path / "int8" / "tokenizer.model").write_bytes(
+        (trained_here[0] / "tokenizer.model").read_bytes())
+    assert checkpoint_config(tmp_path / "int8").quantize == "int8"
+    report = convert(tmp_path / "int8", tmp_path / "int8.gguf", to="gguf", dtype="q8_0")
+    assert 0 < report["round_trip"] <= GGUF_TOLERANCE["q8_0"]
+    assert checkpoint_config(tmp_path / "int8.gguf").quantize is None
+
+
 def test_gguf_export_refuses_what_it_cannot_write(trained_here, tmp_path):
     from llama_jax.formats.convert import convert
 

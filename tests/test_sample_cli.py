@@ -147,3 +147,10 @@ def test_chat_streams_each_answer_in_the_checkpoints_template_keeping_history(
     assert render(messages[:2])[:1] == [tok.bos_id]  # the template's BOS, as a control token
     assert sample.main(["--checkpoint", str(chatty), "--chat", "--prompt", "x"]) == 2
     assert "--chat takes its messages from stdin" in capsys.readouterr().err
+    (chatty / "tokenizer_config.json").write_text(json.dumps({"chat_template": (
+        "{% if messages[0].role == 'system' %}{{ raise_exception('No system messages!') }}"
+        "{% endif %}{{ messages[0].content }}")}))
+    monkeypatch.setattr("sys.stdin", io.StringIO("The cat\n"))
+    assert sample.main(["--checkpoint", str(chatty), "--chat", "--system", "Be terse."]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "tokenizer_config.json" in err and "No system messages!" in err

@@ -305,9 +305,6 @@ def _check_writable(config: ModelConfig, file_type: str, path: Path) -> None:
     if family_of(config).model_type not in ("llama", "mixtral") or config.head != "lm":
         raise CheckpointError(f"{path}: only LLaMA-architecture language models (dense or "
                               "Mixtral-style) are written as GGUF")
-    if config.quantize is not None:
-        raise CheckpointError(f"{path}: int8 weights are not written as GGUF (load the model "
-                              "without quantize)")
 
 
 def _add_architecture(writer, config: ModelConfig) -> None:

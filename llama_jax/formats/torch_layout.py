@@ -34,6 +34,7 @@ import numpy as np
 from llama_jax.config import ModelConfig
 from llama_jax.errors import CheckpointError
 from llama_jax.nn.heads import HEADS
+from llama_jax.quant import as_float
 from llama_jax.spec import TensorSpec
 from llama_jax.model.params import Params, flat_paths, layer_groups, param_specs
 
@@ -493,14 +494,14 @@ def _pieces(slot: Slot, read: Reader, layout: Layout) -> Iterator[np.ndarray]:
 def torch_tensors(config: ModelConfig, params: Params, layout: Layout = HF
                   ) -> Iterator[tuple[str, np.ndarray]]:
     """Yields (name, tensor) in torch layout for every stored tensor, one at a time (for
-    writers); a fused tensor is joined from its parts."""
-    leaves = flat_paths(params)
+    writers); a fused tensor is joined from its parts, an int8 one dequantized to float32."""
+    leaves = flat_paths(params, whole_int8=True)
 
     def part(slot: Slot, j: int) -> np.ndarray:
         leaf = leaves[slot.tree_path]
-        lead = leaf.shape[:leaf.ndim - len(slot.shape)]  # (layers, experts) of a piece
+        lead = leaf.shape[:len(leaf.shape) - len(slot.shape)]  # (layers, experts) of a piece
         piece = leaf[tuple(int(i) for i in np.unravel_index(j, lead))] if lead else leaf
-        return to_torch(slot, np.asarray(piece), layout)
+        return to_torch(slot, np.asarray(as_float(piece, np.float32)), layout)
 
     for name, parts in stored_tensors(config, layout).items():
         tensors = [part(slot, j) for slot, j in parts]

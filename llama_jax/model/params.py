@@ -143,10 +143,12 @@ def quantize_params(config: ModelConfig, params: Params, quantize: str = "int8",
     return config, jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_spec), leaves)
 
 
-def flat_paths(tree) -> dict[str, Any]:
+def flat_paths(tree, whole_int8: bool = False) -> dict[str, Any]:
     """`{"groups/0/attn/wq": leaf, ...}`: every leaf of a parameter tree by its path (an int8
-    weight's two arrays as `.../wq/values` and `.../wq/scale`)."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_spec)
+    weight's two arrays as `.../wq/values` and `.../wq/scale`, or as one `Int8` at `.../wq`
+    when `whole_int8`)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: is_spec(x) or (whole_int8 and is_int8(x)))
     return {"/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
                      for k in path): leaf
             for path, leaf in flat}
