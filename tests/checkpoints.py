@@ -4,9 +4,25 @@ weights written in Meta's layout by an index-by-index permutation (independent o
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+# Where real models are kept (make chat's MODELS)
+MODELS = Path(os.environ.get("LLAMA_JAX_MODELS", Path.home() / ".cache" / "llama_jax"))
+SMOLLM2 = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's Q4_1 GGUF, fetched by make chat's rule the first time."""
+    if not SMOLLM2.is_file():
+        subprocess.run(["make", "-s", f"MODELS={MODELS}", str(SMOLLM2)], cwd=ROOT, check=True,
+                       timeout=600)
+    return SMOLLM2
+
 
 # A tokenizer's training text for the tiny SentencePiece checkpoint.
 TEXT = ["The cat sat on the mat and looked at the dog.",

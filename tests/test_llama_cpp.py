@@ -13,7 +13,7 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="make llama-cpp builds llama
 pytest.importorskip("gguf")
 
 import llama_jax  # noqa: E402
-from checkpoints import save_trained_here, stdlib_tokenizer  # noqa: E402
+from checkpoints import save_trained_here, smollm2_gguf, stdlib_tokenizer  # noqa: E402
 from llama_jax.formats.convert import GGUF_TOLERANCE, convert  # noqa: E402
 from reference import relative_error  # noqa: E402
 
@@ -58,15 +58,10 @@ def test_llama_cpp_runs_our_gguf_exports_to_our_logits(variant, dtype, tokenizer
 
 @pytest.fixture(scope="module")
 def smollm2_export(tmp_path_factory):
-    from test_smollm2 import FILE, MODELS, ROOT  # noqa: F401  (the real model's cache)
-    import subprocess
-
-    if not FILE.is_file():
-        subprocess.run(["make", "-s", f"MODELS={MODELS}", str(FILE)], cwd=ROOT, check=True,
-                       timeout=600)
+    source = smollm2_gguf()
     out = tmp_path_factory.mktemp("smollm2") / "smollm2-f32.gguf"
-    convert(FILE, out, to="gguf", dtype="f32")
-    return FILE, out
+    convert(source, out, to="gguf", dtype="f32")
+    return source, out
 
 
 def test_llama_cpp_on_our_smollm2_export_gives_our_logits_and_greedy_tokens(smollm2_export):

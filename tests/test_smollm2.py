@@ -19,21 +19,16 @@ transformers = pytest.importorskip("transformers")
 import llama_jax  # noqa: E402
 from llama_jax import generate, load_chat_template, load_checkpoint, load_tokenizer  # noqa: E402
 from llama_jax.data.chat import chat_format  # noqa: E402
+from checkpoints import MODELS, ROOT, smollm2_gguf  # noqa: E402
 from reference import relative_error  # noqa: E402
 
 pytestmark = pytest.mark.real
-ROOT = Path(__file__).resolve().parent.parent
-MODELS = Path(os.environ.get("LLAMA_JAX_MODELS", Path.home() / ".cache" / "llama_jax"))
-FILE = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def gguf_file() -> Path:
-    if not FILE.is_file():  # make chat's rule fetches it
-        subprocess.run(["make", "-s", f"MODELS={MODELS}", str(FILE)], cwd=ROOT, check=True,
-                       timeout=600)
-    return FILE
+    return smollm2_gguf()
 
 
 @pytest.fixture(scope="module")
