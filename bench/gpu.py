@@ -92,7 +92,8 @@ from llama_jax.plan import costs
 from llama_jax.plan.memory import plan_memory
 from llama_jax.config import MeshConfig, TrainConfig
 from llama_jax.decode.decoder import cache_bytes_per_device, resolve_decode_impl
-from llama_jax.decode.generate import GenerationStats, bucket
+from llama_jax.decode.generate import GenerationStats
+from llama_jax.shapes import bucket
 from llama_jax.model.kv_cache import init_cache
 from llama_jax.model.transformer import apply, unstack_layers
 from llama_jax.nn.heads import lm_head

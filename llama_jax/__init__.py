@@ -6,8 +6,9 @@ checks this, imports under `typing.TYPE_CHECKING` aside):
 
     errors, dtypes, files,     small shared leaves: the error classes (one base, `UserError`),
     spec, quant, cli,          dtype names, atomic file writes, tensor descriptions, int8
-    xla_flags, gguf_file       tensors, the CLIs' error exit, the XLA flags set on GPU, GGUF
-                               files opened (their weights, vocabulary and chat template)
+    xla_flags, gguf_file,      tensors, the CLIs' error exit, the XLA flags set on GPU, GGUF
+    shapes                     files opened (their weights, vocabulary and chat template),
+                               the shape buckets programs are compiled for
     parallel                   device meshes, logical-axis sharding rules, multi-host start-up,
                                a device's free memory, the platform compiled for, named
                                TPU / GPU topologies
@@ -17,7 +18,7 @@ checks this, imports under `typing.TYPE_CHECKING` aside):
                                registries), YAML files, presets
     model                      parameters, the forward pass, the KV cache
     data                       tokenizers, corpora, batches, task datasets
-    formats                    checkpoints: HF, Meta, native, run directories; conversion
+    formats                    checkpoints: HF, Meta, GGUF, native, run directories; conversion
     plan                       costs, memory, hardware peaks, the planner CLI (`plan.info`)
     decode                     sampling and jit-compiled generation
     training                   the optimizer, the train step, the training loop, fine-tuning

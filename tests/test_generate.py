@@ -17,11 +17,10 @@ from llama_jax.model.kv_cache import init_cache
 from llama_jax.model.transformer import apply, unstack_layers
 from llama_jax.nn.heads import lm_head
 from llama_jax.decode.sampling import SamplingParams, Strategy, argmax, filter_logits, sample
+from models import BY_KV_HEADS, MLA_TINY, TINY, prompts, random_params
 from reference import assert_close, relative_error
 
-TINY = llama_jax.load_model_config("tiny")  # N=4, K=2
-KV_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
-CONFIGS = {name: dataclasses.replace(TINY, n_kv_heads=k) for name, k in KV_HEADS.items()}
+CONFIGS = BY_KV_HEADS
 forward = jax.jit(llama_jax.forward, static_argnums=0)
 cached = jax.jit(lambda c, p, tokens, cache: apply(c, p, tokens, cache=cache)[:2],
                  static_argnums=0)
@@ -29,13 +28,7 @@ cached = jax.jit(lambda c, p, tokens, cache: apply(c, p, tokens, cache=cache)[:2
 
 @pytest.fixture(scope="module")
 def params():
-    return {name: llama_jax.init_params(c, jax.random.key(i))
-            for i, (name, c) in enumerate(CONFIGS.items())}
-
-
-def prompts(lengths, seed=0, vocab=TINY.vocab_size):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+    return random_params(CONFIGS)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -239,11 +232,6 @@ def test_kv_cache_bytes_equal_the_formula():
                            layout="per_layer").groups[0]
     assert [a.k.shape for a in per_layer] == [(3, K * 48, H)] * L
     assert sum(a.k.nbytes + a.v.nbytes for a in per_layer) == cache.k.nbytes + cache.v.nbytes
-
-
-MLA_TINY = dataclasses.replace(TINY, attention="mla", n_kv_heads=None, head_dim=None,
-                               mla=llama_jax.MlaConfig(
-    kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16))
 
 
 def test_mla_cache_bytes_equal_the_formula():

@@ -16,10 +16,10 @@ from llama_jax.nn.attention.context import Context
 from llama_jax.nn.attention.dot_product import Mask
 from llama_jax.nn.positions import rotation
 from llama_jax.model.params import param_specs
+from models import TINY, random_params
 from reference import assert_close, relative_error
 import reference as ref
 
-TINY = load_model_config("tiny")  # GQA (N=4, K=2), untied, rope_theta 10000
 CONFIGS = {
     "gqa": TINY,
     "mha": dataclasses.replace(TINY, n_kv_heads=4),
@@ -30,8 +30,7 @@ forward = jax.jit(llama_jax.forward, static_argnums=0)
 
 @pytest.fixture(scope="module")
 def params():
-    return {name: llama_jax.init_params(c, jax.random.key(i))
-            for i, (name, c) in enumerate(CONFIGS.items())}
+    return random_params(CONFIGS)
 
 
 def tokens(config, B, T, seed=0):

@@ -6,7 +6,6 @@ text and chat-format pieces against references (Meta's LLaMA 3 chat format)."""
 import dataclasses
 import io
 import json
-import threading
 from pathlib import Path
 
 import jax
@@ -15,7 +14,6 @@ import numpy as np
 import pytest
 
 import llama_jax
-from llama_jax.config import MoeConfig
 from llama_jax.decode.generate import generate
 from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import init_cache, moved, resized, shifted, with_row
@@ -23,52 +21,17 @@ from llama_jax.data.chat import (chat_format, encode_with_special_tokens, llama2
                                   llama3_chat)
 from llama_jax.serve.engine import Engine, Request
 from llama_jax.serve.text import StopText
+from engine_runs import run
+from models import SERVING, TINY, prompts, random_params
 
-TINY = llama_jax.load_model_config("tiny")
-CONFIGS = {
-    "gqa": TINY,
-    "mla": dataclasses.replace(TINY, attention="mla", n_kv_heads=None, head_dim=None,
-                               mla=llama_jax.MlaConfig(kv_lora_rank=24, qk_nope_head_dim=12,
-                                                       qk_rope_head_dim=8, v_head_dim=16)),
-    "moe": dataclasses.replace(TINY, mlp="moe", moe=MoeConfig(n_experts=4, top_k=2,
-                                                              capacity_factor=1.0)),
-}
+CONFIGS = SERVING
 LENGTHS = [3, 17, 40, 9, 25, 5, 33]
 NEW = [10, 30, 7, 38, 20, 12, 3]
-WAIT_S = 120
 
 
 @pytest.fixture(scope="module")
 def params():
-    return {name: llama_jax.init_params(c, jax.random.key(i))
-            for i, (name, c) in enumerate(CONFIGS.items())}
-
-
-def prompts(vocab, lengths=LENGTHS, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, n).tolist() for n in lengths]
-
-
-def run(engine: Engine, requests: list[dict]) -> list[dict]:
-    """Submits the requests at once and waits (bounded) for all; each result has the tokens,
-    log-probabilities, finish reason and error of one request."""
-    results = [{"tokens": [], "logprobs": [], "reason": None, "error": None} for _ in requests]
-    done = [threading.Event() for _ in requests]
-
-    def deliver(i):
-        def take(chunk):
-            results[i]["tokens"] += chunk.tokens
-            results[i]["logprobs"] += chunk.logprobs
-            if chunk.finish_reason or chunk.error:
-                results[i]["reason"], results[i]["error"] = chunk.finish_reason, chunk.error
-                done[i].set()
-        return take
-
-    for i, kwargs in enumerate(requests):
-        engine.submit(Request(deliver=deliver(i), **kwargs))
-    for event in done:
-        assert event.wait(WAIT_S), "a request did not finish"
-    return results
+    return random_params(CONFIGS)
 
 
 @pytest.mark.parametrize("name, cache_dtype, decode_impl", [
@@ -81,7 +44,7 @@ def test_continuous_batching_equals_generate_alone(params, name, cache_dtype, de
                     cache_dtype=cache_dtype, decode_impl=decode_impl, steps_per_dispatch=3)
     engine.start()
     try:
-        batch = prompts(config.vocab_size)
+        batch = prompts(LENGTHS, vocab=config.vocab_size)
         results = run(engine, [dict(prompt=q, max_tokens=n) for q, n in zip(batch, NEW)])
     finally:
         assert engine.stop(30)
@@ -126,7 +89,7 @@ def test_an_engine_on_a_mesh_equals_generate_unsharded(params, tmp_path):
                     steps_per_dispatch=4, mesh_config=rules)
     engine.start()
     try:
-        batch = prompts(config.vocab_size, [5, 12, 3, 9, 20], seed=3)
+        batch = prompts([5, 12, 3, 9, 20], seed=3, vocab=config.vocab_size)
         results = run(engine, [dict(prompt=q, max_tokens=9) for q in batch])
     finally:
         assert engine.stop(30)
@@ -137,7 +100,7 @@ def test_an_engine_on_a_mesh_equals_generate_unsharded(params, tmp_path):
 
 def test_sampled_requests_equal_generate_with_their_seed_and_stop_tokens_stop(params):
     config, p = CONFIGS["gqa"], params["gqa"]
-    batch = prompts(config.vocab_size, [5, 9, 14, 3], seed=1)
+    batch = prompts([5, 9, 14, 3], seed=1, vocab=config.vocab_size)
     settings = [dict(temperature=0.8, top_p=0.9, seed=3), dict(temperature=1.0, top_k=7, seed=4),
                 dict(temperature=0.0), dict(temperature=0.7, min_p=0.1, seed=5)]
     stop = generate(config, p, [batch[2]], 6, stop_tokens=[])[0][4]  # greedy row's 5th token
@@ -170,7 +133,7 @@ def test_a_failing_prefill_fails_only_its_request(params, monkeypatch):
     monkeypatch.setattr(engine, "_prefill_chunk", faulty)
     engine.start()
     try:
-        batch = prompts(config.vocab_size, [5, 7, 9], seed=2)
+        batch = prompts([5, 7, 9], seed=2, vocab=config.vocab_size)
         results = run(engine, [dict(prompt=q, max_tokens=8) for q in batch])
         again = run(engine, [dict(prompt=batch[0], max_tokens=8)])
     finally:

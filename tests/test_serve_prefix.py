@@ -17,9 +17,9 @@ from llama_jax.decode.slots import chunk_plan
 from llama_jax.decode.prefix_pool import prefix_block_bytes
 from llama_jax.serve.engine import Engine, Request
 
-from test_serve_engine import CONFIGS as ENGINE_CONFIGS
+from models import SERVING, random_params
 
-CONFIGS = {name: ENGINE_CONFIGS[name] for name in ("gqa", "mla")}
+CONFIGS = {name: SERVING[name] for name in ("gqa", "mla")}
 CHUNK = 16
 MAX_SEQ_LEN = 112
 WAIT_S = 120
@@ -27,8 +27,7 @@ WAIT_S = 120
 
 @pytest.fixture(scope="module")
 def params():
-    return {name: llama_jax.init_params(c, jax.random.key(i + 5))
-            for i, (name, c) in enumerate(CONFIGS.items())}
+    return random_params(CONFIGS, seed=5)
 
 
 def engine_for(config, p, blocks: int, chunk: int = CHUNK, **kwargs) -> Engine:

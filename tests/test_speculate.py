@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import llama_jax
-from llama_jax.decode.generate import GenerationStats, generate, speculation, stream
+from llama_jax.decode.generate import GenerationStats, generate, stream
+from llama_jax.decode.speculate import speculation
 from llama_jax.decode.speculate import ngram_proposals
 from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import init_cache
@@ -18,8 +19,8 @@ from llama_jax.model.transformer import apply, unstack_layers
 from llama_jax.nn.heads import lm_head
 from reference import relative_error
 from llama_jax.serve.engine import Engine
-from test_generate import MLA_TINY, TINY
-from test_serve_engine import run as run_requests
+from engine_runs import run as run_requests
+from models import MLA_TINY, TINY
 
 
 def reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -300,7 +301,6 @@ def test_rows_verify_by_the_rates_the_host_chose_the_program_by(models):
     host saw worth verifying does even if its rate fell since, and one it did not see worth
     it takes plain steps even if its rate rose."""
     from llama_jax.decode import slots as programs
-    from llama_jax.decode.generate import speculation
     from llama_jax.decode.sampling import SamplingParams, Strategy
     from llama_jax.decode.step import NO_TOKEN
 

@@ -34,7 +34,7 @@ from llama_jax.aot.compiled import ProgramMemory, compile_program
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name, load_model_config
 from llama_jax.decode.decoder import DECODE_IMPLS, UNROLLED_BACKENDS, slots_cache_bytes
-from llama_jax.decode.generate import speculation
+from llama_jax.decode.speculate import speculation
 from llama_jax.decode.prefix_pool import prefix_block_bytes
 from llama_jax.decode.slots import check_prefill_chunk, lower_programs
 from llama_jax.errors import ConfigError, GenerateError
@@ -48,7 +48,7 @@ from llama_jax.plan import hardware
 from llama_jax.plan.costs import (SERVING_PREFILL_CHUNK, SERVING_STEPS_PER_DISPATCH,
                                   default_prefix_cache_bytes, format_bytes, prefix_cache_blocks,
                                   serving_cache_slots)
-from llama_jax.plan.info import parse_mesh
+from llama_jax.config import parse_mesh
 from llama_jax.serve.flags import add_server_arguments, check_speculation_flags
 
 

@@ -12,11 +12,11 @@ from llama_jax.config.model import (MOE, QUANTIZATIONS, REMAT_POLICIES, ROPE_SCA
                                     MlaConfig, ModelConfig, MoeConfig, RopeScaling,
                                     default_ffn_dim)
 from llama_jax.config.run import (DEFAULT_CORPUS, DataConfig, MeshConfig, RunConfig, TaskConfig,
-                                  TrainConfig)
+                                  TrainConfig, parse_mesh)
 
 __all__ = ["CACHE_DTYPES", "DTYPES", "cache_dtype_name", "dtype_name", "CONFIG_DIR",
            "list_presets", "load_config_tree", "load_model_config", "load_run_tree",
            "resolve_config_path", "MOE", "QUANTIZATIONS", "REMAT_POLICIES",
            "ROPE_SCALING_FIELDS", "MlaConfig", "ModelConfig", "MoeConfig", "RopeScaling",
            "default_ffn_dim", "DEFAULT_CORPUS", "DataConfig", "MeshConfig", "RunConfig",
-           "TaskConfig", "TrainConfig"]
+           "TaskConfig", "TrainConfig", "parse_mesh"]

@@ -352,3 +352,20 @@ def with_task_head(model: Mapping[str, Any], task: TaskConfig) -> dict[str, Any]
             raise ConfigError(f"model.{name}={value!r}: the task section sets it "
                               f"({head[name]!r}); remove it from `model:`")
     return {**model, **head}
+
+
+def parse_mesh(text: str) -> MeshConfig:
+    """A `--mesh data=D,fsdp=F,tensor=T[,expert=E]` flag's mesh (data defaults to 1; every size
+    given: the CLIs that take it plan or compile without the devices to fill -1 from)."""
+    sizes = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in MESH_AXES or not value.lstrip("-").isdigit():
+            raise ConfigError(f"--mesh {text!r}: expected data=D,fsdp=F,tensor=T[,expert=E] "
+                              f"(axes {', '.join(MESH_AXES)})")
+        sizes[name] = int(value)
+    mesh = MeshConfig(**{"data": 1, **sizes})
+    if -1 in mesh.sizes:
+        raise ConfigError(f"--mesh {text!r}: give every size (the planner has no devices "
+                          "to fill -1 from)")
+    return mesh

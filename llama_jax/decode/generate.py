@@ -20,10 +20,8 @@ whether its copy and cache fit: decoder.py.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
-import logging
 import time
 import warnings
 from typing import Iterator, Sequence
@@ -43,13 +41,12 @@ from llama_jax.model.params import Params
 from llama_jax.decode.decoder import (cache_bytes_per_device, decoder_params, is_unstacked,
                                       resolve_decode_impl)
 from llama_jax.decode.sampling import SamplingParams, Strategy
-from llama_jax.decode.speculate import (MAX_GUESSES, METHODS, SpecState, Speculation,
-                                        draft_break_even, speculative_round, start_speculation,
-                                        verify_cost)
+from llama_jax.decode.speculate import (SpecState, Speculation, speculation,
+                                        speculative_round, start_speculation)
 from llama_jax.decode.step import NO_TOKEN, DecodeState, decode_step, emit
+from llama_jax.parallel.sharding import placed
+from llama_jax.shapes import bucket
 
-log = logging.getLogger(__name__)
-MIN_BUCKET = 16
 
 
 @dataclasses.dataclass
@@ -69,13 +66,6 @@ class GenerationStats:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / max(self.decode_s + self.time_to_first_token_s, 1e-9)
-
-
-def placed(placement: tuple | None):
-    """The mesh and rules the program is traced under (see `sharding.use_mesh`). They are
-    static arguments of the jitted functions, so that jit's own trace cache tells apart the
-    same shapes compiled under different rules."""
-    return sharding.use_mesh(*placement) if placement else contextlib.nullcontext()
 
 
 @functools.partial(jax.jit, static_argnames=("config", "cache_len", "n_out", "cache_dtype",
@@ -179,11 +169,6 @@ def _compiled(fn, stats: GenerationStats, mesh_config: MeshConfig | None, *args,
             _EXECUTABLES.popitem(last=False)
     _EXECUTABLES.move_to_end(key)
     return _EXECUTABLES[key]
-
-
-def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
-    """The next power of two >= max(n, minimum)."""
-    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
 def _emittable(stop_tokens: Sequence[int], vocab_size: int) -> list[int]:
@@ -318,48 +303,6 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
                            draft_params, strategy=strategy, spec=spec)
         start = time.perf_counter()
         state = decode(params, state, n_steps, draft_params)
-
-
-def speculation(config: ModelConfig, method: str | None, k: int, ngram: tuple[int, int],
-                draft: tuple[ModelConfig, Params] | None, batch: int,
-                min_accepted: float | None = None,
-                platform: str = "cpu") -> Speculation | None:
-    """The static speculation settings of a request, or None; a `GenerateError` names a
-    setting that cannot be. `min_accepted` defaults to the break-even at `batch` on
-    `platform`: `verify_cost`'s for prompt lookup, `draft_break_even` for a draft."""
-    if method is None and draft is None:
-        return None
-    if method is None:
-        method = "draft"
-    if method not in METHODS:
-        raise GenerateError(f"speculate={method!r} is not one of "
-                            f"{', '.join(METHODS)} (or None: off)")
-    if not 1 <= k <= MAX_GUESSES:
-        raise GenerateError(f"num_speculative_tokens={k} must be in [1, "
-                            f"{MAX_GUESSES}]")
-    if method == "ngram":
-        if draft is not None:
-            raise GenerateError("speculate='ngram' guesses by prompt lookup: give no draft "
-                                "model (or speculate='draft')")
-        ngram = tuple(int(n) for n in ngram)
-        if len(ngram) != 2 or not 1 <= ngram[0] <= ngram[1]:
-            raise GenerateError(f"ngram={ngram} must be (min, max) with 1 <= min <= max")
-        if min_accepted is None:
-            min_accepted = verify_cost(batch, k, platform) - 1.0
-        return Speculation("ngram", k, ngram, min_kept=float(min_accepted))
-    if draft is None:
-        raise GenerateError("speculate='draft' needs draft=(draft_config, draft_params)")
-    draft_config = draft[0]
-    if draft_config.vocab_size != config.vocab_size:
-        raise GenerateError(f"the draft model's vocabulary ({draft_config.vocab_size} tokens) "
-                            f"is not the model's ({config.vocab_size}): a draft must share "
-                            "the tokenizer")
-    if is_task_head(draft_config):
-        raise GenerateError(f"the draft model has a task head ({draft_config.head!r}), not "
-                            "the LM head: it cannot guess tokens")
-    if min_accepted is None:
-        min_accepted = draft_break_even(config, draft_config, batch, k, platform)
-    return Speculation("draft", k, draft_config=draft_config, min_kept=float(min_accepted))
 
 
 def lower_programs(config: ModelConfig, params: Params, *, batch: int, prompt_len: int,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from llama_jax.config import MeshConfig, ModelConfig
 from llama_jax.decode.decoder import cache_bytes_per_device
-from llama_jax.decode.generate import placed
+from llama_jax.parallel.sharding import placed
 from llama_jax.model.kv_cache import KVCache, init_cache, slots_of, with_slots
 from llama_jax.model.params import Params
 

@@ -32,7 +32,6 @@ import numpy as np
 from flax import struct
 
 from llama_jax.config import MeshConfig, ModelConfig
-from llama_jax.decode.generate import MIN_BUCKET, bucket, placed
 from llama_jax.decode.step import NO_TOKEN, next_logits
 from llama_jax.decode.sampling import SamplingParams, Strategy, sample
 from llama_jax.decode.speculate import (HIT_RATE_START, Speculation, cut, draft_proposals,
@@ -45,6 +44,8 @@ from llama_jax.model.params import Params
 from llama_jax.model.transformer import apply
 from llama_jax.nn.heads import lm_head
 from llama_jax.parallel import sharding
+from llama_jax.parallel.sharding import placed
+from llama_jax.shapes import MIN_BUCKET, bucket
 
 TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (OpenAI's limit)
 # The strategy of a prefill: it samples one token per request, so it always takes every path

@@ -31,7 +31,8 @@ from llama_jax.model.kv_cache import KVCache
 from llama_jax.model.params import Params
 from llama_jax.model.transformer import apply
 from llama_jax.nn.attention.dot_product import DECODE_QUERIES
-from llama_jax.nn.heads import lm_head
+from llama_jax.errors import GenerateError
+from llama_jax.nn.heads import is_task_head, lm_head
 from llama_jax.plan.costs import param_counts
 
 
@@ -127,6 +128,48 @@ class Speculation:
     ngram: tuple[int, int] = (1, 3)
     draft_config: ModelConfig | None = None
     min_kept: float = 0.0
+
+
+def speculation(config: ModelConfig, method: str | None, k: int, ngram: tuple[int, int],
+                draft: tuple[ModelConfig, Params] | None, batch: int,
+                min_accepted: float | None = None,
+                platform: str = "cpu") -> Speculation | None:
+    """The static speculation settings of a request, or None; a `GenerateError` names a
+    setting that cannot be. `min_accepted` defaults to the break-even at `batch` on
+    `platform`: `verify_cost`'s for prompt lookup, `draft_break_even` for a draft."""
+    if method is None and draft is None:
+        return None
+    if method is None:
+        method = "draft"
+    if method not in METHODS:
+        raise GenerateError(f"speculate={method!r} is not one of "
+                            f"{', '.join(METHODS)} (or None: off)")
+    if not 1 <= k <= MAX_GUESSES:
+        raise GenerateError(f"num_speculative_tokens={k} must be in [1, "
+                            f"{MAX_GUESSES}]")
+    if method == "ngram":
+        if draft is not None:
+            raise GenerateError("speculate='ngram' guesses by prompt lookup: give no draft "
+                                "model (or speculate='draft')")
+        ngram = tuple(int(n) for n in ngram)
+        if len(ngram) != 2 or not 1 <= ngram[0] <= ngram[1]:
+            raise GenerateError(f"ngram={ngram} must be (min, max) with 1 <= min <= max")
+        if min_accepted is None:
+            min_accepted = verify_cost(batch, k, platform) - 1.0
+        return Speculation("ngram", k, ngram, min_kept=float(min_accepted))
+    if draft is None:
+        raise GenerateError("speculate='draft' needs draft=(draft_config, draft_params)")
+    draft_config = draft[0]
+    if draft_config.vocab_size != config.vocab_size:
+        raise GenerateError(f"the draft model's vocabulary ({draft_config.vocab_size} tokens) "
+                            f"is not the model's ({config.vocab_size}): a draft must share "
+                            "the tokenizer")
+    if is_task_head(draft_config):
+        raise GenerateError(f"the draft model has a task head ({draft_config.head!r}), not "
+                            "the LM head: it cannot guess tokens")
+    if min_accepted is None:
+        min_accepted = draft_break_even(config, draft_config, batch, k, platform)
+    return Speculation("draft", k, draft_config=draft_config, min_kept=float(min_accepted))
 
 
 @struct.dataclass

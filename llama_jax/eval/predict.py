@@ -33,7 +33,7 @@ from llama_jax.formats.checkpoint import load_checkpoint
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import DTYPES, ModelConfig, TaskConfig
 from llama_jax.errors import ConfigError
-from llama_jax.decode.generate import bucket
+from llama_jax.shapes import bucket
 from llama_jax.model.transformer import forward
 from llama_jax.data.tokenizer import load_tokenizer
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from llama_jax.errors import ConfigError, ScoreError
 from llama_jax.config import ModelConfig, cache_dtype_name
-from llama_jax.decode.generate import bucket
+from llama_jax.shapes import bucket
 from llama_jax.model.kv_cache import init_cache
 from llama_jax.model.transformer import apply
 from llama_jax.nn.heads import is_task_head, lm_head

@@ -173,6 +173,13 @@ def use_mesh(mesh: Mesh, mesh_config: MeshConfig) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+def placed(placement: tuple[Mesh, MeshConfig] | None):
+    """`use_mesh(*placement)`, or nothing when None: the mesh and rules a program is traced
+    under. The decoders pass them as static arguments of their jitted functions, so that jit's
+    own trace cache tells apart the same shapes compiled under different rules."""
+    return use_mesh(*placement) if placement else contextlib.nullcontext()
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None],
               table: str = "activation_rules") -> jax.Array:
     """`with_sharding_constraint` by logical axes (of activations, or `table="cache_rules"`),

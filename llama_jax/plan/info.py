@@ -27,7 +27,8 @@ from llama_jax.plan.costs import format_bytes
 from llama_jax.parallel import sharding, topology
 from llama_jax.cli import add_int8_arguments, user_errors_exit
 from llama_jax.parallel.sharding import MESH_AXES
-from llama_jax.config import DTYPES, REMAT_POLICIES, MeshConfig, ModelConfig, load_model_config
+from llama_jax.config import (DTYPES, REMAT_POLICIES, MeshConfig, ModelConfig, load_model_config,
+                              parse_mesh)
 from llama_jax.config.run import MU_DTYPES
 from llama_jax.errors import ConfigError
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS, chosen_attention
@@ -140,21 +141,6 @@ def render_training(t: dict, batch: int, seq: int) -> str:
         f"({t['step_flops']:.3e} FLOPs per step, {costs.TRAIN_FLOPS_FORMULA})",
         f"  decode KV cache of B={batch} x S={seq}: {format_bytes(t['kv_cache_bytes'])} per device",
     ])
-
-
-def parse_mesh(text: str) -> MeshConfig:
-    sizes = {}
-    for item in text.split(","):
-        name, _, value = item.partition("=")
-        if name not in MESH_AXES or not value.lstrip("-").isdigit():
-            raise ConfigError(f"--mesh {text!r}: expected data=D,fsdp=F,tensor=T[,expert=E] "
-                              f"(axes {', '.join(MESH_AXES)})")
-        sizes[name] = int(value)
-    mesh = MeshConfig(**{"data": 1, **sizes})
-    if -1 in mesh.sizes:
-        raise ConfigError(f"--mesh {text!r}: give every size (the planner has no devices "
-                          "to fill -1 from)")
-    return mesh
 
 
 def render(name: str, p: dict) -> str:

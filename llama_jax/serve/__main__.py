@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from llama_jax.cli import user_errors_exit
-from llama_jax.plan.info import parse_mesh
+from llama_jax.config import parse_mesh
 from llama_jax.serve.flags import add_server_arguments, check_speculation_flags
 
 log = logging.getLogger("llama_jax.serve")

@@ -66,7 +66,8 @@ from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name
 from llama_jax.decode import prefix_pool
 from llama_jax.decode import slots as programs
 from llama_jax.decode.decoder import decoder_params, resolve_decode_impl, slots_cache_bytes
-from llama_jax.decode.generate import bucket, speculation
+from llama_jax.decode.speculate import speculation
+from llama_jax.shapes import bucket
 from llama_jax.decode.step import NO_TOKEN
 from llama_jax.decode.sampling import SamplingParams, Strategy
 from llama_jax.decode.prefix_pool import prefix_block_bytes
