@@ -225,6 +225,12 @@ def test_requests_that_cannot_run_are_refused_with_the_lengths(params):
         engine.submit(Request([1] * 20, 13, lambda _: None))
     with pytest.raises(GenerateError, match="outside the vocabulary"):
         engine.submit(Request([1, 10 ** 6], 3, lambda _: None))
+    for setting, value in (("temperature", -1.0), ("top_k", -1), ("top_p", 0.0),
+                           ("top_p", 1.5), ("min_p", 1.0)):  # the same ranges as generate's
+        with pytest.raises(GenerateError, match=f"{setting}={value} must be"):
+            engine.submit(Request([1, 2], 3, lambda _: None, **{setting: value}))
+        with pytest.raises(GenerateError, match=f"{setting}={value} must be"):
+            generate(CONFIGS["gqa"], params["gqa"], [[1, 2]], 3, **{setting: value})
     with pytest.raises(GenerateError, match="max_seq_len=999"):
         Engine(CONFIGS["gqa"], params["gqa"], max_seq_len=999)
 

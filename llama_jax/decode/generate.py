@@ -40,10 +40,10 @@ from llama_jax.nn.heads import is_task_head, lm_head
 from llama_jax.model.params import Params
 from llama_jax.decode.decoder import (cache_bytes_per_device, decoder_params, is_unstacked,
                                       resolve_decode_impl)
-from llama_jax.decode.sampling import SamplingParams, Strategy
+from llama_jax.decode.sampling import SamplingParams, Strategy, check_settings
 from llama_jax.decode.speculate import (SpecState, Speculation, speculation,
                                         speculative_round, start_speculation)
-from llama_jax.decode.step import NO_TOKEN, DecodeState, decode_step, emit
+from llama_jax.decode.step import NO_TOKEN, DecodeState, check_prompt, decode_step, emit
 from llama_jax.parallel.sharding import placed
 from llama_jax.shapes import bucket
 
@@ -189,24 +189,14 @@ def _validate(config: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tok
     if not prompts:
         raise GenerateError("prompts is empty: give at least one prompt (a list of token ids)")
     for i, prompt in enumerate(prompts):
-        if len(prompt) == 0:
-            raise GenerateError(f"prompt {i} is empty: it needs at least one token (e.g. BOS)")
-        bad = [t for t in prompt if not 0 <= int(t) < config.vocab_size]
-        if bad:
-            raise GenerateError(f"prompt {i} has token id(s) {bad[:5]} outside the vocabulary "
-                                f"[0, {config.vocab_size})")
+        check_prompt(prompt, config.vocab_size, f"prompt {i}")
         if len(prompt) >= config.max_seq_len:
             raise GenerateError(f"prompt {i} has {len(prompt)} tokens; the model's context "
                                 f"(max_seq_len) is {config.max_seq_len}, leaving no room to "
                                 "generate")
-    checks = ((max_new_tokens >= 1, "max_new_tokens", max_new_tokens, ">= 1"),
-              (temperature >= 0, "temperature", temperature, ">= 0"),
-              (top_k >= 0, "top_k", top_k, ">= 0 (0 = off)"),
-              (0 < top_p <= 1, "top_p", top_p, "in (0, 1]"),
-              (0 <= min_p < 1, "min_p", min_p, "in [0, 1)"))
-    for ok, name, value, rule in checks:
-        if not ok:
-            raise GenerateError(f"{name}={value} must be {rule}")
+    if max_new_tokens < 1:
+        raise GenerateError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    check_settings(temperature, top_k, top_p, min_p)
     try:  # the decoders attend without it (a step, a verify pass), the prompt with it
         chosen_attention(config)
     except ConfigError as e:

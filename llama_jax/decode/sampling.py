@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from llama_jax.errors import GenerateError
+
 _REMOVED = -jnp.inf
 
 
@@ -32,6 +34,17 @@ class SamplingParams:
                    top_k=jnp.full((batch,), top_k, jnp.int32),
                    top_p=jnp.full((batch,), top_p, jnp.float32),
                    min_p=jnp.full((batch,), min_p, jnp.float32))
+
+
+def check_settings(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
+    """Raises GenerateError naming the first setting out of its range (what `generate` and
+    the server's engine both accept)."""
+    for ok, name, value, rule in ((temperature >= 0, "temperature", temperature, ">= 0"),
+                                  (top_k >= 0, "top_k", top_k, ">= 0 (0 = off)"),
+                                  (0 < top_p <= 1, "top_p", top_p, "in (0, 1]"),
+                                  (0 <= min_p < 1, "min_p", min_p, "in [0, 1)")):
+        if not ok:
+            raise GenerateError(f"{name}={value} must be {rule}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,12 +12,24 @@ from flax import struct
 
 from llama_jax.config import ModelConfig
 from llama_jax.decode.sampling import SamplingParams, Strategy, sample
+from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import KVCache
 from llama_jax.model.params import Params
 from llama_jax.model.transformer import apply
 from llama_jax.nn.heads import lm_head
 
 NO_TOKEN = -1  # an empty slot in the output buffer and the padding of the stop-id table
+
+
+def check_prompt(prompt, vocab_size: int, name: str = "the prompt") -> None:
+    """Raises GenerateError when a prompt cannot be decoded from: empty, or holding ids
+    outside the vocabulary (`name` says which prompt)."""
+    if len(prompt) == 0:
+        raise GenerateError(f"{name} is empty: it needs at least one token (e.g. BOS)")
+    bad = [t for t in prompt if not 0 <= int(t) < vocab_size]
+    if bad:
+        raise GenerateError(f"{name} has token id(s) {bad[:5]} outside the vocabulary "
+                            f"[0, {vocab_size})")
 
 
 @struct.dataclass

@@ -68,8 +68,8 @@ from llama_jax.decode import slots as programs
 from llama_jax.decode.decoder import decoder_params, resolve_decode_impl, slots_cache_bytes
 from llama_jax.decode.speculate import speculation
 from llama_jax.shapes import bucket
-from llama_jax.decode.step import NO_TOKEN
-from llama_jax.decode.sampling import SamplingParams, Strategy
+from llama_jax.decode.step import NO_TOKEN, check_prompt
+from llama_jax.decode.sampling import SamplingParams, Strategy, check_settings
 from llama_jax.decode.prefix_pool import prefix_block_bytes
 from llama_jax.decode.slots import (TOP_LOGPROBS, Emitted, check_prefill_chunk,
                                     chunk_capacity, chunk_plan, chunk_shapes)
@@ -595,15 +595,11 @@ class Engine:
 
     def check(self, request: Request) -> None:
         """Raises GenerateError, naming the lengths or the value, if `request` cannot run."""
-        n, vocab = len(request.prompt), self.config.vocab_size
-        if n == 0:
-            raise GenerateError("the prompt is empty: it needs at least one token")
-        bad = [t for t in request.prompt if not 0 <= int(t) < vocab]
-        if bad:
-            raise GenerateError(f"the prompt has token id(s) {bad[:5]} outside the vocabulary "
-                                f"[0, {vocab})")
+        n = len(request.prompt)
+        check_prompt(request.prompt, self.config.vocab_size)
         if request.max_tokens < 1:
             raise GenerateError(f"max_tokens={request.max_tokens} must be >= 1")
+        check_settings(request.temperature, request.top_k, request.top_p, request.min_p)
         if n + request.max_tokens > self.max_seq_len:
             raise GenerateError(
                 f"the prompt has {n} tokens and {request.max_tokens} more were asked for: "
