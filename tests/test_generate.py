@@ -203,7 +203,7 @@ def test_stop_tokens(params):
     # Ids past the vocabulary (a tokenizer's EOS beside a small model) are ignored, with a
     # warning, whether they come as stop_tokens or as the model's eos_ids.
     outside = TINY.vocab_size + 7
-    with pytest.warns(UserWarning, match=rf"stop_tokens \[{outside}\] are outside"):
+    with pytest.warns(UserWarning, match=rf"stop ids \[{outside}\] are outside"):
         assert generate(TINY, params["gqa"], [prompt], 12,
                         stop_tokens=[outside, stop])[0] == free[:first]
     with pytest.warns(UserWarning, match=rf"eos_ids \[{outside}\] are outside"):

@@ -233,6 +233,10 @@ def test_requests_that_cannot_run_are_refused_with_the_lengths(params):
             generate(CONFIGS["gqa"], params["gqa"], [[1, 2]], 3, **{setting: value})
     with pytest.raises(GenerateError, match="max_seq_len=999"):
         Engine(CONFIGS["gqa"], params["gqa"], max_seq_len=999)
+    with pytest.warns(UserWarning, match=r"stop ids \[1000000\] are outside the vocabulary"):
+        engine = Engine(CONFIGS["gqa"], params["gqa"], max_batch=2, max_seq_len=32,
+                        stop_ids=[5, 10 ** 6])  # as generate: ignored, with a warning
+    assert engine.stop_ids == [5]
 
 
 @pytest.mark.parametrize("layout", ["stacked", "per_layer"])

@@ -43,7 +43,8 @@ from llama_jax.decode.decoder import (cache_bytes_per_device, decoder_params, is
 from llama_jax.decode.sampling import SamplingParams, Strategy, check_settings
 from llama_jax.decode.speculate import (SpecState, Speculation, speculation,
                                         speculative_round, start_speculation)
-from llama_jax.decode.step import NO_TOKEN, DecodeState, check_prompt, decode_step, emit
+from llama_jax.decode.step import (NO_TOKEN, DecodeState, check_prompt, decode_step, emit,
+                                   stop_table)
 from llama_jax.parallel.sharding import placed
 from llama_jax.shapes import bucket
 
@@ -171,16 +172,6 @@ def _compiled(fn, stats: GenerationStats, mesh_config: MeshConfig | None, *args,
     return _EXECUTABLES[key]
 
 
-def _emittable(stop_tokens: Sequence[int], vocab_size: int) -> list[int]:
-    """The stop tokens the model can emit. Others (a tokenizer's special ids past a small
-    model's vocabulary) are ignored, as `ModelConfig.eos_ids` ignores them, with a warning."""
-    outside = [int(t) for t in stop_tokens if not 0 <= int(t) < vocab_size]
-    if outside:
-        warnings.warn(f"stop_tokens {outside} are outside the vocabulary [0, {vocab_size}): "
-                      "ignored", stacklevel=3)
-    return [int(t) for t in stop_tokens if 0 <= int(t) < vocab_size]
-
-
 def _validate(config: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
               temperature: float, top_k: int, top_p: float, min_p: float) -> None:
     if is_task_head(config):
@@ -240,8 +231,7 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
         warnings.warn(f"the context is full: generating at most {max_new} of {max_new_tokens} "
                       f"new tokens (longest prompt {longest}, max_seq_len {config.max_seq_len})",
                       stacklevel=2)
-    stops = list(config.stop_ids if stop_tokens is None
-                 else _emittable(stop_tokens, config.vocab_size)) or [NO_TOKEN]
+    stops = stop_table(config, stop_tokens)
 
     B, T, N = bucket(len(prompts), 1), bucket(longest), bucket(max_new)
     spec = speculation(config, speculate, num_speculative_tokens, ngram, draft, B,

@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+import warnings
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -30,6 +33,20 @@ def check_prompt(prompt, vocab_size: int, name: str = "the prompt") -> None:
     if bad:
         raise GenerateError(f"{name} has token id(s) {bad[:5]} outside the vocabulary "
                             f"[0, {vocab_size})")
+
+
+def stop_table(config: ModelConfig, stop_ids: Sequence[int] | None) -> list[int]:
+    """A decoder's stop ids: `stop_ids`, or None for the model's (`config.stop_ids`), less
+    those the model cannot emit (a tokenizer's special ids past a small model's vocabulary),
+    ignored with a warning as `ModelConfig` ignores such EOS ids; [NO_TOKEN] when none is
+    left (nothing stops a row early)."""
+    if stop_ids is None:
+        return list(config.stop_ids) or [NO_TOKEN]
+    outside = [int(t) for t in stop_ids if not 0 <= int(t) < config.vocab_size]
+    if outside:
+        warnings.warn(f"stop ids {outside} are outside the vocabulary [0, {config.vocab_size})"
+                      ": ignored", stacklevel=3)
+    return [int(t) for t in stop_ids if 0 <= int(t) < config.vocab_size] or [NO_TOKEN]
 
 
 @struct.dataclass

@@ -68,7 +68,7 @@ from llama_jax.decode import slots as programs
 from llama_jax.decode.decoder import decoder_params, resolve_decode_impl, slots_cache_bytes
 from llama_jax.decode.speculate import speculation
 from llama_jax.shapes import bucket
-from llama_jax.decode.step import NO_TOKEN, check_prompt
+from llama_jax.decode.step import NO_TOKEN, check_prompt, stop_table
 from llama_jax.decode.sampling import SamplingParams, Strategy, check_settings
 from llama_jax.decode.prefix_pool import prefix_block_bytes
 from llama_jax.decode.slots import (TOP_LOGPROBS, Emitted, check_prefill_chunk,
@@ -237,8 +237,7 @@ class Engine:
         self.params = decoder_params(params, impl)
         self.draft_params = None if draft is None else decoder_params(draft[1], impl)
         self.layout = "stacked" if impl == "scan" else "per_layer"
-        ids = config.stop_ids if stop_ids is None else stop_ids
-        self.stop_ids = [int(t) for t in ids if 0 <= int(t) < config.vocab_size] or [NO_TOKEN]
+        self.stop_ids = stop_table(config, stop_ids)
         # Speculating rows end where each has got to: they hold the whole context.
         self.min_slots = self.max_slots if self.spec else min(self.max_slots, MIN_SLOTS)
         self.prefill_chunk = prefill_chunk
