@@ -141,7 +141,12 @@ def read_config(path: Path, reader) -> ModelConfig:
 
 
 def _rows(tensor) -> int:
-    return int(tensor.shape[-1]) if tensor is not None else 0  # GGUF: innermost first
+    return _numpy_shape(tensor)[0] if tensor is not None else 0
+
+
+def _numpy_shape(tensor) -> tuple[int, ...]:
+    """A tensor's shape in numpy's order (GGUF lists dimensions innermost first)."""
+    return tuple(int(n) for n in reversed(tensor.shape))
 
 
 def _with_rope_freqs(path: Path, config: ModelConfig, divisors: np.ndarray,
@@ -199,8 +204,7 @@ def dequantized(path: Path, tensor, expert: int | None = None) -> np.ndarray:
     order (GGUF's dimensions reversed)."""
     from gguf import quants
 
-    shape = tuple(int(n) for n in reversed(tensor.shape))
-    data = tensor.data
+    shape, data = _numpy_shape(tensor), tensor.data
     if expert is not None:  # the reader's blocks are rows of the leading (expert) axis too
         data, shape = data[expert], shape[1:]
     try:
@@ -226,7 +230,7 @@ def load(path: Path, loading: Loading,
             raise CheckpointError(f"{path}: tensor {name!r} is missing")
         expected = torch_shape(slot) if expert is None else (
             config.moe.n_experts, *torch_shape(slot))
-        stored = tuple(int(n) for n in reversed(tensors[name].shape))
+        stored = _numpy_shape(tensors[name])
         if stored != expected:
             raise CheckpointError(f"{path}: tensor {name!r} has shape {stored}, expected "
                                   f"{expected} from the file's llama.* keys")
