@@ -255,6 +255,40 @@ def test_cache_dtype_defaults_to_the_compute_dtype():
     assert init_cache(bf16, 1, 8, np.float32).groups[0].k.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int8", "bfloat16"])
+def test_rows_write_at_their_own_positions(dtype):
+    """A write with a position per row (`kv_storage.write`, a stacked cache `[L, B, K, S, H]`
+    at layer 1; and a merged per-layer GQA cache, every head in one scatter) equals each row
+    written alone at its position; positions past the cache are dropped."""
+    from llama_jax.nn.attention import gqa, kv_storage
+    from llama_jax.nn.attention.context import Context
+    from llama_jax.quant import is_int8
+
+    rng = np.random.default_rng(0)
+    B, K, S, H, T = 4, 2, 16, 8, 3
+    end_B = np.array([0, 5, 13, 15])  # row 2 ends at the last position, row 3 past it
+    x_BTKH = rng.standard_normal((B, T, K, H)).astype(np.float32)
+    stored = lambda c: np.asarray(c.values if is_int8(c) else c, np.float32)  # noqa: E731
+    cache = kv_storage.zeros((3, B, K, S, H), dtype)
+    put_LBKSH = np.swapaxes(x_BTKH, 1, 2)[None]
+    together = kv_storage.write(cache, put_LBKSH, (1, 0, 0, end_B, 0), dtype, row_axis=1)
+    for b in range(B):
+        kept = min(T, S - end_B[b])
+        alone = kv_storage.write(cache, put_LBKSH[:, b:b + 1, :, :kept],
+                                 (1, b, 0, int(end_B[b]), 0), dtype)
+        np.testing.assert_array_equal(stored(together)[:, b], stored(alone)[:, b])
+    np.testing.assert_array_equal(stored(together)[[0, 2]], 0)
+
+    x_BTKH = rng.standard_normal((B, T, TINY.K, TINY.H)).astype(np.float32)
+    together = gqa.LayerCache.zeros(TINY, B, S, dtype).write(
+        x_BTKH, x_BTKH, Context(None, end=jnp.asarray(end_B)))
+    for b in range(B):
+        kept = min(T, S - end_B[b])
+        alone = gqa.LayerCache.zeros(TINY, 1, S, dtype).write(
+            x_BTKH[b:b + 1, :kept], x_BTKH[b:b + 1, :kept], Context(None, end=jnp.int32(end_B[b])))
+        np.testing.assert_array_equal(stored(together.v)[b], stored(alone.v)[0])
+
+
 @pytest.mark.parametrize("model", [TINY, MLA_TINY], ids=["gqa", "mla"])
 def test_decode_step_updates_the_cache_in_place(model):
     config = dataclasses.replace(model, n_layers=8, max_seq_len=4096)

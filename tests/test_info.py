@@ -91,17 +91,17 @@ def test_cli_json(capsys):
 
 
 def test_cli_serving_cache(capsys):
-    """--max-batch slots of --max-seq-len tokens, plus the server's slack of 3 dispatches of 4
-    steps (the engine's own cache at its largest: test_serve_engine.py)."""
+    """--max-batch rows of --max-seq-len tokens (the engine's own cache at its largest:
+    test_serve_engine.py)."""
     argv = ["llama3-8b", "--max-batch", "16", "--max-seq-len", "8192"]
     assert info.main([*argv, "--json"]) == 0
     serving = json.loads(capsys.readouterr().out)["serving"]
-    assert serving["kv_cache_bytes"] == 16 * (8192 + 12) * 131072
-    # At most 4x the slots' cache, in whole blocks of 128 tokens' KV (16 MiB each here).
+    assert serving["kv_cache_bytes"] == 16 * 8192 * 131072
+    # At most 4x the rows' cache, in whole blocks of 128 tokens' KV (16 MiB each here).
     block = 128 * 131072
     assert serving["prefix_cache_bytes"] == 4 * serving["kv_cache_bytes"] // block * block
     assert info.main([*argv, "--cache-dtype", "int8"]) == 0
-    assert "serving KV cache     8.3 GiB (int8) for 16 slots of 8192 + 12" in \
+    assert "serving KV cache     8.2 GiB (int8) for 16 rows of 8192 tokens" in \
         capsys.readouterr().out
 
 

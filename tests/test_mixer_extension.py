@@ -25,9 +25,10 @@ from flax import struct
 import llama_jax
 from llama_jax.config import MeshConfig, ModelConfig, TrainConfig
 from llama_jax.errors import ConfigError, require
-from llama_jax.model.kv_cache import init_cache, resized, shifted
+from llama_jax.model.kv_cache import init_cache, resized
 from llama_jax.model.transformer import apply
 from llama_jax.nn.attention.context import Context
+from llama_jax.nn.attention import kv_storage
 from llama_jax.nn.attention.mixers import MIXERS, Mixer
 from llama_jax.nn.ops import dense
 from llama_jax.plan import costs, info, memory
@@ -64,8 +65,9 @@ def mean_apply(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Context,
     v_BTH = dense("BTD,DH->BTH", x_BTD, p["wv"])
     v_BSH = v_BTH
     if cache is not None:
-        cache = cache.replace(v=jax.lax.dynamic_update_slice(
-            cache.v, v_BTH[None].astype(cache.v.dtype), (context.layer, 0, context.end, 0)))
+        cache = cache.replace(v=kv_storage.write(
+            cache.v, v_BTH[None], (context.layer, 0, context.end, 0), cache.v.dtype,
+            row_axis=1))
         v_BSH = cache.v[context.layer].astype(v_BTH.dtype)
     seen_BTS = context.mask.dense().astype(jnp.float32)
     # A left-padding slot sees nothing: its output is zero, not 0/0 (which would reach the
@@ -126,8 +128,8 @@ def check_it_trains(config: ModelConfig):
 def check_it_decodes(config: ModelConfig, params):
     """Greedy decoding of a ragged batch from the toy's cache, stacked (scan) and per layer
     (unrolled): the tokens and log-probabilities the full forward gives the whole sequences.
-    Then the server's slot moves (`resized`, `shifted`: the cache's `map_seq`) change nothing
-    a row computes."""
+    Then the server's resizing (`resized`: the cache's `map_seq`) changes nothing a row
+    computes."""
     prompts = [tokens(1, n, seed=n)[0].tolist() for n in (3, 7, 5)]
     new = 6
     for impl in ("scan", "unrolled"):
@@ -146,8 +148,8 @@ def check_it_decodes(config: ModelConfig, params):
     prompt = tokens(2, 5, seed=3)
     cache = apply(config, params, prompt, cache=init_cache(config, 2, 8)).cache
     step = tokens(2, 1, seed=4)
-    moved = shifted(resized(cache, 12), jnp.int32(3))
-    np.testing.assert_allclose(cached(params, step, moved), cached(params, step, cache),
+    grown = resized(cache, 12)
+    np.testing.assert_allclose(cached(params, step, grown), cached(params, step, cache),
                                rtol=1e-6, atol=1e-6)
 
 

@@ -1,6 +1,6 @@
 """The serving engine in-process: continuous batching equals `generate` alone for every mixer
 and cache (GQA, MLA's latent cache, MoE with a capacity factor, int8, both layouts) while rows
-come and go and the slots move and resize; a failing program fails only its requests; and the
+come and go and the cache grows and shrinks; a failing program fails only its requests; and the
 text and chat-format pieces against references (Meta's LLaMA 3 chat format)."""
 
 import dataclasses
@@ -16,7 +16,7 @@ import pytest
 import llama_jax
 from llama_jax.decode.generate import generate
 from llama_jax.errors import GenerateError
-from llama_jax.model.kv_cache import init_cache, moved, resized, shifted, with_row
+from llama_jax.model.kv_cache import init_cache, resized, with_row
 from llama_jax.data.chat import (chat_format, encode_with_special_tokens, llama2_chat,
                                   llama3_chat)
 from llama_jax.serve.engine import Engine, Request
@@ -37,8 +37,8 @@ def params():
 @pytest.mark.parametrize("name, cache_dtype, decode_impl", [
     ("gqa", "int8", "scan"), ("mla", "int8", "unrolled"), ("moe", None, "unrolled")])
 def test_continuous_batching_equals_generate_alone(params, name, cache_dtype, decode_impl):
-    """7 requests through 3 rows (3 steps per dispatch; the slots start at 64 and must grow to
-    fit the longest): each one's greedy tokens and log-probabilities equal `generate` alone."""
+    """7 requests through 3 rows (3 steps per dispatch): each one's greedy tokens and
+    log-probabilities equal `generate` alone."""
     config, p = CONFIGS[name], params[name]
     engine = Engine(config, p, max_batch=3, max_seq_len=80, stop_ids=[],
                     cache_dtype=cache_dtype, decode_impl=decode_impl, steps_per_dispatch=3)
@@ -58,15 +58,45 @@ def test_continuous_batching_equals_generate_alone(params, name, cache_dtype, de
         np.testing.assert_allclose(result["logprobs"], row_logprobs[:n], atol=1e-4)
 
 
+@pytest.mark.parametrize("decode_impl", ["scan", "unrolled"])
+def test_the_cache_grows_for_a_long_row_and_shrinks_after_it(params, decode_impl, monkeypatch):
+    """Two short requests decode while a 150-token prompt arrives: the rows' cache grows from
+    64 positions to hold it, and halves back to 64 once it has ended and the short rows need
+    no more. Then a row alone grows past 64 as it decodes: the cache grows before the
+    dispatch that would write there. Every request's tokens equal `generate` alone, across
+    every resize."""
+    config, p = CONFIGS["gqa"], params["gqa"]
+    engine = Engine(config, p, max_batch=3, max_seq_len=256, stop_ids=[],
+                    decode_impl=decode_impl, steps_per_dispatch=2)
+    lengths = []
+    resize = engine._resize
+    monkeypatch.setattr(engine, "_resize", lambda size: (lengths.append(size), resize(size)))
+    engine.start()
+    batch = prompts([5, 150, 8, 58], seed=21, vocab=config.vocab_size)
+    new = [50, 10, 50, 12]
+    try:
+        results = run(engine, [dict(prompt=q, max_tokens=n) for q, n in zip(batch[:3], new)])
+        assert lengths[0] == 256 and lengths[-1] == 64, lengths
+        results += run(engine, [dict(prompt=batch[3], max_tokens=new[3])])
+        assert lengths[-1] == 128, lengths
+    finally:
+        assert engine.stop(30)
+    for prompt, n, result in zip(batch, new, results):
+        tokens, logprobs = generate(config, p, [prompt], n, stop_tokens=[],
+                                    decode_impl=decode_impl, return_logprobs=True)
+        assert result["tokens"] == tokens[0]
+        np.testing.assert_allclose(result["logprobs"], logprobs[0], atol=1e-4)
+
+
 def test_an_engine_reserves_its_largest_cache_before_choosing_the_decoder(monkeypatch):
-    """"auto" decodes unrolled only while the per-layer copy and the slots' largest cache fit
+    """"auto" decodes unrolled only while the per-layer copy and the rows' largest cache fit
     in the free memory (on CPU here; the same rule on GPU)."""
     from llama_jax.decode import decoder
     from llama_jax.plan.costs import serving_cache_bytes
 
     p = llama_jax.init_params(TINY, jax.random.key(9))  # no copy of it made yet
     need = (sum(w.nbytes for w in jax.tree.leaves(p["groups"]))
-            + serving_cache_bytes(TINY, 2, 64, "float32", 4))
+            + serving_cache_bytes(TINY, 2, 64, "float32"))
     for free, layout in ((need - 1, "stacked"), (need, "per_layer")):  # no copy, then one
         monkeypatch.setattr(decoder, "free_memory_bytes", lambda: free)
         engine = Engine(TINY, p, max_batch=2, max_seq_len=64, cache_dtype="float32",
@@ -75,7 +105,7 @@ def test_an_engine_reserves_its_largest_cache_before_choosing_the_decoder(monkey
 
 
 def test_an_engine_on_a_mesh_equals_generate_unsharded(params, tmp_path):
-    """Parameters split over data·fsdp·tensor = 2·2·2 devices: the slots are laid out by the
+    """Parameters split over data·fsdp·tensor = 2·2·2 devices: the rows are laid out by the
     cache rules and the tokens are those of the unsharded `generate`."""
     from llama_jax.config import MeshConfig
     from llama_jax.parallel import sharding
@@ -93,7 +123,7 @@ def test_an_engine_on_a_mesh_equals_generate_unsharded(params, tmp_path):
         results = run(engine, [dict(prompt=q, max_tokens=9) for q in batch])
     finally:
         assert engine.stop(30)
-    assert len(jax.tree.leaves(engine.slots.cache.groups)[0].sharding.device_set) == 8
+    assert len(jax.tree.leaves(engine.rows.cache.groups)[0].sharding.device_set) == 8
     expected = generate(config, params["gqa"], batch, 9, stop_tokens=[])
     assert [r["tokens"] for r in results] == expected
 
@@ -144,15 +174,15 @@ def test_a_failing_prefill_fails_only_its_request(params, monkeypatch):
     assert engine.finished == {"length": 3, "error": 1}
 
 
-def test_the_slots_at_their_largest_hold_what_the_planner_counts(params):
+def test_the_rows_at_their_largest_hold_what_the_planner_counts(params):
     from llama_jax.plan.costs import serving_cache_bytes
 
     for cache_dtype in ("bfloat16", "int8"):
         engine = Engine(CONFIGS["mla"], params["mla"], max_batch=3, max_seq_len=100,
                         cache_dtype=cache_dtype, steps_per_dispatch=5)
-        engine._place(0, engine.max_slots)
-        stored = sum(x.nbytes for x in jax.tree.leaves(engine.slots.cache.groups))
-        assert stored == serving_cache_bytes(CONFIGS["mla"], 3, 100, cache_dtype, 5)
+        engine._resize(engine.max_len)
+        stored = sum(x.nbytes for x in jax.tree.leaves(engine.rows.cache.groups))
+        assert stored == serving_cache_bytes(CONFIGS["mla"], 3, 100, cache_dtype)
 
 
 def test_the_server_refuses_a_cache_that_does_not_fit(tmp_path, monkeypatch, capsys):
@@ -166,7 +196,7 @@ def test_the_server_refuses_a_cache_that_does_not_fit(tmp_path, monkeypatch, cap
     monkeypatch.setattr(app, "free_memory_bytes", lambda: 1 << 20)
     assert main(["--checkpoint", str(tmp_path), "--max-batch", "64"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: the KV cache of --max-batch 64 slots of --max-seq-len 256 "
+    assert err.startswith("error: the KV cache of --max-batch 64 rows of --max-seq-len 256 "
                           "tokens (float32) needs 0.01 GiB, but 0.00 GiB is free")
     monkeypatch.setattr(app, "free_memory_bytes", lambda: 1 << 30)
     assert main(["--checkpoint", str(tmp_path), "--prefix-cache-bytes", str(1 << 31)]) == 2
@@ -187,16 +217,16 @@ def test_the_server_refuses_a_cache_that_does_not_fit(tmp_path, monkeypatch, cap
     assert "--speculate draft needs --draft-checkpoint DIR" in capsys.readouterr().err
 
 
-def test_the_cache_check_counts_a_speculating_servers_longer_slots_and_draft(params,
-                                                                              monkeypatch):
-    """Free memory that holds the plain server's slots but not k + 1 more slots a row, nor a
+def test_the_cache_check_counts_a_speculating_servers_longer_rows_and_draft(params,
+                                                                             monkeypatch):
+    """Free memory that holds the plain server's rows but not k more positions a row, nor a
     draft's cache beside them, is refused for those."""
     from llama_jax.decode.decoder import cache_bytes_per_device, memory_need
     from llama_jax.serve import app
 
     config, weights = CONFIGS["gqa"], params["gqa"]
-    shape = (config, weights, 4, 64, "float32", 1, None, 0)  # 64 + 3 slack slots
-    plain = memory_need(cache_bytes_per_device(config, weights, 4, 67, "float32", None),
+    shape = (config, weights, 4, 64, "float32", None, 0)
+    plain = memory_need(cache_bytes_per_device(config, weights, 4, 64, "float32", None),
                         weights)
     monkeypatch.setattr(app, "free_memory_bytes", lambda: plain)
     app.check_cache_fits(*shape)
@@ -241,37 +271,37 @@ def test_requests_that_cannot_run_are_refused_with_the_lengths(params):
 
 @pytest.mark.parametrize("layout", ["stacked", "per_layer"])
 @pytest.mark.parametrize("name", ["gqa", "mla"])
-def test_moving_and_resizing_slots_keeps_every_row(layout, name):
-    """`shifted` and `resized`, and `moved` (one copy, growing or shrinking), move each row's
-    stored vectors with its start and end, and `with_row` replaces one row alone."""
+def test_resizing_the_rows_keeps_every_row_and_with_row_replaces_one(layout, name):
+    """`resized` grows the cache with empty positions after every row's or cuts it at its
+    end, keeping each row's stored vectors and end; `with_row` replaces one row alone, its
+    end with it."""
     config = CONFIGS[name]
     rng = np.random.default_rng(0)
-    cache = init_cache(config, 3, 16, "float32", layout=layout)
+    cache = init_cache(config, 3, 16, "float32", layout=layout).with_row_ends()
     cache = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(x.dtype), cache)
-    cache = cache.replace(start=jnp.array([2, 5, 9], jnp.int32), end=jnp.int32(12))
-    # Grown 16 -> 24 slots, 7 later; then shrunk 24 -> 20, 4 earlier (a window of the old).
-    for there in (resized(shifted(resized(cache, 32), 7), 24), moved(cache, 7, 24)):
-        assert there.max_len == 24 and int(there.end) == 19
-        assert there.start.tolist() == [9, 12, 16]
-        for back in (there, resized(shifted(there, -4), 20), moved(there, -4, 20)):
-            d = 7 if back is there else 3
-            assert int(back.end) == 12 + d and back.start.tolist() == [2 + d, 5 + d, 9 + d]
-            for (_, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(cache.groups),
-                                      jax.tree_util.tree_leaves_with_path(back.groups)):
-                assert _slots(b, config, layout, back.max_len)[..., d:d + 12, :].tolist() == \
-                    _slots(a, config, layout, 16)[..., :12, :].tolist()
-    one = init_cache(config, 1, 16, "float32", start_B=jnp.array([4]), layout=layout)
-    one = one.replace(groups=jax.tree.map(lambda x: np.full(x.shape, 3.0, x.dtype), one.groups))
+    cache = cache.replace(start=jnp.zeros((3,), jnp.int32), end=jnp.array([3, 12, 7]))
+    for S in (24, 12):
+        there = resized(cache, S)
+        assert there.max_len == S and there.end.tolist() == [3, 12, 7]
+        for a, b in zip(jax.tree.leaves(cache.groups), jax.tree.leaves(there.groups)):
+            kept = min(S, 16)
+            positions = _positions(b, config, layout, S)
+            assert positions[..., :kept, :].tolist() == \
+                _positions(a, config, layout, 16)[..., :kept, :].tolist()
+            assert (positions[..., kept:, :] == 0).all()
+    one = init_cache(config, 1, 16, "float32", layout=layout)
+    one = one.replace(groups=jax.tree.map(lambda x: np.full(x.shape, 3.0, x.dtype), one.groups),
+                      end=jnp.int32(5))
     replaced = with_row(cache, 1, one)
-    assert replaced.start.tolist() == [2, 4, 9]
+    assert replaced.end.tolist() == [3, 5, 7]
     for a, b in zip(jax.tree.leaves(cache.groups), jax.tree.leaves(replaced.groups)):
         rows = np.moveaxis(np.asarray(b), 1 if layout == "stacked" else 0, 0)
         before = np.moveaxis(np.asarray(a), 1 if layout == "stacked" else 0, 0)
         assert (rows[1] == 3.0).all() and (rows[[0, 2]] == before[[0, 2]]).all()
 
 
-def _slots(x, config, layout, S):
-    """A stored cache array with its slots on the second to last axis."""
+def _positions(x, config, layout, S):
+    """A stored cache array with its positions on the second to last axis."""
     x = np.asarray(x)
     if layout == "per_layer" and config.attention == "gqa":  # [B, K·S, H]
         return x.reshape(x.shape[0], -1, S, x.shape[-1])

@@ -13,7 +13,7 @@ import pytest
 
 import llama_jax
 from llama_jax.decode.generate import generate
-from llama_jax.decode.slots import chunk_plan
+from llama_jax.decode.batching import chunk_plan
 from llama_jax.decode.prefix_pool import prefix_block_bytes
 from llama_jax.serve.engine import Engine, Request
 

@@ -213,7 +213,7 @@ def test_the_server_checks_the_cache_a_device_holds(backend, devices_counted, mo
     """On a mesh each accelerator holds its part of the server's cache, and is checked for
     that part alone; CPU devices all draw on the host, which must hold every part."""
     from llama_jax.model.kv_cache import init_cache
-    from llama_jax.plan.costs import serving_cache_slots
+    from llama_jax.plan.costs import serving_cache_len
     from llama_jax.serve import app
 
     model, mesh_config = MODELS["gqa"], MESHES["dp2-fsdp2-tp2"]
@@ -221,19 +221,19 @@ def test_the_server_checks_the_cache_a_device_holds(backend, devices_counted, mo
     placed = jax.device_put(
         llama_jax.init_params(model, jax.random.key(6)),
         sharding.param_shardings(llama_jax.param_specs(model), mesh, mesh_config))
-    slots = serving_cache_slots(40, 4)
+    max_len = serving_cache_len(40)
     with sharding.use_mesh(mesh, mesh_config):
-        cache = jax.jit(lambda: init_cache(model, 4, slots, "bfloat16"))()
+        cache = jax.jit(lambda: init_cache(model, 4, max_len, "bfloat16"))()
     need = devices_counted * sharding.bytes_per_device(cache.groups)
     # the parameters' devices are of that platform (parallel/target.py)
     monkeypatch.setattr(target, "platform_of_tree", lambda tree: backend)
-    check = functools.partial(app.check_cache_fits, model, placed, 4, 40, "bfloat16", 4,
+    check = functools.partial(app.check_cache_fits, model, placed, 4, 40, "bfloat16",
                               mesh_config)
     monkeypatch.setattr(app, "free_memory_bytes", lambda: need)
     check()
     monkeypatch.setattr(app, "free_memory_bytes", lambda: need - 1)
     part = "each device's part of the KV cache" if backend == "gpu" else "the KV cache"
-    with pytest.raises(llama_jax.GenerateError, match=f"^{part} of --max-batch 4 slots"):
+    with pytest.raises(llama_jax.GenerateError, match=f"^{part} of --max-batch 4 rows"):
         check()
 
 
@@ -300,5 +300,5 @@ def test_sharded_decoding_compiles_under_the_given_mesh_rules():
     (key, prefill), = [(k, e) for k, e in decoder._EXECUTABLES.items()
                        if k[0] is decoder._prefill]
     assert dict(key[1])["placement"][1] == rules
-    cache_k = prefill.output_shardings.cache.groups[0].k
+    cache_k = prefill.output_shardings.rows.cache.groups[0].k
     assert cache_k.spec[1] == "data"  # the default rules split rows over ("data", "fsdp")

@@ -300,15 +300,15 @@ def test_rows_verify_by_the_rates_the_host_chose_the_program_by(models):
     (`deciding_rate_B`, the program before the last's), not by its running rate: a row the
     host saw worth verifying does even if its rate fell since, and one it did not see worth
     it takes plain steps even if its rate rose."""
-    from llama_jax.decode import slots as programs
+    from llama_jax.decode import batching as programs
     from llama_jax.decode.sampling import SamplingParams, Strategy
     from llama_jax.decode.step import NO_TOKEN
 
     config, params = models["gqa"]
     spec = speculation(config, "ngram", 3, (1, 3), None, 2, min_accepted=1.0)
     layout = dict(config=config, cache_dtype="float32", layout="stacked", placement=None)
-    slots = programs.empty_slots(np.asarray([NO_TOKEN], np.int32), batch=2, max_len=64,
-                                 spec=spec, **layout)
+    rows = programs.empty_rows(np.asarray([NO_TOKEN], np.int32), batch=2, max_len=64,
+                               spec=spec, **layout)
     base = repetitive_prompts([20], config.vocab_size, seed=0)[0]
     prompt = base + generate(config, params, [base], 10, stop_tokens=[])[0]  # it loops: guesses
     n = len(prompt)
@@ -319,13 +319,13 @@ def test_rows_verify_by_the_rates_the_host_chose_the_program_by(models):
     prompt_1S = np.zeros((1, 64), np.int32)
     prompt_1S[0, :n] = prompt
     for row in (0, 1):
-        slots, _ = programs.insert(slots, one, logits, np.int32(row), np.int32(20),
-                                   SamplingParams.broadcast(1), jax.random.key(row)[None],
-                                   prompt_1S)
+        rows, _ = programs.insert(rows, one, logits, np.int32(row), np.int32(20),
+                                  SamplingParams.broadcast(1), jax.random.key(row)[None],
+                                  prompt_1S)
     rates = np.asarray([0.9, 0.1], np.float32)  # expected kept: 2.44 and 0.11 of 3
-    slots = slots.replace(lookup=slots.lookup.replace(deciding_rate_B=rates,
-                                                      hit_rate_B=rates[::-1].copy()))
-    _, out = programs.speculate(slots, params, config=config, n_steps=1, spec=spec,
+    rows = rows.replace(lookup=rows.lookup.replace(deciding_rate_B=rates,
+                                                   hit_rate_B=rates[::-1].copy()))
+    _, out = programs.speculate(rows, params, config=config, n_steps=1, spec=spec,
                                 verify=True, strategy=Strategy(False, False), top=0,
                                 placement=None)
     drafted = np.asarray(out.drafted_B)

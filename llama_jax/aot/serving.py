@@ -1,5 +1,5 @@
 """A server's start-up check for a TPU slice or GPU node this host does not have: its largest
-programs compiled for the target, and whether the weights, the slots' KV cache, the prefix
+programs compiled for the target, and whether the weights, the rows' KV cache, the prefix
 cache and a prefill chunk fit each device.
 
     python -m llama_jax.aot.serving MODEL --topology v5e-8 --mesh tensor=8 --max-batch 64 \
@@ -8,13 +8,13 @@ cache and a prefill chunk fit each device.
 
 MODEL is a preset, a config file or a checkpoint directory (its config is read, not its
 weights). Without `--mesh` the server runs on one device, as `serve` does. The programs are the
-server's own (`decode/slots.py`) at their largest: the last prefill chunk of the longest prompt,
-its insertion into the slots, and a dispatch of decode steps over the cache at its largest
-(`max_batch` rows of `max_seq_len` tokens plus slack) with every sampling path; speculating
+server's own (`decode/batching.py`) at their largest: the last prefill chunk of the longest prompt,
+its insertion into the rows, and a dispatch of decode steps over the cache at its largest
+(`max_batch` rows of `max_seq_len` tokens) with every sampling path; speculating
 (`--speculate`, `--draft-checkpoint`), a dispatch of rounds that verify instead, and a draft
-model's last prefill chunk. While a prompt prefills, the slots stay on the device, so the
+model's last prefill chunk. While a prompt prefills, the rows stay on the device, so the
 server needs, per device, the most of: the decode program's peak, the insertion's, and the
-prefill's plus the slots; and the prefix cache's pool beside all of them. Beside it: the figure
+prefill's plus the rows; and the prefix cache's pool beside all of them. Beside it: the figure
 `serve` checks at start-up (the weights and the planner's KV cache).
 """
 
@@ -33,10 +33,10 @@ import jax
 from llama_jax.aot.compiled import ProgramMemory, compile_program
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name, load_model_config
-from llama_jax.decode.decoder import DECODE_IMPLS, UNROLLED_BACKENDS, slots_cache_bytes
+from llama_jax.decode.decoder import DECODE_IMPLS, UNROLLED_BACKENDS, rows_cache_bytes
 from llama_jax.decode.speculate import speculation
 from llama_jax.decode.prefix_pool import prefix_block_bytes
-from llama_jax.decode.slots import check_prefill_chunk, lower_programs
+from llama_jax.decode.batching import check_prefill_chunk, lower_programs
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.formats.checkpoint import checkpoint_config
 from llama_jax.formats.loading import placed_target
@@ -47,7 +47,7 @@ from llama_jax.parallel.devices import free_memory_bytes
 from llama_jax.plan import hardware
 from llama_jax.plan.costs import (SERVING_PREFILL_CHUNK, SERVING_STEPS_PER_DISPATCH,
                                   default_prefix_cache_bytes, format_bytes, prefix_cache_blocks,
-                                  serving_cache_slots)
+                                  serving_cache_len)
 from llama_jax.config import parse_mesh
 from llama_jax.serve.flags import add_server_arguments, check_speculation_flags
 
@@ -69,9 +69,9 @@ class ServingReport:
     cache_dtype: str
     max_batch: int
     max_seq_len: int
-    cache_slots: int  # per row, at the cache's largest
+    cache_len: int  # positions per row, at the cache's largest
     parameters: int
-    cache: int  # the slots' KV cache as XLA lays it out
+    cache: int  # the rows' KV cache as XLA lays it out
     planned_cache: int  # the planner's figure for it, which `serve` checks at start-up
     prefill_chunk: int
     prefix_cache: int  # the prefix cache's pool (whole blocks)
@@ -81,7 +81,7 @@ class ServingReport:
     @property
     def needs(self) -> dict[str, int]:
         """What the server holds while each program runs: its peak, and beside a prefill the
-        slots' cache (which stays on the device but is not the prefill's argument); beside
+        rows' cache (which stays on the device but is not the prefill's argument); beside
         every program, the prefix cache."""
         return {p.name: p.total + self.prefix_cache
                 + (self.cache if p.name.endswith("prefill") else 0) for p in self.programs}
@@ -152,8 +152,8 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
     if draft_config is not None and mesh is not None:
         raise GenerateError("a server's draft model decodes on one device: compile it "
                             "without --mesh, or speculate by prompt lookup")
-    cache_slots = serving_cache_slots(max_seq_len, steps, spec and spec.k)
-    planned = slots_cache_bytes(config, params, max_batch, cache_slots, cache_dtype, mesh,
+    cache_len = serving_cache_len(max_seq_len, spec and spec.k)
+    planned = rows_cache_bytes(config, params, max_batch, cache_len, cache_dtype, mesh,
                                 None if draft_config is None else (draft_config, draft_params))
     block = prefix_block_bytes(config, params, prefill_chunk, cache_dtype, mesh)
     if prefix_cache_bytes is None:
@@ -164,9 +164,9 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
     log(f"compiling a server of {max_batch} x {max_seq_len} tokens for {described}")
     programs = []
     with target.compiling_for(devices):
-        lowered, slots = lower_programs(
+        lowered, rows = lower_programs(
             config, params, max_batch=max_batch, prompt_len=max_seq_len - 1,
-            chunk=prefill_chunk, cache_slots=cache_slots,
+            chunk=prefill_chunk, cache_len=cache_len,
             steps=steps, cache_dtype=cache_dtype, mesh_config=mesh,
             layout="stacked" if decode_impl == "scan" else "per_layer", spec=spec,
             draft_params=draft_params)
@@ -183,11 +183,11 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
         xla_flags=os.environ.get("XLA_FLAGS", ""), compiler_options=options,
         limit=limit, decode_impl=decode_impl,
         weights=config.quantize or config.param_dtype, cache_dtype=cache_dtype,
-        max_batch=max_batch, max_seq_len=max_seq_len, cache_slots=cache_slots,
+        max_batch=max_batch, max_seq_len=max_seq_len, cache_len=cache_len,
         parameters=sharding.bytes_per_device((params, draft_params)),
         # the stored keys and values, the draft's beside the model's
-        cache=sharding.bytes_per_device((slots.cache.groups, None if slots.draft_cache is None
-                                         else slots.draft_cache.groups)),
+        cache=sharding.bytes_per_device((rows.cache.groups, None if rows.draft_cache is None
+                                         else rows.draft_cache.groups)),
         planned_cache=planned, prefill_chunk=prefill_chunk, prefix_cache=pool,
         programs=tuple(programs),
         speculation=None if spec is None else f"{spec.method}, k={spec.k}")
@@ -230,14 +230,14 @@ def render(report: ServingReport) -> str:
     lines = [
         f"target     {report.target}; {mesh}",
         f"compiler   {versions}",
-        f"server     {report.max_batch} slots x {report.max_seq_len} tokens ({report.cache_slots}"
+        f"server     {report.max_batch} rows x {report.max_seq_len} tokens ({report.cache_len}"
         f" cache positions each); {report.weights} weights, {report.cache_dtype} KV cache, "
         f"{report.decode_impl} decoder"
         + (f"; speculating ({report.speculation})" if report.speculation else ""),
         "per device           XLA            start-up check",
         f"  weights            {format_bytes(report.parameters):>12}   "
         f"{format_bytes(report.parameters):>12}",
-        f"  KV cache (slots)   {format_bytes(report.cache):>12}   "
+        f"  KV cache (rows)    {format_bytes(report.cache):>12}   "
         f"{format_bytes(report.planned_cache):>12}",
         f"  prefix cache       {format_bytes(report.prefix_cache):>12}   "
         f"{format_bytes(report.prefix_cache):>12}   (chunks of {report.prefill_chunk})",
@@ -247,7 +247,7 @@ def render(report: ServingReport) -> str:
     if all(p.fits for p in report.programs):
         verdict = "fits" if report.fits else "does not fit"
         largest = max(report.needs, key=report.needs.get)
-        beside = f", the {largest} beside the slots" if largest.endswith("prefill") else ""
+        beside = f", the {largest} beside the rows" if largest.endswith("prefill") else ""
         lines.append(f"server: {verdict}: needs {format_bytes(report.need)} of {limit} per "
                      f"device (while the {largest} runs{beside})")
     else:

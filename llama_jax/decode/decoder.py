@@ -85,14 +85,15 @@ def cache_bytes_per_device(config: ModelConfig, params: Params, batch: int, slot
     return kv_cache_bytes_per_device(config, batch, slots, cache_dtype, rules, shape)
 
 
-def slots_cache_bytes(config: ModelConfig, params: Params, batch: int, slots: int,
-                      cache_dtype: str, mesh_config: MeshConfig | None,
-                      draft: tuple[ModelConfig, Params] | None = None) -> int:
-    """`cache_bytes_per_device` of a server's slots, and of a draft model's cache of the same
-    slots beside them (`draft`: its config and parameters, on one device)."""
-    cache = cache_bytes_per_device(config, params, batch, slots, cache_dtype, mesh_config)
+def rows_cache_bytes(config: ModelConfig, params: Params, batch: int, max_len: int,
+                     cache_dtype: str, mesh_config: MeshConfig | None,
+                     draft: tuple[ModelConfig, Params] | None = None) -> int:
+    """`cache_bytes_per_device` of a server's rows over `max_len` positions, and of a draft
+    model's cache of as many beside them (`draft`: its config and parameters, on one
+    device)."""
+    cache = cache_bytes_per_device(config, params, batch, max_len, cache_dtype, mesh_config)
     if draft is not None:
-        cache += cache_bytes_per_device(*draft, batch, slots, cache_dtype, None)
+        cache += cache_bytes_per_device(*draft, batch, max_len, cache_dtype, None)
     return cache
 
 

@@ -5,16 +5,18 @@
 
 Shapes are padded to buckets (batch to a power of two; prompt length and new tokens to powers
 of two, at least 16) so that new prompts rarely recompile; each bucket compiles two executables,
-`prefill` and `decode`, once. Prompts are left-padded into one KV cache (model/kv_cache.py): each
-row keeps its own positions and never sees the padding, so a row generates exactly what it
-would generate alone. The decode loop exits early once every row has stopped; it runs in chunks
-of steps (`stream`) so a caller can print text as it comes at the cost of one host round trip
-per chunk.
+`prefill` and `decode`, once. The loop's state is the decode rows (rows.py), the server's too:
+each prompt sits in the KV cache from position 0 and each row ends where it has got to, so a
+row never sees another's padding and generates exactly what it would generate alone. The
+decode loop takes `rows.step` (or `rows.speculative_round`) and exits early once every row has
+stopped; it runs in chunks of steps (`stream`) so a caller can print text as it comes at the
+cost of one host round trip per chunk.
 
-Sampling: see sampling.py. The random key for step s is `fold_in(key(seed), s)`, so results do
-not depend on the chunking. Log-probabilities are those of the model's distribution (before
-temperature and filters) for the chosen tokens. Which decoder runs (scan or unrolled) and
-whether its copy and cache fit: decoder.py.
+Sampling: see sampling.py. Row b's key is `rows.row_key(seed, b)` and its key for step s is
+`fold_in` of that by s, so results do not depend on the chunking, nor a row's tokens on the
+others. Log-probabilities are those of the model's distribution (before temperature and
+filters) for the chosen tokens. Which decoder runs (scan or unrolled) and whether its copy and
+cache fit: decoder.py.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from llama_jax.parallel import sharding, target
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name
@@ -41,13 +44,17 @@ from llama_jax.model.params import Params
 from llama_jax.decode.decoder import (cache_bytes_per_device, decoder_params, is_unstacked,
                                       resolve_decode_impl)
 from llama_jax.decode.sampling import SamplingParams, Strategy, check_settings
-from llama_jax.decode.speculate import (SpecState, Speculation, speculation,
-                                        speculative_round, start_speculation)
-from llama_jax.decode.step import (NO_TOKEN, DecodeState, check_prompt, decode_step, emit,
-                                   stop_table)
+from llama_jax.decode.rows import (Emitted, Lookup, Rows, advance, choose, row_key,
+                                   speculative_round, step)
+from llama_jax.decode.speculate import (HIT_RATE_START, Speculation, put_rows, speculation,
+                                        worth_a_pass, worth_verifying)
+from llama_jax.decode.step import NO_TOKEN, check_prompt, stop_table
 from llama_jax.parallel.sharding import placed
 from llama_jax.shapes import bucket
 
+# Speculative rounds per decode program when the caller does not stream: between programs the
+# host chooses whether the next program's rounds verify (`speculate.worth_a_pass`).
+SPECULATIVE_CHUNK = 16
 
 
 @dataclasses.dataclass
@@ -69,28 +76,71 @@ class GenerationStats:
         return self.new_tokens / max(self.decode_s + self.time_to_first_token_s, 1e-9)
 
 
+@struct.dataclass
+class Output:
+    """Each row's generated tokens `[B, N]` from column 0 (NO_TOKEN after them) and their
+    log-probabilities."""
+
+    tokens_BN: jax.Array
+    logprobs_BN: jax.Array
+
+    def written(self, at_B: jax.Array, emitted: Emitted, n_B: jax.Array) -> "Output":
+        """The first `n_B` of each row's emitted tokens written from its column `at_B`."""
+        return Output(put_rows(self.tokens_BN, at_B, emitted.tokens_BK, n_B),
+                      put_rows(self.logprobs_BN, at_B, emitted.logprobs_BK, n_B))
+
+
+@struct.dataclass
+class Decoding:
+    """What the decode loop carries: the rows, and what they have generated."""
+
+    rows: Rows
+    out: Output
+
+
 @functools.partial(jax.jit, static_argnames=("config", "cache_len", "n_out", "cache_dtype",
                                              "strategy", "spec", "placement"))
-def _prefill(config: ModelConfig, params: Params, prompts_BT: jax.Array, start_B: jax.Array,
-             active_B: jax.Array, stop_BS: jax.Array, sampling: SamplingParams,
-             max_new: jax.Array, key: jax.Array, draft_params: Params | None = None, *,
+def _prefill(config: ModelConfig, params: Params, prompts_BT: jax.Array, length_B: jax.Array,
+             active_B: jax.Array, stop_S: jax.Array, sampling: SamplingParams,
+             max_new: jax.Array, key_B: jax.Array, draft_params: Params | None = None, *,
              cache_len: int, n_out: int, cache_dtype: str, strategy: Strategy,
-             spec: Speculation | None = None, placement: tuple | None
-             ) -> DecodeState | SpecState:
-    """The prompts' cache and each row's first token; with `spec`, the speculative carry
-    (and the draft model's cache of the prompts, for a draft)."""
+             spec: Speculation | None = None, placement: tuple | None) -> Decoding:
+    """The rows after their prompts (`prompts_BT`, each row's first `length_B` tokens; the
+    rest padding, written past the row's end and never seen) and each row's first token;
+    speculating, their token ids and the draft model's cache of the prompts."""
     with placed(placement):
-        state = _prefill_state(config, params, prompts_BT, start_B, active_B, stop_BS, sampling,
-                               max_new, key, cache_len, n_out, cache_dtype, strategy)
-        if spec is None:
-            return state
-        draft_cache = None
-        if spec.draft_config is not None:
-            draft_cache = init_cache(spec.draft_config, prompts_BT.shape[0], cache_len,
-                                     cache_dtype, start_B, layout=_layout(draft_params))
-            draft_cache = apply(spec.draft_config, draft_params, prompts_BT,
-                                cache=draft_cache).cache
-        return start_speculation(state, prompts_BT, start_B, spec, draft_cache)
+        B = prompts_BT.shape[0]
+        cache, h_BTD = _prompted(config, params, prompts_BT, length_B, cache_len, cache_dtype)
+        h_B1D = jnp.take_along_axis(h_BTD, (length_B - 1)[:, None, None], axis=1)
+        logits_BV = lm_head(config, params, h_B1D)[:, 0]
+        zeros_B = jnp.zeros((B,), jnp.int32)
+        token_B, logprob_B, _, _ = choose(logits_BV, key_B, zeros_B, sampling, strategy, 0)
+        lookup = draft_cache = None
+        if spec is not None:
+            tokens_BS = jnp.pad(prompts_BT, ((0, 0), (0, cache_len - prompts_BT.shape[1])))
+            start_B = jnp.full((B,), HIT_RATE_START, jnp.float32)
+            lookup = Lookup(tokens_BS.at[jnp.arange(B), length_B].set(token_B), start_B,
+                            start_B, zeros_B, zeros_B)
+        if spec is not None and spec.method == "draft":
+            draft_cache = _prompted(spec.draft_config, draft_params, prompts_BT, length_B,
+                                    cache_len, cache_dtype)[0]
+        rows = Rows(cache=cache, last_B=zeros_B, step_B=zeros_B,
+                    max_new_B=jnp.broadcast_to(max_new, (B,)), done_B=~active_B,
+                    sampling=sampling, key_B=key_B, stop_S=stop_S, lookup=lookup,
+                    draft_cache=draft_cache)
+        out = Output(jnp.full((B, n_out), NO_TOKEN, jnp.int32), jnp.zeros((B, n_out), jnp.float32))
+        first = Emitted(token_B[:, None], logprob_B[:, None], None, None)
+        return Decoding(advance(rows, token_B, active_B),
+                        out.written(zeros_B, first, active_B.astype(jnp.int32)))
+
+
+def _prompted(config, params, prompts_BT, length_B, cache_len, cache_dtype):
+    """The cache of the prompts from position 0, each row ending after its own, and the
+    hidden states."""
+    cache = init_cache(config, prompts_BT.shape[0], cache_len, cache_dtype,
+                       layout=_layout(params)).with_row_ends()
+    h_BTD, cache, _ = apply(config, params, prompts_BT, cache=cache)
+    return cache.replace(end=length_B.astype(jnp.int32)), h_BTD
 
 
 def _layout(params: Params) -> str:
@@ -98,49 +148,35 @@ def _layout(params: Params) -> str:
     return "per_layer" if is_unstacked(params) else "stacked"
 
 
-def _prefill_state(config, params, prompts_BT, start_B, active_B, stop_BS, sampling, max_new,
-                   key, cache_len, n_out, cache_dtype, strategy) -> DecodeState:
-    B = prompts_BT.shape[0]
-    cache = init_cache(config, B, cache_len, cache_dtype, start_B, layout=_layout(params))
-    h_BTD, cache, _ = apply(config, params, prompts_BT, cache=cache)
-    state = DecodeState(
-        cache=cache, tokens_BN=jnp.full((B, n_out), NO_TOKEN, jnp.int32),
-        logprobs_BN=jnp.zeros((B, n_out), jnp.float32), last_B=prompts_BT[:, -1],
-        done_B=~active_B, step=jnp.zeros((), jnp.int32), max_new=max_new, stop_BS=stop_BS,
-        sampling=sampling, key=key)
-    return emit(state, lm_head(config, params, h_BTD[:, -1:])[:, 0], strategy)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "strategy", "spec", "placement"),
-                   donate_argnames=("state",))
-def _decode(config: ModelConfig, params: Params, state: DecodeState | SpecState,
-            n_steps: jax.Array, draft_params: Params | None = None, *, strategy: Strategy,
-            spec: Speculation | None = None, placement: tuple | None
-            ) -> DecodeState | SpecState:
-    """Up to `n_steps` decode steps (speculative rounds, with `spec`); stops early when
-    every row is done."""
+@functools.partial(jax.jit, static_argnames=("config", "strategy", "spec", "verify",
+                                             "placement"), donate_argnames=("state",))
+def _decode(config: ModelConfig, params: Params, state: Decoding, n_steps: jax.Array,
+            draft_params: Params | None = None, *, strategy: Strategy,
+            spec: Speculation | None = None, verify: bool = False,
+            placement: tuple | None) -> Decoding:
+    """Up to `n_steps` decode steps (`rows.step`), or speculative rounds with `spec`
+    (`rows.speculative_round`: with `verify`, the rows worth it by their rates now verify);
+    stops early when every row is done."""
     with placed(placement):
-        return _decode_steps(config, params, state, n_steps, strategy, spec, draft_params)
+        worth_B = None if spec is None else worth_verifying(
+            state.rows.lookup.hit_rate_B, ~state.rows.done_B, spec)
 
+        def keep_going(carry):
+            i, st = carry
+            return (i < n_steps) & ~jnp.all(st.rows.done_B)
 
-def _decode_steps(config, params, state, n_steps, strategy, spec, draft_params):
-    def keep_going(carry):
-        i, st = carry
-        return (i < n_steps) & ~jnp.all(_base(st).done_B)
+        def one(carry):
+            i, st = carry
+            if spec is None:
+                rows, emitted = step(config, params, st.rows, strategy, 0)
+                n_B = (~st.rows.done_B).astype(jnp.int32)
+            else:
+                rows, emitted, n_B = speculative_round(config, params, draft_params, st.rows,
+                                                       spec, verify, worth_B, strategy, 0)
+            return i + 1, Decoding(rows, st.out.written(st.rows.step_B, emitted, n_B))
 
-    def step(carry):
-        i, st = carry
-        if spec is None:
-            return i + 1, decode_step(config, params, st, strategy)
-        return i + 1, speculative_round(config, params, st, spec, strategy, draft_params)
-
-    _, state = jax.lax.while_loop(keep_going, step, (jnp.zeros((), jnp.int32), state))
-    return state
-
-
-def _base(state: DecodeState | SpecState) -> DecodeState:
-    """The plain decode loop's part of a carry."""
-    return state.base if isinstance(state, SpecState) else state
+        _, state = jax.lax.while_loop(keep_going, one, (jnp.zeros((), jnp.int32), state))
+        return state
 
 
 # Compiled prefill/decode programs by signature, least recently used first. Bounded: every
@@ -217,7 +253,9 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     A row verifies prompt lookup's guesses only while it may expect to keep at least
     `min_accepted` of them per pass, from how often its first guess has been right
     (`speculate.worth_verifying`), taking plain steps otherwise (None: the break-even of
-    `speculate.verify_cost`; 0: always verify)."""
+    `speculate.verify_cost`; 0: always verify); a draft's, always unless `min_accepted` is
+    given. The host chooses between rounds that verify and plain ones per program of
+    `chunk_steps` rounds (`SPECULATIVE_CHUNK` when None), by the rows' rates then."""
     _validate(config, prompts, max_new_tokens, temperature, top_k, top_p, min_p)
     try:
         cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
@@ -234,26 +272,28 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     stops = stop_table(config, stop_tokens)
 
     B, T, N = bucket(len(prompts), 1), bucket(longest), bucket(max_new)
+    if draft is not None and min_accepted is None:
+        min_accepted = 0.0  # a draft model's guesses are verified every round
     spec = speculation(config, speculate, num_speculative_tokens, ngram, draft, B,
                        min_accepted, target.platform_of_tree(params))
-    prompts_BT = np.zeros((B, T), np.int32)
-    start_B = np.full((B,), T - 1, np.int32)  # padding rows: one token, inactive
+    prompts_BT = np.zeros((B, T), np.int32)  # each prompt from column 0
+    length_B = np.ones((B,), np.int32)  # padding rows: one token, inactive
     for b, prompt in enumerate(prompts):
-        prompts_BT[b, T - len(prompt):] = prompt
-        start_B[b] = T - len(prompt)
+        prompts_BT[b, :len(prompt)] = prompt
+        length_B[b] = len(prompt)
     active_B = np.arange(B) < len(prompts)
-    stop_BS = np.tile(np.asarray(stops, np.int32), (B, 1))
     sampling = SamplingParams.broadcast(B, temperature, top_k, top_p, min_p)
     strategy = Strategy.of(temperature, top_k, top_p)
-    # A verify pass writes k + 1 slots past a row's end, the last of them for a row about to
-    # finish.
+    # A verify pass writes k + 1 positions past a row's end, the last of them for a row about
+    # to finish.
     cache_len = T + N + (0 if spec is None else spec.k + 1)
     impl = resolve_decode_impl(decode_impl, params, cache_bytes_per_device(
         config, params, B, cache_len, cache_dtype, mesh_config))
     params = decoder_params(params, impl)
     draft_params = None if draft is None else decoder_params(draft[1], impl)
-    args = (config, params, prompts_BT, start_B, active_B, stop_BS, sampling,
-            np.int32(max_new), jax.random.key(seed), draft_params)
+    key_B = jax.vmap(functools.partial(row_key, seed))(jnp.arange(B))
+    args = (config, params, prompts_BT, length_B, active_B, np.asarray(stops, np.int32),
+            sampling, np.int32(max_new), key_B, draft_params)
     prefill = _compiled(_prefill, stats, mesh_config, *args, cache_len=cache_len, n_out=N,
                         cache_dtype=cache_dtype, strategy=strategy, spec=spec)
     start = time.perf_counter()
@@ -261,14 +301,14 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     rows = len(prompts)  # rows past len(prompts) are batch padding
     emitted_B = np.zeros(rows, np.int64)
     while True:
-        base = _base(state)
-        count_B = (np.asarray(state.count_B)[:rows] if spec is not None  # waits for the device
-                   else np.full(rows, int(base.step)))
-        tokens_BN, logprobs_BN = np.asarray(base.tokens_BN), np.asarray(base.logprobs_BN)
+        count_B = np.asarray(state.rows.step_B)[:rows]  # waits for the device
+        tokens_BN, logprobs_BN = np.asarray(state.out.tokens_BN), np.asarray(state.out.logprobs_BN)
         new = _new_tokens(tokens_BN[:rows], logprobs_BN[:rows], emitted_B, count_B, stops)
         stats.new_tokens += sum(len(t) for t in new[0])
         if spec is not None:
-            stats.drafted_tokens, stats.accepted_tokens = int(state.drafted), int(state.kept)
+            lookup = state.rows.lookup
+            stats.drafted_tokens = int(np.sum(lookup.drafted_B))
+            stats.accepted_tokens = int(np.sum(lookup.accepted_B))
         elapsed = time.perf_counter() - start
         if not emitted_B.any():
             stats.time_to_first_token_s = elapsed
@@ -276,11 +316,15 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
             stats.decode_s += elapsed
         emitted_B = count_B
         yield new
-        if bool(np.all(np.asarray(base.done_B))):
+        done_B = np.asarray(state.rows.done_B)
+        if bool(np.all(done_B)):
             return
-        n_steps = np.int32(chunk_steps or N)
+        # A round verifies when its rows' rates say so (the host's choice, as a server's).
+        verify = spec is not None and worth_a_pass(np.asarray(state.rows.lookup.hit_rate_B),
+                                                   ~done_B, spec)
+        n_steps = np.int32(chunk_steps or (N if spec is None else SPECULATIVE_CHUNK))
         decode = _compiled(_decode, stats, mesh_config, config, params, state, n_steps,
-                           draft_params, strategy=strategy, spec=spec)
+                           draft_params, strategy=strategy, spec=spec, verify=verify)
         start = time.perf_counter()
         state = decode(params, state, n_steps, draft_params)
 
@@ -289,7 +333,7 @@ def lower_programs(config: ModelConfig, params: Params, *, batch: int, prompt_le
                    new_tokens: int, cache_dtype: str,
                    ) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
     """The greedy prefill program `stream` would run for `batch` prompts of `prompt_len` tokens
-    and `new_tokens` more, and one step of its decode loop (`decode_step`, whose cost is the
+    and `new_tokens` more, and one step of its decode loop (`rows.step`, whose cost is the
     loop's per token), lowered without running anything: `params` may
     be abstract (`jax.ShapeDtypeStruct`s placed on one device of any platform, stacked for the
     scan decoder or unstacked for the unrolled one), and every other input is placed beside
@@ -303,16 +347,16 @@ def lower_programs(config: ModelConfig, params: Params, *, batch: int, prompt_le
 
     B, T, N = batch, bucket(prompt_len), bucket(new_tokens)
     inputs = placed_like((
-        np.zeros((B, T), np.int32), np.zeros((B,), np.int32), np.ones((B,), bool),
-        np.zeros((B, 1), np.int32), SamplingParams.broadcast(B), np.int32(N)))
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=here)
-    static = dict(strategy=Strategy.of(0.0, 0, 1.0), placement=None)
-    prefill = _prefill.lower(config, params, *inputs, key, cache_len=T + N, n_out=N,
-                             cache_dtype=cache_dtype, **static)
-    state = placed_like(prefill.out_info)  # the decode loop's state, as prefill leaves it
-    one_step = jax.jit(functools.partial(decode_step, config, strategy=static["strategy"]),
-                       donate_argnames="state")
-    return prefill, one_step.lower(params, state)
+        np.zeros((B, T), np.int32), np.ones((B,), np.int32), np.ones((B,), bool),
+        np.zeros((1,), np.int32), SamplingParams.broadcast(B), np.int32(N)))
+    key_B = jax.ShapeDtypeStruct((B,), jax.random.key(0).dtype, sharding=here)
+    strategy = Strategy.of(0.0, 0, 1.0)
+    prefill = _prefill.lower(config, params, *inputs, key_B, cache_len=T + N, n_out=N,
+                             cache_dtype=cache_dtype, strategy=strategy, placement=None)
+    rows = placed_like(prefill.out_info.rows)  # the decode loop's rows, as prefill leaves them
+    one_step = jax.jit(lambda params, rows: step(config, params, rows, strategy, 0),
+                       donate_argnums=1)
+    return prefill, one_step.lower(params, rows)
 
 
 def _new_tokens(tokens_BN: np.ndarray, logprobs_BN: np.ndarray, begin_B: np.ndarray,

@@ -1,8 +1,7 @@
 """Speculative decoding: cheap guesses of a row's next k tokens, which one target pass then
-verifies (acceptance.py keeps what the target would have produced), inside the jit-compiled
-decode loop of `generate` (`speculative_round`, over a `SpecState` carry); a round's pieces
-(`verify_or_step`, `cut`, `put_rows`, the auto-off's rates) serve the server's slots too
-(slots.py).
+verifies (acceptance.py keeps what the target would have produced). The round itself is
+`rows.speculative_round`, which `generate` and the server both take; here are its pieces:
+the guesses, `verify_or_step`, `cut`, `put_rows`, and the auto-off's rates.
 
 Prompt lookup (n-gram matching, as transformers' `prompt_lookup_num_tokens` and vLLM's
 `ngram` speculator do): the last n tokens of a row's sequence so far (prompt and output) are
@@ -10,7 +9,7 @@ looked for earlier in it, for n from `max_n` down to `min_n`; at the latest earl
 the longest n that matches (the latest with k tokens after it, if any has), the k tokens that
 followed are the proposal. It runs on the device, on the row's token buffer, so a decode loop
 proposes without a host round trip. A draft model (`draft_proposals`) decodes k tokens from
-its own cache in the same carry.
+its own cache, kept beside the rows'.
 """
 
 from __future__ import annotations
@@ -21,12 +20,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from llama_jax.config import ModelConfig
 from llama_jax.decode.acceptance import accept
 from llama_jax.decode.sampling import SamplingParams, Strategy, filter_logits, sample
-from llama_jax.decode.step import DecodeState, next_logits
+from llama_jax.decode.step import next_logits
 from llama_jax.model.kv_cache import KVCache
 from llama_jax.model.params import Params
 from llama_jax.model.transformer import apply
@@ -172,41 +170,6 @@ def speculation(config: ModelConfig, method: str | None, k: int, ngram: tuple[in
     return Speculation("draft", k, draft_config=draft_config, min_kept=float(min_accepted))
 
 
-@struct.dataclass
-class SpecState:
-    """The speculative decode loop's carry: the plain loop's (`base`, its cache with an end
-    per row, its `step` counting rounds) and what speculation adds."""
-
-    base: DecodeState
-    count_B: jax.Array  # [B] int32: tokens emitted per row
-    history_BL: jax.Array  # [B, L] int32: each row's prompt then output, from column 0
-    prompt_B: jax.Array  # [B] int32: prompt lengths
-    row_key_B: jax.Array  # [B] keys: a row's draws depend on its own key and count alone
-    draft_cache: KVCache | None  # the draft model's, ends per row like the target's
-    hit_rate_B: jax.Array  # [B] float32: each row's running rate of first guesses right
-    drafted: jax.Array  # [] int32: guesses verified (real ones: prompt lookup's may be fewer)
-    kept: jax.Array  # [] int32: of those, kept
-
-
-def start_speculation(state: DecodeState, prompts_BT: jax.Array, start_B: jax.Array,
-                      spec: Speculation, draft_cache: KVCache | None) -> SpecState:
-    """The speculative carry after prefill (`state` holds each row's first token; the
-    draft's cache, if any, the prompts)."""
-    B, T = prompts_BT.shape
-    N = state.tokens_BN.shape[1]
-    prompt_B = (T - start_B).astype(jnp.int32)
-    history_BL = jnp.pad(jax.vmap(jnp.roll)(prompts_BT, -start_B), ((0, 0), (0, N + spec.k)))
-    history_BL = history_BL.at[jnp.arange(B), prompt_B].set(state.tokens_BN[:, 0])
-    zero = jnp.zeros((), jnp.int32)
-    return SpecState(
-        base=state.replace(cache=state.cache.with_row_ends()),
-        count_B=jnp.full((B,), state.step, jnp.int32), history_BL=history_BL,
-        prompt_B=prompt_B,
-        row_key_B=jax.vmap(jax.random.fold_in, (None, 0))(state.key, jnp.arange(B)),
-        draft_cache=None if draft_cache is None else draft_cache.with_row_ends(),
-        hit_rate_B=jnp.full((B,), HIT_RATE_START, jnp.float32), drafted=zero, kept=zero)
-
-
 def draft_proposals(config: ModelConfig, params: Params, cache: KVCache, end_B: jax.Array,
                     before_B: jax.Array, last_B: jax.Array, sampling: SamplingParams, k: int,
                     strategy: Strategy, key_B: jax.Array
@@ -260,13 +223,13 @@ class Verified(NamedTuple):
 def verify_or_step(config: ModelConfig, params: Params, cache: KVCache, last_B: jax.Array,
                    guess_BK: jax.Array, q_BKV: jax.Array | None, n_guess_B: jax.Array,
                    sampling: SamplingParams, strategy: Strategy, keys_B2: jax.Array,
-                   verifying_B: jax.Array | None, run_pass: bool | None = None) -> Verified:
-    """The rows `verifying_B` (None: all) verify their guesses: one target pass over each
-    row's last token and guesses, accepted (`accept`, with the rows' first keys). The others
-    take a plain step (their second keys), in that pass when it runs, else by a plain decode
-    step of all: a row's tokens do not depend on what its neighbours do. The pass runs when
-    some row verifies (`run_pass` None: a `lax.cond`; XLA:CPU copies a cache that is its
-    operand in and out of it, so a server chooses by its program instead: True or False)."""
+                   verifying_B: jax.Array, run_pass: bool) -> Verified:
+    """With `run_pass`, one target pass over each row's last token and guesses, in which the
+    rows `verifying_B` verify their guesses (`accept`, with the rows' first keys) and the
+    others take a plain step (their second keys); without, a plain decode step of all. A
+    row's tokens do not depend on what its neighbours do. Which one runs is the caller's
+    static choice, never a `lax.cond`: XLA:CPU copies a cache that is a cond's operand in
+    and out of it (a server ran 0.72x as fast)."""
     T = guess_BK.shape[1] + 1
 
     def hit(token_B):
@@ -278,16 +241,13 @@ def verify_or_step(config: ModelConfig, params: Params, cache: KVCache, last_B: 
         logits_BTV = lm_head(config, params, h_BTD)
         tokens_BT, n_B = accept(logits_BTV, guess_BK, q_BKV, sampling, strategy, keys_B2[:, 0])
         kept_B, hit_B = jnp.minimum(n_B - 1, n_guess_B), n_B > 1
-        verified_B = jnp.ones_like(n_B, bool)
-        if verifying_B is not None:
-            token_B = sample(logits_BTV[:, 0], keys_B2[:, 1], sampling, strategy)
-            tokens_BT = jnp.where(verifying_B[:, None], tokens_BT, token_B[:, None])
-            n_B = jnp.where(verifying_B, n_B, 1)
-            kept_B = jnp.where(verifying_B, kept_B, 0)
-            hit_B = jnp.where(verifying_B, hit_B, hit(token_B))
-            verified_B = verifying_B
+        token_B = sample(logits_BTV[:, 0], keys_B2[:, 1], sampling, strategy)
+        tokens_BT = jnp.where(verifying_B[:, None], tokens_BT, token_B[:, None])
+        n_B = jnp.where(verifying_B, n_B, 1)
+        kept_B = jnp.where(verifying_B, kept_B, 0)
+        hit_B = jnp.where(verifying_B, hit_B, hit(token_B))
         return Verified(tokens_BT, n_B, jax.nn.log_softmax(logits_BTV.astype(jnp.float32)),
-                        verified_cache, verified_B, kept_B, hit_B)
+                        verified_cache, verifying_B, kept_B, hit_B)
 
     def plain():
         logits_BV, stepped_cache = next_logits(config, params, last_B, cache)
@@ -298,11 +258,7 @@ def verify_or_step(config: ModelConfig, params: Params, cache: KVCache, last_B: 
                         jnp.broadcast_to(logprobs_BV[:, None], (B, T, V)), stepped_cache,
                         jnp.zeros((B,), bool), jnp.zeros_like(token_B), hit(token_B))
 
-    if verifying_B is None or run_pass:
-        return verify()
-    if run_pass is False:
-        return plain()
-    return jax.lax.cond(jnp.any(verifying_B), verify, plain)
+    return verify() if run_pass else plain()
 
 
 def worth_verifying(hit_rate_B: jax.Array, proposing_B: jax.Array, spec: Speculation
@@ -312,6 +268,17 @@ def worth_verifying(hit_rate_B: jax.Array, proposing_B: jax.Array, spec: Specula
     numpy arrays too (a server's host chooses its program by it, not waiting for the
     device)."""
     return proposing_B & (expected_kept(hit_rate_B, spec.k) >= spec.min_kept)
+
+
+def worth_a_pass(hit_rate_B: np.ndarray, in_use_B: np.ndarray, spec: Speculation) -> bool:
+    """Whether a program's rounds should run verify passes (decided on the host, from the
+    rows' rates): when the rows worth verifying may expect to keep more guesses than the
+    passes cost all rows in use. The pass costs every row, so a row worth verifying alone
+    may be outvoted: then it takes plain steps (the same distribution; a sampled row's draws
+    then depend on its neighbours)."""
+    worth_B = worth_verifying(hit_rate_B, in_use_B, spec)
+    gain = expected_kept(hit_rate_B, spec.k)[worth_B].sum()
+    return bool(worth_B.any() and gain >= spec.min_kept * in_use_B.sum())
 
 
 def expected_kept(hit_rate_B, k: int):
@@ -351,49 +318,3 @@ def put_rows(buffer: jax.Array, at_B: jax.Array, values_BT, n_B: jax.Array) -> j
 def token_logprobs(logprobs_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
     """The log-probabilities `[B, T]` of the tokens."""
     return jnp.take_along_axis(logprobs_BTV, tokens_BT[..., None], -1)[..., 0]
-
-
-def speculative_round(config: ModelConfig, params: Params, st: SpecState, spec: Speculation,
-                      strategy: Strategy, draft_params: Params | None) -> SpecState:
-    """One round of every row: guesses, one target pass verifying them (or, for prompt
-    lookup below `min_kept` or without a guess, a plain step), and each row's kept guesses
-    and next token recorded; each row advances by its own count."""
-    base, k = st.base, spec.k
-    keys_B3 = jax.vmap(lambda key: jax.random.split(key, 3))(
-        jax.vmap(jax.random.fold_in)(st.row_key_B, st.count_B))
-    active_B = ~base.done_B
-    draft_cache = st.draft_cache
-    if spec.method == "ngram":
-        guess_BK, n_guess_B = ngram_proposals(st.history_BL, st.prompt_B + st.count_B, k,
-                                              *spec.ngram)
-        q_BKV = None
-    else:
-        length_B = st.prompt_B + st.count_B
-        before_B = jnp.take_along_axis(st.history_BL, (length_B - 2)[:, None], 1)[:, 0]
-        guess_BK, q_BKV, draft_cache = draft_proposals(
-            spec.draft_config, draft_params, draft_cache, base.cache.end, before_B,
-            base.last_B, base.sampling, k, strategy, keys_B3[:, 0])
-        n_guess_B = jnp.full(active_B.shape, k, jnp.int32)
-    proposing_B = active_B & (n_guess_B > 0)
-    verifying_B = (worth_verifying(st.hit_rate_B, proposing_B, spec)
-                   if spec.method == "ngram" else None)
-    v = verify_or_step(config, params, base.cache, base.last_B, guess_BK, q_BKV, n_guess_B,
-                       base.sampling, strategy, keys_B3[:, 1:], verifying_B)
-    verified_B = proposing_B & v.verified_B
-    n_B, stopped_B = cut(v.tokens_BT, v.n_B, base.max_new - st.count_B, base.done_B,
-                         base.stop_BS[:, None, :])
-    count_B = st.count_B + n_B
-    last_B = jnp.take_along_axis(v.tokens_BT, jnp.maximum(n_B - 1, 0)[:, None], 1)[:, 0]
-    new_base = base.replace(
-        cache=v.cache.replace(end=base.cache.end + n_B),
-        tokens_BN=put_rows(base.tokens_BN, st.count_B, v.tokens_BT, n_B),
-        logprobs_BN=put_rows(base.logprobs_BN, st.count_B,
-                             token_logprobs(v.logprobs_BTV, v.tokens_BT), n_B),
-        last_B=jnp.where(n_B > 0, last_B, base.last_B),
-        done_B=base.done_B | stopped_B | (count_B >= base.max_new), step=base.step + 1)
-    return st.replace(
-        base=new_base, count_B=count_B, draft_cache=draft_cache,
-        history_BL=put_rows(st.history_BL, st.prompt_B + st.count_B, v.tokens_BT, n_B),
-        hit_rate_B=updated_rate(st.hit_rate_B, v.hit_B, proposing_B),
-        drafted=st.drafted + jnp.sum(jnp.where(verified_B, n_guess_B, 0)),
-        kept=st.kept + jnp.sum(jnp.where(verified_B, v.kept_B, 0)))

@@ -63,13 +63,13 @@ class KVCache:
         return self.replace(groups=tuple(mapped(g) for g in self.groups), max_len=max_len)
 
 
-# Moving rows and slots, for a server's decode slots (serve/engine.py): its rows share `end`,
-# so a row is inserted by placing its prompt to end there, and the slots are moved or resized
-# when the rows in use need more or fewer of them.
+# Resizing the cache and writing one row of it, for a server's decode rows (decode/rows.py):
+# each row holds its sequence from position 0 with an end of its own, so a row is written
+# whole and the cache grows or shrinks at its end.
 
 def resized(cache: KVCache, max_len: int) -> KVCache:
-    """The cache with `max_len` slots: its first `max_len` (the caller keeps `end` within
-    them), or all of them followed by empty ones."""
+    """The cache with `max_len` positions: its first `max_len` (the caller keeps every end
+    within them), or all of them followed by empty ones."""
     def resize(x, axis):
         if max_len <= x.shape[axis]:
             return jax.lax.slice_in_dim(x, 0, max_len, axis=axis)
@@ -77,28 +77,6 @@ def resized(cache: KVCache, max_len: int) -> KVCache:
         pad[axis] = (0, max_len - x.shape[axis])
         return jnp.pad(x, pad)
     return cache.map_seq(resize, max_len)
-
-
-def shifted(cache: KVCache, d: jax.Array) -> KVCache:
-    """Every row's slots moved `d` later (earlier if negative), `start` and `end` with them, so
-    each row computes what it did before as long as none of its slots in
-    `start .. end - 1` wraps around the end of the cache."""
-    moved = cache.map_seq(lambda x, axis: jnp.roll(x, d, axis=axis), cache.max_len)
-    return moved.replace(start=cache.start + d, end=cache.end + d)
-
-
-def moved(cache: KVCache, d: jax.Array, max_len: int) -> KVCache:
-    """The cache in `max_len` slots with every row's slots moved `d` later, where the new
-    slots are a window of the old (or the old of the new): growing, for
-    0 <= d <= max_len - S; shrinking, for 0 <= -d <= S - max_len (the rows lie in the window).
-    One copy, where `resized` and `shifted` copy the cache three times (pad or slice, then
-    roll's concatenation and slice)."""
-    def place(x, axis):
-        if max_len <= x.shape[axis]:
-            return jax.lax.dynamic_slice_in_dim(x, -d, max_len, axis)
-        empty = jnp.zeros((*x.shape[:axis], max_len, *x.shape[axis + 1:]), x.dtype)
-        return jax.lax.dynamic_update_slice_in_dim(empty, x, d, axis)
-    return cache.map_seq(place, max_len).replace(start=cache.start + d, end=cache.end + d)
 
 
 def with_row(cache: KVCache, b: jax.Array, row: KVCache) -> KVCache:

@@ -83,9 +83,6 @@ def kv_cache_bytes_per_token(config: ModelConfig, dtype: str = "bfloat16") -> in
     return config.n_layers * vectors * kv_storage.bytes_per_vector(width, dtype)
 
 
-# A server's cache holds, per decode slot, its request's tokens and the decode steps of the
-# dispatches that run while the host learns that it stopped (serve/engine.py).
-SERVING_SLACK_DISPATCHES = 3
 # The server's default --steps-per-dispatch: on the 2-core CPU, 4 served mixed-length
 # requests 4.5% faster than 8 (a row that finishes waits out the rest of its dispatch and the
 # next one: BENCHMARKS.md, serving).
@@ -93,9 +90,9 @@ SERVING_STEPS_PER_DISPATCH = 4
 # Prompt tokens a server prefills per chunk (and per prefix cache block), by default.
 SERVING_PREFILL_CHUNK = 128
 # A server's prefix cache by default: this share of the memory free after the weights and
-# the slots' cache, and at most this multiple of the slots' cache.
+# the rows' cache, and at most this multiple of the rows' cache.
 PREFIX_CACHE_SHARE = 0.5
-PREFIX_CACHE_SLOTS_MULTIPLE = 4
+PREFIX_CACHE_ROWS_MULTIPLE = 4
 
 
 def prefix_cache_blocks(cache_bytes: int, block_bytes: int, chunk: int, max_seq_len: int) -> int:
@@ -104,32 +101,26 @@ def prefix_cache_blocks(cache_bytes: int, block_bytes: int, chunk: int, max_seq_
     return cache_bytes // block_bytes if chunk < max_seq_len else 0
 
 
-def default_prefix_cache_bytes(free_after: int | None, slots_cache: int) -> int:
+def default_prefix_cache_bytes(free_after: int | None, rows_cache: int) -> int:
     """The prefix cache a server keeps when not told (bytes per device), given the memory
-    free after its weights and slots (None: unknown) and the slots' cache."""
-    most = PREFIX_CACHE_SLOTS_MULTIPLE * slots_cache
+    free after its weights and rows (None: unknown) and the rows' cache."""
+    most = PREFIX_CACHE_ROWS_MULTIPLE * rows_cache
     return most if free_after is None else max(0, min(most, int(free_after * PREFIX_CACHE_SHARE)))
 
 
 def serving_cache_bytes(config: ModelConfig, max_batch: int, max_seq_len: int,
-                        cache_dtype: str = "bfloat16",
-                        steps_per_dispatch: int = SERVING_STEPS_PER_DISPATCH) -> int:
-    """The KV cache of a server's `max_batch` decode slots at its largest: `max_seq_len`
-    tokens each plus the slack of SERVING_SLACK_DISPATCHES dispatches."""
-    return (max_batch * serving_cache_slots(max_seq_len, steps_per_dispatch)
+                        cache_dtype: str = "bfloat16") -> int:
+    """The KV cache of a server's `max_batch` decode rows at its largest: `max_seq_len`
+    positions each."""
+    return (max_batch * serving_cache_len(max_seq_len)
             * kv_cache_bytes_per_token(config, cache_dtype))
 
 
-def serving_cache_slots(max_seq_len: int, steps_per_dispatch: int,
-                        speculative_tokens: int | None = None) -> int:
-    """The cache positions a server's slot holds at its largest: `max_seq_len` and the slack
-    of SERVING_SLACK_DISPATCHES dispatches, which a row may run past its end before it
-    leaves; speculating with k `speculative_tokens`, at least k + 1 past `max_seq_len` (a
-    row's last verify pass writes them past its end)."""
-    slots = max_seq_len + SERVING_SLACK_DISPATCHES * steps_per_dispatch
-    if speculative_tokens is None:
-        return slots
-    return max(slots, max_seq_len + speculative_tokens + 1)
+def serving_cache_len(max_seq_len: int, speculative_tokens: int | None = None) -> int:
+    """The cache positions a server's row holds at its largest: `max_seq_len` (a row that
+    stopped stays at its end); speculating with k `speculative_tokens`, k more (a row's last
+    verify pass writes them past its end)."""
+    return max_seq_len + (speculative_tokens or 0)
 
 
 def train_flops_per_token(config: ModelConfig, seq_len: int, frozen_backbone: bool = False

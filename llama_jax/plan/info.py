@@ -189,10 +189,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="batch size B (default: one sequence per data-parallel device of "
                              "the training plan's mesh, else 1)")
     parser.add_argument("--max-batch", type=int, default=None,
-                        help="serving: the KV cache of this many decode slots (with "
+                        help="serving: the KV cache of this many decode rows (with "
                              "--max-seq-len; default 8 when that is given)")
     parser.add_argument("--max-seq-len", type=int, default=None,
-                        help="serving: tokens per slot (default: the model's context when "
+                        help="serving: tokens per row (default: the model's context when "
                              "--max-batch is given)")
     parser.add_argument("--seq", type=int, default=None,
                         help="sequence / context length S (default: the model's max_seq_len)")
@@ -309,28 +309,25 @@ def plan_serving(config: ModelConfig, max_batch: int, max_seq_len: int,
     if max_seq_len > config.max_seq_len:
         raise ConfigError(f"--max-seq-len={max_seq_len} is more than the model's context "
                           f"({config.max_seq_len})")
-    steps, chunk = costs.SERVING_STEPS_PER_DISPATCH, costs.SERVING_PREFILL_CHUNK
-    slots = costs.serving_cache_bytes(config, max_batch, max_seq_len, cache_dtype, steps)
+    chunk = costs.SERVING_PREFILL_CHUNK
+    rows = costs.serving_cache_bytes(config, max_batch, max_seq_len, cache_dtype)
     # The server's default prefix cache where memory is plenty (a share of the free memory
     # otherwise), in whole blocks of one prefill chunk.
     block = chunk * costs.kv_cache_bytes_per_token(config, cache_dtype)
-    most = block * costs.prefix_cache_blocks(costs.default_prefix_cache_bytes(None, slots),
+    most = block * costs.prefix_cache_blocks(costs.default_prefix_cache_bytes(None, rows),
                                              block, chunk, max_seq_len)
     return {"max_batch": max_batch, "max_seq_len": max_seq_len, "cache_dtype": cache_dtype,
-            "steps_per_dispatch": steps, "kv_cache_bytes": slots, "prefill_chunk": chunk,
+            "kv_cache_bytes": rows, "prefill_chunk": chunk,
             "prefix_cache_bytes": most}
 
 
 def render_serving(s: dict) -> str:
-    slack = costs.SERVING_SLACK_DISPATCHES * s["steps_per_dispatch"]
     return (f"serving KV cache     {format_bytes(s['kv_cache_bytes'])} ({s['cache_dtype']}) for "
-            f"{s['max_batch']} slots of {s['max_seq_len']} + {slack} tokens "
-            f"(--max-seq-len, plus {costs.SERVING_SLACK_DISPATCHES} dispatches of "
-            f"{s['steps_per_dispatch']} steps)\n"
+            f"{s['max_batch']} rows of {s['max_seq_len']} tokens (--max-batch, --max-seq-len)\n"
             f"prefix cache         at most {format_bytes(s['prefix_cache_bytes'])} "
-            f"({costs.PREFIX_CACHE_SLOTS_MULTIPLE}x the slots' cache, in blocks of "
+            f"({costs.PREFIX_CACHE_ROWS_MULTIPLE}x the rows' cache, in blocks of "
             f"{s['prefill_chunk']} tokens; {costs.PREFIX_CACHE_SHARE:.0%} of the memory free "
-            "after the weights and slots when less: --prefix-cache-bytes)")
+            "after the weights and rows when less: --prefix-cache-bytes)")
 
 
 if __name__ == "__main__":

@@ -245,7 +245,7 @@ class Server:
         """Submits `n` choices per prompt; refuses all of them if the queue cannot take them."""
         if body.n > self.engine.max_batch:
             raise OpenAIError(400, f"n={body.n} is more than this server's "
-                                   f"{self.engine.max_batch} decode slots", "n")
+                                   f"{self.engine.max_batch} decode rows", "n")
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
         choices = []

@@ -7,15 +7,15 @@ from pathlib import Path
 
 from llama_jax.config import MeshConfig, cache_dtype_name
 from llama_jax.data.tokenizer import load_tokenizer
-from llama_jax.decode.decoder import memory_need, owned_decoder_params, slots_cache_bytes
-from llama_jax.decode.slots import check_prefill_chunk
+from llama_jax.decode.decoder import memory_need, owned_decoder_params, rows_cache_bytes
+from llama_jax.decode.batching import check_prefill_chunk
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.formats.checkpoint import load_checkpoint
 from llama_jax.parallel import target
 from llama_jax.parallel.devices import free_memory_bytes
 from llama_jax.parallel.sharding import make_mesh
 from llama_jax.plan.costs import (SERVING_PREFILL_CHUNK, SERVING_STEPS_PER_DISPATCH,
-                                  default_prefix_cache_bytes, serving_cache_slots)
+                                  default_prefix_cache_bytes, serving_cache_len)
 from llama_jax.serve.api import Server
 from llama_jax.data.chat import chat_format
 from llama_jax.serve.engine import Engine
@@ -55,7 +55,7 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
     seq_len = max_seq_len or config.max_seq_len
     speculating = speculate is not None or draft is not None
     prefix_cache_bytes = check_cache_fits(config, params, max_batch, seq_len, cache_dtype,
-                                          steps_per_dispatch, mesh, prefix_cache_bytes,
+                                          mesh, prefix_cache_bytes,
                                           num_speculative_tokens if speculating else None,
                                           draft)
     # The server keeps one copy of the weights, the decoder's: the stacked arrays go here.
@@ -76,17 +76,17 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
 
 
 def check_cache_fits(config, params, max_batch: int, max_seq_len: int, cache_dtype: str,
-                     steps_per_dispatch: int, mesh: MeshConfig | None,
+                     mesh: MeshConfig | None,
                      prefix_cache_bytes: int | None = None,
                      speculative_tokens: int | None = None, draft=None) -> int:
-    """Refuses slots whose KV cache is more than the memory left after loading the model: on
+    """Refuses rows whose KV cache is more than the memory left after loading the model: on
     a mesh, the part of the cache one device holds against that device's free memory; then a
-    prefix cache of `prefix_cache_bytes` more than what is left after the slots. Speculating
-    with k `speculative_tokens` (and a draft model `(config, params)`), the slots are k + 1
+    prefix cache of `prefix_cache_bytes` more than what is left after the rows. Speculating
+    with k `speculative_tokens` (and a draft model `(config, params)`), the rows are k
     longer (and the draft's cache is beside them). Returns the prefix cache's bytes (per
     device; None asks for the default share)."""
-    slots = serving_cache_slots(max_seq_len, steps_per_dispatch, speculative_tokens)
-    cache = slots_cache_bytes(config, params, max_batch, slots, cache_dtype, mesh, draft)
+    max_len = serving_cache_len(max_seq_len, speculative_tokens)
+    cache = rows_cache_bytes(config, params, max_batch, max_len, cache_dtype, mesh, draft)
     need = memory_need(cache, params)
     free = free_memory_bytes()
     # CPU: the host's memory, whole
@@ -95,7 +95,7 @@ def check_cache_fits(config, params, max_batch: int, max_seq_len: int, cache_dty
     if free is not None and need > free:
         part = "each device's part of the KV cache" if each else "the KV cache"
         raise GenerateError(
-            f"{part} of --max-batch {max_batch} slots of --max-seq-len {max_seq_len} tokens "
+            f"{part} of --max-batch {max_batch} rows of --max-seq-len {max_seq_len} tokens "
             f"({cache_dtype}) needs {need / GIB:.2f} GiB, but {free / GIB:.2f} GiB is "
             f"free{where} after loading the model: lower --max-batch or --max-seq-len, or use "
             "--cache-dtype int8")
@@ -105,6 +105,6 @@ def check_cache_fits(config, params, max_batch: int, max_seq_len: int, cache_dty
     if prefix_cache_bytes < 0 or (left is not None and prefix_cache_bytes > left):
         raise GenerateError(
             f"--prefix-cache-bytes {prefix_cache_bytes} must be >= 0 and at most the "
-            f"{max(left or 0, 0) / GIB:.2f} GiB free{where} after the weights and the slots' "
+            f"{max(left or 0, 0) / GIB:.2f} GiB free{where} after the weights and the rows' "
             "KV cache")
     return prefix_cache_bytes

@@ -1,20 +1,20 @@
-"""Continuous batching: a fixed set of decode slots that requests enter and leave while the
+"""Continuous batching: a fixed set of decode rows that requests enter and leave while the
 others keep decoding.
 
     engine = Engine(config, params, max_batch=8, stop_ids=config.stop_ids)
     engine.warm_up(); engine.start()
     engine.submit(Request(prompt=[1, 415, 2936], max_tokens=64, deliver=print))
 
-The slots and their device programs are `decode/slots.py`'s; this is the host side. The engine
-thread, between programs:
+The rows are `decode/rows.py`'s and their device programs `decode/batching.py`'s; this is the
+host side. The engine thread, between programs:
 - admits a waiting request (or the `n` choices of one prompt, `submit_group`) once rows are
   free for it: the rows are reserved and its prompt is looked up in the prefix cache (below);
-- prefills admitted prompts chunk by chunk (`slots.prefill_chunk`, `prefill_chunk` tokens per
+- prefills admitted prompts chunk by chunk (`batching.prefill_chunk`, `prefill_chunk` tokens per
   chunk, the last padded to a power of two), about one chunk's worth of tokens between two
   decode programs, so the rows decoding keep emitting while a long prompt arrives; a prompt
-  whose last chunk is done is written into each of its rows (`slots.insert`, which samples
+  whose last chunk is done is written into each of its rows (`batching.insert`, which samples
   each choice's first token from the shared last logits with the choice's own key);
-- runs `steps_per_dispatch` decode steps for every row in one program (`slots.decode`), and
+- runs `steps_per_dispatch` decode steps for every row in one program (`batching.decode`), and
   reads the previous program's tokens while this one runs; it hands each request its tokens
   (`deliver`), and frees a row once its request has stopped, asked to stop (a stop string) or
   been cancelled; a row whose request will have all its `max_tokens` once the programs
@@ -30,20 +30,21 @@ the same programs on the same inputs cold or warm: its cache, logits and tokens 
 bit for bit. Requests that score their prompt (`prompt_logprobs`) neither read nor fill the
 cache: they compute every chunk with the scoring programs, as with the cache off.
 
-The rows share the cache's write slot `end` (each row's sequence ends there; `start` marks where
-it begins). A prompt of n tokens needs end >= n, and K decode steps need K free slots
-after `end`, so before each program the host arranges the slots (`_arrange`): it moves every
-row's slots (`slots.rearrange`) so that `end` is far enough along, or back to the start of
-the longest row in use; and it resizes the cache to a power of two that holds the rows in use
-plus the next steps, between `MIN_SLOTS` and the context plus slack. A step reads every slot,
-so short requests decode as fast as in a small cache. The host mirrors `end`, the size and each
-row's start; programs are compiled per size (and prefill chunk shape), once.
+Each row holds its request's sequence from cache position 0 and ends where it has got to
+(the cache has an end per row), so rows are never moved: a row is written whole when its
+prompt is inserted. The cache grows and shrinks at its end (`batching.resize`): before each
+program the host makes it the power of two (between `MIN_CACHE_LEN` and the context) that
+holds what every row decoding may write in the next dispatch (`_room`, from each row's end
+at most, which the host mirrors), and halves it once half would do; a speculating server
+keeps it at its largest. A step attends over the cache's positions, so short requests
+decode as fast as in a small cache. Programs are compiled per cache length (and prefill
+chunk shape), once.
 
 A request's tokens do not depend on its companions: rows never mix (MoE decodes without
 dropping; a prompt's chunks route through a capacity factor chunk by chunk), its position is
-its slot minus its start, and its sampling key for step s is `fold_in(key, s)` of its own
-key: with `key(seed)`, the key `generate` uses for a one-prompt batch, so a seeded request
-samples what `generate(..., seed=seed)` samples alone.
+its cache position, and its sampling key for step s is `fold_in(key, s)` of its own
+key: by default `rows.row_key(seed)`, the key of a one-prompt `generate`'s row, so a seeded
+request samples what `generate(..., seed=seed)` samples alone.
 """
 
 from __future__ import annotations
@@ -64,27 +65,28 @@ import numpy as np
 
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name
 from llama_jax.decode import prefix_pool
-from llama_jax.decode import slots as programs
-from llama_jax.decode.decoder import decoder_params, resolve_decode_impl, slots_cache_bytes
+from llama_jax.decode import batching as programs
+from llama_jax.decode.decoder import decoder_params, resolve_decode_impl, rows_cache_bytes
 from llama_jax.decode.speculate import speculation
 from llama_jax.shapes import bucket
 from llama_jax.decode.step import NO_TOKEN, check_prompt, stop_table
 from llama_jax.decode.sampling import SamplingParams, Strategy, check_settings
 from llama_jax.decode.prefix_pool import prefix_block_bytes
-from llama_jax.decode.slots import (TOP_LOGPROBS, Emitted, check_prefill_chunk,
-                                    chunk_capacity, chunk_plan, chunk_shapes)
-from llama_jax.decode.speculate import HIT_RATE_START, expected_kept, worth_verifying
+from llama_jax.decode.batching import (TOP_LOGPROBS, check_prefill_chunk, chunk_capacity,
+                                       chunk_plan, chunk_shapes)
+from llama_jax.decode.rows import Emitted, row_key
+from llama_jax.decode.speculate import HIT_RATE_START, worth_a_pass
 from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import KVCache
 from llama_jax.model.params import Params
 from llama_jax.parallel import sharding, target
 from llama_jax.plan.costs import (SERVING_PREFILL_CHUNK, SERVING_STEPS_PER_DISPATCH,
-                                  prefix_cache_blocks, serving_cache_slots)
+                                  prefix_cache_blocks, serving_cache_len)
 from llama_jax.serve.prefix_index import PrefixIndex
 
 log = logging.getLogger("llama_jax.serve")
 
-MIN_SLOTS = 64  # the smallest cache the slots shrink to
+MIN_CACHE_LEN = 64  # the fewest positions the rows' cache shrinks to
 # The engine's counters (`stats()`) and what they count.
 COUNTERS = {"prefill_chunks": "Prefill programs run",
             "prefix_cache_lookups": "Prompts looked up in the prefix cache",
@@ -121,7 +123,7 @@ class Request:
     """One sequence to decode. `deliver(chunk)` is called on the engine thread after each
     program that gave the request tokens, and once more when it finishes; it returns True to
     stop the request there (e.g. a stop string appeared: finish reason "stop"). `key` is the
-    request's sampling key (default `key(seed)`)."""
+    request's sampling key (default `rows.row_key(seed)`)."""
 
     prompt: Sequence[int]
     max_tokens: int
@@ -196,8 +198,7 @@ class Engine:
     that). Parameters on a mesh decode under `mesh_config`'s rules. `speculate="ngram"`
     decodes by prompt lookup, `draft=(draft_config, draft_params)` (or `speculate="draft"`
     with it) by a draft model (`num_speculative_tokens`, `ngram` and `min_accepted` as for
-    `generate`): each dispatch then runs `steps_per_dispatch` rounds, and the rows hold the
-    whole context from slot 0 (they are never moved or resized). A draft prefills each
+    `generate`): each dispatch then runs `steps_per_dispatch` rounds. A draft prefills each
     prompt whole into its own cache (the prefix cache holds the model's chunks only)."""
 
     def __init__(self, config: ModelConfig, params: Params, *, max_batch: int = 8,
@@ -230,16 +231,21 @@ class Engine:
         if draft is not None and self.placement is not None:
             raise GenerateError("a server's draft model decodes on one device: serve it "
                                 "without a mesh, or speculate by prompt lookup")
-        self.max_slots = serving_cache_slots(self.max_seq_len, self.steps,
-                                             self.spec and self.spec.k)
-        impl = resolve_decode_impl(decode_impl, params, slots_cache_bytes(
-            config, params, max_batch, self.max_slots, self.cache_dtype, mesh_config, draft))
+        self.max_len = serving_cache_len(self.max_seq_len, self.spec and self.spec.k)
+        impl = resolve_decode_impl(decode_impl, params, rows_cache_bytes(
+            config, params, max_batch, self.max_len, self.cache_dtype, mesh_config, draft))
         self.params = decoder_params(params, impl)
         self.draft_params = None if draft is None else decoder_params(draft[1], impl)
         self.layout = "stacked" if impl == "scan" else "per_layer"
         self.stop_ids = stop_table(config, stop_ids)
-        # Speculating rows end where each has got to: they hold the whole context.
-        self.min_slots = self.max_slots if self.spec else min(self.max_slots, MIN_SLOTS)
+        # What a dispatch may advance a row by, and the positions past its end a round writes
+        # (a verify pass's guesses).
+        self.advance = self.steps * (1 + (self.spec.k if self.spec else 0))
+        self.past_end = self.spec.k if self.spec else 0
+        # Speculating rows keep the cache at its largest: a verify pass's sums over the cache
+        # positions round differently at another length, and a request's log-probabilities
+        # would depend on the requests before it.
+        self.min_len = self.max_len if self.spec else min(self.max_len, MIN_CACHE_LEN)
         self.prefill_chunk = prefill_chunk
         self.prefix_blocks = prefix_cache_blocks(
             prefix_cache_bytes, prefix_block_bytes(config, params, prefill_chunk,
@@ -261,19 +267,22 @@ class Engine:
         self._reset()
         self._reset_pool()
 
-    # ----------------------------------------------------------------- the slots on the host
+    # ------------------------------------------------------------------ the rows on the host
 
     def _reset(self) -> None:
-        """Empty rows on a cache of the smallest size."""
+        """Empty rows on a cache of the fewest positions."""
         B, config = self.max_batch, self.config
-        self.slots = self._run(programs.empty_slots, np.asarray(self.stop_ids, np.int32),
-                               config=config, batch=B, max_len=self.min_slots,
-                               cache_dtype=self.cache_dtype, layout=self.layout,
-                               spec=self.spec, placement=self.placement)
+        self.cache_len = self.min_len
+        self.rows = self._run(programs.empty_rows, np.asarray(self.stop_ids, np.int32),
+                              config=config, batch=B, max_len=self.cache_len,
+                              cache_dtype=self.cache_dtype, layout=self.layout,
+                              spec=self.spec, placement=self.placement)
         self.owners: list[Request | None] = [None] * B
         self.dispatched = [0] * B  # each row's tokens once the programs dispatched have run
-        self.end, self.size = 0, self.min_slots
-        self.row_start = [0] * B  # each row's first slot
+        # Each row's cache end at most, once the programs dispatched have run, and at its
+        # request's last token.
+        self.end_bound = [0] * B
+        self.last_end = [0] * B
         # Speculating: the rows' rates of first guesses right after each decode program read
         # (the last two), and the decode program each row's request was inserted before.
         self.programs_dispatched = 0
@@ -292,41 +301,25 @@ class Engine:
         self._index = PrefixIndex(self.prefix_blocks, self.prefill_chunk, self.cache_dtype)
 
     def _size_for(self, n: int) -> int:
-        return min(max(bucket(n), self.min_slots), self.max_slots)
+        return min(max(bucket(n), self.min_len), self.max_len)
 
-    def _arrange(self, min_end: int) -> None:
-        """Makes `end >= min_end` with `steps` free slots after it: moves every row's slots
-        (later; or back to the start of the longest row in use, when the cache would
-        otherwise grow or could halve) and resizes the cache to fit. Speculating rows stay
-        put (they hold the whole context)."""
-        if self.spec:
-            return
-        rows = [self.row_start[b] for b in range(self.max_batch) if self._decoding(b)]
-        first = min(rows, default=self.end)  # where the longest row in use starts
-        end = max(self.end, min_end) if rows else min_end
-        size = self.size
-        compact_end = max(self.end - first, min_end)
-        if end + self.steps > size or self._size_for(compact_end + self.steps) * 2 <= size:
-            end = compact_end
-            size = self._size_for(end + self.steps)
-        if end + self.steps > size:
-            raise AssertionError(f"no room: end {end} + {self.steps} steps > {size} slots")
-        self._place(end, size)
+    def _room(self, b: int) -> int:
+        """The cache positions row `b` may write up to in the next dispatch."""
+        return min(self.end_bound[b] + self.advance, self.last_end[b]) + self.past_end
 
-    def _place(self, end: int, size: int, window: bool | None = None) -> None:
-        """Moves every row's slots so that `end` is the next to write, in `size` slots: in one
-        copy where the new slots are a window of the old or the old of the new (`window`:
-        None, when they are)."""
-        if (end == self.end and size == self.size) or self.spec:  # speculating rows stay put
-            return
-        shift = end - self.end
-        if window is None:
-            grow = size - self.size
-            window = 0 <= shift <= grow if grow > 0 else grow < 0 and 0 <= -shift <= -grow
-        self.slots = self._run(programs.rearrange, self.slots, np.int32(shift), max_len=size,
-                               window=window)
-        self.row_start = [s + shift for s in self.row_start]
-        self.end, self.size = end, size
+    def _fit(self, need: int = 0) -> None:
+        """Resizes the cache (at its end: every row starts at position 0) to hold `need`
+        positions and the next dispatch of every row decoding: grown to the next size when
+        short, cut when half of it would do."""
+        need = max([need, *(self._room(b) for b in range(self.max_batch) if self._decoding(b))])
+        size = self._size_for(need)
+        if size > self.cache_len or size * 2 <= self.cache_len:
+            self._resize(size)
+
+    def _resize(self, size: int) -> None:
+        if size != self.cache_len:
+            self.rows = self._run(programs.resize, self.rows, max_len=size)
+            self.cache_len = size
 
     # --------------------------------------------------------------------------- programs
 
@@ -375,11 +368,11 @@ class Engine:
                 sampling: SamplingParams, key_1: jax.Array, prompt: Sequence[int],
                 draft_one: KVCache | None = None) -> Emitted:
         prompt_1S = None
-        if self.spec:  # the guesses read the row's tokens beside its slots
-            prompt_1S = np.zeros((1, self.size), np.int32)
+        if self.spec:  # the guesses read the row's tokens beside its cache
+            prompt_1S = np.zeros((1, self.cache_len), np.int32)
             prompt_1S[0, :len(prompt)] = prompt
-        self.slots, first = self._run(programs.insert, self.slots, one, logits_1V, np.int32(b),
-                                      np.int32(max_new), sampling, key_1, prompt_1S, draft_one)
+        self.rows, first = self._run(programs.insert, self.rows, one, logits_1V, np.int32(b),
+                                     np.int32(max_new), sampling, key_1, prompt_1S, draft_one)
         return first
 
     def _restore(self, blocks: list[int]) -> KVCache:
@@ -399,26 +392,21 @@ class Engine:
     def _decode(self, strategy: Strategy, top: int, verify: bool = False) -> Emitted:
         program, args, spec = ((programs.decode, (), {}) if self.spec is None else (
             programs.speculate, (self.draft_params,), {"spec": self.spec, "verify": verify}))
-        self.slots, emitted = self._run(program, self.slots, self.params, *args,
-                                        config=self.config, n_steps=self.steps,
-                                        strategy=strategy, top=top, placement=self.placement,
-                                        **spec)
+        self.rows, emitted = self._run(program, self.rows, self.params, *args,
+                                       config=self.config, n_steps=self.steps,
+                                       strategy=strategy, top=top, placement=self.placement,
+                                       **spec)
         return emitted
 
     def _worth_verifying(self) -> bool:
-        """Whether the next program's rounds should run verify passes: when the rows worth
-        verifying (by the rates that decide on the device: as the program before the last
-        left them, read by now without waiting for the last, or a fresh request's) may
-        expect to keep more guesses than the passes cost all rows in use. The pass costs
-        every row, so a row worth verifying alone may be outvoted: then it takes plain steps
-        (the same distribution; a sampled row's draws then depend on its neighbours)."""
+        """Whether the next program's rounds should run verify passes (`worth_a_pass`), by
+        the rates that decide on the device: as the program before the last left them, read
+        by now without waiting for the last, or a fresh request's."""
         p = self.programs_dispatched
         rates = self.end_rates.get(p - 2, np.full(self.max_batch, HIT_RATE_START, np.float32))
         rates = np.where(np.asarray(self.inserted_before) >= p - 1, HIT_RATE_START, rates)
         in_use_B = np.asarray([self._decoding(b) for b in range(self.max_batch)])
-        worth_B = worth_verifying(rates, in_use_B, self.spec)
-        gain = expected_kept(rates, self.spec.k)[worth_B].sum()
-        return bool(worth_B.any() and gain >= self.spec.min_kept * in_use_B.sum())
+        return worth_a_pass(rates, in_use_B, self.spec)
 
     def _start_prefill(self, group: list[Request], rows: list[int]) -> _Prefill:
         """Reserves `rows` for the requests of `group` (one prompt) and restores the longest
@@ -474,13 +462,13 @@ class Engine:
             if request.cancelled:
                 self._finish(request, Chunk([], [], [], finish_reason="cancelled"))
                 continue
-            key_1 = (jax.random.key(request.seed) if request.key is None else request.key)[None]
+            key_1 = (row_key(request.seed) if request.key is None else request.key)[None]
             sampling = SamplingParams.broadcast(1, request.temperature, request.top_k,
                                                 request.top_p, request.min_p)
-            self._arrange(n)
+            self.end_bound[b], self.last_end[b] = n, n + request.max_tokens - 1
+            self._fit(self._room(b))
             first = self._insert(b, job.cache, job.logits, request.max_tokens, sampling, key_1,
                                  job.prompt, draft_one)
-            self.row_start[b] = self.end - n
             self.owners[b] = request
             self.inserted_before[b] = self.programs_dispatched
             self.dispatched[b] = 1
@@ -522,13 +510,14 @@ class Engine:
 
     def _dispatch(self) -> _Program:
         """`steps` decode steps of every row, under the strategy its requests need."""
-        self._arrange(0)
+        self._fit()
         live = [r for b, r in enumerate(self.owners) if self._decoding(b)]
         strategy = Strategy(draw=any(r.strategy.draw for r in live),
                             sort=any(r.strategy.sort for r in live))
         emitted = self._decode(strategy, TOP_LOGPROBS if any(r.top_logprobs for r in live) else 0,
                                self.spec is not None and self._worth_verifying())
-        self.end += self.steps
+        self.end_bound = [min(e + self.advance, last) if self._decoding(b) else e
+                          for b, (e, last) in enumerate(zip(self.end_bound, self.last_end))]
         self.dispatched = [n + self.steps for n in self.dispatched]
         self.programs_dispatched += 1
         return _Program(emitted, list(self.owners), number=self.programs_dispatched - 1)
@@ -540,7 +529,7 @@ class Engine:
         asked for), inserting every prefilled length that fits, and resizing to every other
         size. The rows and the prefix cache are left empty."""
         start = time.perf_counter()
-        sizes = sorted({self._size_for(n) for n in range(1, self.max_slots + 1)})
+        sizes = sorted({self._size_for(n) for n in range(1, self.max_len + 1)})
         C = self.prefill_chunk
         sampling, key_1 = SamplingParams.broadcast(1), jax.random.key(0)[None]
         # A chunk program per capacity before and after it, and length (the start is an
@@ -572,19 +561,17 @@ class Engine:
             capacity = chunk_capacity(*chunk_plan(n, 0, C, self.max_seq_len)[-1])
             shortest[capacity] = (n, after[capacity])
         for size in sizes:
+            self._resize(size)
             for n, (one, logits, draft_one) in shortest.values():
-                if n + self.steps <= size:
-                    self._place(n, size)
+                if n <= size:
                     self._insert(0, one, logits, 1, sampling, key_1, [0] * n, draft_one)
-            self._place(0, size)
             for draw, sort in ((False, False), (True, False), (True, True)):
                 for verify in (False, True) if self.spec else (False,):
                     self._decode(Strategy(draw, sort), top=0, verify=verify)
-            for other in sizes:  # to every other size and back, both ways of moving
-                for window in (True, False):
-                    self._place(0, other, window)
-                    self._place(0, size, window)
-        jax.block_until_ready(self.slots)
+            for other in sizes:  # to every other size and back
+                self._resize(other)
+                self._resize(size)
+        jax.block_until_ready(self.rows)
         self.counters.clear()
         self._reset()
         self._reset_pool()
@@ -788,11 +775,11 @@ class Engine:
                 return group
 
     def _recover(self, touched, error: BaseException) -> None:
-        """After a failed program: fails the requests it touched and, if the slots were lost
+        """After a failed program: fails the requests it touched and, if the rows were lost
         with it (donated to a program that did not finish), every request in them; a lost
         prefix cache starts empty."""
         self._fail(touched, error)
-        if any(x.is_deleted() for x in jax.tree.leaves(self.slots)):
+        if any(x.is_deleted() for x in jax.tree.leaves(self.rows)):
             self._fail(self.owners, error)
             self._reset()
         if any(x.is_deleted() for x in jax.tree.leaves(self.pool)):

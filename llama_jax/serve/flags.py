@@ -10,7 +10,7 @@ from llama_jax.config import DTYPES
 from llama_jax.decode.decoder import DECODE_IMPLS
 from llama_jax.decode.speculate import MAX_GUESSES, METHODS
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
-from llama_jax.plan.costs import (PREFIX_CACHE_SHARE, PREFIX_CACHE_SLOTS_MULTIPLE,
+from llama_jax.plan.costs import (PREFIX_CACHE_SHARE, PREFIX_CACHE_ROWS_MULTIPLE,
                                   SERVING_PREFILL_CHUNK, SERVING_STEPS_PER_DISPATCH)
 
 
@@ -18,7 +18,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's shape: its slots, dtypes, int8 weights and cache, attention and
     decoder, mesh, decode steps per dispatch, prefill chunk, prefix cache and speculative
     decoding (`check_speculation_flags` checks the last after parsing)."""
-    parser.add_argument("--max-batch", type=int, default=8, help="decode slots")
+    parser.add_argument("--max-batch", type=int, default=8, help="decode rows")
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="tokens per request, prompt and output (default: the model's "
                              "context)")
@@ -39,7 +39,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache-bytes", type=int, default=None,
                         help="memory per device for blocks of earlier prompts' KV (default: "
                              f"{PREFIX_CACHE_SHARE * 100:.0f}%% of what is free after the "
-                             f"weights and slots, at most {PREFIX_CACHE_SLOTS_MULTIPLE}x the "
+                             f"weights and slots, at most {PREFIX_CACHE_ROWS_MULTIPLE}x the "
                              "slots' cache)")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="compute every prompt in full")

@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 class Context:
     """What the attention layers of one forward pass share: which keys each query may see (of
     the T new tokens in training, of the S cache slots when decoding), RoPE's rotation (None
-    without rotary positions), the cache slot of the first new token, and the index of the
-    layer running within its group (set by the layer scan, for stacked caches)."""
+    without rotary positions), the cache slot of each row's first new token (`[B]`: every
+    decoder's rows end where each has got to), and the index of the layer running within its
+    group (set by the layer scan, for stacked caches)."""
 
     mask: Mask
     rotation: Rotation | None = None
@@ -52,8 +53,9 @@ class Mixer:
     """An attention mixer kind. Its caches are pytrees (flax struct dataclasses) whose arrays
     have the batch rows on one axis and the S slots on another, with `map_seq(fn, max_len)`:
     the cache with `fn(array, seq_axis)` applied to its arrays, `fn` returning `max_len` slots
-    (`KVCache.map_seq`, for the server's moved and resized slots); `apply` writes the T new
-    tokens at slot `context.end` (of layer `context.layer` in a stacked cache)."""
+    (`KVCache.map_seq`, for the server's resized cache); `apply` writes each row's T new
+    tokens at its own slot `context.end[b]` (of layer `context.layer` in a stacked cache;
+    `kv_storage.write` takes such per-row starts)."""
 
     specs: Callable  # (config, residual_scale) -> the block's "attn" TensorSpecs
     apply: Callable  # (config, p, x_BTD, context, cache or None) -> (y_BTD, cache)

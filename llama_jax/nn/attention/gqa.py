@@ -148,7 +148,10 @@ class LayerCache:
         return cls(k=k, v=v, max_len=max_len, dtype=dtype)
 
     def write(self, k_BTKH: jax.Array, v_BTKH: jax.Array, context: Context) -> "LayerCache":
-        put = _write_by_head if target.platform() == "cpu" else _write_heads_view
+        if jnp.ndim(context.end) == 1:
+            put = _write_rows_merged
+        else:
+            put = _write_by_head if target.platform() == "cpu" else _write_heads_view
         return self.replace(k=put(self.k, k_BTKH, self.max_len, context.end, self.dtype),
                             v=put(self.v, v_BTKH, self.max_len, context.end, self.dtype))
 
@@ -215,6 +218,20 @@ def _write_heads_view(cache_BCH, x_BTKH, max_len: int, end, dtype: str):
     view_BKSX = kv_storage.map_stored(cache_BCH, lambda a: _heads(a, max_len))
     view_BKSX = kv_storage.write(view_BKSX, jnp.swapaxes(x_BTKH, 1, 2), (0, 0, end, 0), dtype)
     return _constrain_merged(kv_storage.map_stored(view_BKSX, _merged), max_len)
+
+
+def _write_rows_merged(cache_BCH, x_BTKH, max_len: int, end_B, dtype: str):
+    """Each row's keys (or values) at its own end, every head's in one scatter into the
+    merged layout: head k's position t of row b is k·S + end[b] + t (one past a head's S
+    positions is sent past the cache, to be dropped, not to the next head's; still unique)."""
+    B, T, K, H = x_BTKH.shape
+    k_1K1, t_B1T = jnp.arange(K)[None, :, None], (end_B[:, None] + jnp.arange(T))[:, None, :]
+    positions_BKT = jnp.where(t_B1T < max_len, k_1K1 * max_len + t_B1T,
+                              K * max_len + k_1K1 * T + jnp.arange(T))
+    x_BCH = jnp.swapaxes(x_BTKH, 1, 2).reshape(B, K * T, H)
+    cache_BCH = kv_storage.write_rows(cache_BCH, x_BCH, positions_BKT.reshape(B, K * T),
+                                      (0, 0, 0), dtype, row_axis=0, seq_axis=1)
+    return _constrain_merged(cache_BCH, max_len)
 
 
 def _heads(a_BCX: jax.Array, max_len: int) -> jax.Array:

@@ -44,18 +44,53 @@ def zeros(shape: Sequence[int], dtype: str, bits: bool = False) -> jax.Array | I
 def write(cache: jax.Array | Int8, x: jax.Array, start: Sequence, dtype: str,
           row_axis: int = 0) -> jax.Array | Int8:
     """`cache` with the vectors `x` (of the cache's rank) written at `start`, stored as the
-    cache stores `dtype`. An entry of `start` may be a `[B]` array, one slot per row (rows at
-    lengths of their own, as in speculative decoding): then each row, along `row_axis` of
-    both, is written at its own slot (a scatter), and `start` holds 0 at `row_axis`."""
+    cache stores `dtype`. An entry of `start` may be a `[B]` array, one position per row
+    (rows at lengths of their own): then each row, along `row_axis` of both, is written from
+    its own position (`write_rows`), and `start` holds 0 at `row_axis`."""
     if all(jnp.ndim(s) == 0 for s in start):
         return _write(cache, x, start, dtype)
-    per_row = [jnp.ndim(s) == 1 for s in start]
-    row_start = [s for axis, s in enumerate(start) if axis != row_axis]
-    in_axes = [0 if batched else None
-               for axis, batched in enumerate(per_row) if axis != row_axis]
-    return jax.vmap(lambda c, u, *s: _write(c, u, s, dtype),
-                    in_axes=(row_axis, row_axis, *in_axes), out_axes=row_axis)(
-        cache, x, *row_start)
+    seq_axis = next(axis for axis, s in enumerate(start) if jnp.ndim(s) == 1)
+    positions_BT = start[seq_axis][:, None] + jnp.arange(x.shape[seq_axis])
+    return write_rows(cache, x, positions_BT, start, dtype, row_axis, seq_axis)
+
+
+def write_rows(cache: jax.Array | Int8, x: jax.Array, positions_BT: jax.Array, start: Sequence,
+               dtype: str, row_axis: int, seq_axis: int) -> jax.Array | Int8:
+    """`cache` with row b's T vectors of `x` (rows along `row_axis`, the T along `seq_axis`)
+    written at its positions `positions_BT[b]` of `seq_axis`, in one scatter; an axis `x`
+    holds one of sits at its `start`, the others are whole. Positions past the cache are
+    dropped (a row that is done may sit at its end). The indices are unique, which lets
+    XLA:TPU update the cache in place: a vmapped `dynamic_update_slice` became a select over
+    the whole cache per row."""
+    if is_int8(cache):
+        x = to_int8_vectors(x)
+        return Int8(_scatter(cache.values, x.values, positions_BT, start, row_axis, seq_axis),
+                    _scatter(cache.scale, x.scale, positions_BT, start, row_axis, seq_axis))
+    return _scatter(cache, _stored(cache, x, dtype), positions_BT, start, row_axis, seq_axis)
+
+
+def _scatter(cache, x, positions_BT, start, row_axis: int, seq_axis: int) -> jax.Array:
+    # One index per vector written (every axis but the last indexed): XLA:TPU prices the
+    # stacked cache's scatter so at the layer scan's cost of a dynamic_update_slice; with
+    # the heads' axis a window of it, its step copied the layer's cache.
+    grid = jnp.meshgrid(*(jnp.arange(n) for n in x.shape[:-1]), indexing="ij")
+    index = [grid[axis] if axis == row_axis
+             else positions_BT[grid[row_axis], grid[seq_axis]] if axis == seq_axis
+             else grid[axis] + start[axis] for axis in range(x.ndim - 1)]
+    points = tuple(range(x.ndim - 1))
+    numbers = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(x.ndim - 1,), inserted_window_dims=points,
+        scatter_dims_to_operand_dims=points)
+    return jax.lax.scatter(cache, jnp.stack(index, axis=-1).astype(jnp.int32), x, numbers,
+                           unique_indices=True, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+
+
+def _stored(cache: jax.Array, x: jax.Array, dtype: str) -> jax.Array:
+    """`x` as a float cache stores it: in `dtype`, or its bits (a uint16 cache)."""
+    x = x.astype(dtype)
+    if cache.dtype == jnp.uint16:
+        x = jax.lax.bitcast_convert_type(x, jnp.uint16)
+    return x
 
 
 def _write(cache: jax.Array | Int8, x: jax.Array, start: Sequence, dtype: str
@@ -64,10 +99,7 @@ def _write(cache: jax.Array | Int8, x: jax.Array, start: Sequence, dtype: str
         x = to_int8_vectors(x)
         return Int8(jax.lax.dynamic_update_slice(cache.values, x.values, start),
                     jax.lax.dynamic_update_slice(cache.scale, x.scale, start))
-    x = x.astype(dtype)
-    if cache.dtype == jnp.uint16:
-        x = jax.lax.bitcast_convert_type(x, jnp.uint16)
-    return jax.lax.dynamic_update_slice(cache, x, start)
+    return jax.lax.dynamic_update_slice(cache, _stored(cache, x, dtype), start)
 
 
 def read(cache: jax.Array | Int8, dtype: str, compute_dtype) -> jax.Array | Int8:

@@ -1,0 +1,333 @@
+"""The device programs of continuous batching (`serve/engine.py` drives them from the host):
+a fixed set of decode rows that requests enter and leave.
+
+The rows (rows.py) are one batch of B, kept on the device and donated to every program that
+updates them. Every row's sequence sits in the cache from position 0 and ends where the row
+has got to, so rows are never moved: a request is written into a free row whole.
+- `empty_rows`: B idle rows over a cache of a given length, laid out by the cache rules on a
+  mesh;
+- `prefill_chunk`: one chunk of a prompt into its one-row cache (`chunk_plan` cuts a prompt
+  into chunks), and the logits after its last token;
+- `insert`: that one-row cache written over a row, with the row's first token sampled from
+  those logits;
+- `decode`: K decode steps of every row (`rows.step`, the step `generate` takes);
+- `speculate`: K speculative rounds of every row instead (`rows.speculative_round`, the
+  round `generate` takes), for a server that speculates: each row guesses from its own
+  tokens (prompt lookup) or by a draft model (whose cache the rows hold beside the model's),
+  one pass verifies, and each row advances by what it kept (1 to k + 1 tokens a round);
+- `resize`: the cache grown or cut at its end, to hold what the rows in use need.
+
+A request's tokens do not depend on its companions (rows.py). `lower_programs` lowers the largest of these
+programs without running anything, for `llama_jax.aot` to compile for another target.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llama_jax.config import MeshConfig, ModelConfig
+from llama_jax.decode.rows import (Emitted, Lookup, Rows, advance, choose, speculative_round,
+                                   step)
+from llama_jax.decode.sampling import SamplingParams, Strategy
+from llama_jax.decode.speculate import HIT_RATE_START, Speculation, put_rows, worth_verifying
+from llama_jax.decode.step import NO_TOKEN
+from llama_jax.errors import GenerateError
+from llama_jax.model.kv_cache import KVCache, init_cache, resized, with_row
+from llama_jax.model.params import Params
+from llama_jax.model.transformer import apply
+from llama_jax.nn.heads import lm_head
+from llama_jax.parallel import sharding
+from llama_jax.parallel.sharding import placed
+from llama_jax.shapes import MIN_BUCKET, bucket
+
+TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (OpenAI's limit)
+# The strategy of a prefill: it samples one token per request, so it always takes every path
+# and compiles once per shape.
+PREFILL_STRATEGY = Strategy(draw=True, sort=True)
+# The decode strategy that takes every path (a batch with a row using top-k or top-p), with
+# top log-probabilities: the largest decode program.
+WIDEST_STRATEGY = Strategy(draw=True, sort=True)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "batch", "max_len", "cache_dtype",
+                                             "layout", "spec", "placement"))
+def empty_rows(stop_S: jax.Array, *, config: ModelConfig, batch: int, max_len: int,
+               cache_dtype: str, layout: str, spec: Speculation | None = None,
+               placement: tuple | None) -> Rows:
+    """`batch` idle rows over a cache of `max_len` positions that stop on the ids `stop_S`
+    (rows that speculate as `spec` says: their tokens too, and a draft model's cache of as
+    many positions)."""
+    with placed(placement):
+        B = batch
+        cache = init_cache(config, B, max_len, cache_dtype, layout=layout).with_row_ends()
+        lookup = draft_cache = None
+        if spec is not None and spec.method == "draft":
+            draft_cache = init_cache(spec.draft_config, B, max_len, cache_dtype,
+                                     layout=layout).with_row_ends()
+        if spec is not None:
+            zeros_B = jnp.zeros((B,), jnp.int32)
+            start_B = jnp.full((B,), HIT_RATE_START, jnp.float32)
+            lookup = Lookup(jnp.zeros((B, max_len), jnp.int32), start_B, start_B, zeros_B,
+                            zeros_B)
+        return Rows(
+            cache=cache, last_B=jnp.zeros((B,), jnp.int32), step_B=jnp.zeros((B,), jnp.int32),
+            max_new_B=jnp.ones((B,), jnp.int32), done_B=jnp.ones((B,), bool),
+            sampling=SamplingParams.broadcast(B), key_B=jax.random.split(jax.random.key(0), B),
+            stop_S=stop_S, lookup=lookup, draft_cache=draft_cache)
+
+
+def _scan_steps(config, params, rows: Rows, n_steps: int, strategy, top):
+    def one(rows: Rows, _):
+        rows, emitted = step(config, params, rows, strategy, top)
+        return rows, jax.tree.map(lambda x: x[:, 0], emitted)
+
+    rows, emitted_K = jax.lax.scan(one, rows, length=n_steps)
+    return rows, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), emitted_K)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "n_steps", "strategy", "top",
+                                             "placement"), donate_argnames=("rows",))
+def decode(rows: Rows, params: Params, *, config: ModelConfig, n_steps: int,
+           strategy: Strategy, top: int, placement: tuple | None) -> tuple[Rows, Emitted]:
+    """`n_steps` decode steps of every row (`rows.step`)."""
+    with placed(placement):
+        return _scan_steps(config, params, rows, n_steps, strategy, top)
+
+
+def _scan_rounds(config, params, draft_params, rows: Rows, n_rounds: int, spec: Speculation,
+                 verify: bool, strategy, top):
+    T = spec.k + 1
+    B = rows.last_B.shape[0]
+    # Which rows verify their guesses is decided for the whole program by their own rates as
+    # the host saw them (`deciding_rate_B`), so that a row's tokens never depend on which
+    # program its neighbours made the host choose: a row worth verifying makes it choose
+    # `verify`.
+    worth_B = worth_verifying(rows.lookup.deciding_rate_B, ~rows.done_B, spec)
+    rate_before_B = rows.lookup.hit_rate_B
+
+    def one(carry, _):
+        rows, count_B, out = carry
+        rows, emitted, n_B = speculative_round(config, params, draft_params, rows, spec,
+                                               verify, worth_B, strategy, top)
+        out = jax.tree.map(lambda buffer, values: put_rows(buffer, count_B, values, n_B),
+                           out, emitted)
+        return (rows, count_B + n_B, out), None
+
+    W = n_rounds * T  # each row's tokens from column 0, NO_TOKEN after them
+    out = Emitted(jnp.full((B, W), NO_TOKEN, jnp.int32), jnp.zeros((B, W), jnp.float32),
+                  jnp.zeros((B, W, top), jnp.int32), jnp.zeros((B, W, top), jnp.float32))
+    (rows, _, out), _ = jax.lax.scan(one, (rows, jnp.zeros((B,), jnp.int32), out),
+                                     length=n_rounds)
+    lookup = rows.lookup
+    return (rows.replace(lookup=lookup.replace(deciding_rate_B=rate_before_B)),
+            out.replace(drafted_B=lookup.drafted_B, accepted_B=lookup.accepted_B,
+                        hit_rate_B=lookup.hit_rate_B))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "n_steps", "spec", "verify", "strategy",
+                                             "top", "placement"), donate_argnames=("rows",))
+def speculate(rows: Rows, params: Params, draft_params: Params | None = None, *,
+              config: ModelConfig, n_steps: int, spec: Speculation, verify: bool,
+              strategy: Strategy, top: int, placement: tuple | None) -> tuple[Rows, Emitted]:
+    """`n_steps` speculative rounds of every row (`rows.speculative_round`; rows with
+    `lookup`): each row's tokens of the rounds, from column 0, and its guesses verified and
+    kept so far. With `verify`, every round runs a verify pass, in which the rows worth it
+    (`speculate.worth_verifying` of their deciding rates) verify their guesses; without,
+    every round is a plain step (the host chooses, by `speculate.worth_a_pass` of the rates
+    the program before the last returned). The guesses are prompt lookup's, or a draft
+    model's (`draft_params`, its cache in the rows; without `verify`, one step of it a round
+    keeps its cache in step)."""
+    with placed(placement):
+        return _scan_rounds(config, params, draft_params, rows, n_steps, spec, verify,
+                            strategy, top)
+
+
+def check_prefill_chunk(chunk: int) -> None:
+    """Refuses a prefill chunk that is not a power of two >= MIN_BUCKET."""
+    if chunk < MIN_BUCKET or chunk & (chunk - 1):
+        raise GenerateError(f"prefill_chunk={chunk} must be a power of two >= {MIN_BUCKET}")
+
+
+def chunk_plan(n: int, start: int, chunk: int, max_len: int) -> list[tuple[int, int]]:
+    """The chunks `(start, L)` that prefill a prompt of n tokens from token `start` (after
+    the chunks a prefix cache restored): full chunks of `chunk` tokens, the last padded to a
+    power of two (at least MIN_BUCKET), no chunk past `max_len` positions. A prompt always runs
+    the same chunks from the same start."""
+    chunks = []
+    while start < n:
+        L = min(bucket(n - start), chunk, max_len - start)
+        chunks.append((start, L))
+        start += L
+    return chunks
+
+
+def chunk_capacity(start: int, L: int) -> int:
+    """The positions of a prompt's cache after its chunk `(start, L)`: the next power of two of the
+    chunk's end (at least MIN_BUCKET), so that the chunks compile a program per capacity."""
+    return bucket(start + L)
+
+
+def chunk_shapes(chunk: int, max_len: int) -> list[tuple[int, int]]:
+    """Every `(start, L)` the prompts of a server of `max_len` tokens prefill (a prompt leaves
+    at least one token for the output)."""
+    return sorted(set().union(*(chunk_plan(n, 0, chunk, max_len) for n in range(1, max_len))))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_len", "cache_dtype", "layout",
+                                             "placement"))
+def prefill_chunk(params: Params, one: KVCache | None, tokens_1L: jax.Array, last: jax.Array,
+                  next_1L: jax.Array | None = None, *, config: ModelConfig, max_len: int,
+                  cache_dtype: str, layout: str, placement: tuple | None
+                  ) -> tuple[KVCache, jax.Array, Emitted | None]:
+    """One chunk of a prompt prefilled into its one-row cache: the L tokens `tokens_1L` at
+    positions `one.end ..` (`one` holds the prompt before them: None at the first chunk; the
+    tokens after index `last` are padding). Returns the cache in `max_len` positions (the next
+    power of two of the chunk's end: `chunk_capacity`), ending after token `last`; the logits
+    `[1, V]` after it; and, given `next_1L` (each token's successor in the prompt), their
+    log-probabilities and top alternatives.
+
+    Where the chunk starts is an input, not part of the program, so that prompts compile one
+    program per capacity and length; a chunk's values depend only on the prompt up to its end,
+    so a prompt runs the same programs on the same inputs whatever was cached."""
+    with placed(placement):
+        if one is None:
+            one = init_cache(config, 1, max_len, cache_dtype, layout=layout)
+        else:
+            one = resized(one, max_len)
+        h_1LD, one, _ = apply(config, params, tokens_1L, cache=one)
+        one = one.replace(end=one.end - tokens_1L.shape[1] + last + 1)
+        h_1D = jax.lax.dynamic_index_in_dim(h_1LD, last, axis=1, keepdims=False)
+        logits_1V = lm_head(config, params, h_1D[:, None])[:, 0]
+        if next_1L is None:
+            return one, logits_1V, None
+        logprobs_1LV = jax.nn.log_softmax(lm_head(config, params, h_1LD).astype(jnp.float32))
+        top_logprobs_1Ln, top_ids_1Ln = jax.lax.top_k(logprobs_1LV, TOP_LOGPROBS)
+        return one, logits_1V, Emitted(next_1L, jnp.take_along_axis(
+            logprobs_1LV, next_1L[..., None], -1)[..., 0], top_ids_1Ln, top_logprobs_1Ln)
+
+
+@functools.partial(jax.jit, donate_argnames=("rows",))
+def insert(rows: Rows, one: KVCache, logits_1V: jax.Array, row: jax.Array,
+           max_new: jax.Array, sampling: SamplingParams, key_1: jax.Array,
+           prompt_1S: jax.Array | None = None, draft_one: KVCache | None = None
+           ) -> tuple[Rows, Emitted]:
+    """Row `row` holding a prefilled request: its one-row cache (with `lookup`, its prompt's
+    tokens `prompt_1S` beside it; with a draft model's cache, the draft's of the prompt
+    `draft_one`), its settings, and its first token, sampled from the prompt's last
+    `logits_1V` with the request's key (its step 0), which it also returns."""
+    token_1, logprob_1, top_ids, top_logprobs = choose(
+        logits_1V, key_1, jnp.zeros((1,), jnp.int32), sampling, PREFILL_STRATEGY, TOP_LOGPROBS)
+    first = Emitted(token_1[:, None], logprob_1[:, None], top_ids[:, None],
+                    top_logprobs[:, None])
+    put = lambda values_B, value_1: values_B.at[row].set(value_1[0])  # noqa: E731
+    if rows.lookup is not None:
+        zero = jnp.zeros((), jnp.int32)
+        rows = rows.replace(lookup=rows.lookup.replace(
+            tokens_BS=put(rows.lookup.tokens_BS, prompt_1S.at[0, one.end].set(token_1[0])),
+            hit_rate_B=rows.lookup.hit_rate_B.at[row].set(HIT_RATE_START),
+            deciding_rate_B=rows.lookup.deciding_rate_B.at[row].set(HIT_RATE_START),
+            drafted_B=rows.lookup.drafted_B.at[row].set(zero),
+            accepted_B=rows.lookup.accepted_B.at[row].set(zero)))
+    if draft_one is not None:
+        rows = rows.replace(draft_cache=with_row(
+            rows.draft_cache, row, resized(draft_one, rows.cache.max_len)))
+    rows = rows.replace(
+        cache=with_row(rows.cache, row, resized(one, rows.cache.max_len)),
+        step_B=rows.step_B.at[row].set(0), max_new_B=rows.max_new_B.at[row].set(max_new),
+        done_B=rows.done_B.at[row].set(False), key_B=put(rows.key_B, key_1),
+        sampling=jax.tree.map(put, rows.sampling, sampling))
+    token_B = jnp.full_like(rows.last_B, token_1[0])
+    return advance(rows, token_B, jnp.arange(token_B.shape[0]) == row), first
+
+
+@functools.partial(jax.jit, static_argnames=("max_len",), donate_argnames=("rows",))
+def resize(rows: Rows, *, max_len: int) -> Rows:
+    """The rows over `max_len` cache positions: the cache (and a draft's, and the rows'
+    tokens) grown or cut at its end. The host keeps every row in use within them."""
+    lookup, draft_cache = rows.lookup, rows.draft_cache
+    if lookup is not None:
+        tokens_BS = lookup.tokens_BS
+        tokens_BS = (tokens_BS[:, :max_len] if max_len <= tokens_BS.shape[1]
+                     else jnp.pad(tokens_BS, ((0, 0), (0, max_len - tokens_BS.shape[1]))))
+        lookup = lookup.replace(tokens_BS=tokens_BS)
+    if draft_cache is not None:
+        draft_cache = resized(draft_cache, max_len)
+    return rows.replace(cache=resized(rows.cache, max_len), lookup=lookup,
+                        draft_cache=draft_cache)
+
+
+def lower_programs(config: ModelConfig, params: Params, *, max_batch: int, prompt_len: int,
+                   chunk: int, cache_len: int, steps: int, cache_dtype: str, layout: str,
+                   mesh_config: MeshConfig | None = None, spec: Speculation | None = None,
+                   draft_params: Params | None = None,
+                   ) -> tuple[dict[str, jax.stages.Lowered], Rows]:
+    """The largest programs a server of `max_batch` rows runs, lowered without running
+    anything: the last prefill chunk of a `prompt_len`-token prompt (in chunks of `chunk`),
+    its insertion, and `steps` decode steps with every sampling path and top
+    log-probabilities, over a cache of `cache_len`. A server that speculates as `spec`
+    says runs `steps` rounds that verify instead of the decode steps, and with a draft model
+    (`draft_params`) the draft's last prefill chunk too.
+    `params` may be abstract (`jax.ShapeDtypeStruct`s placed on the devices of any platform;
+    on a mesh, laid out by `mesh_config`'s rules). Returns them by name, and the rows they
+    run over (abstract, laid out as `empty_rows` lays them out there)."""
+    mesh = sharding.mesh_of(params)
+    placement = None if mesh is None else (mesh, mesh_config or MeshConfig())
+    if mesh is None:
+        device = next(iter(jax.tree.leaves(params)[0].sharding.device_set))
+        beside = jax.sharding.SingleDeviceSharding(device)
+    else:
+        beside = sharding.replicated(mesh)
+
+    def placed_like(tree, shardings=None):
+        shardings = shardings or jax.tree.map(lambda _: beside, tree)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=s),
+                            tree, shardings)
+
+    stop_S = placed_like(np.zeros((1,), np.int32))
+
+    def empty(max_len: int) -> jax.stages.Lowered:
+        return empty_rows.lower(stop_S, config=config, batch=max_batch, max_len=max_len,
+                                cache_dtype=cache_dtype, layout=layout, spec=spec,
+                                placement=placement)
+
+    # The cache rules lay the rows out alike at any length: a one-position program is compiled
+    # to learn the layout (the full one might not fit, and that is for the decode to say).
+    layout_of = jax.tree.leaves(empty(1).compile().output_shardings)
+    full = empty(cache_len).out_info
+    rows = placed_like(full, jax.tree.unflatten(jax.tree.structure(full), layout_of))
+    start, L = chunk_plan(prompt_len, 0, chunk, prompt_len)[-1]
+    tokens = placed_like((np.zeros((1, L), np.int32), np.int32(L - 1)))
+
+    def last_chunk(config: ModelConfig, params: Params) -> jax.stages.Lowered:
+        before = None if start == 0 else placed_like(jax.eval_shape(
+            lambda: init_cache(config, 1, chunk_capacity(0, start), cache_dtype, layout=layout)))
+        return prefill_chunk.lower(params, before, *tokens, config=config,
+                                   max_len=chunk_capacity(start, L), cache_dtype=cache_dtype,
+                                   layout=layout, placement=placement)
+
+    sampling = placed_like(SamplingParams.broadcast(1))
+    key_1 = jax.ShapeDtypeStruct((1,), jax.random.key(0).dtype, sharding=beside)
+    lowered = {"prefill": last_chunk(config, params)}
+    one, logits, _ = (placed_like(x) for x in lowered["prefill"].out_info)
+    prompt_1S = draft_one = None
+    if spec is not None:
+        prompt_1S = placed_like(np.zeros((1, cache_len), np.int32))
+    if draft_params is not None:
+        lowered["draft prefill"] = last_chunk(spec.draft_config, draft_params)
+        draft_one = placed_like(lowered["draft prefill"].out_info[0])
+    lowered["insert"] = insert.lower(rows, one, logits, *placed_like((np.int32(0), np.int32(1))),
+                                     sampling, key_1, prompt_1S, draft_one)
+    if spec is None:
+        lowered["decode"] = decode.lower(rows, params, config=config, n_steps=steps,
+                                         strategy=WIDEST_STRATEGY, top=TOP_LOGPROBS,
+                                         placement=placement)
+    else:
+        lowered["speculate"] = speculate.lower(rows, params, draft_params, config=config,
+                                               n_steps=steps, spec=spec, verify=True,
+                                               strategy=WIDEST_STRATEGY, top=TOP_LOGPROBS,
+                                               placement=placement)
+    return lowered, rows

@@ -1,0 +1,175 @@
+"""Decode rows: the state every decoder carries (`Rows`), one step of it and one speculative
+round of it. `generate` loops over them in a `lax.while_loop`; the server's decode and
+speculate programs (batching.py) are scans of the same step and round.
+
+A row is one sequence: its KV cache from position 0 to an end of its own (the cache has an
+end per row; a row attends to its own positions only), its last token, the tokens generated
+so far, its sampling settings, its key and whether it is done (a stop token, or its
+`max_new` tokens); a speculating row also its token ids and its rate of first guesses right
+(`Lookup`), and a draft model's cache beside the model's. A row's key for step s is
+`fold_in(key, s)` of its own key (`row_key`), and rows never mix, so a row's tokens do not
+depend on its companions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from llama_jax.config import ModelConfig
+from llama_jax.decode.sampling import SamplingParams, Strategy, sample
+from llama_jax.decode.speculate import (Speculation, cut, draft_proposals, ngram_proposals,
+                                        put_rows, token_logprobs, updated_rate, verify_or_step)
+from llama_jax.decode.step import NO_TOKEN, next_logits
+from llama_jax.model.kv_cache import KVCache
+from llama_jax.model.params import Params
+
+
+def row_key(seed: int, row: int = 0) -> jax.Array:
+    """The sampling key of row `row` of a batch decoded with `seed`: a one-prompt `generate`
+    and a server's request of that seed sample alike."""
+    return jax.random.fold_in(jax.random.key(seed), row)
+
+
+@struct.dataclass
+class Lookup:
+    """What speculation keeps of the rows: each row's token ids at its cache positions (its
+    prompt from position 0, its output, and its last token at its end), its running rate of
+    first guesses right (speculate.worth_verifying), the rate that decides whether it
+    verifies in a program (a server's: as the program before the last left it, which the host
+    has read by the time it dispatches), and its guesses verified and kept so far."""
+
+    tokens_BS: jax.Array
+    hit_rate_B: jax.Array
+    deciding_rate_B: jax.Array
+    drafted_B: jax.Array
+    accepted_B: jax.Array
+
+
+@struct.dataclass
+class Rows:
+    """The decode rows on the device (with `lookup`, speculating ones; with `draft_cache`,
+    ones whose draft model guesses)."""
+
+    cache: KVCache  # with an end per row
+    last_B: jax.Array  # [B] int32: the token to feed next
+    step_B: jax.Array  # [B] int32: tokens generated so far
+    max_new_B: jax.Array  # [B] int32
+    done_B: jax.Array  # [B] bool: stopped (a stop token or max_new); idles until freed
+    sampling: SamplingParams
+    key_B: jax.Array  # [B] typed keys
+    stop_S: jax.Array  # [n_stop] int32: the ids that end a row (NO_TOKEN: none)
+    lookup: Lookup | None = None
+    draft_cache: KVCache | None = None  # the draft model's, ends per row like `cache`'s
+
+
+@struct.dataclass
+class Emitted:
+    """Per row, the tokens of K steps (of a step: NO_TOKEN where the row was done; of a
+    round: the first n of them), their log-probabilities and the `top` most likely tokens of
+    each step."""
+
+    tokens_BK: jax.Array
+    logprobs_BK: jax.Array
+    top_ids_BKn: jax.Array
+    top_logprobs_BKn: jax.Array
+    # speculating: each row's guesses verified and kept since its request began, and its
+    # rate of first guesses right after the program
+    drafted_B: jax.Array | None = None
+    accepted_B: jax.Array | None = None
+    hit_rate_B: jax.Array | None = None
+
+
+def choose(logits_BV, key_B, step_B, sampling, strategy: Strategy, top: int):
+    """Each row's token of step `step_B` and the log-probabilities of its model distribution
+    (before temperature and filters): of the token, and of the `top` most likely ones."""
+    keys_B = jax.vmap(jax.random.fold_in)(key_B, step_B)
+    token_B = sample(logits_BV, keys_B, sampling, strategy)
+    logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32))
+    logprob_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], -1)[:, 0]
+    top_logprobs_Bn, top_ids_Bn = jax.lax.top_k(logprobs_BV, top)
+    return token_B, logprob_B, top_ids_Bn, top_logprobs_Bn
+
+
+def advance(rows: Rows, token_B, active_B) -> Rows:
+    """The rows after `token_B` was emitted where `active_B`."""
+    step_B = rows.step_B + active_B
+    stopped_B = jnp.any(token_B[:, None] == rows.stop_S, axis=-1)
+    done_B = rows.done_B | (active_B & (stopped_B | (step_B >= rows.max_new_B)))
+    return rows.replace(last_B=jnp.where(active_B, token_B, rows.last_B), step_B=step_B,
+                        done_B=done_B)
+
+
+def step(config: ModelConfig, params: Params, rows: Rows, strategy: Strategy, top: int
+         ) -> tuple[Rows, Emitted]:
+    """One token for every row not done: the model over its last token at its own end, the
+    LM head, and the token drawn with its key for this step. A row that is done stays where
+    it ended (writing there, unseen)."""
+    active_B = ~rows.done_B
+    logits_BV, cache = next_logits(config, params, rows.last_B, rows.cache)
+    cache = cache.replace(end=jnp.where(active_B, cache.end, rows.cache.end))
+    token_B, logprob_B, top_ids_Bn, top_logprobs_Bn = choose(
+        logits_BV, rows.key_B, rows.step_B, rows.sampling, strategy, top)
+    emitted = Emitted(jnp.where(active_B, token_B, NO_TOKEN)[:, None], logprob_B[:, None],
+                      top_ids_Bn[:, None], top_logprobs_Bn[:, None])
+    return advance(rows.replace(cache=cache), token_B, active_B), emitted
+
+
+def _guesses(rows: Rows, end_B, draft_params, spec: Speculation, verify: bool, strategy,
+             key_B):
+    """Each row's guesses from its last token at its cache end `end_B` (k; a draft's in a
+    round that does not verify: its first only, which keeps the draft's cache in step and
+    its hit rate going), how many it has, the draft's distributions (None for prompt
+    lookup) and the draft's cache."""
+    k, tokens_BS = spec.k, rows.lookup.tokens_BS
+    if spec.method == "ngram":
+        guess_BK, n_guess_B = ngram_proposals(tokens_BS, end_B + 1, k, *spec.ngram)
+        return guess_BK, n_guess_B, None, None
+    k = k if verify else 1
+    before_B = jnp.take_along_axis(tokens_BS, jnp.maximum(end_B - 1, 0)[:, None], 1)[:, 0]
+    guess_BK, q_BKV, draft_cache = draft_proposals(
+        spec.draft_config, draft_params, rows.draft_cache, end_B, before_B, rows.last_B,
+        rows.sampling, k, strategy, key_B)
+    return guess_BK, jnp.full_like(end_B, k), q_BKV, draft_cache
+
+
+def speculative_round(config: ModelConfig, params: Params, draft_params: Params | None,
+                      rows: Rows, spec: Speculation, verify: bool, worth_B: jax.Array,
+                      strategy: Strategy, top: int) -> tuple[Rows, Emitted, jax.Array]:
+    """One round of every row (rows with `lookup`): guesses (prompt lookup's, or the draft
+    model's from its cache), then, with `verify`, one pass of the model in which the rows
+    `worth_B` with guesses verify them and the others take a plain step; without, a plain
+    step of every row. Returns the rows advanced each by its own count `n_B` (1 to k + 1;
+    0 for a row done), and the round's tokens (the first `n_B` of each row emitted)."""
+    T = spec.k + 1
+    S = rows.cache.max_len
+    lookup, active_B = rows.lookup, ~rows.done_B
+    # A row that is done still takes part in the pass: keep its writes in the cache.
+    end_B = jnp.where(active_B, rows.cache.end, jnp.minimum(rows.cache.end, S - T))
+    keys_B3 = jax.vmap(lambda key: jax.random.split(key, 3))(
+        jax.vmap(jax.random.fold_in)(rows.key_B, rows.step_B))
+    guess_BK, n_guess_B, q_BKV, draft_cache = _guesses(
+        rows, end_B, draft_params, spec, verify, strategy, keys_B3[:, 0])
+    proposing_B = active_B & (n_guess_B > 0)
+    v = verify_or_step(config, params, rows.cache.replace(end=end_B), rows.last_B, guess_BK,
+                       q_BKV, n_guess_B, rows.sampling, strategy, keys_B3[:, 1:],
+                       worth_B & proposing_B, run_pass=verify)
+    n_B, stopped_B = cut(v.tokens_BT, v.n_B, rows.max_new_B - rows.step_B, rows.done_B,
+                         rows.stop_S[None, None, :])
+    top_logprobs_BTn, top_ids_BTn = jax.lax.top_k(v.logprobs_BTV, top)
+    emitted = Emitted(v.tokens_BT, token_logprobs(v.logprobs_BTV, v.tokens_BT), top_ids_BTn,
+                      top_logprobs_BTn)
+    verified_B = proposing_B & v.verified_B
+    lookup = lookup.replace(
+        tokens_BS=put_rows(lookup.tokens_BS, end_B + 1, v.tokens_BT, n_B),
+        hit_rate_B=updated_rate(lookup.hit_rate_B, v.hit_B, proposing_B),
+        drafted_B=lookup.drafted_B + jnp.where(verified_B, n_guess_B, 0),
+        accepted_B=lookup.accepted_B + jnp.where(verified_B, v.kept_B, 0))
+    step_B = rows.step_B + n_B
+    last_B = jnp.take_along_axis(v.tokens_BT, jnp.maximum(n_B - 1, 0)[:, None], 1)[:, 0]
+    rows = rows.replace(
+        cache=v.cache.replace(end=end_B + n_B), last_B=jnp.where(n_B > 0, last_B, rows.last_B),
+        step_B=step_B, lookup=lookup, draft_cache=draft_cache,
+        done_B=rows.done_B | (active_B & (stopped_B | (step_B >= rows.max_new_B))))
+    return rows, emitted, n_B
