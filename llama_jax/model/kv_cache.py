@@ -4,12 +4,14 @@ Each mixer owns its cache layouts (nn/attention/mixers.py): its `StackedCache` f
 group, or a tuple of per-layer `LayerCache`s for the unrolled decoder (for GQA keys and values,
 for MLA latents); this container holds one entry per layer group and the bookkeeping every layer shares.
 
-Rows of a ragged batch are left-padded: row b's sequence occupies slots `start[b] .. end-1`, and
-every step writes all rows at the same slot `end`. Slots before `start[b]` are masked out of
-attention (they form segment 0), and positions are `slot - start[b]`: a row computes exactly
-what it would compute alone. Speculative decoding advances each row by the tokens it accepted:
-there `end` is per row (`[B]`, `with_row_ends`), and each row writes at its own slot. Slots a
-row wrote past its end (rejected guesses) are unseen: a query sees only slots up to its own.
+Every decoder's rows (decode/rows.py) hold their sequences from slot 0 and end where each
+has got to: `end` is per row (`[B]`, `with_row_ends`), each row writes at its own slot and
+advances by the tokens it kept. Slots a row wrote past its end (a prompt's padding, rejected
+guesses) are unseen: a query sees only slots up to its own. A cache whose rows share one end
+(`end` a scalar: a prompt's own cache as it is prefilled, a scoring pass) is written at that
+slot for all. Slots before `start[b]` are masked out of attention (they form segment 0) and
+positions are `slot - start[b]`, so a left-padded row computes what it would alone; the
+decoders start every row at 0.
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ layouts, one per decode implementation (see model.py):
   `decode_attention_block_diagonal`). In a program for a CPU 16-bit values are stored as their
   uint16 bits (kv_storage.py).
 Either holds float values or int8 ones with a scale per (token, head) (kv_storage.py).
-Rows of a ragged batch are left-padded; every step writes all rows at the same slot `end`, so
-an update is a single `dynamic_update_slice`.
+A decoder's rows end where each has got to (`context.end` is `[B]`): a step writes each row
+at its own end, every vector in one scatter (kv_storage.write_rows); a cache whose rows share
+one end (a prompt's own cache) is written by a single `dynamic_update_slice`.
 """
 
 from __future__ import annotations
