@@ -255,6 +255,31 @@ def test_cache_dtype_defaults_to_the_compute_dtype():
     assert init_cache(bf16, 1, 8, np.float32).groups[0].k.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("layout", ["stacked", "per_layer"])
+@pytest.mark.parametrize("model, cache_dtype", [(TINY, "float32"), (TINY, "int8"),
+                                                (MLA_TINY, "bfloat16")], ids=["gqa", "int8", "mla"])
+def test_an_end_per_row_computes_what_one_shared_end_does(model, cache_dtype, layout):
+    """Rows that all end at the same position compute the same, bit for bit, whether the
+    cache holds that end once (one `dynamic_update_slice` a write) or once per row (the
+    decoders' rows: one scatter a write): a prompt, then two steps."""
+    p = llama_jax.init_params(model, jax.random.key(3))
+    if layout == "per_layer":
+        p = unstack_layers(p)
+    tokens = np.asarray(prompts([9, 9, 9], seed=14, vocab=model.vocab_size))
+    shared = init_cache(model, 3, 16, cache_dtype, layout=layout)
+    outs = {}
+    for name, cache in (("shared", shared), ("rows", shared.with_row_ends())):
+        h_BTD, cache = cached(model, p, tokens[:, :7], cache)
+        hs = [h_BTD]
+        for t in (7, 8):
+            h_BTD, cache = cached(model, p, tokens[:, t:t + 1], cache)
+            hs.append(h_BTD)
+        outs[name] = (np.concatenate(hs, axis=1), jax.tree.leaves(cache.groups))
+    np.testing.assert_array_equal(outs["rows"][0], outs["shared"][0])
+    for a, b in zip(outs["rows"][1], outs["shared"][1]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "int8", "bfloat16"])
 def test_rows_write_at_their_own_positions(dtype):
     """A write with a position per row (`kv_storage.write`, a stacked cache `[L, B, K, S, H]`
