@@ -69,10 +69,7 @@ def empty_rows(stop_S: jax.Array, *, config: ModelConfig, batch: int, max_len: i
             draft_cache = init_cache(spec.draft_config, B, max_len, cache_dtype,
                                      layout=layout).with_row_ends()
         if spec is not None:
-            zeros_B = jnp.zeros((B,), jnp.int32)
-            start_B = jnp.full((B,), HIT_RATE_START, jnp.float32)
-            lookup = Lookup(jnp.zeros((B, max_len), jnp.int32), start_B, start_B, zeros_B,
-                            zeros_B)
+            lookup = Lookup.fresh(jnp.zeros((B, max_len), jnp.int32))
         return Rows(
             cache=cache, last_B=jnp.zeros((B,), jnp.int32), step_B=jnp.zeros((B,), jnp.int32),
             max_new_B=jnp.ones((B,), jnp.int32), done_B=jnp.ones((B,), bool),

@@ -46,8 +46,8 @@ from llama_jax.decode.decoder import (cache_bytes_per_device, decoder_params, is
 from llama_jax.decode.sampling import SamplingParams, Strategy, check_settings
 from llama_jax.decode.rows import (Emitted, Lookup, Rows, advance, choose, row_key,
                                    speculative_round, step)
-from llama_jax.decode.speculate import (HIT_RATE_START, Speculation, put_rows, speculation,
-                                        worth_a_pass, worth_verifying)
+from llama_jax.decode.speculate import (Speculation, put_rows, speculation, worth_a_pass,
+                                        worth_verifying)
 from llama_jax.decode.step import NO_TOKEN, check_prompt, stop_table
 from llama_jax.parallel.sharding import placed
 from llama_jax.shapes import bucket
@@ -118,9 +118,7 @@ def _prefill(config: ModelConfig, params: Params, prompts_BT: jax.Array, length_
         lookup = draft_cache = None
         if spec is not None:
             tokens_BS = jnp.pad(prompts_BT, ((0, 0), (0, cache_len - prompts_BT.shape[1])))
-            start_B = jnp.full((B,), HIT_RATE_START, jnp.float32)
-            lookup = Lookup(tokens_BS.at[jnp.arange(B), length_B].set(token_B), start_B,
-                            start_B, zeros_B, zeros_B)
+            lookup = Lookup.fresh(tokens_BS.at[jnp.arange(B), length_B].set(token_B))
         if spec is not None and spec.method == "draft":
             draft_cache = _prompted(spec.draft_config, draft_params, prompts_BT, length_B,
                                     cache_len, cache_dtype)[0]

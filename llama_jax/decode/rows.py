@@ -19,8 +19,9 @@ from flax import struct
 
 from llama_jax.config import ModelConfig
 from llama_jax.decode.sampling import SamplingParams, Strategy, sample
-from llama_jax.decode.speculate import (Speculation, cut, draft_proposals, ngram_proposals,
-                                        put_rows, token_logprobs, updated_rate, verify_or_step)
+from llama_jax.decode.speculate import (HIT_RATE_START, Speculation, cut, draft_proposals,
+                                        ngram_proposals, put_rows, token_logprobs,
+                                        updated_rate, verify_or_step)
 from llama_jax.decode.step import NO_TOKEN, next_logits
 from llama_jax.model.kv_cache import KVCache
 from llama_jax.model.params import Params
@@ -45,6 +46,14 @@ class Lookup:
     deciding_rate_B: jax.Array
     drafted_B: jax.Array
     accepted_B: jax.Array
+
+    @classmethod
+    def fresh(cls, tokens_BS: jax.Array) -> "Lookup":
+        """Rows of these token ids that have guessed nothing yet."""
+        B = tokens_BS.shape[0]
+        start_B = jnp.full((B,), HIT_RATE_START, jnp.float32)
+        zeros_B = jnp.zeros((B,), jnp.int32)
+        return cls(tokens_BS, start_B, start_B, zeros_B, zeros_B)
 
 
 @struct.dataclass

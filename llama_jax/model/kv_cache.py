@@ -82,15 +82,15 @@ def resized(cache: KVCache, max_len: int) -> KVCache:
 
 
 def with_row(cache: KVCache, b: jax.Array, row: KVCache) -> KVCache:
-    """The cache with row `b` replaced by the one-row cache `row` of the same slots (its `end`
-    is the cache's own, or with ends per row, the row's)."""
+    """The cache (with an end per row) with row `b` replaced by the one-row cache `row` of the
+    same slots, its end with it."""
     def put(x, one):
         # The row axis is the one axis where the two differ (none when the cache has one row).
         differ = [axis for axis, (m, n) in enumerate(zip(x.shape, one.shape)) if m != n]
         return jax.lax.dynamic_update_index_in_dim(x, one, b, differ[0]) if differ else one
     groups = jax.tree.map(put, cache.groups, row.groups)
-    end = cache.end if cache.end.ndim == 0 else cache.end.at[b].set(row.end)
-    return cache.replace(groups=groups, start=cache.start.at[b].set(row.start[0]), end=end)
+    return cache.replace(groups=groups, start=cache.start.at[b].set(row.start[0]),
+                         end=cache.end.at[b].set(row.end))
 
 
 # Copying runs of slots between caches of the same rows, for a server's prefix cache: a pool
