@@ -116,6 +116,8 @@ def test_cli_text_and_config_file(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["llama9-1t"], "neither a file nor a preset"),
     (["llama3-8b", "--batch", "0"], "--batch=0 must be > 0"),
+    (["llama3-8b", "--max-batch", "0"], "--max-batch=0 must be > 0"),
+    (["llama3-8b", "--max-seq-len", "0"], "--max-seq-len=0 must be > 0"),
     (["llama3-8b", "--max-seq-len", "9000"], "--max-seq-len=9000 is more than the model's "
                                              "context (8192)"),
 ])

@@ -280,9 +280,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"{args.batch} in all)")
         result["training"]["batch_default"] = not batch_said
     if args.max_batch is not None or args.max_seq_len is not None:
-        result["serving"] = plan_serving(config, args.max_batch or 8,
-                                         args.max_seq_len or config.max_seq_len,
-                                         args.cache_dtype or args.dtype)
+        result["serving"] = plan_serving(
+            config, 8 if args.max_batch is None else args.max_batch,
+            config.max_seq_len if args.max_seq_len is None else args.max_seq_len,
+            args.cache_dtype or args.dtype)
         text += "\n" + render_serving(result["serving"])
     if args.compile:
         # The one call up the layer order: the planner's command line compiles the plan it
