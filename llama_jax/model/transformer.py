@@ -115,7 +115,7 @@ def apply(config: ModelConfig, params: Params, tokens_BT: jax.Array, *,
             raise ValueError("with a cache, positions and the mask come from the cache's slots; "
                              "positions_BT and segment_ids_BT must be None")
         positions_BT, mask = cache.positions_and_mask(T)
-        context = Context(mask, end=cache.end)
+        context = Context(mask, end=cache.end, pages=cache.pages)
     context = context.replace(rotation=rotation(config, positions_BT))
     x_BTD = embed(config, params, tokens_BT, positions_BT)
     x_BTD, groups, aux = run_layers(config, params["groups"], x_BTD, context,

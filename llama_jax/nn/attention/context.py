@@ -31,13 +31,15 @@ class Context:
     """What the attention layers of one forward pass share: which keys each query may see (of
     the T new tokens in training, of the S cache slots when decoding), RoPE's rotation (None
     without rotary positions), the cache slot of each row's first new token (`[B]`: every
-    decoder's rows end where each has got to), and the index of the layer running within its
-    group (set by the layer scan, for stacked caches)."""
+    decoder's rows end where each has got to), the index of the layer running within its
+    group (set by the layer scan, for stacked caches), and with a paged cache each row's
+    pages (`[B, N]`: row b's position p is in page `pages[b, p // page]`)."""
 
     mask: Mask
     rotation: Rotation | None = None
     end: jax.Array | None = None
     layer: jax.Array | int = 0
+    pages: jax.Array | None = None
 
 
 def attention_of(config: ModelConfig):
@@ -55,7 +57,10 @@ class Mixer:
     the cache with `fn(array, seq_axis)` applied to its arrays, `fn` returning `max_len` slots
     (`KVCache.map_seq`, for the server's resized cache); `apply` writes each row's T new
     tokens at its own slot `context.end[b]` (of layer `context.layer` in a stacked cache;
-    `kv_storage.write` takes such per-row starts)."""
+    `kv_storage.write` takes such per-row starts). A paged cache is the same cache made for
+    P pages of `page` slots (the rows' axis holds pages): with `context.pages` set, `apply`
+    writes through the rows' tables (`kv_storage.write`'s `pages_BN`) and attends over the
+    rows' pages (`kv_storage.gather_pages`)."""
 
     specs: Callable  # (config, residual_scale) -> the block's "attn" TensorSpecs
     apply: Callable  # (config, p, x_BTD, context, cache or None) -> (y_BTD, cache)

@@ -30,6 +30,7 @@ one end (a prompt's own cache) is written by a single `dynamic_update_slice`.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import jax
@@ -116,13 +117,15 @@ class StackedCache:
             update = jnp.swapaxes(x_BTKH, 1, 2)[None]  # [1, B, K, T, H]
             return _constrain_stacked(kv_storage.write(
                 cache_LBKSH, update, (context.layer, 0, 0, context.end, 0), self.dtype,
-                row_axis=1))
+                row_axis=1, pages_BN=context.pages))
         return self.replace(k=put(self.k, k_BTKH), v=put(self.v, v_BTKH))
 
     def attend(self, config: ModelConfig, q_BTNH: jax.Array, context: Context) -> jax.Array:
         """The queries against the layer's cache, under the configured implementation."""
-        k, v = (kv_storage.read(x[context.layer], self.dtype, q_BTNH.dtype)
-                for x in (self.k, self.v))
+        k, v = (x[context.layer] for x in (self.k, self.v))
+        if context.pages is not None:  # the layer's pool [P, K, page, H]: the rows' pages
+            k, v = (kv_storage.gather_pages(x, context.pages, 0, 2) for x in (k, v))
+        k, v = (kv_storage.read(x, self.dtype, q_BTNH.dtype) for x in (k, v))
         return attention_of(config)(q_BTNH, k, v, context.mask, kv_layout="BKSH")
 
     def map_seq(self, fn: SlotFn, max_len: int) -> "StackedCache":
@@ -150,7 +153,7 @@ class LayerCache:
 
     def write(self, k_BTKH: jax.Array, v_BTKH: jax.Array, context: Context) -> "LayerCache":
         if jnp.ndim(context.end) == 1:
-            put = _write_rows_merged
+            put = functools.partial(_write_rows_merged, pages_BN=context.pages)
         else:
             put = _write_by_head if target.platform() == "cpu" else _write_heads_view
         return self.replace(k=put(self.k, k_BTKH, self.max_len, context.end, self.dtype),
@@ -160,6 +163,9 @@ class LayerCache:
         """A decode step or verify pass (up to `DECODE_QUERIES` queries) by
         `decode_attention_block_diagonal`; longer inputs under the configured
         implementation."""
+        if context.pages is not None:
+            return self.gathered(context.pages).attend(config, q_BTNH,
+                                                       context.replace(pages=None))
         k_BCH, v_BCH = (kv_storage.read(x, self.dtype, q_BTNH.dtype) for x in (self.k, self.v))
         T = q_BTNH.shape[1]
         if T <= DECODE_QUERIES:
@@ -168,6 +174,15 @@ class LayerCache:
         k_BKSH, v_BKSH = (_heads(as_float(x, q_BTNH.dtype), self.max_len)
                           for x in (k_BCH, v_BCH))
         return attention_of(config)(q_BTNH, k_BKSH, v_BKSH, context.mask, kv_layout="BKSH")
+
+    def gathered(self, pages_BN: jax.Array) -> "LayerCache":
+        """The rows' caches `[B, K·N·page, H]` read from this pool of pages `[P, K·page, H]`
+        (`max_len` the page's positions) by their tables `pages_BN`."""
+        def gather(cache_PCH):
+            return kv_storage.map_stored(cache_PCH, lambda a: _merged(
+                kv_storage.gather_pages(_heads(a, self.max_len), pages_BN, 0, 2)))
+        return self.replace(k=gather(self.k), v=gather(self.v),
+                            max_len=pages_BN.shape[1] * self.max_len)
 
     def map_seq(self, fn: SlotFn, max_len: int) -> "LayerCache":
         """The cache with `fn(array, seq_axis)` applied to its stored arrays seen as
@@ -221,18 +236,28 @@ def _write_heads_view(cache_BCH, x_BTKH, max_len: int, end, dtype: str):
     return _constrain_merged(kv_storage.map_stored(view_BKSX, _merged), max_len)
 
 
-def _write_rows_merged(cache_BCH, x_BTKH, max_len: int, end_B, dtype: str):
+def _write_rows_merged(cache_BCH, x_BTKH, max_len: int, end_B, dtype: str,
+                       pages_BN: jax.Array | None = None):
     """Each row's keys (or values) at its own end, every head's in one scatter into the
-    merged layout: head k's position t of row b is k·S + end[b] + t (one past a head's S
-    positions is sent past the cache, to be dropped, not to the next head's; still unique)."""
+    merged layout: head k's position t of row b is k·S + t of its row, or with `pages_BN`
+    k·page + t % page of its page (`kv_storage.page_index`; `max_len` is then the page's
+    positions). A position past the row's cache goes to a row past it, to be dropped."""
     B, T, K, H = x_BTKH.shape
-    k_1K1, t_B1T = jnp.arange(K)[None, :, None], (end_B[:, None] + jnp.arange(T))[:, None, :]
-    positions_BKT = jnp.where(t_B1T < max_len, k_1K1 * max_len + t_B1T,
-                              K * max_len + k_1K1 * T + jnp.arange(T))
+    if pages_BN is None:
+        pages_BN = jnp.arange(B)[:, None]
+    pages_BT, offsets_BT = kv_storage.page_index(end_B, T, pages_BN, max_len,
+                                                 _rows_of(cache_BCH))
+    positions_BKT = jnp.arange(K)[None, :, None] * max_len + offsets_BT[:, None, :]
+    rows_BKT = jnp.broadcast_to(pages_BT[:, None, :], positions_BKT.shape)
     x_BCH = jnp.swapaxes(x_BTKH, 1, 2).reshape(B, K * T, H)
-    cache_BCH = kv_storage.write_rows(cache_BCH, x_BCH, positions_BKT.reshape(B, K * T),
-                                      (0, 0, 0), dtype, row_axis=0, seq_axis=1)
+    cache_BCH = kv_storage.write_rows(cache_BCH, x_BCH, rows_BKT.reshape(B, K * T),
+                                      positions_BKT.reshape(B, K * T), (0, 0, 0), dtype,
+                                      row_axis=0, seq_axis=1)
     return _constrain_merged(cache_BCH, max_len)
+
+
+def _rows_of(cache: jax.Array | Int8) -> int:
+    return (cache.values if isinstance(cache, Int8) else cache).shape[0]
 
 
 def _heads(a_BCX: jax.Array, max_len: int) -> jax.Array:

@@ -42,40 +42,67 @@ def zeros(shape: Sequence[int], dtype: str, bits: bool = False) -> jax.Array | I
 
 
 def write(cache: jax.Array | Int8, x: jax.Array, start: Sequence, dtype: str,
-          row_axis: int = 0) -> jax.Array | Int8:
+          row_axis: int = 0, pages_BN: jax.Array | None = None) -> jax.Array | Int8:
     """`cache` with the vectors `x` (of the cache's rank) written at `start`, stored as the
     cache stores `dtype`. An entry of `start` may be a `[B]` array, one position per row
     (rows at lengths of their own): then each row, along `row_axis` of both, is written from
-    its own position (`write_rows`), and `start` holds 0 at `row_axis`."""
+    its own position, and `start` holds 0 at `row_axis`. With `pages_BN` the cache is a pool
+    of pages (pages along `row_axis`, a page's positions along the axis of the `[B]` start)
+    and row b's position p lives at offset p % page of page `pages_BN[b, p // page]`; without,
+    each row is one page of the whole cache."""
     if all(jnp.ndim(s) == 0 for s in start):
         return _write(cache, x, start, dtype)
     seq_axis = next(axis for axis, s in enumerate(start) if jnp.ndim(s) == 1)
-    positions_BT = start[seq_axis][:, None] + jnp.arange(x.shape[seq_axis])
-    return write_rows(cache, x, positions_BT, start, dtype, row_axis, seq_axis)
+    stored = cache.values if is_int8(cache) else cache
+    if pages_BN is None:
+        pages_BN = jnp.arange(x.shape[row_axis])[:, None]
+    pages_BT, positions_BT = page_index(start[seq_axis], x.shape[seq_axis], pages_BN,
+                                        stored.shape[seq_axis], stored.shape[row_axis])
+    return write_rows(cache, x, pages_BT, positions_BT, start, dtype, row_axis, seq_axis)
 
 
-def write_rows(cache: jax.Array | Int8, x: jax.Array, positions_BT: jax.Array, start: Sequence,
-               dtype: str, row_axis: int, seq_axis: int) -> jax.Array | Int8:
+def page_index(end_B: jax.Array, T: int, pages_BN: jax.Array, page: int, n_pages: int
+               ) -> tuple[jax.Array, jax.Array]:
+    """Where row b's positions `end_B[b] + t` (t < T) live in a pool of `n_pages` pages of
+    `page` positions: the page `[B, T]` and the offset in it `[B, T]`. A position past the
+    row's table, or on an entry that is not a page (< 0), gets a page past the pool, a
+    different one for each (b, t): the write is dropped and the indices stay unique."""
+    B, N = pages_BN.shape
+    positions_BT = end_B[:, None] + jnp.arange(T)
+    entry_BT = positions_BT // page
+    pages_BT = jnp.take_along_axis(pages_BN, jnp.minimum(entry_BT, N - 1), axis=1)
+    dropped_BT = n_pages + jnp.arange(B)[:, None] * T + jnp.arange(T)
+    pages_BT = jnp.where((entry_BT < N) & (pages_BT >= 0), pages_BT, dropped_BT)
+    return pages_BT.astype(jnp.int32), (positions_BT % page).astype(jnp.int32)
+
+
+def write_rows(cache: jax.Array | Int8, x: jax.Array, rows_BT: jax.Array,
+               positions_BT: jax.Array, start: Sequence, dtype: str, row_axis: int,
+               seq_axis: int) -> jax.Array | Int8:
     """`cache` with row b's T vectors of `x` (rows along `row_axis`, the T along `seq_axis`)
-    written at its positions `positions_BT[b]` of `seq_axis`, in one scatter; an axis `x`
-    holds one of sits at its `start`, the others are whole. Positions past the cache are
-    dropped (a row that is done may sit at its end). The indices are unique, which lets
-    XLA:TPU update the cache in place: a vmapped `dynamic_update_slice` became a select over
-    the whole cache per row."""
+    written at `rows_BT[b]` of the cache's `row_axis` and `positions_BT[b]` of its
+    `seq_axis`, in one scatter; an axis `x` holds one of sits at its `start`, the others
+    are whole. Rows past the cache are dropped (`page_index` sends there what a row may not
+    write). The indices are unique, which lets XLA:TPU update the cache in place: a vmapped
+    `dynamic_update_slice` became a select over the whole cache per row."""
     if is_int8(cache):
         x = to_int8_vectors(x)
-        return Int8(_scatter(cache.values, x.values, positions_BT, start, row_axis, seq_axis),
-                    _scatter(cache.scale, x.scale, positions_BT, start, row_axis, seq_axis))
-    return _scatter(cache, _stored(cache, x, dtype), positions_BT, start, row_axis, seq_axis)
+        return Int8(_scatter(cache.values, x.values, rows_BT, positions_BT, start, row_axis,
+                             seq_axis),
+                    _scatter(cache.scale, x.scale, rows_BT, positions_BT, start, row_axis,
+                             seq_axis))
+    return _scatter(cache, _stored(cache, x, dtype), rows_BT, positions_BT, start, row_axis,
+                    seq_axis)
 
 
-def _scatter(cache, x, positions_BT, start, row_axis: int, seq_axis: int) -> jax.Array:
+def _scatter(cache, x, rows_BT, positions_BT, start, row_axis: int, seq_axis: int
+             ) -> jax.Array:
     # One index per vector written (every axis but the last indexed): XLA:TPU prices the
     # stacked cache's scatter so at the layer scan's cost of a dynamic_update_slice; with
     # the heads' axis a window of it, its step copied the layer's cache.
     grid = jnp.meshgrid(*(jnp.arange(n) for n in x.shape[:-1]), indexing="ij")
-    index = [grid[axis] if axis == row_axis
-             else positions_BT[grid[row_axis], grid[seq_axis]] if axis == seq_axis
+    per_vector = {row_axis: rows_BT, seq_axis: positions_BT}
+    index = [per_vector[axis][grid[row_axis], grid[seq_axis]] if axis in per_vector
              else grid[axis] + start[axis] for axis in range(x.ndim - 1)]
     points = tuple(range(x.ndim - 1))
     numbers = jax.lax.ScatterDimensionNumbers(
@@ -83,6 +110,22 @@ def _scatter(cache, x, positions_BT, start, row_axis: int, seq_axis: int) -> jax
         scatter_dims_to_operand_dims=points)
     return jax.lax.scatter(cache, jnp.stack(index, axis=-1).astype(jnp.int32), x, numbers,
                            unique_indices=True, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+
+
+def gather_pages(cache: jax.Array | Int8, pages_BN: jax.Array, row_axis: int, seq_axis: int
+                 ) -> jax.Array | Int8:
+    """The rows' caches read from a pool of pages (pages along `row_axis`, a page's
+    positions along `seq_axis`, after it): `[.., B, .., N·page, ..]`, row b's position p from
+    offset p % page of page `pages_BN[b, p // page]`. An entry that is not a page (< 0)
+    reads page 0: its positions lie past the row's end, where attention does not look (the
+    pool holds finite values, so the masked products are exact zeros)."""
+    def gather(x):
+        taken = jnp.take(x, jnp.maximum(pages_BN, 0), axis=row_axis)  # [.., B, N, .., page, ..]
+        taken = jnp.moveaxis(taken, row_axis + 1, seq_axis)  # N just before the page's axis
+        shape = taken.shape
+        return taken.reshape(*shape[:seq_axis], shape[seq_axis] * shape[seq_axis + 1],
+                             *shape[seq_axis + 2:])
+    return map_stored(cache, gather)
 
 
 def _stored(cache: jax.Array, x: jax.Array, dtype: str) -> jax.Array:

@@ -169,11 +169,12 @@ class StackedCache:
 
     def write(self, latent_BTW: jax.Array, context: Context) -> "StackedCache":
         latent = kv_storage.write(self.latent, latent_BTW[None],
-                                  (context.layer, 0, context.end, 0), self.dtype, row_axis=1)
+                                  (context.layer, 0, context.end, 0), self.dtype, row_axis=1,
+                                  pages_BN=context.pages)
         return self.replace(latent=_constrain_stacked(latent))
 
     def read(self, context: Context, compute_dtype) -> jax.Array | Int8:
-        return kv_storage.read(self.latent[context.layer], self.dtype, compute_dtype)
+        return _read(self.latent[context.layer], context, self.dtype, compute_dtype)
 
     def map_seq(self, fn: SlotFn, max_len: int) -> "StackedCache":
         """The cache with `fn(array, seq_axis)` applied to its stored arrays; `fn` returns
@@ -195,17 +196,26 @@ class LayerCache:
         return cls(_constrain_layer(latent), dtype)
 
     def write(self, latent_BTW: jax.Array, context: Context) -> "LayerCache":
-        latent = kv_storage.write(self.latent, latent_BTW, (0, context.end, 0), self.dtype)
+        latent = kv_storage.write(self.latent, latent_BTW, (0, context.end, 0), self.dtype,
+                                  pages_BN=context.pages)
         return self.replace(latent=_constrain_layer(latent))
 
     def read(self, context: Context, compute_dtype) -> jax.Array | Int8:
-        return kv_storage.read(self.latent, self.dtype, compute_dtype)
+        return _read(self.latent, context, self.dtype, compute_dtype)
 
     def map_seq(self, fn: SlotFn, max_len: int) -> "LayerCache":
         """The cache with `fn(array, seq_axis)` applied to its stored arrays; `fn` returns
         `max_len` slots (see `KVCache.map_seq`)."""
         return self.replace(latent=_constrain_layer(
             kv_storage.map_stored(self.latent, lambda a: fn(a, 1))))
+
+
+def _read(latent_BSW: jax.Array | Int8, context: Context, dtype: str, compute_dtype
+          ) -> jax.Array | Int8:
+    """One layer's latents for attention; from a pool of pages `[P, page, W]`, the rows'."""
+    if context.pages is not None:
+        latent_BSW = kv_storage.gather_pages(latent_BSW, context.pages, 0, 1)
+    return kv_storage.read(latent_BSW, dtype, compute_dtype)
 
 
 def cache_width(config: ModelConfig) -> int:
