@@ -86,3 +86,11 @@ def lm_train_step(config, train, optimizer, bos_id: int = 1):
     loss_fn = objective(llama_jax.RunConfig(model=config, train=train), bos_id)
     return jax.jit(functools.partial(train_step, config, train, optimizer, loss_fn),
                    donate_argnums=0)
+
+
+def medians(results: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per name, the median of each figure over its rounds."""
+    import statistics
+
+    return {name: {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+            for name, rounds in results.items()}

@@ -39,7 +39,7 @@ import numpy as np
 
 import llama_jax
 
-from common import BENCH_MODEL
+from common import BENCH_MODEL, medians
 from serve import REQUEST_TIMEOUT_S, Server, free_port, load, make_checkpoint, requests_of
 
 MAX_SEQ_LEN = 2048
@@ -198,8 +198,7 @@ def main(argv=None) -> int:
 
 
 def report(results: dict) -> None:
-    med = {name: {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-           for name, rounds in results.items()}
+    med = medians(results)
     off = med["off"]
     print("\n| server | shared TTFT p50 (c=1) ms | shared tok/s (c=32) | 7 streams' gap p50 / "
           "p99 / max ms | 1,536-token TTFT ms | mixed tok/s |\n|---|---|---|---|---|---|")

@@ -1,7 +1,7 @@
 """An attention mixer added from outside the package, the way a user adds one: this file
 registers a toy kind, `mean`, in `MIXERS` and nothing in llama_jax names it. The toy trains
 (the library's train step), decodes from its own cache under both decode implementations
-(equal to the full forward, and after the server's moves of the cache's slots), is planned
+(equal to the full forward, and from a paged cache as from a dense one), is planned
 (parameter counts and cache bytes from its hooks equal to the real leaves and cache) and has
 its config checked: what the trainer, the decoder and the planner ask of a mixer is the
 `Mixer` interface and nothing more.
@@ -25,8 +25,8 @@ from flax import struct
 import llama_jax
 from llama_jax.config import MeshConfig, ModelConfig, TrainConfig
 from llama_jax.errors import ConfigError, require
-from llama_jax.model.kv_cache import init_cache, resized
-from llama_jax.model.transformer import apply
+from llama_jax.model.kv_cache import init_cache, init_paged_cache
+from llama_jax.model.transformer import apply, unstack_layers
 from llama_jax.nn.attention.context import Context
 from llama_jax.nn.attention import kv_storage
 from llama_jax.nn.attention.mixers import MIXERS, Mixer
@@ -40,18 +40,27 @@ from fresh_process import passes_alone
 
 @struct.dataclass
 class MeanCache:
-    """The values `[L, B, S, H]` of a layer group, read and written at `context.layer`; one
-    layer's cache is the same with L = 1 (the unrolled decoder runs its layers at layer 0)."""
+    """The values `[L, B, S, H]` of a layer group, read and written at `context.layer`, or
+    `[B, S, H]` of one layer (the unrolled decoder's); with `context.pages`, a pool of pages
+    (B is then the pages) read and written through the rows' tables."""
 
     v: jax.Array
 
     @classmethod
-    def zeros(cls, config: ModelConfig, n_layers: int, batch: int, max_len: int,
+    def zeros(cls, config: ModelConfig, n_layers: int | None, batch: int, max_len: int,
               dtype: str) -> "MeanCache":
-        return cls(jnp.zeros((n_layers, batch, max_len, config.H), dtype))
+        layers = () if n_layers is None else (n_layers,)
+        return cls(jnp.zeros((*layers, batch, max_len, config.H), dtype))
 
-    def map_seq(self, fn, max_len: int) -> "MeanCache":
-        return self.replace(v=fn(self.v, 2))
+    def write(self, v_BTH: jax.Array, context: Context) -> "MeanCache":
+        lead = self.v.ndim - 3  # the layers' axis, if any
+        return self.replace(v=kv_storage.write(
+            self.v, v_BTH[(None,) * lead], (context.layer,) * lead + (0, context.end, 0),
+            self.v.dtype, row_axis=lead, pages_BN=context.pages))
+
+    def read(self, context: Context) -> jax.Array:
+        v = self.v[context.layer] if self.v.ndim == 4 else self.v
+        return v if context.pages is None else kv_storage.gather_pages(v, context.pages, 0, 1)
 
 
 def mean_specs(config: ModelConfig, residual_scale: float) -> dict:
@@ -65,10 +74,8 @@ def mean_apply(config: ModelConfig, p: dict, x_BTD: jax.Array, context: Context,
     v_BTH = dense("BTD,DH->BTH", x_BTD, p["wv"])
     v_BSH = v_BTH
     if cache is not None:
-        cache = cache.replace(v=kv_storage.write(
-            cache.v, v_BTH[None], (context.layer, 0, context.end, 0), cache.v.dtype,
-            row_axis=1))
-        v_BSH = cache.v[context.layer].astype(v_BTH.dtype)
+        cache = cache.write(v_BTH, context)
+        v_BSH = cache.read(context).astype(v_BTH.dtype)
     seen_BTS = context.mask.dense().astype(jnp.float32)
     # A left-padding slot sees nothing: its output is zero, not 0/0 (which would reach the
     # cache and, times a zero weight, every row's output).
@@ -85,7 +92,7 @@ def register_mean():
     MIXERS.register("mean", Mixer(
         specs=mean_specs, apply=mean_apply, stacked_cache=MeanCache.zeros,
         layer_cache=lambda config, batch, max_len, dtype: MeanCache.zeros(
-            config, 1, batch, max_len, dtype),
+            config, None, batch, max_len, dtype),
         cache_split=lambda config: ("head_dim", config.H),
         cache_vectors=lambda config: (1, config.H),
         saved_activations=lambda config, heads, kv_heads: dict.fromkeys(
@@ -128,8 +135,8 @@ def check_it_trains(config: ModelConfig):
 def check_it_decodes(config: ModelConfig, params):
     """Greedy decoding of a ragged batch from the toy's cache, stacked (scan) and per layer
     (unrolled): the tokens and log-probabilities the full forward gives the whole sequences.
-    Then the server's resizing (`resized`: the cache's `map_seq`) changes nothing a row
-    computes."""
+    Then the rows of a paged cache (the server's: pages of a pool through a table per row)
+    compute what the dense cache computes, stacked and per layer."""
     prompts = [tokens(1, n, seed=n)[0].tolist() for n in (3, 7, 5)]
     new = 6
     for impl in ("scan", "unrolled"):
@@ -144,13 +151,15 @@ def check_it_decodes(config: ModelConfig, params):
             assert out == want.argmax(-1).tolist(), (impl, b, out)
             np.testing.assert_allclose(logprobs[b], want.max(-1), rtol=1e-5, atol=1e-5)
 
-    cached = jax.jit(lambda p, toks, cache: apply(config, p, toks, cache=cache).hidden_BTD)
-    prompt = tokens(2, 5, seed=3)
-    cache = apply(config, params, prompt, cache=init_cache(config, 2, 8)).cache
-    step = tokens(2, 1, seed=4)
-    grown = resized(cache, 12)
-    np.testing.assert_allclose(cached(params, step, grown), cached(params, step, cache),
-                               rtol=1e-6, atol=1e-6)
+    prompt, step = tokens(2, 5, seed=3), tokens(2, 1, seed=4)
+    pages_BN = jnp.asarray([[3, 0], [4, 1]])  # two pages of 4 positions per row, in a pool of 5
+    for layout, p in (("stacked", params), ("per_layer", unstack_layers(params))):
+        hidden = []
+        for cache in (init_cache(config, 2, 8, layout=layout).with_row_ends(),
+                      init_paged_cache(config, 5, 4, pages_BN, layout=layout)):
+            cache = apply(config, p, prompt, cache=cache).cache
+            hidden.append(np.asarray(apply(config, p, step, cache=cache).hidden_BTD))
+        np.testing.assert_array_equal(*hidden)
 
 
 def check_it_is_planned(config: ModelConfig, params):

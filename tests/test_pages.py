@@ -16,9 +16,9 @@ def test_rows_take_pages_as_they_grow_and_return_them_when_they_end():
     assert table.grow(1, 1) == [2]
     assert table.grow(0, 9) == [3]
     assert pool.used == 4 and pool.free == 6
-    np.testing.assert_array_equal(table.array(3, 4), [[0, 1, 3, NO_PAGE], [2] + [NO_PAGE] * 3,
-                                                      [NO_PAGE] * 4])
-    np.testing.assert_array_equal(table.array(2, 2), [[0, 1], [2, NO_PAGE]])
+    np.testing.assert_array_equal(table.array([0, 1, None], 4),
+                                  [[0, 1, 3, NO_PAGE], [2] + [NO_PAGE] * 3, [NO_PAGE] * 4])
+    np.testing.assert_array_equal(table.array([1, 0], 2), [[2, NO_PAGE], [0, 1]])
     table.drop(0)
     assert pool.used == 1 and table.pages(0) == []
     taken = table.grow(2, 16)
@@ -51,6 +51,9 @@ def test_shared_pages_are_freed_with_their_last_holder():
         pool.release(prefix[:1])
     with pytest.raises(ValueError, match="is free"):
         table.share(2, prefix)
+    given = pool.take(1)
+    table.give(3, given)
+    assert table.pages(3) == given and pool.holders(given[0]) == 1
 
 
 def test_random_operations_never_lose_or_double_a_page():
@@ -75,7 +78,7 @@ def test_random_operations_never_lose_or_double_a_page():
         except OutOfPages:
             pass
         holders = np.zeros(pool.total, int)
-        for pages in [*table.rows.values(), *cached]:
+        for pages in [*table.held.values(), *cached]:
             np.add.at(holders, pages, 1)
         assert [pool.holders(p) for p in range(pool.total)] == holders.tolist()
         assert pool.free == int(np.sum(holders == 0))

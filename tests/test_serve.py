@@ -167,6 +167,13 @@ def test_metrics_count_what_the_responses_report(server):
     assert grew["llama_jax_time_to_first_token_seconds_count"] == 4
     assert grew["llama_jax_inter_token_latency_seconds_count"] == generated - 4
     assert after["llama_jax_slots"] == SLOTS and after["llama_jax_queue_length"] == 0
+    assert after["llama_jax_requests_running"] == after["llama_jax_requests_waiting"] == 0
+    assert after["llama_jax_preemptions_total"] == 0
+    # Idle, the pages held are the prefix cache's: a chunk of CHUNK tokens is a page of 16.
+    assert after["llama_jax_kv_pages_used"] == after["llama_jax_prefix_cache_blocks_used"]
+    health = server.health()
+    assert health["kv_pages_total"] == after["llama_jax_kv_pages_total"] >= SLOTS
+    assert health["kv_pages_used"] == after["llama_jax_kv_pages_used"]
     assert grew["llama_jax_cached_prompt_tokens_total"] == sum(
         u.prompt_tokens_details.cached_tokens for u in usages)
     # Three prompts (the n=2 choices share one prefill), each in chunks of CHUNK tokens.

@@ -1,7 +1,8 @@
 """The serving engine in-process: continuous batching equals `generate` alone for every mixer
 and cache (GQA, MLA's latent cache, MoE with a capacity factor, int8, both layouts) while rows
 come and go and the cache grows and shrinks; a failing program fails only its requests; and the
-text and chat-format pieces against references (Meta's LLaMA 3 chat format)."""
+text and chat-format pieces against references (Meta's LLaMA 3 chat format). The KV cache's
+pages: more rows than a dense cache of the same bytes, preemption when they run short."""
 
 import dataclasses
 import io
@@ -16,7 +17,7 @@ import pytest
 import llama_jax
 from llama_jax.decode.generate import generate
 from llama_jax.errors import GenerateError
-from llama_jax.model.kv_cache import init_cache, resized, with_row
+from llama_jax.model.kv_cache import copied_pages, init_paged_cache
 from llama_jax.data.chat import (chat_format, encode_with_special_tokens, llama2_chat,
                                   llama3_chat)
 from llama_jax.serve.engine import Engine, Request
@@ -59,26 +60,28 @@ def test_continuous_batching_equals_generate_alone(params, name, cache_dtype, de
 
 
 @pytest.mark.parametrize("decode_impl", ["scan", "unrolled"])
-def test_the_cache_grows_for_a_long_row_and_shrinks_after_it(params, decode_impl, monkeypatch):
-    """Two short requests decode while a 150-token prompt arrives: the rows' cache grows from
-    64 positions to hold it, and halves back to 64 once it has ended and the short rows need
-    no more. Then a row alone grows past 64 as it decodes: the cache grows before the
-    dispatch that would write there. Every request's tokens equal `generate` alone, across
-    every resize."""
+def test_the_table_widens_for_a_long_row_and_narrows_after_it(params, decode_impl,
+                                                              monkeypatch):
+    """Two short requests decode while a 150-token prompt arrives: the programs attend over
+    64 positions, then 256 to hold it, and 64 again once it has ended and the short rows
+    need no more. Then a row alone reaches past 64 as it decodes: the table widens before
+    the dispatch that would write there. Every request's tokens equal `generate` alone, at
+    every width."""
     config, p = CONFIGS["gqa"], params["gqa"]
     engine = Engine(config, p, max_batch=3, max_seq_len=256, stop_ids=[],
                     decode_impl=decode_impl, steps_per_dispatch=2)
-    lengths = []
-    resize = engine._resize
-    monkeypatch.setattr(engine, "_resize", lambda size: (lengths.append(size), resize(size)))
+    widths = []
+    decode = engine._decode
+    monkeypatch.setattr(engine, "_decode", lambda *args, **kw: (
+        widths.append(engine.width * engine.page_size), decode(*args, **kw))[1])
     engine.start()
     batch = prompts([5, 150, 8, 58], seed=21, vocab=config.vocab_size)
     new = [50, 10, 50, 12]
     try:
         results = run(engine, [dict(prompt=q, max_tokens=n) for q, n in zip(batch[:3], new)])
-        assert lengths[0] == 256 and lengths[-1] == 64, lengths
+        assert widths[0] == 64 and max(widths) == 256 and widths[-1] == 64, widths
         results += run(engine, [dict(prompt=batch[3], max_tokens=new[3])])
-        assert lengths[-1] == 128, lengths
+        assert widths[-1] == 128, widths
     finally:
         assert engine.stop(30)
     for prompt, n, result in zip(batch, new, results):
@@ -86,6 +89,46 @@ def test_the_cache_grows_for_a_long_row_and_shrinks_after_it(params, decode_impl
                                     decode_impl=decode_impl, return_logprobs=True)
         assert result["tokens"] == tokens[0]
         np.testing.assert_allclose(result["logprobs"], logprobs[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("decode_impl", ["scan", "unrolled"])
+def test_pages_run_more_rows_and_preempt_the_newest_when_short(params, decode_impl,
+                                                               monkeypatch):
+    """A pool of 8 pages of 16 positions: a dense cache of its bytes holds one row of the
+    96-token context, and here three or four rows decode at once. As they grow the pool runs
+    short: the newest row is preempted, its request decoded anew later. Every request's
+    sampled tokens still equal `generate` alone with its seed, and every page is free once
+    the engine is idle."""
+    from llama_jax.decode.decoder import page_bytes
+
+    config, p = CONFIGS["gqa"], params["gqa"]
+    each = page_bytes(config, p, 16, "float32", None)
+    engine = Engine(config, p, max_batch=4, max_seq_len=96, stop_ids=[], cache_dtype="float32",
+                    decode_impl=decode_impl, steps_per_dispatch=3, kv_cache_bytes=8 * each)
+    assert engine.n_pages == 8
+    running = []
+    decode = engine._decode
+    monkeypatch.setattr(engine, "_decode", lambda *args, **kw: (
+        running.append(sum(engine._decoding(b) for b in range(4))), decode(*args, **kw))[1])
+    engine.start()
+    batch = prompts([30, 17, 40, 9, 25, 5, 33], seed=4, vocab=config.vocab_size)
+    new = [60, 50, 40, 38, 20, 12, 30]
+    try:
+        results = run(engine, [dict(prompt=q, max_tokens=n, temperature=0.8, seed=i)
+                               for i, (q, n) in enumerate(zip(batch, new))])
+    finally:
+        assert engine.stop(30)
+    stats = engine.stats()
+    assert max(running) >= 3 and stats["preemptions"] > 0, (running, stats)
+    # Four choices of a 95-token prompt: its 6 pages and a last page each for three more.
+    group = [Request(prompt=batch[0] * 3 + batch[1][:5], max_tokens=1, deliver=print)] * 4
+    with pytest.raises(GenerateError, match="need 9 pages of the KV cache's 8"):
+        engine.submit_group(group)
+    assert stats["kv_pages_used"] == 0 and stats["finished"] == {"length": 7}
+    for i, (q, n, result) in enumerate(zip(batch, new, results)):
+        expected = generate(config, p, [q], n, stop_tokens=[], cache_dtype="float32",
+                            decode_impl=decode_impl, temperature=0.8, seed=i)[0]
+        assert result["tokens"] == expected
 
 
 def test_an_engine_reserves_its_largest_cache_before_choosing_the_decoder(monkeypatch):
@@ -156,10 +199,10 @@ def test_a_failing_prefill_fails_only_its_request(params, monkeypatch):
     engine = Engine(config, p, max_batch=2, max_seq_len=64, stop_ids=[], steps_per_dispatch=4)
     prefill = engine._prefill_chunk
 
-    def faulty(one, tokens_1L, last, *args):
+    def faulty(pages_1N, tokens_1L, start, last, *args):
         if last == 6:  # the 7-token prompt's one chunk
             raise RuntimeError("injected")
-        return prefill(one, tokens_1L, last, *args)
+        return prefill(pages_1N, tokens_1L, start, last, *args)
     monkeypatch.setattr(engine, "_prefill_chunk", faulty)
     engine.start()
     try:
@@ -174,15 +217,17 @@ def test_a_failing_prefill_fails_only_its_request(params, monkeypatch):
     assert engine.finished == {"length": 3, "error": 1}
 
 
-def test_the_rows_at_their_largest_hold_what_the_planner_counts(params):
-    from llama_jax.plan.costs import serving_cache_bytes
+def test_the_pool_holds_what_the_planner_counts(params):
+    """By default a row's pages of the context for every row: 3 rows of 100 positions in
+    pages of 16 are 3 · 7 pages of the planner's bytes per token."""
+    from llama_jax.plan.costs import kv_cache_bytes_per_token
 
     for cache_dtype in ("bfloat16", "int8"):
         engine = Engine(CONFIGS["mla"], params["mla"], max_batch=3, max_seq_len=100,
                         cache_dtype=cache_dtype, steps_per_dispatch=5)
-        engine._resize(engine.max_len)
         stored = sum(x.nbytes for x in jax.tree.leaves(engine.rows.cache.groups))
-        assert stored == serving_cache_bytes(CONFIGS["mla"], 3, 100, cache_dtype)
+        assert engine.n_pages == 21
+        assert stored == 21 * 16 * kv_cache_bytes_per_token(CONFIGS["mla"], cache_dtype)
 
 
 def test_the_server_refuses_a_cache_that_does_not_fit(tmp_path, monkeypatch, capsys):
@@ -271,41 +316,21 @@ def test_requests_that_cannot_run_are_refused_with_the_lengths(params):
 
 @pytest.mark.parametrize("layout", ["stacked", "per_layer"])
 @pytest.mark.parametrize("name", ["gqa", "mla"])
-def test_resizing_the_rows_keeps_every_row_and_with_row_replaces_one(layout, name):
-    """`resized` grows the cache with empty positions after every row's or cuts it at its
-    end, keeping each row's stored vectors and end; `with_row` replaces one row alone, its
-    end with it."""
+def test_copied_pages_hold_what_their_sources_hold(layout, name):
+    """`copied_pages` copies whole pages of every layer's pool (a prompt's last page, for a
+    further choice of it), and leaves the others as they were."""
     config = CONFIGS[name]
     rng = np.random.default_rng(0)
-    cache = init_cache(config, 3, 16, "float32", layout=layout).with_row_ends()
-    cache = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(x.dtype), cache)
-    cache = cache.replace(start=jnp.zeros((3,), jnp.int32), end=jnp.array([3, 12, 7]))
-    for S in (24, 12):
-        there = resized(cache, S)
-        assert there.max_len == S and there.end.tolist() == [3, 12, 7]
-        for a, b in zip(jax.tree.leaves(cache.groups), jax.tree.leaves(there.groups)):
-            kept = min(S, 16)
-            positions = _positions(b, config, layout, S)
-            assert positions[..., :kept, :].tolist() == \
-                _positions(a, config, layout, 16)[..., :kept, :].tolist()
-            assert (positions[..., kept:, :] == 0).all()
-    one = init_cache(config, 1, 16, "float32", layout=layout)
-    one = one.replace(groups=jax.tree.map(lambda x: np.full(x.shape, 3.0, x.dtype), one.groups),
-                      end=jnp.int32(5))
-    replaced = with_row(cache, 1, one)
-    assert replaced.end.tolist() == [3, 5, 7]
-    for a, b in zip(jax.tree.leaves(cache.groups), jax.tree.leaves(replaced.groups)):
-        rows = np.moveaxis(np.asarray(b), 1 if layout == "stacked" else 0, 0)
-        before = np.moveaxis(np.asarray(a), 1 if layout == "stacked" else 0, 0)
-        assert (rows[1] == 3.0).all() and (rows[[0, 2]] == before[[0, 2]]).all()
-
-
-def _positions(x, config, layout, S):
-    """A stored cache array with its positions on the second to last axis."""
-    x = np.asarray(x)
-    if layout == "per_layer" and config.attention == "gqa":  # [B, K·S, H]
-        return x.reshape(x.shape[0], -1, S, x.shape[-1])
-    return x  # [L, B, K, S, H], [L, B, S, W], [B, S, W]
+    pool = init_paged_cache(config, 6, 4, jnp.zeros((1, 1), jnp.int32), "float32",
+                            layout=layout)
+    pool = pool.replace(groups=jax.tree.map(
+        lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), pool.groups))
+    copied = copied_pages(pool, jnp.asarray([4, 1]), jnp.asarray([0, 5]))
+    for before, after in zip(jax.tree.leaves(pool.groups), jax.tree.leaves(copied.groups)):
+        axis = 1 if layout == "stacked" else 0
+        before, after = (np.moveaxis(np.asarray(x), axis, 0) for x in (before, after))
+        np.testing.assert_array_equal(after[[0, 5]], before[[4, 1]])
+        np.testing.assert_array_equal(after[1:5], before[1:5])
 
 
 # ------------------------------------------------------------------------- text and chat

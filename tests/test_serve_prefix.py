@@ -14,7 +14,7 @@ import pytest
 import llama_jax
 from llama_jax.decode.generate import generate
 from llama_jax.decode.batching import chunk_plan
-from llama_jax.decode.prefix_pool import prefix_block_bytes
+from llama_jax.decode.decoder import page_bytes
 from llama_jax.serve.engine import Engine, Request
 
 from models import SERVING, random_params
@@ -32,9 +32,10 @@ def params():
 
 def engine_for(config, p, blocks: int, chunk: int = CHUNK, **kwargs) -> Engine:
     cache_dtype = kwargs.setdefault("cache_dtype", "float32")
+    page = kwargs.setdefault("page_size", 16)
+    block = page_bytes(config, p, page, cache_dtype, None) * (chunk // page)
     return Engine(config, p, max_batch=4, max_seq_len=MAX_SEQ_LEN, stop_ids=[],
-                  steps_per_dispatch=3, prefill_chunk=chunk,
-                  prefix_cache_bytes=blocks * prefix_block_bytes(config, p, chunk, cache_dtype),
+                  steps_per_dispatch=3, prefill_chunk=chunk, prefix_cache_bytes=blocks * block,
                   **kwargs)
 
 
@@ -101,7 +102,10 @@ def test_a_warm_prompt_equals_its_cold_run_bit_for_bit(params, name, cache_dtype
     for a, b in ((cold, warm), (cold_sampled, warm_sampled)):
         assert a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
         assert a["top"] == b["top"]
-    assert engine.stats()["prefix_cache_hits"] == 1
+    stats = engine.stats()
+    # Idle, the pool's pages in use are the three cached chunks' (a page each), which the
+    # warm prompt's rows listed without copying.
+    assert stats["prefix_cache_hits"] == 1 and stats["kv_pages_used"] == 3
 
 
 @pytest.mark.parametrize("chunk, blocks", [(CHUNK, 64), (CHUNK, 0), (CHUNK, 2), (128, 0)],

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -212,8 +213,7 @@ def test_cpu_devices_reserve_from_the_host_they_share(monkeypatch):
 def test_the_server_checks_the_cache_a_device_holds(backend, devices_counted, monkeypatch):
     """On a mesh each accelerator holds its part of the server's cache, and is checked for
     that part alone; CPU devices all draw on the host, which must hold every part."""
-    from llama_jax.model.kv_cache import init_cache
-    from llama_jax.plan.costs import serving_cache_len
+    from llama_jax.model.kv_cache import init_paged_cache
     from llama_jax.serve import app
 
     model, mesh_config = MODELS["gqa"], MESHES["dp2-fsdp2-tp2"]
@@ -221,9 +221,10 @@ def test_the_server_checks_the_cache_a_device_holds(backend, devices_counted, mo
     placed = jax.device_put(
         llama_jax.init_params(model, jax.random.key(6)),
         sharding.param_shardings(llama_jax.param_specs(model), mesh, mesh_config))
-    max_len = serving_cache_len(40)
+    # 4 rows of 40 positions in pages of 16: 12 pages, the pool a multiple of the 8 devices
     with sharding.use_mesh(mesh, mesh_config):
-        cache = jax.jit(lambda: init_cache(model, 4, max_len, "bfloat16"))()
+        cache = jax.jit(lambda: init_paged_cache(model, 16, 16, jnp.zeros((4, 3), jnp.int32),
+                                                 "bfloat16"))()
     need = devices_counted * sharding.bytes_per_device(cache.groups)
     # the parameters' devices are of that platform (parallel/target.py)
     monkeypatch.setattr(target, "platform_of_tree", lambda tree: backend)

@@ -306,27 +306,29 @@ def test_rows_verify_by_the_rates_the_host_chose_the_program_by(models):
 
     config, params = models["gqa"]
     spec = speculation(config, "ngram", 3, (1, 3), None, 2, min_accepted=1.0)
-    layout = dict(config=config, cache_dtype="float32", layout="stacked", placement=None)
-    rows = programs.empty_rows(np.asarray([NO_TOKEN], np.int32), batch=2, max_len=64,
-                               spec=spec, **layout)
+    rows = programs.empty_rows(np.asarray([NO_TOKEN], np.int32), config=config, batch=2,
+                               n_pages=8, page_size=16, max_len=64, cache_dtype="float32",
+                               layout="stacked", spec=spec, placement=None)
+    pages_BN = np.arange(8, dtype=np.int32).reshape(2, 4)  # 64 positions a row
     base = repetitive_prompts([20], config.vocab_size, seed=0)[0]
     prompt = base + generate(config, params, [base], 10, stop_tokens=[])[0]  # it loops: guesses
     n = len(prompt)
     tokens_1L = np.zeros((1, 32), np.int32)
     tokens_1L[0, :n] = prompt
-    one, logits, _ = programs.prefill_chunk(params, None, tokens_1L, np.int32(n - 1), max_len=32,
-                                            **layout)
     prompt_1S = np.zeros((1, 64), np.int32)
     prompt_1S[0, :n] = prompt
     for row in (0, 1):
-        rows, _ = programs.insert(rows, one, logits, np.int32(row), np.int32(20),
+        rows, logits, _ = programs.prefill_chunk(rows, params, pages_BN[row:row + 1, :2],
+                                                 tokens_1L, np.int32(0), np.int32(n - 1),
+                                                 config=config, placement=None)
+        rows, _ = programs.insert(rows, logits, np.int32(row), np.int32(n), np.int32(20),
                                   SamplingParams.broadcast(1), jax.random.key(row)[None],
                                   prompt_1S)
     rates = np.asarray([0.9, 0.1], np.float32)  # expected kept: 2.44 and 0.11 of 3
     rows = rows.replace(lookup=rows.lookup.replace(deciding_rate_B=rates,
                                                    hit_rate_B=rates[::-1].copy()))
-    _, out = programs.speculate(rows, params, config=config, n_steps=1, spec=spec,
-                                verify=True, strategy=Strategy(False, False), top=0,
+    _, out = programs.speculate(rows, params, None, pages_BN, config=config, n_steps=1,
+                                spec=spec, verify=True, strategy=Strategy(False, False), top=0,
                                 placement=None)
     drafted = np.asarray(out.drafted_B)
     assert drafted[0] > 0 and drafted[1] == 0

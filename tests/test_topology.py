@@ -319,9 +319,9 @@ def test_a_server_compiled_for_a_tpu_holds_its_part_of_the_cache():
     """A tiny model's server (`aot.serving`, the engine's own programs) on v5e chips: alone on
     one chip with the scan decoder, and over data=2 x tensor=2 with the unrolled one (`auto`'s
     on TPUs).
-    Each chip holds the part of the slots' KV cache that `serve`'s start-up check counts (a
-    quarter over the mesh: rows over data, KV heads over tensor), and the decode program
-    holds the weights and the cache."""
+    Each chip holds the part of the KV cache's pages (the rows' and the prefix cache's) that
+    `serve`'s start-up check counts (a quarter over the mesh: pages over data, KV heads over
+    tensor), and every program holds the pages (the decode program the weights too)."""
     config = load_run_config("configs/tiny.yaml", TINY).model
     tpu_devices("v5e:2x2")
     shape = dict(max_batch=8, max_seq_len=256, cache_dtype="int8")
@@ -336,10 +336,11 @@ def test_a_server_compiled_for_a_tpu_holds_its_part_of_the_cache():
     assert (alone.decode_impl, split.decode_impl) == ("scan", "unrolled")
     for report in (alone, split):
         assert report.platform == "tpu" and report.fits, render_serving(report)
-        assert report.cache == report.planned_cache
+        assert report.cache == report.planned_cache + report.prefix_cache
+        assert report.prefix_cache > 0
         prefill, insert, decode = report.programs
         assert decode.total >= report.parameters + report.cache
-        assert report.need >= prefill.total + report.cache
+        assert min(prefill.total, insert.total) >= report.cache
     assert alone.cache == 4 * split.cache
     assert split.parameters < alone.parameters and split.n_devices == 4
 
@@ -347,7 +348,7 @@ def test_a_server_compiled_for_a_tpu_holds_its_part_of_the_cache():
 def test_a_speculating_server_compiled_for_a_tpu_holds_the_drafts_cache_too():
     """Speculating servers on one v5e chip: prompt lookup's compiles its rounds that verify
     (`speculate`) in place of decode steps, over k + 1 more slots; a draft model's also
-    compiles the draft's prefill chunk, and its slots hold the draft's cache beside the
+    compiles the draft's prefill chunk, and its pages hold the draft's cache beside the
     model's, as the start-up check counts them."""
     config = load_run_config("configs/tiny.yaml", TINY).model
     draft = dataclasses.replace(config, n_layers=1)
@@ -359,7 +360,8 @@ def test_a_speculating_server_compiled_for_a_tpu_holds_the_drafts_cache_too():
                           (drafting, ["prefill", "draft prefill", "insert", "speculate"])):
         assert report.fits and [p.name for p in report.programs] == names, \
             render_serving(report)
-        assert report.cache_len >= 128 + 3 and report.cache == report.planned_cache
+        assert report.cache_len >= 128 + 3
+        assert report.cache == report.planned_cache + report.prefix_cache
         assert report.programs[-1].total >= report.parameters + report.cache
     assert drafting.cache > lookup.cache and drafting.parameters > lookup.parameters
     assert "speculating (draft, k=3)" in render_serving(drafting)

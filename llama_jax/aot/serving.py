@@ -9,12 +9,11 @@ cache and a prefill chunk fit each device.
 MODEL is a preset, a config file or a checkpoint directory (its config is read, not its
 weights). Without `--mesh` the server runs on one device, as `serve` does. The programs are the
 server's own (`decode/batching.py`) at their largest: the last prefill chunk of the longest prompt,
-its insertion into the rows, and a dispatch of decode steps over the cache at its largest
-(`max_batch` rows of `max_seq_len` tokens) with every sampling path; speculating
-(`--speculate`, `--draft-checkpoint`), a dispatch of rounds that verify instead, and a draft
-model's last prefill chunk. While a prompt prefills, the rows stay on the device, so the
-server needs, per device, the most of: the decode program's peak, the insertion's, and the
-prefill's plus the rows; and the prefix cache's pool beside all of them. Beside it: the figure
+its insertion into the rows, and a dispatch of decode steps of `max_batch` rows each attending
+over `max_seq_len` positions with every sampling path; speculating (`--speculate`,
+`--draft-checkpoint`), a dispatch of rounds that verify instead, and a draft model's last
+prefill chunk. Every program takes the KV cache's pool of pages (the rows' and the prefix
+cache's), so the server needs, per device, the most of their peaks. Beside it: the figure
 `serve` checks at start-up (the weights and the planner's KV cache).
 """
 
@@ -33,10 +32,10 @@ import jax
 from llama_jax.aot.compiled import ProgramMemory, compile_program
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name, load_model_config
-from llama_jax.decode.decoder import DECODE_IMPLS, UNROLLED_BACKENDS, rows_cache_bytes
+from llama_jax.decode.decoder import (DECODE_IMPLS, UNROLLED_BACKENDS, page_bytes,
+                                      pool_devices)
 from llama_jax.decode.speculate import speculation
-from llama_jax.decode.prefix_pool import prefix_block_bytes
-from llama_jax.decode.batching import check_prefill_chunk, lower_programs
+from llama_jax.decode.batching import check_page_size, check_prefill_chunk, lower_programs
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.formats.checkpoint import checkpoint_config
 from llama_jax.formats.loading import placed_target
@@ -45,9 +44,10 @@ from llama_jax.model.transformer import unstack_layers
 from llama_jax.parallel import sharding, target, topology as topologies
 from llama_jax.parallel.devices import free_memory_bytes
 from llama_jax.plan import hardware
-from llama_jax.plan.costs import (SERVING_PREFILL_CHUNK, SERVING_STEPS_PER_DISPATCH,
-                                  default_prefix_cache_bytes, format_bytes, prefix_cache_blocks,
-                                  serving_cache_len)
+from llama_jax.plan.costs import (SERVING_PAGE_SIZE, SERVING_PREFILL_CHUNK,
+                                  SERVING_STEPS_PER_DISPATCH, default_prefix_cache_bytes,
+                                  format_bytes, prefix_cache_blocks, serving_cache_len,
+                                  serving_pool_pages, serving_rows_pages)
 from llama_jax.config import parse_mesh
 from llama_jax.serve.flags import add_server_arguments, check_speculation_flags
 
@@ -69,22 +69,21 @@ class ServingReport:
     cache_dtype: str
     max_batch: int
     max_seq_len: int
-    cache_len: int  # positions per row, at the cache's largest
+    cache_len: int  # positions per row, at the most
     parameters: int
-    cache: int  # the rows' KV cache as XLA lays it out
-    planned_cache: int  # the planner's figure for it, which `serve` checks at start-up
+    cache: int  # the KV cache's pool of pages as XLA lays it out (the prefix cache's within)
+    planned_cache: int  # the planner's figure for the rows' pages, which `serve` checks
     prefill_chunk: int
-    prefix_cache: int  # the prefix cache's pool (whole blocks)
+    page_size: int
+    prefix_cache: int  # the prefix cache's pages (whole chunks)
     programs: tuple[ProgramMemory, ...]  # prefill (a draft's too), insert, decode or speculate
     speculation: str | None = None  # "ngram, k=4", "draft, k=4" or None
 
     @property
     def needs(self) -> dict[str, int]:
-        """What the server holds while each program runs: its peak, and beside a prefill the
-        rows' cache (which stays on the device but is not the prefill's argument); beside
-        every program, the prefix cache."""
-        return {p.name: p.total + self.prefix_cache
-                + (self.cache if p.name.endswith("prefill") else 0) for p in self.programs}
+        """What the server holds while each program runs: its peak (every program takes the
+        rows and their pool of pages)."""
+        return {p.name: p.total for p in self.programs}
 
     @property
     def need(self) -> int:
@@ -107,17 +106,20 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
                     max_seq_len: int | None = None, cache_dtype: str | None = None,
                     decode_impl: str = "auto", steps: int = SERVING_STEPS_PER_DISPATCH,
                     prefill_chunk: int = SERVING_PREFILL_CHUNK,
-                    prefix_cache_bytes: int | None = None, speculate: str | None = None,
+                    prefix_cache_bytes: int | None = None, page_size: int = SERVING_PAGE_SIZE,
+                    kv_cache_bytes: int | None = None, speculate: str | None = None,
                     num_speculative_tokens: int = 4, ngram: tuple[int, int] = (1, 3),
                     draft_config: ModelConfig | None = None,
                     log: Callable[[str], None] = lambda _: None) -> ServingReport:
     """Compiles the largest programs of a server of `config` (its dtypes and quantization as
     it would load) for `topology` (None: this host's devices), on `mesh` (None: one device),
     prefilling in chunks of `prefill_chunk` beside a prefix cache of `prefix_cache_bytes` per
-    device (None: the server's default share of the device's memory), speculating as
+    device (None: the server's default share of the device's memory), over pages of
+    `page_size` positions (`kv_cache_bytes` of them for the rows), speculating as
     `speculate`, `num_speculative_tokens` and `ngram` say (by a draft model of
     `draft_config`: speculate="draft" is implied by it), as `Engine`'s."""
     check_prefill_chunk(prefill_chunk)
+    check_page_size(page_size, prefill_chunk)
     max_seq_len = max_seq_len or config.max_seq_len
     if not 1 <= max_seq_len <= config.max_seq_len:
         raise GenerateError(f"--max-seq-len {max_seq_len} must be in [1, {config.max_seq_len}] "
@@ -153,20 +155,24 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
         raise GenerateError("a server's draft model decodes on one device: compile it "
                             "without --mesh, or speculate by prompt lookup")
     cache_len = serving_cache_len(max_seq_len, spec and spec.k)
-    planned = rows_cache_bytes(config, params, max_batch, cache_len, cache_dtype, mesh,
-                                None if draft_config is None else (draft_config, draft_params))
-    block = prefix_block_bytes(config, params, prefill_chunk, cache_dtype, mesh)
+    each = page_bytes(config, params, page_size, cache_dtype, mesh,
+                      None if draft_config is None else (draft_config, draft_params))
+    rows_pages = serving_rows_pages(max_batch, cache_len, page_size, each, kv_cache_bytes)
+    planned = rows_pages * each
+    block = each * (prefill_chunk // page_size)
     if prefix_cache_bytes is None:
         prefix_cache_bytes = default_prefix_cache_bytes(
             None if limit is None else limit - planned - sharding.bytes_per_device(params),
             planned)
-    pool = block * prefix_cache_blocks(prefix_cache_bytes, block, prefill_chunk, max_seq_len)
+    blocks = prefix_cache_blocks(prefix_cache_bytes, block, prefill_chunk, max_seq_len)
+    n_pages = serving_pool_pages(rows_pages, blocks, prefill_chunk, page_size,
+                                 pool_devices(params))
     log(f"compiling a server of {max_batch} x {max_seq_len} tokens for {described}")
     programs = []
     with target.compiling_for(devices):
         lowered, rows = lower_programs(
-            config, params, max_batch=max_batch, prompt_len=max_seq_len - 1,
-            chunk=prefill_chunk, cache_len=cache_len,
+            config, params, max_batch=max_batch, n_pages=n_pages, page_size=page_size,
+            prompt_len=max_seq_len - 1, chunk=prefill_chunk, max_len=cache_len,
             steps=steps, cache_dtype=cache_dtype, mesh_config=mesh,
             layout="stacked" if decode_impl == "scan" else "per_layer", spec=spec,
             draft_params=draft_params)
@@ -188,7 +194,8 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
         # the stored keys and values, the draft's beside the model's
         cache=sharding.bytes_per_device((rows.cache.groups, None if rows.draft_cache is None
                                          else rows.draft_cache.groups)),
-        planned_cache=planned, prefill_chunk=prefill_chunk, prefix_cache=pool,
+        planned_cache=planned, prefill_chunk=prefill_chunk, page_size=page_size,
+        prefix_cache=blocks * block,
         programs=tuple(programs),
         speculation=None if spec is None else f"{spec.method}, k={spec.k}")
 
@@ -237,9 +244,10 @@ def render(report: ServingReport) -> str:
         "per device           XLA            start-up check",
         f"  weights            {format_bytes(report.parameters):>12}   "
         f"{format_bytes(report.parameters):>12}",
-        f"  KV cache (rows)    {format_bytes(report.cache):>12}   "
-        f"{format_bytes(report.planned_cache):>12}",
-        f"  prefix cache       {format_bytes(report.prefix_cache):>12}   "
+        f"  KV cache pages     {format_bytes(report.cache):>12}   "
+        f"{format_bytes(report.planned_cache + report.prefix_cache):>12}   "
+        f"(pages of {report.page_size} positions)",
+        f"   of which prefix   {format_bytes(report.prefix_cache):>12}   "
         f"{format_bytes(report.prefix_cache):>12}   (chunks of {report.prefill_chunk})",
     ]
     for program in report.programs:
@@ -247,9 +255,8 @@ def render(report: ServingReport) -> str:
     if all(p.fits for p in report.programs):
         verdict = "fits" if report.fits else "does not fit"
         largest = max(report.needs, key=report.needs.get)
-        beside = f", the {largest} beside the rows" if largest.endswith("prefill") else ""
         lines.append(f"server: {verdict}: needs {format_bytes(report.need)} of {limit} per "
-                     f"device (while the {largest} runs{beside})")
+                     f"device (while the {largest} runs)")
     else:
         lines.append("server: does not fit")
     return "\n".join(lines)
@@ -285,7 +292,8 @@ def report_for(model: str, args: argparse.Namespace, mesh: MeshConfig | None) ->
                            decode_impl=args.decode_impl, steps=args.steps_per_dispatch,
                            prefill_chunk=args.prefill_chunk,
                            prefix_cache_bytes=0 if args.no_prefix_cache
-                           else args.prefix_cache_bytes, speculate=args.speculate,
+                           else args.prefix_cache_bytes, page_size=args.page_size,
+                           kv_cache_bytes=args.kv_cache_bytes, speculate=args.speculate,
                            num_speculative_tokens=args.num_speculative_tokens,
                            ngram=tuple(args.ngram), draft_config=draft_config,
                            log=lambda line: print(line, file=sys.stderr, flush=True))

@@ -1,24 +1,29 @@
 """The device programs of continuous batching (`serve/engine.py` drives them from the host):
-a fixed set of decode rows that requests enter and leave.
+a fixed set of decode rows that requests enter and leave, over a paged KV cache.
 
 The rows (rows.py) are one batch of B, kept on the device and donated to every program that
-updates them. Every row's sequence sits in the cache from position 0 and ends where the row
-has got to, so rows are never moved: a request is written into a free row whole.
-- `empty_rows`: B idle rows over a cache of a given length, laid out by the cache rules on a
-  mesh;
-- `prefill_chunk`: one chunk of a prompt into its one-row cache (`chunk_plan` cuts a prompt
+updates them. Their cache is a pool of pages (model/kv_cache.py's `init_paged_cache`; a
+draft model's beside it, the same pages of its own pool): the host owns the pages
+(serve/pages.py) and hands every program each row's table (`pages_BN`, or a prompt's
+`pages_1N`), whose width sets the positions the program attends over. A row's sequence sits
+at its positions from 0 and ends where the row has got to, so rows are never moved: a
+prompt is written into its pages once, and a row that ends gives its pages back.
+- `empty_rows`: B idle rows over an empty pool, laid out by the cache rules on a mesh;
+- `prefill_chunk`: one chunk of a prompt written into its pages (`chunk_plan` cuts a prompt
   into chunks), and the logits after its last token;
-- `insert`: that one-row cache written over a row, with the row's first token sampled from
-  those logits;
+- `insert`: a row holding a prefilled prompt, with its first token sampled from those
+  logits;
+- `copy_pages`: pages copied into others (a prompt's last page, for each further choice of
+  it, which writes its own tokens there);
 - `decode`: K decode steps of every row (`rows.step`, the step `generate` takes);
 - `speculate`: K speculative rounds of every row instead (`rows.speculative_round`, the
   round `generate` takes), for a server that speculates: each row guesses from its own
   tokens (prompt lookup) or by a draft model (whose cache the rows hold beside the model's),
-  one pass verifies, and each row advances by what it kept (1 to k + 1 tokens a round);
-- `resize`: the cache grown or cut at its end, to hold what the rows in use need.
+  one pass verifies, and each row advances by what it kept (1 to k + 1 tokens a round).
 
-A request's tokens do not depend on its companions (rows.py). `lower_programs` lowers the largest of these
-programs without running anything, for `llama_jax.aot` to compile for another target.
+A request's tokens do not depend on its companions (rows.py). `lower_programs` lowers the
+largest of these programs without running anything, for `llama_jax.aot` to compile for
+another target.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from llama_jax.decode.sampling import SamplingParams, Strategy
 from llama_jax.decode.speculate import HIT_RATE_START, Speculation, put_rows, worth_verifying
 from llama_jax.decode.step import NO_TOKEN
 from llama_jax.errors import GenerateError
-from llama_jax.model.kv_cache import KVCache, init_cache, resized, with_row
+from llama_jax.model.kv_cache import (NO_PAGE, copied_pages, init_paged_cache, paged_rows,
+                                      pages_for, with_pages)
 from llama_jax.model.params import Params
 from llama_jax.model.transformer import apply
 from llama_jax.nn.heads import lm_head
@@ -53,21 +59,23 @@ PREFILL_STRATEGY = Strategy(draw=True, sort=True)
 WIDEST_STRATEGY = Strategy(draw=True, sort=True)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "batch", "max_len", "cache_dtype",
-                                             "layout", "spec", "placement"))
-def empty_rows(stop_S: jax.Array, *, config: ModelConfig, batch: int, max_len: int,
-               cache_dtype: str, layout: str, spec: Speculation | None = None,
-               placement: tuple | None) -> Rows:
-    """`batch` idle rows over a cache of `max_len` positions that stop on the ids `stop_S`
-    (rows that speculate as `spec` says: their tokens too, and a draft model's cache of as
-    many positions)."""
+@functools.partial(jax.jit, static_argnames=("config", "batch", "n_pages", "page_size",
+                                             "max_len", "cache_dtype", "layout", "spec",
+                                             "placement"))
+def empty_rows(stop_S: jax.Array, *, config: ModelConfig, batch: int, n_pages: int,
+               page_size: int, max_len: int, cache_dtype: str, layout: str,
+               spec: Speculation | None = None, placement: tuple | None) -> Rows:
+    """`batch` idle rows over an empty pool of `n_pages` pages of `page_size` positions, that
+    stop on the ids `stop_S` (rows that speculate as `spec` says: their tokens too, `max_len`
+    of each, and a draft model's pool of as many pages)."""
     with placed(placement):
         B = batch
-        cache = init_cache(config, B, max_len, cache_dtype, layout=layout).with_row_ends()
+        no_pages_B1 = jnp.full((B, 1), NO_PAGE, jnp.int32)
+        cache = init_paged_cache(config, n_pages, page_size, no_pages_B1, cache_dtype, layout)
         lookup = draft_cache = None
         if spec is not None and spec.method == "draft":
-            draft_cache = init_cache(spec.draft_config, B, max_len, cache_dtype,
-                                     layout=layout).with_row_ends()
+            draft_cache = init_paged_cache(spec.draft_config, n_pages, page_size, no_pages_B1,
+                                           cache_dtype, layout)
         if spec is not None:
             lookup = Lookup.fresh(jnp.zeros((B, max_len), jnp.int32))
         return Rows(
@@ -75,6 +83,12 @@ def empty_rows(stop_S: jax.Array, *, config: ModelConfig, batch: int, max_len: i
             max_new_B=jnp.ones((B,), jnp.int32), done_B=jnp.ones((B,), bool),
             sampling=SamplingParams.broadcast(B), key_B=jax.random.split(jax.random.key(0), B),
             stop_S=stop_S, lookup=lookup, draft_cache=draft_cache)
+
+
+def _with_tables(rows: Rows, pages_BN: jax.Array) -> Rows:
+    """The rows reading and writing their caches (and a draft's) through `pages_BN`."""
+    draft = None if rows.draft_cache is None else with_pages(rows.draft_cache, pages_BN)
+    return rows.replace(cache=with_pages(rows.cache, pages_BN), draft_cache=draft)
 
 
 def _scan_steps(config, params, rows: Rows, n_steps: int, strategy, top):
@@ -88,11 +102,12 @@ def _scan_steps(config, params, rows: Rows, n_steps: int, strategy, top):
 
 @functools.partial(jax.jit, static_argnames=("config", "n_steps", "strategy", "top",
                                              "placement"), donate_argnames=("rows",))
-def decode(rows: Rows, params: Params, *, config: ModelConfig, n_steps: int,
-           strategy: Strategy, top: int, placement: tuple | None) -> tuple[Rows, Emitted]:
-    """`n_steps` decode steps of every row (`rows.step`)."""
+def decode(rows: Rows, params: Params, pages_BN: jax.Array, *, config: ModelConfig,
+           n_steps: int, strategy: Strategy, top: int, placement: tuple | None
+           ) -> tuple[Rows, Emitted]:
+    """`n_steps` decode steps of every row (`rows.step`) over its pages `pages_BN`."""
     with placed(placement):
-        return _scan_steps(config, params, rows, n_steps, strategy, top)
+        return _scan_steps(config, params, _with_tables(rows, pages_BN), n_steps, strategy, top)
 
 
 def _scan_rounds(config, params, draft_params, rows: Rows, n_rounds: int, spec: Speculation,
@@ -127,26 +142,35 @@ def _scan_rounds(config, params, draft_params, rows: Rows, n_rounds: int, spec: 
 
 @functools.partial(jax.jit, static_argnames=("config", "n_steps", "spec", "verify", "strategy",
                                              "top", "placement"), donate_argnames=("rows",))
-def speculate(rows: Rows, params: Params, draft_params: Params | None = None, *,
-              config: ModelConfig, n_steps: int, spec: Speculation, verify: bool,
-              strategy: Strategy, top: int, placement: tuple | None) -> tuple[Rows, Emitted]:
+def speculate(rows: Rows, params: Params, draft_params: Params | None,
+              pages_BN: jax.Array, *, config: ModelConfig, n_steps: int, spec: Speculation,
+              verify: bool, strategy: Strategy, top: int, placement: tuple | None
+              ) -> tuple[Rows, Emitted]:
     """`n_steps` speculative rounds of every row (`rows.speculative_round`; rows with
-    `lookup`): each row's tokens of the rounds, from column 0, and its guesses verified and
-    kept so far. With `verify`, every round runs a verify pass, in which the rows worth it
+    `lookup`) over its pages `pages_BN`: each row's tokens of the rounds, from column 0, and
+    its guesses verified and kept so far. With `verify`, every round runs a verify pass, in which the rows worth it
     (`speculate.worth_verifying` of their deciding rates) verify their guesses; without,
     every round is a plain step (the host chooses, by `speculate.worth_a_pass` of the rates
     the program before the last returned). The guesses are prompt lookup's, or a draft
     model's (`draft_params`, its cache in the rows; without `verify`, one step of it a round
     keeps its cache in step)."""
     with placed(placement):
-        return _scan_rounds(config, params, draft_params, rows, n_steps, spec, verify,
-                            strategy, top)
+        return _scan_rounds(config, params, draft_params, _with_tables(rows, pages_BN),
+                            n_steps, spec, verify, strategy, top)
 
 
 def check_prefill_chunk(chunk: int) -> None:
     """Refuses a prefill chunk that is not a power of two >= MIN_BUCKET."""
     if chunk < MIN_BUCKET or chunk & (chunk - 1):
         raise GenerateError(f"prefill_chunk={chunk} must be a power of two >= {MIN_BUCKET}")
+
+
+def check_page_size(page_size: int, chunk: int) -> None:
+    """Refuses a page size that is not a power of two of at most a prefill chunk (a chunk
+    is whole pages: the prefix cache keeps chunks as pages)."""
+    if page_size < 1 or page_size & (page_size - 1) or page_size > chunk:
+        raise GenerateError(f"page_size={page_size} must be a power of two <= the prefill "
+                            f"chunk ({chunk})")
 
 
 def chunk_plan(n: int, start: int, chunk: int, max_len: int) -> list[tuple[int, int]]:
@@ -174,48 +198,52 @@ def chunk_shapes(chunk: int, max_len: int) -> list[tuple[int, int]]:
     return sorted(set().union(*(chunk_plan(n, 0, chunk, max_len) for n in range(1, max_len))))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_len", "cache_dtype", "layout",
-                                             "placement"))
-def prefill_chunk(params: Params, one: KVCache | None, tokens_1L: jax.Array, last: jax.Array,
-                  next_1L: jax.Array | None = None, *, config: ModelConfig, max_len: int,
-                  cache_dtype: str, layout: str, placement: tuple | None
-                  ) -> tuple[KVCache, jax.Array, Emitted | None]:
-    """One chunk of a prompt prefilled into its one-row cache: the L tokens `tokens_1L` at
-    positions `one.end ..` (`one` holds the prompt before them: None at the first chunk; the
-    tokens after index `last` are padding). Returns the cache in `max_len` positions (the next
-    power of two of the chunk's end: `chunk_capacity`), ending after token `last`; the logits
-    `[1, V]` after it; and, given `next_1L` (each token's successor in the prompt), their
-    log-probabilities and top alternatives.
+def chunk_pages(start: int, L: int, page_size: int) -> int:
+    """The table width (pages) of a prompt's chunk `(start, L)`: those of its capacity."""
+    return pages_for(chunk_capacity(start, L), page_size)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "draft", "placement"),
+                   donate_argnames=("rows",))
+def prefill_chunk(rows: Rows, params: Params, pages_1N: jax.Array, tokens_1L: jax.Array,
+                  start: jax.Array, last: jax.Array, next_1L: jax.Array | None = None, *,
+                  config: ModelConfig, draft: bool = False, placement: tuple | None
+                  ) -> tuple[Rows, jax.Array, Emitted | None]:
+    """One chunk of a prompt written into its pages `pages_1N` (the prompt's, from position
+    0; the chunk attends over their positions: `chunk_pages` of them): the L tokens
+    `tokens_1L` at positions `start ..`, those after index `last` padding (written into the
+    prompt's last page or dropped past its pages; unseen). Returns the rows with their pool
+    written (with `draft`, the draft model's: `config` and `params` are then the draft's),
+    the logits `[1, V]` after token `last` and, given `next_1L` (each token's successor in
+    the prompt), their log-probabilities and top alternatives.
 
     Where the chunk starts is an input, not part of the program, so that prompts compile one
-    program per capacity and length; a chunk's values depend only on the prompt up to its end,
-    so a prompt runs the same programs on the same inputs whatever was cached."""
+    program per table width and length; a chunk's values depend only on the prompt up to its
+    end, so a prompt runs the same programs on the same inputs whatever was cached."""
     with placed(placement):
-        if one is None:
-            one = init_cache(config, 1, max_len, cache_dtype, layout=layout)
-        else:
-            one = resized(one, max_len)
+        pool = rows.draft_cache if draft else rows.cache
+        one = paged_rows(pool, pages_1N, start[None])
         h_1LD, one, _ = apply(config, params, tokens_1L, cache=one)
-        one = one.replace(end=one.end - tokens_1L.shape[1] + last + 1)
+        pool = pool.replace(groups=one.groups)
+        rows = rows.replace(draft_cache=pool) if draft else rows.replace(cache=pool)
         h_1D = jax.lax.dynamic_index_in_dim(h_1LD, last, axis=1, keepdims=False)
         logits_1V = lm_head(config, params, h_1D[:, None])[:, 0]
         if next_1L is None:
-            return one, logits_1V, None
+            return rows, logits_1V, None
         logprobs_1LV = jax.nn.log_softmax(lm_head(config, params, h_1LD).astype(jnp.float32))
         top_logprobs_1Ln, top_ids_1Ln = jax.lax.top_k(logprobs_1LV, TOP_LOGPROBS)
-        return one, logits_1V, Emitted(next_1L, jnp.take_along_axis(
+        return rows, logits_1V, Emitted(next_1L, jnp.take_along_axis(
             logprobs_1LV, next_1L[..., None], -1)[..., 0], top_ids_1Ln, top_logprobs_1Ln)
 
 
 @functools.partial(jax.jit, donate_argnames=("rows",))
-def insert(rows: Rows, one: KVCache, logits_1V: jax.Array, row: jax.Array,
+def insert(rows: Rows, logits_1V: jax.Array, row: jax.Array, end: jax.Array,
            max_new: jax.Array, sampling: SamplingParams, key_1: jax.Array,
-           prompt_1S: jax.Array | None = None, draft_one: KVCache | None = None
-           ) -> tuple[Rows, Emitted]:
-    """Row `row` holding a prefilled request: its one-row cache (with `lookup`, its prompt's
-    tokens `prompt_1S` beside it; with a draft model's cache, the draft's of the prompt
-    `draft_one`), its settings, and its first token, sampled from the prompt's last
-    `logits_1V` with the request's key (its step 0), which it also returns."""
+           prompt_1S: jax.Array | None = None) -> tuple[Rows, Emitted]:
+    """Row `row` holding a prefilled prompt of `end` tokens (in the pages the host lists for
+    it; with `lookup`, its tokens `prompt_1S` beside them): its settings, and its first
+    token, sampled from the prompt's last `logits_1V` with the request's key (its step 0),
+    which it also returns."""
     token_1, logprob_1, top_ids, top_logprobs = choose(
         logits_1V, key_1, jnp.zeros((1,), jnp.int32), sampling, PREFILL_STRATEGY, TOP_LOGPROBS)
     first = Emitted(token_1[:, None], logprob_1[:, None], top_ids[:, None],
@@ -224,16 +252,16 @@ def insert(rows: Rows, one: KVCache, logits_1V: jax.Array, row: jax.Array,
     if rows.lookup is not None:
         zero = jnp.zeros((), jnp.int32)
         rows = rows.replace(lookup=rows.lookup.replace(
-            tokens_BS=put(rows.lookup.tokens_BS, prompt_1S.at[0, one.end].set(token_1[0])),
+            tokens_BS=put(rows.lookup.tokens_BS, prompt_1S.at[0, end].set(token_1[0])),
             hit_rate_B=rows.lookup.hit_rate_B.at[row].set(HIT_RATE_START),
             deciding_rate_B=rows.lookup.deciding_rate_B.at[row].set(HIT_RATE_START),
             drafted_B=rows.lookup.drafted_B.at[row].set(zero),
             accepted_B=rows.lookup.accepted_B.at[row].set(zero)))
-    if draft_one is not None:
-        rows = rows.replace(draft_cache=with_row(
-            rows.draft_cache, row, resized(draft_one, rows.cache.max_len)))
+    if rows.draft_cache is not None:
+        rows = rows.replace(draft_cache=rows.draft_cache.replace(
+            end=rows.draft_cache.end.at[row].set(end)))
     rows = rows.replace(
-        cache=with_row(rows.cache, row, resized(one, rows.cache.max_len)),
+        cache=rows.cache.replace(end=rows.cache.end.at[row].set(end)),
         step_B=rows.step_B.at[row].set(0), max_new_B=rows.max_new_B.at[row].set(max_new),
         done_B=rows.done_B.at[row].set(False), key_B=put(rows.key_B, key_1),
         sampling=jax.tree.map(put, rows.sampling, sampling))
@@ -241,33 +269,26 @@ def insert(rows: Rows, one: KVCache, logits_1V: jax.Array, row: jax.Array,
     return advance(rows, token_B, jnp.arange(token_B.shape[0]) == row), first
 
 
-@functools.partial(jax.jit, static_argnames=("max_len",), donate_argnames=("rows",))
-def resize(rows: Rows, *, max_len: int) -> Rows:
-    """The rows over `max_len` cache positions: the cache (and a draft's, and the rows'
-    tokens) grown or cut at its end. The host keeps every row in use within them."""
-    lookup, draft_cache = rows.lookup, rows.draft_cache
-    if lookup is not None:
-        tokens_BS = lookup.tokens_BS
-        tokens_BS = (tokens_BS[:, :max_len] if max_len <= tokens_BS.shape[1]
-                     else jnp.pad(tokens_BS, ((0, 0), (0, max_len - tokens_BS.shape[1]))))
-        lookup = lookup.replace(tokens_BS=tokens_BS)
-    if draft_cache is not None:
-        draft_cache = resized(draft_cache, max_len)
-    return rows.replace(cache=resized(rows.cache, max_len), lookup=lookup,
-                        draft_cache=draft_cache)
+@functools.partial(jax.jit, donate_argnames=("rows",))
+def copy_pages(rows: Rows, from_N: jax.Array, to_N: jax.Array) -> Rows:
+    """The rows with pages `to_N` of their pool (and a draft's) holding what pages `from_N`
+    hold."""
+    draft = None if rows.draft_cache is None else copied_pages(rows.draft_cache, from_N, to_N)
+    return rows.replace(cache=copied_pages(rows.cache, from_N, to_N), draft_cache=draft)
 
 
-def lower_programs(config: ModelConfig, params: Params, *, max_batch: int, prompt_len: int,
-                   chunk: int, cache_len: int, steps: int, cache_dtype: str, layout: str,
-                   mesh_config: MeshConfig | None = None, spec: Speculation | None = None,
-                   draft_params: Params | None = None,
+def lower_programs(config: ModelConfig, params: Params, *, max_batch: int, n_pages: int,
+                   page_size: int, prompt_len: int, chunk: int, max_len: int, steps: int,
+                   cache_dtype: str, layout: str, mesh_config: MeshConfig | None = None,
+                   spec: Speculation | None = None, draft_params: Params | None = None,
                    ) -> tuple[dict[str, jax.stages.Lowered], Rows]:
-    """The largest programs a server of `max_batch` rows runs, lowered without running
-    anything: the last prefill chunk of a `prompt_len`-token prompt (in chunks of `chunk`),
-    its insertion, and `steps` decode steps with every sampling path and top
-    log-probabilities, over a cache of `cache_len`. A server that speculates as `spec`
-    says runs `steps` rounds that verify instead of the decode steps, and with a draft model
-    (`draft_params`) the draft's last prefill chunk too.
+    """The largest programs a server of `max_batch` rows over `n_pages` pages of `page_size`
+    positions runs, lowered without running anything: the last prefill chunk of a
+    `prompt_len`-token prompt (in chunks of `chunk`), its insertion, and `steps` decode steps
+    with every sampling path and top log-probabilities, every row attending over `max_len`
+    positions. A server that speculates as `spec` says runs `steps` rounds that verify
+    instead of the decode steps, and with a draft model (`draft_params`) the draft's last
+    prefill chunk too.
     `params` may be abstract (`jax.ShapeDtypeStruct`s placed on the devices of any platform;
     on a mesh, laid out by `mesh_config`'s rules). Returns them by name, and the rows they
     run over (abstract, laid out as `empty_rows` lays them out there)."""
@@ -286,45 +307,42 @@ def lower_programs(config: ModelConfig, params: Params, *, max_batch: int, promp
 
     stop_S = placed_like(np.zeros((1,), np.int32))
 
-    def empty(max_len: int) -> jax.stages.Lowered:
-        return empty_rows.lower(stop_S, config=config, batch=max_batch, max_len=max_len,
-                                cache_dtype=cache_dtype, layout=layout, spec=spec,
-                                placement=placement)
+    def empty(pages: int) -> jax.stages.Lowered:
+        return empty_rows.lower(stop_S, config=config, batch=max_batch, n_pages=pages,
+                                page_size=page_size, max_len=max_len, cache_dtype=cache_dtype,
+                                layout=layout, spec=spec, placement=placement)
 
-    # The cache rules lay the rows out alike at any length: a one-position program is compiled
-    # to learn the layout (the full one might not fit, and that is for the decode to say).
-    layout_of = jax.tree.leaves(empty(1).compile().output_shardings)
-    full = empty(cache_len).out_info
+    # The cache rules lay the pool out alike at any size that splits evenly: a pool of a page
+    # per device is compiled to learn the layout (the full one might not fit, and that is for
+    # the decode to say).
+    layout_of = jax.tree.leaves(empty(1 if mesh is None else mesh.size).compile()
+                                .output_shardings)
+    full = empty(n_pages).out_info
     rows = placed_like(full, jax.tree.unflatten(jax.tree.structure(full), layout_of))
     start, L = chunk_plan(prompt_len, 0, chunk, prompt_len)[-1]
-    tokens = placed_like((np.zeros((1, L), np.int32), np.int32(L - 1)))
-
-    def last_chunk(config: ModelConfig, params: Params) -> jax.stages.Lowered:
-        before = None if start == 0 else placed_like(jax.eval_shape(
-            lambda: init_cache(config, 1, chunk_capacity(0, start), cache_dtype, layout=layout)))
-        return prefill_chunk.lower(params, before, *tokens, config=config,
-                                   max_len=chunk_capacity(start, L), cache_dtype=cache_dtype,
-                                   layout=layout, placement=placement)
-
+    chunk_args = placed_like((np.zeros((1, chunk_pages(start, L, page_size)), np.int32),
+                              np.zeros((1, L), np.int32), np.int32(start), np.int32(L - 1)))
+    lowered = {"prefill": prefill_chunk.lower(rows, params, *chunk_args, config=config,
+                                              placement=placement)}
+    if draft_params is not None:
+        lowered["draft prefill"] = prefill_chunk.lower(
+            rows, draft_params, *chunk_args, config=spec.draft_config, draft=True,
+            placement=placement)
+    logits = placed_like(lowered["prefill"].out_info[1])
     sampling = placed_like(SamplingParams.broadcast(1))
     key_1 = jax.ShapeDtypeStruct((1,), jax.random.key(0).dtype, sharding=beside)
-    lowered = {"prefill": last_chunk(config, params)}
-    one, logits, _ = (placed_like(x) for x in lowered["prefill"].out_info)
-    prompt_1S = draft_one = None
-    if spec is not None:
-        prompt_1S = placed_like(np.zeros((1, cache_len), np.int32))
-    if draft_params is not None:
-        lowered["draft prefill"] = last_chunk(spec.draft_config, draft_params)
-        draft_one = placed_like(lowered["draft prefill"].out_info[0])
-    lowered["insert"] = insert.lower(rows, one, logits, *placed_like((np.int32(0), np.int32(1))),
-                                     sampling, key_1, prompt_1S, draft_one)
+    prompt_1S = None if spec is None else placed_like(np.zeros((1, max_len), np.int32))
+    lowered["insert"] = insert.lower(rows, logits, *placed_like((np.int32(0), np.int32(1),
+                                                                 np.int32(1))),
+                                     sampling, key_1, prompt_1S)
+    pages_BN = placed_like(np.zeros((max_batch, pages_for(max_len, page_size)), np.int32))
     if spec is None:
-        lowered["decode"] = decode.lower(rows, params, config=config, n_steps=steps,
+        lowered["decode"] = decode.lower(rows, params, pages_BN, config=config, n_steps=steps,
                                          strategy=WIDEST_STRATEGY, top=TOP_LOGPROBS,
                                          placement=placement)
     else:
-        lowered["speculate"] = speculate.lower(rows, params, draft_params, config=config,
-                                               n_steps=steps, spec=spec, verify=True,
-                                               strategy=WIDEST_STRATEGY, top=TOP_LOGPROBS,
-                                               placement=placement)
+        lowered["speculate"] = speculate.lower(rows, params, draft_params, pages_BN,
+                                               config=config, n_steps=steps, spec=spec,
+                                               verify=True, strategy=WIDEST_STRATEGY,
+                                               top=TOP_LOGPROBS, placement=placement)
     return lowered, rows

@@ -97,6 +97,24 @@ def rows_cache_bytes(config: ModelConfig, params: Params, batch: int, max_len: i
     return cache
 
 
+def page_bytes(config: ModelConfig, params: Params, page_size: int, cache_dtype: str,
+               mesh_config: MeshConfig | None,
+               draft: tuple[ModelConfig, Params] | None = None) -> int:
+    """The bytes one device holds per page of a server's pool of pages of `page_size`
+    positions (and of a draft model's pool beside it): pages are split over the devices as
+    rows are, so a pool of a multiple of the devices holds that many times this."""
+    devices = pool_devices(params)
+    pool = rows_cache_bytes(config, params, devices, page_size, cache_dtype, mesh_config, draft)
+    return -(-pool // devices)
+
+
+def pool_devices(params: Params) -> int:
+    """The devices a server's pool of pages is split over: those of the parameters' mesh
+    (abstract parameters' too), or one."""
+    mesh = sharding.mesh_of(params)
+    return 1 if mesh is None else mesh.size
+
+
 def memory_need(bytes_per_device: int, params: Params) -> int:
     """What `bytes_per_device` on each device holding `params` takes from the memory
     `free_memory_bytes()` reports: one device's own on an accelerator, every device's on CPU,

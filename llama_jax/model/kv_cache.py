@@ -30,11 +30,11 @@ from flax import struct
 
 from llama_jax.config import ModelConfig, cache_dtype_name
 from llama_jax.nn.attention.dot_product import Mask
-from llama_jax.nn.attention.kv_storage import SlotFn
 from llama_jax.nn.attention.mixers import mixer_of
 from llama_jax.model.params import layer_groups
 
 LAYOUTS = ("stacked", "per_layer")
+NO_PAGE = -1  # a table entry that is no page: nothing is written there, and it is unseen
 
 
 @struct.dataclass
@@ -67,66 +67,6 @@ class KVCache:
         """The cache with `end` per row (`[B]`), each row then advanced on its own."""
         return self.replace(end=jnp.broadcast_to(self.end, self.start.shape))
 
-    def map_seq(self, fn: SlotFn, max_len: int) -> "KVCache":
-        """Every layer's cache with `fn(array, seq_axis)` applied to its stored arrays; `fn`
-        returns arrays of `max_len` slots."""
-        def mapped(group):
-            if isinstance(group, tuple):  # per-layer caches
-                return tuple(layer.map_seq(fn, max_len) for layer in group)
-            return group.map_seq(fn, max_len)
-        return self.replace(groups=tuple(mapped(g) for g in self.groups), max_len=max_len)
-
-
-# Resizing the cache and writing one row of it, for a server's decode rows (decode/rows.py):
-# each row holds its sequence from position 0 with an end of its own, so a row is written
-# whole and the cache grows or shrinks at its end.
-
-def resized(cache: KVCache, max_len: int) -> KVCache:
-    """The cache with `max_len` positions: its first `max_len` (the caller keeps every end
-    within them), or all of them followed by empty ones."""
-    def resize(x, axis):
-        if max_len <= x.shape[axis]:
-            return jax.lax.slice_in_dim(x, 0, max_len, axis=axis)
-        pad = [(0, 0)] * x.ndim
-        pad[axis] = (0, max_len - x.shape[axis])
-        return jnp.pad(x, pad)
-    return cache.map_seq(resize, max_len)
-
-
-def with_row(cache: KVCache, b: jax.Array, row: KVCache) -> KVCache:
-    """The cache (with an end per row) with row `b` replaced by the one-row cache `row` of the
-    same slots, its end with it."""
-    def put(x, one):
-        # The row axis is the one axis where the two differ (none when the cache has one row).
-        differ = [axis for axis, (m, n) in enumerate(zip(x.shape, one.shape)) if m != n]
-        return jax.lax.dynamic_update_index_in_dim(x, one, b, differ[0]) if differ else one
-    groups = jax.tree.map(put, cache.groups, row.groups)
-    return cache.replace(groups=groups, start=cache.start.at[b].set(row.start[0]),
-                         end=cache.end.at[b].set(row.end))
-
-
-# Copying runs of slots between caches of the same rows, for a server's prefix cache: a pool
-# of blocks is itself a one-row cache whose slots hold one block after another.
-
-def slots_of(cache: KVCache, at: jax.Array, length: int) -> KVCache:
-    """The cache's `length` slots from slot `at` (a cache of `length` slots; its `start` and
-    `end` are the caller's to set)."""
-    return cache.map_seq(
-        lambda x, axis: jax.lax.dynamic_slice_in_dim(x, at, length, axis=axis), length)
-
-
-def with_slots(cache: KVCache, at: jax.Array, part: KVCache) -> KVCache:
-    """The cache with its slots from `at` replaced by those of `part` (the same rows)."""
-    # `map_seq` shows each stored array with its slot axis (a merged per-layer GQA cache as
-    # its [B, K, S, H] view), visiting two caches of one structure in the same order: the
-    # part's arrays, seen so, are written into the cache's.
-    seen: list[jax.Array] = []
-    part.map_seq(lambda x, axis: seen.append(x) or x, part.max_len)
-    parts = iter(seen)
-    return cache.map_seq(
-        lambda x, axis: jax.lax.dynamic_update_slice_in_dim(x, next(parts), at, axis),
-        cache.max_len)
-
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None,
                start_B: jax.Array | None = None, layout: str = "stacked") -> KVCache:
@@ -150,11 +90,34 @@ def init_paged_cache(config: ModelConfig, n_pages: int, page_size: int, pages_BN
                    page_size=page_size)
 
 
+def pages_for(slots: int, page_size: int) -> int:
+    """The pages that hold `slots` slots."""
+    return -(-slots // page_size)
+
+
 def with_pages(cache: KVCache, pages_BN: jax.Array) -> KVCache:
     """A paged cache read and written through the tables `pages_BN` instead (as many rows;
     N·page_size slots)."""
     return cache.replace(pages=pages_BN.astype(jnp.int32),
                          max_len=pages_BN.shape[1] * cache.page_size)
+
+
+def paged_rows(cache: KVCache, pages_BN: jax.Array, end_B: jax.Array) -> KVCache:
+    """Other rows of a paged cache's pool: those of the tables `pages_BN`, ending at
+    `end_B` (a prompt's, as it is prefilled)."""
+    return with_pages(cache, pages_BN).replace(start=jnp.zeros_like(end_B), end=end_B)
+
+
+def copied_pages(cache: KVCache, from_N: jax.Array, to_N: jax.Array) -> KVCache:
+    """A paged cache with pages `to_N` of every layer's pool holding what pages `from_N`
+    hold. Every mixer's pool has its pages first: after the layers of a stacked group."""
+    def copy(group):
+        axis = 0 if isinstance(group, tuple) else 1  # per-layer pools, or a stacked group's
+        def put(x):
+            index = (slice(None),) * axis + (to_N,)
+            return x.at[index].set(jnp.take(x, from_N, axis=axis), unique_indices=True)
+        return jax.tree.map(put, group)
+    return cache.replace(groups=tuple(copy(g) for g in cache.groups))
 
 
 def _zeros(config: ModelConfig, batch: int, max_len: int, dtype, layout: str) -> tuple:

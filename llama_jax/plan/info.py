@@ -317,14 +317,18 @@ def plan_serving(config: ModelConfig, max_batch: int, max_seq_len: int,
     block = chunk * costs.kv_cache_bytes_per_token(config, cache_dtype)
     most = block * costs.prefix_cache_blocks(costs.default_prefix_cache_bytes(None, rows),
                                              block, chunk, max_seq_len)
+    page = costs.SERVING_PAGE_SIZE
     return {"max_batch": max_batch, "max_seq_len": max_seq_len, "cache_dtype": cache_dtype,
-            "kv_cache_bytes": rows, "prefill_chunk": chunk,
-            "prefix_cache_bytes": most}
+            "kv_cache_bytes": rows, "page_size": page,
+            "kv_pages": rows // (page * costs.kv_cache_bytes_per_token(config, cache_dtype)),
+            "prefill_chunk": chunk, "prefix_cache_bytes": most}
 
 
 def render_serving(s: dict) -> str:
     return (f"serving KV cache     {format_bytes(s['kv_cache_bytes'])} ({s['cache_dtype']}) for "
-            f"{s['max_batch']} rows of {s['max_seq_len']} tokens (--max-batch, --max-seq-len)\n"
+            f"{s['max_batch']} rows of {s['max_seq_len']} tokens (--max-batch, --max-seq-len): "
+            f"{s['kv_pages']} pages of {s['page_size']} positions (--kv-cache-bytes, "
+            "--page-size)\n"
             f"prefix cache         at most {format_bytes(s['prefix_cache_bytes'])} "
             f"({costs.PREFIX_CACHE_ROWS_MULTIPLE}x the rows' cache, in blocks of "
             f"{s['prefill_chunk']} tokens; {costs.PREFIX_CACHE_SHARE:.0%} of the memory free "

@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                            steps_per_dispatch=args.steps_per_dispatch,
                            prefill_chunk=args.prefill_chunk,
                            prefix_cache_bytes=0 if args.no_prefix_cache
-                           else args.prefix_cache_bytes, max_queue=args.max_queue,
+                           else args.prefix_cache_bytes, page_size=args.page_size,
+                           kv_cache_bytes=args.kv_cache_bytes, max_queue=args.max_queue,
                            model_name=args.served_model_name or Path(args.checkpoint).name,
                            speculate=args.speculate,
                            num_speculative_tokens=args.num_speculative_tokens,

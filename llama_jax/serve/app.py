@@ -7,15 +7,17 @@ from pathlib import Path
 
 from llama_jax.config import MeshConfig, cache_dtype_name
 from llama_jax.data.tokenizer import load_tokenizer
-from llama_jax.decode.decoder import memory_need, owned_decoder_params, rows_cache_bytes
-from llama_jax.decode.batching import check_prefill_chunk
+from llama_jax.decode.decoder import (memory_need, owned_decoder_params, page_bytes,
+                                      pool_devices)
+from llama_jax.decode.batching import check_page_size, check_prefill_chunk
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.formats.checkpoint import load_checkpoint
 from llama_jax.parallel import target
 from llama_jax.parallel.devices import free_memory_bytes
 from llama_jax.parallel.sharding import make_mesh
-from llama_jax.plan.costs import (SERVING_PREFILL_CHUNK, SERVING_STEPS_PER_DISPATCH,
-                                  default_prefix_cache_bytes, serving_cache_len)
+from llama_jax.plan.costs import (SERVING_PAGE_SIZE, SERVING_PREFILL_CHUNK,
+                                  SERVING_STEPS_PER_DISPATCH, default_prefix_cache_bytes,
+                                  serving_cache_len, serving_pool_pages, serving_rows_pages)
 from llama_jax.serve.api import Server
 from llama_jax.data.chat import chat_format
 from llama_jax.serve.engine import Engine
@@ -29,15 +31,19 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
           decode_impl: str = "auto", mesh: MeshConfig | None = None,
           steps_per_dispatch: int = SERVING_STEPS_PER_DISPATCH,
           prefill_chunk: int = SERVING_PREFILL_CHUNK, prefix_cache_bytes: int | None = None,
+          page_size: int = SERVING_PAGE_SIZE, kv_cache_bytes: int | None = None,
           max_queue: int = 64, model_name: str | None = None, speculate: str | None = None,
           num_speculative_tokens: int = 4, ngram: tuple[int, int] = (1, 3),
           min_accepted: float | None = None,
           draft_checkpoint: str | Path | None = None) -> tuple[Server, Engine]:
-    """The API state and its (not yet started) engine for `checkpoint`. The prefix cache
-    takes `prefix_cache_bytes` per device (None: `default_prefix_cache_bytes`; 0: none);
+    """The API state and its (not yet started) engine for `checkpoint`. The rows' KV cache
+    takes `kv_cache_bytes` per device of pages of `page_size` positions (None: a longest row
+    for each row); the prefix cache `prefix_cache_bytes` (None: `default_prefix_cache_bytes`;
+    0: none);
     `speculate` and the rest are the engine's; `draft_checkpoint` is a draft model's, loaded
     as the model is (`dtype`, `quantize`; speculate="draft" is implied by it)."""
     check_prefill_chunk(prefill_chunk)
+    check_page_size(page_size, prefill_chunk)
     tok = load_tokenizer(tokenizer or checkpoint)
     device_mesh = None if mesh is None else make_mesh(mesh)
     config, params = load_checkpoint(checkpoint, dtype, quantize=quantize,
@@ -57,7 +63,7 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
     prefix_cache_bytes = check_cache_fits(config, params, max_batch, seq_len, cache_dtype,
                                           mesh, prefix_cache_bytes,
                                           num_speculative_tokens if speculating else None,
-                                          draft)
+                                          draft, page_size, kv_cache_bytes)
     # The server keeps one copy of the weights, the decoder's: the stacked arrays go here.
     params, decode_impl = owned_decoder_params(params, decode_impl)
     if draft is not None:
@@ -67,7 +73,8 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
     engine = Engine(config, params, max_batch=max_batch, max_seq_len=seq_len,
                     stop_ids=stop_ids, cache_dtype=cache_dtype, decode_impl=decode_impl,
                     steps_per_dispatch=steps_per_dispatch, prefill_chunk=prefill_chunk,
-                    prefix_cache_bytes=prefix_cache_bytes, max_queue=max_queue,
+                    prefix_cache_bytes=prefix_cache_bytes, page_size=page_size,
+                    kv_cache_bytes=kv_cache_bytes, max_queue=max_queue,
                     mesh_config=mesh, speculate=speculate,
                     num_speculative_tokens=num_speculative_tokens, ngram=ngram,
                     min_accepted=min_accepted, draft=draft)
@@ -78,27 +85,33 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
 def check_cache_fits(config, params, max_batch: int, max_seq_len: int, cache_dtype: str,
                      mesh: MeshConfig | None,
                      prefix_cache_bytes: int | None = None,
-                     speculative_tokens: int | None = None, draft=None) -> int:
-    """Refuses rows whose KV cache is more than the memory left after loading the model: on
-    a mesh, the part of the cache one device holds against that device's free memory; then a
+                     speculative_tokens: int | None = None, draft=None,
+                     page_size: int = SERVING_PAGE_SIZE,
+                     kv_cache_bytes: int | None = None) -> int:
+    """Refuses rows whose KV cache pages (`kv_cache_bytes` of pages of `page_size`; None: a
+    longest row for each row) are more than the memory left after loading the model: on a
+    mesh, the part of the cache one device holds against that device's free memory; then a
     prefix cache of `prefix_cache_bytes` more than what is left after the rows. Speculating
     with k `speculative_tokens` (and a draft model `(config, params)`), the rows are k
     longer (and the draft's cache is beside them). Returns the prefix cache's bytes (per
     device; None asks for the default share)."""
     max_len = serving_cache_len(max_seq_len, speculative_tokens)
-    cache = rows_cache_bytes(config, params, max_batch, max_len, cache_dtype, mesh, draft)
+    each = page_bytes(config, params, page_size, cache_dtype, mesh, draft)
+    rows = serving_rows_pages(max_batch, max_len, page_size, each, kv_cache_bytes)
+    cache = each * serving_pool_pages(rows, 0, page_size, page_size, pool_devices(params))
     need = memory_need(cache, params)
     free = free_memory_bytes()
     # CPU: the host's memory, whole
-    each = mesh is not None and target.platform_of_tree(params) != "cpu"
-    where = " on a device" if each else ""
+    on_each = mesh is not None and target.platform_of_tree(params) != "cpu"
+    where = " on a device" if on_each else ""
     if free is not None and need > free:
-        part = "each device's part of the KV cache" if each else "the KV cache"
+        part = "each device's part of the KV cache" if on_each else "the KV cache"
+        what = (f"of --kv-cache-bytes {kv_cache_bytes}" if kv_cache_bytes is not None else
+                f"of --max-batch {max_batch} rows of --max-seq-len {max_seq_len} tokens")
         raise GenerateError(
-            f"{part} of --max-batch {max_batch} rows of --max-seq-len {max_seq_len} tokens "
-            f"({cache_dtype}) needs {need / GIB:.2f} GiB, but {free / GIB:.2f} GiB is "
-            f"free{where} after loading the model: lower --max-batch or --max-seq-len, or use "
-            "--cache-dtype int8")
+            f"{part} {what} ({cache_dtype}) needs {need / GIB:.2f} GiB, but "
+            f"{free / GIB:.2f} GiB is free{where} after loading the model: lower "
+            "--kv-cache-bytes, --max-batch or --max-seq-len, or use --cache-dtype int8")
     left = None if free is None else free - need
     if prefix_cache_bytes is None:
         return default_prefix_cache_bytes(left, cache)

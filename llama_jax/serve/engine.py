@@ -7,38 +7,49 @@ others keep decoding.
 
 The rows are `decode/rows.py`'s and their device programs `decode/batching.py`'s; this is the
 host side. The engine thread, between programs:
-- admits a waiting request (or the `n` choices of one prompt, `submit_group`) once rows are
-  free for it: the rows are reserved and its prompt is looked up in the prefix cache (below);
+- admits a waiting request (or the `n` choices of one prompt, `submit_group`) once rows and
+  its prompt's pages are free for it: the rows are reserved, its prompt is looked up in the
+  prefix cache and its pages taken (below);
 - prefills admitted prompts chunk by chunk (`batching.prefill_chunk`, `prefill_chunk` tokens per
-  chunk, the last padded to a power of two), about one chunk's worth of tokens between two
-  decode programs, so the rows decoding keep emitting while a long prompt arrives; a prompt
-  whose last chunk is done is written into each of its rows (`batching.insert`, which samples
-  each choice's first token from the shared last logits with the choice's own key);
+  chunk, the last padded to a power of two) into its pages, about one chunk's worth of tokens
+  between two decode programs, so the rows decoding keep emitting while a long prompt
+  arrives; a prompt whose last chunk is done enters each of its rows (`batching.insert`,
+  which samples each choice's first token from the shared last logits with the choice's own
+  key);
 - runs `steps_per_dispatch` decode steps for every row in one program (`batching.decode`), and
   reads the previous program's tokens while this one runs; it hands each request its tokens
-  (`deliver`), and frees a row once its request has stopped, asked to stop (a stop string) or
-  been cancelled; a row whose request will have all its `max_tokens` once the programs
-  dispatched so far have run is free at once, before their tokens are read (the host counts
-  them). Rows that stopped mid-dispatch idle on the device until then.
+  (`deliver`), and frees a row (and its pages) once its request has stopped, asked to stop
+  (a stop string) or been cancelled; a row whose request will have all its `max_tokens` once
+  the programs dispatched so far have run is free at once, before their tokens are read (the
+  host counts them). Rows that stopped mid-dispatch idle on the device until then.
 
-Prefix cache (`prefix_cache_bytes` > 0): every full chunk a prompt computes is copied into a
-device pool of blocks (`decode/prefix_pool.py`), keyed by the chain of its token ids
-(`serve/prefix_index.py`, least recently used evicted). A new prompt restores its longest
-cached run of full chunks (at most all but the chunk holding its last token) and computes the
-rest. The chunk programs depend only on where a chunk starts and its length, so a prompt runs
-the same programs on the same inputs cold or warm: its cache, logits and tokens are the same,
-bit for bit. Requests that score their prompt (`prompt_logprobs`) neither read nor fill the
-cache: they compute every chunk with the scoring programs, as with the cache off.
+The KV cache is a pool of pages (`page_size` positions each; `kv_cache_bytes` per device
+hold the rows' pages, by default as many as `max_batch` rows of `max_seq_len` need): each
+row's request holds the pages its positions have reached (serve/pages.py), and every program
+reads and writes through the tables the host hands it (`decode/batching.py`). A prompt is
+admitted when its pages are free (not when a row of `max_seq_len` is), so short requests
+fill more rows; before each dispatch every row decoding takes the pages that dispatch may
+write (`_room`, from each row's end at most, which the host mirrors). When the pool runs
+short, cached prefixes are let go of, then the newest row is preempted: its pages are given
+back and its request queued again in front, to be prefilled and decoded anew, its tokens
+already delivered skipped (they come out the same: a request's tokens do not depend on its
+companions). A program attends over the table width that holds every row's next dispatch
+(the power of two of positions, between `MIN_CACHE_LEN` and the context; a speculating
+server keeps it at its largest: a verify pass's sums over the positions round differently
+at another width, and a request's log-probabilities would depend on the requests before it),
+so short requests decode as fast as in a small cache. Programs are compiled per width (and
+prefill chunk shape), once.
 
-Each row holds its request's sequence from cache position 0 and ends where it has got to
-(the cache has an end per row), so rows are never moved: a row is written whole when its
-prompt is inserted. The cache grows and shrinks at its end (`batching.resize`): before each
-program the host makes it the power of two (between `MIN_CACHE_LEN` and the context) that
-holds what every row decoding may write in the next dispatch (`_room`, from each row's end
-at most, which the host mirrors), and halves it once half would do; a speculating server
-keeps it at its largest. A step attends over the cache's positions, so short requests
-decode as fast as in a small cache. Programs are compiled per cache length (and prefill
-chunk shape), once.
+Prefix cache (`prefix_cache_bytes` > 0, pages beside the rows'): every full chunk a prompt
+computes stays in its pages, keyed by the chain of its token ids (`serve/prefix_index.py`,
+least recently used let go of), which the cache holds beside the row. A new prompt's table
+starts with its longest cached run of full chunks (at most all but the chunk holding its last
+token), no copy, and it computes the rest. The chunk programs depend only on where a chunk
+starts and its length, so a prompt runs the same programs on the same inputs cold or warm:
+its cache, logits and tokens are the same, bit for bit. Requests that score their prompt
+(`prompt_logprobs`) neither read nor fill the cache: they compute every chunk with the
+scoring programs, as with the cache off. A prompt's `n` choices share its full pages; each
+choice after the first gets a copy of its last page, where it writes its own tokens.
 
 A request's tokens do not depend on its companions: rows never mix (MoE decodes without
 dropping; a prompt's chunks route through a capacity factor chunk by chunk), its position is
@@ -64,24 +75,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name
-from llama_jax.decode import prefix_pool
 from llama_jax.decode import batching as programs
-from llama_jax.decode.decoder import decoder_params, resolve_decode_impl, rows_cache_bytes
+from llama_jax.decode.decoder import (decoder_params, page_bytes, pool_devices,
+                                      resolve_decode_impl, rows_cache_bytes)
 from llama_jax.decode.speculate import speculation
 from llama_jax.shapes import bucket
 from llama_jax.decode.step import NO_TOKEN, check_prompt, stop_table
 from llama_jax.decode.sampling import SamplingParams, Strategy, check_settings
-from llama_jax.decode.prefix_pool import prefix_block_bytes
-from llama_jax.decode.batching import (TOP_LOGPROBS, check_prefill_chunk, chunk_capacity,
-                                       chunk_plan, chunk_shapes)
+from llama_jax.decode.batching import (TOP_LOGPROBS, check_page_size, check_prefill_chunk,
+                                       chunk_pages, chunk_plan, chunk_shapes)
 from llama_jax.decode.rows import Emitted, row_key
 from llama_jax.decode.speculate import HIT_RATE_START, worth_a_pass
 from llama_jax.errors import GenerateError
-from llama_jax.model.kv_cache import KVCache
+from llama_jax.model.kv_cache import NO_PAGE, pages_for
 from llama_jax.model.params import Params
 from llama_jax.parallel import sharding, target
-from llama_jax.plan.costs import (SERVING_PREFILL_CHUNK, SERVING_STEPS_PER_DISPATCH,
-                                  prefix_cache_blocks, serving_cache_len)
+from llama_jax.plan.costs import (SERVING_PAGE_SIZE, SERVING_PREFILL_CHUNK,
+                                  SERVING_STEPS_PER_DISPATCH, prefix_cache_blocks,
+                                  serving_cache_len, serving_pool_pages, serving_rows_pages)
+from llama_jax.serve.pages import PagePool, RowTable
 from llama_jax.serve.prefix_index import PrefixIndex
 
 log = logging.getLogger("llama_jax.serve")
@@ -93,7 +105,9 @@ COUNTERS = {"prefill_chunks": "Prefill programs run",
             "prefix_cache_hits": "Prompts that restored at least one prefix cache block",
             "prefix_cache_hit_tokens": "Prompt tokens restored from the prefix cache",
             "speculative_drafted_tokens": "Guesses verified by speculative decoding",
-            "speculative_accepted_tokens": "Guesses speculative decoding kept"}
+            "speculative_accepted_tokens": "Guesses speculative decoding kept",
+            "preemptions": "Rows preempted (their pages given back, their requests queued "
+                           "again) when the KV cache's pages ran short"}
 
 
 class QueueFull(Exception):
@@ -144,6 +158,8 @@ class Request:
     # Speculating: the guesses verified for the request and those kept, so far.
     drafted_tokens: int = dataclasses.field(default=0, init=False)
     accepted_tokens: int = dataclasses.field(default=0, init=False)
+    # Preempted and decoding anew: its first tokens, delivered already, still to skip.
+    replay: int = dataclasses.field(default=0, init=False)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -166,7 +182,8 @@ class _Program:
 @dataclasses.dataclass(eq=False)
 class _Prefill:
     """A prompt being prefilled for the requests that share it (a prompt's `n` choices), in
-    the rows reserved for them: the chunks still to run, the one-row cache and last logits so
+    the rows reserved for them (its pages are held in its own name, beside a page for each
+    further choice to copy its last page into): the chunks still to run, the last logits so
     far, the prompt's scores per chunk (if asked for), the keys of its full chunks in the
     prefix cache and the tokens restored from it."""
 
@@ -175,7 +192,7 @@ class _Prefill:
     chunks: collections.deque
     keys: list[bytes]
     cached: int
-    cache: KVCache | None = None
+    spares: list[int] = dataclasses.field(default_factory=list)
     logits: jax.Array | None = None
     scores: list[Emitted] = dataclasses.field(default_factory=list)
 
@@ -189,23 +206,27 @@ class _Prefill:
 
 
 class Engine:
-    """Continuous batching over `max_batch` rows of at most `max_seq_len` tokens each (prompt
-    and output; default the model's context). `stop_ids` end a request (default the model's
-    EOS ids); `cache_dtype` and `decode_impl` are `generate`'s; `steps_per_dispatch` decode
-    steps run per program; prompts are prefilled in chunks of `prefill_chunk` tokens (a power
-    of two); `prefix_cache_bytes` (per device) hold full chunks of earlier prompts (0: none);
-    at most `max_queue` requests (or groups) wait for a row (`submit` raises QueueFull beyond
-    that). Parameters on a mesh decode under `mesh_config`'s rules. `speculate="ngram"`
-    decodes by prompt lookup, `draft=(draft_config, draft_params)` (or `speculate="draft"`
-    with it) by a draft model (`num_speculative_tokens`, `ngram` and `min_accepted` as for
-    `generate`): each dispatch then runs `steps_per_dispatch` rounds. A draft prefills each
-    prompt whole into its own cache (the prefix cache holds the model's chunks only)."""
+    """Continuous batching over at most `max_batch` rows of at most `max_seq_len` tokens each
+    (prompt and output; default the model's context), over a KV cache of pages of
+    `page_size` positions: `kv_cache_bytes` per device of them for the rows (None: what
+    `max_batch` rows of `max_seq_len` need). `stop_ids` end a request (default the model's EOS
+    ids); `cache_dtype` and `decode_impl` are `generate`'s; `steps_per_dispatch` decode steps
+    run per program; prompts are prefilled in chunks of `prefill_chunk` tokens (a power of
+    two, at least `page_size`); `prefix_cache_bytes` (per device) of pages more hold full
+    chunks of earlier prompts (0: none); at most `max_queue` requests (or groups) wait for a
+    row (`submit` raises QueueFull beyond that). Parameters on a mesh decode under
+    `mesh_config`'s rules. `speculate="ngram"` decodes by prompt lookup,
+    `draft=(draft_config, draft_params)` (or `speculate="draft"` with it) by a draft model
+    (`num_speculative_tokens`, `ngram` and `min_accepted` as for `generate`): each dispatch
+    then runs `steps_per_dispatch` rounds. A draft's cache is a pool of as many pages beside
+    the model's, each page holding the same positions."""
 
     def __init__(self, config: ModelConfig, params: Params, *, max_batch: int = 8,
                  max_seq_len: int | None = None, stop_ids: Sequence[int] | None = None,
                  cache_dtype=None, decode_impl: str = "auto",
                  steps_per_dispatch: int = SERVING_STEPS_PER_DISPATCH,
                  prefill_chunk: int = SERVING_PREFILL_CHUNK, prefix_cache_bytes: int = 0,
+                 page_size: int = SERVING_PAGE_SIZE, kv_cache_bytes: int | None = None,
                  max_queue: int = 64, mesh_config: MeshConfig | None = None,
                  speculate: str | None = None, num_speculative_tokens: int = 4,
                  ngram: tuple[int, int] = (1, 3), min_accepted: float | None = None,
@@ -220,6 +241,7 @@ class Engine:
             raise GenerateError(f"max_batch={max_batch} and steps_per_dispatch="
                                 f"{steps_per_dispatch} must be >= 1")
         check_prefill_chunk(prefill_chunk)
+        check_page_size(page_size, prefill_chunk)
         if prefix_cache_bytes < 0:
             raise GenerateError(f"prefix_cache_bytes={prefix_cache_bytes} must be >= 0")
         self.steps = steps_per_dispatch
@@ -232,8 +254,17 @@ class Engine:
             raise GenerateError("a server's draft model decodes on one device: serve it "
                                 "without a mesh, or speculate by prompt lookup")
         self.max_len = serving_cache_len(self.max_seq_len, self.spec and self.spec.k)
+        self.page_size = page_size
+        self.prefill_chunk = prefill_chunk
+        each = page_bytes(config, params, page_size, self.cache_dtype, mesh_config, draft)
+        self.prefix_blocks = prefix_cache_blocks(
+            prefix_cache_bytes, each * (prefill_chunk // page_size), prefill_chunk,
+            self.max_seq_len)
+        self.n_pages = serving_pool_pages(
+            serving_rows_pages(max_batch, self.max_len, page_size, each, kv_cache_bytes),
+            self.prefix_blocks, prefill_chunk, page_size, pool_devices(params))
         impl = resolve_decode_impl(decode_impl, params, rows_cache_bytes(
-            config, params, max_batch, self.max_len, self.cache_dtype, mesh_config, draft))
+            config, params, self.n_pages, page_size, self.cache_dtype, mesh_config, draft))
         self.params = decoder_params(params, impl)
         self.draft_params = None if draft is None else decoder_params(draft[1], impl)
         self.layout = "stacked" if impl == "scan" else "per_layer"
@@ -242,19 +273,14 @@ class Engine:
         # (a verify pass's guesses).
         self.advance = self.steps * (1 + (self.spec.k if self.spec else 0))
         self.past_end = self.spec.k if self.spec else 0
-        # Speculating rows keep the cache at its largest: a verify pass's sums over the cache
-        # positions round differently at another length, and a request's log-probabilities
-        # would depend on the requests before it.
+        # Speculating rows attend over every position: a verify pass's sums over them round
+        # differently at another width, and a request's log-probabilities would depend on
+        # the requests before it.
         self.min_len = self.max_len if self.spec else min(self.max_len, MIN_CACHE_LEN)
-        self.prefill_chunk = prefill_chunk
-        self.prefix_blocks = prefix_cache_blocks(
-            prefix_cache_bytes, prefix_block_bytes(config, params, prefill_chunk,
-                                                   self.cache_dtype, mesh_config),
-            prefill_chunk, self.max_seq_len)
-        self._index: PrefixIndex | None = None
         self.counters: collections.Counter = collections.Counter()
         self._queue: queue.Queue[list[Request]] = queue.Queue(max_queue)
-        self._held: list[Request] | None = None  # a group waiting for enough free rows
+        self._requeued: collections.deque[list[Request]] = collections.deque()  # preempted
+        self._held: list[Request] | None = None  # a group waiting for enough rows or pages
         self._jobs: collections.deque[_Prefill] = collections.deque()
         self._reserved: dict[int, _Prefill] = {}  # rows reserved for a prompt being prefilled
         self._executables: dict = {}
@@ -265,18 +291,22 @@ class Engine:
         self.finished: collections.Counter = collections.Counter()  # requests by how they ended
         self.generated_tokens = 0
         self._reset()
-        self._reset_pool()
 
     # ------------------------------------------------------------------ the rows on the host
 
     def _reset(self) -> None:
-        """Empty rows on a cache of the fewest positions."""
+        """Empty rows over an empty pool, and no prefix cached."""
         B, config = self.max_batch, self.config
-        self.cache_len = self.min_len
+        self.width = pages_for(self.min_len, self.page_size)
         self.rows = self._run(programs.empty_rows, np.asarray(self.stop_ids, np.int32),
-                              config=config, batch=B, max_len=self.cache_len,
+                              config=config, batch=B, n_pages=self.n_pages,
+                              page_size=self.page_size, max_len=self.max_len,
                               cache_dtype=self.cache_dtype, layout=self.layout,
                               spec=self.spec, placement=self.placement)
+        self.pages = PagePool(self.n_pages)
+        self.tables = RowTable(self.pages, self.page_size)
+        self._index = None if not self.prefix_blocks else PrefixIndex(
+            self.prefix_blocks, self.prefill_chunk, self.cache_dtype, self.pages)
         self.owners: list[Request | None] = [None] * B
         self.dispatched = [0] * B  # each row's tokens once the programs dispatched have run
         # Each row's cache end at most, once the programs dispatched have run, and at its
@@ -288,17 +318,8 @@ class Engine:
         self.programs_dispatched = 0
         self.end_rates: dict[int, np.ndarray] = {}
         self.inserted_before = [0] * B
-
-    def _reset_pool(self) -> None:
-        """An empty prefix cache."""
-        if not self.prefix_blocks:
-            self.pool, self._index = None, None
-            return
-        self.pool = self._run(prefix_pool.empty_pool, config=self.config,
-                              blocks=self.prefix_blocks, block_len=self.prefill_chunk,
-                              cache_dtype=self.cache_dtype, layout=self.layout,
-                              placement=self.placement)
-        self._index = PrefixIndex(self.prefix_blocks, self.prefill_chunk, self.cache_dtype)
+        self.inserted = 0  # requests inserted so far: each row's number among them is its age
+        self.inserted_at = [0] * B
 
     def _size_for(self, n: int) -> int:
         return min(max(bucket(n), self.min_len), self.max_len)
@@ -307,19 +328,38 @@ class Engine:
         """The cache positions row `b` may write up to in the next dispatch."""
         return min(self.end_bound[b] + self.advance, self.last_end[b]) + self.past_end
 
-    def _fit(self, need: int = 0) -> None:
-        """Resizes the cache (at its end: every row starts at position 0) to hold `need`
-        positions and the next dispatch of every row decoding: grown to the next size when
-        short, cut when half of it would do."""
-        need = max([need, *(self._room(b) for b in range(self.max_batch) if self._decoding(b))])
-        size = self._size_for(need)
-        if size > self.cache_len or size * 2 <= self.cache_len:
-            self._resize(size)
+    def _short(self, extra: int = 0) -> int:
+        """The pages the pool lacks for `extra` pages and the next dispatch of every row
+        decoding."""
+        need = extra + sum(self.tables.missing(self.owners[b], self._room(b))
+                           for b in range(self.max_batch) if self._decoding(b))
+        return need - self.pages.free
 
-    def _resize(self, size: int) -> None:
-        if size != self.cache_len:
-            self.rows = self._run(programs.resize, self.rows, max_len=size)
-            self.cache_len = size
+    def _grow(self) -> None:
+        """Gives every row decoding the pages its next dispatch may write (letting go of
+        cached prefixes, then preempting the newest rows, while the pool is short), and sets
+        the table width to hold them."""
+        while self._short() > 0:
+            if self._index is None or not self._index.evict():
+                decoding = [b for b in range(self.max_batch) if self._decoding(b)]
+                self._preempt(max(decoding, key=lambda b: self.inserted_at[b]))
+        rooms = [self._room(b) for b in range(self.max_batch) if self._decoding(b)]
+        for b in range(self.max_batch):
+            if self._decoding(b):
+                self.tables.grow(self.owners[b], self._room(b))
+        self.width = pages_for(self._size_for(max(rooms, default=0)), self.page_size)
+
+    def _preempt(self, b: int) -> None:
+        """Gives back row `b`'s pages and queues its request again, first: it will be
+        prefilled and decoded anew, the tokens it has had skipped. Its row decodes on over no
+        pages (writing nothing) until another request takes it."""
+        request = self.owners[b]
+        self.owners[b] = None
+        self.tables.drop(request)
+        self._requeued.append([request])
+        self.counters["preemptions"] += 1
+        log.info("preempted a request after %d tokens: the KV cache's pages ran short",
+                 request.generated)
 
     # --------------------------------------------------------------------------- programs
 
@@ -339,60 +379,38 @@ class Engine:
                      time.perf_counter() - start)
         return self._executables[key](*args)
 
-    def _prefill_chunk(self, one: KVCache | None, tokens_1L: np.ndarray, last: int,
-                       next_1L: np.ndarray | None, start: int, draft: bool = False):
-        """A chunk of a prompt prefilled by the model (or by the draft model)."""
+    def _prefill_chunk(self, pages_1N: np.ndarray, tokens_1L: np.ndarray, start: int,
+                       last: int, next_1L: np.ndarray | None, draft: bool = False):
+        """A chunk of a prompt prefilled into its pages by the model (or by the draft model,
+        into its pool): the chunk's logits and scores."""
         self.counters["prefill_chunks"] += not draft
         config, params = ((self.spec.draft_config, self.draft_params) if draft
                           else (self.config, self.params))
-        return self._run(programs.prefill_chunk, params, one, tokens_1L, np.int32(last),
-                         next_1L, config=config,
-                         max_len=chunk_capacity(start, tokens_1L.shape[1]),
-                         cache_dtype=self.cache_dtype, layout=self.layout,
-                         placement=self.placement)
+        self.rows, logits, scores = self._run(
+            programs.prefill_chunk, self.rows, params, pages_1N, tokens_1L, np.int32(start),
+            np.int32(last), next_1L, config=config, draft=draft, placement=self.placement)
+        return logits, scores
 
-    def _draft_prefill(self, prompt: Sequence[int]) -> KVCache | None:
-        """The draft model's cache of the whole prompt, chunk by chunk as the model's (None
-        without a draft)."""
-        if self.draft_params is None:
-            return None
-        one = None
-        for start, L in chunk_plan(len(prompt), 0, self.prefill_chunk, self.max_seq_len):
-            real = prompt[start:start + L]
-            tokens_1L = np.zeros((1, L), np.int32)
-            tokens_1L[0, :len(real)] = real
-            one = self._prefill_chunk(one, tokens_1L, len(real) - 1, None, start, draft=True)[0]
-        return one
-
-    def _insert(self, b: int, one: KVCache, logits_1V: jax.Array, max_new: int,
-                sampling: SamplingParams, key_1: jax.Array, prompt: Sequence[int],
-                draft_one: KVCache | None = None) -> Emitted:
+    def _insert(self, b: int, logits_1V: jax.Array, prompt: Sequence[int], max_new: int,
+                sampling: SamplingParams, key_1: jax.Array) -> Emitted:
         prompt_1S = None
         if self.spec:  # the guesses read the row's tokens beside its cache
-            prompt_1S = np.zeros((1, self.cache_len), np.int32)
+            prompt_1S = np.zeros((1, self.max_len), np.int32)
             prompt_1S[0, :len(prompt)] = prompt
-        self.rows, first = self._run(programs.insert, self.rows, one, logits_1V, np.int32(b),
-                                     np.int32(max_new), sampling, key_1, prompt_1S, draft_one)
+        self.rows, first = self._run(programs.insert, self.rows, logits_1V, np.int32(b),
+                                     np.int32(len(prompt)), np.int32(max_new), sampling, key_1,
+                                     prompt_1S)
         return first
 
-    def _restore(self, blocks: list[int]) -> KVCache:
-        """The prefill cache of the chunks in `blocks`, as the chunk before the next leaves it
-        (a program per its capacity: `blocks` is padded to fill it)."""
-        C = self.prefill_chunk
-        max_len = chunk_capacity(0, len(blocks) * C)
-        blocks_N = np.zeros(max_len // C, np.int32)
-        blocks_N[:len(blocks)] = blocks
-        return self._run(prefix_pool.restore, self.pool, blocks_N, np.int32(len(blocks)),
-                         block_len=C, max_len=max_len)
-
-    def _store(self, one: KVCache, chunk: int, block: int) -> None:
-        self.pool = self._run(prefix_pool.store, self.pool, one, np.int32(chunk),
-                              np.int32(block), block_len=self.prefill_chunk)
+    def _copy_pages(self, from_pages: list[int], to_pages: list[int]) -> None:
+        self.rows = self._run(programs.copy_pages, self.rows, np.asarray(from_pages, np.int32),
+                              np.asarray(to_pages, np.int32))
 
     def _decode(self, strategy: Strategy, top: int, verify: bool = False) -> Emitted:
         program, args, spec = ((programs.decode, (), {}) if self.spec is None else (
             programs.speculate, (self.draft_params,), {"spec": self.spec, "verify": verify}))
-        self.rows, emitted = self._run(program, self.rows, self.params, *args,
+        pages_BN = self.tables.array(self.owners, self.width)
+        self.rows, emitted = self._run(program, self.rows, self.params, *args, pages_BN,
                                        config=self.config, n_steps=self.steps,
                                        strategy=strategy, top=top, placement=self.placement,
                                        **spec)
@@ -408,30 +426,41 @@ class Engine:
         in_use_B = np.asarray([self._decoding(b) for b in range(self.max_batch)])
         return worth_a_pass(rates, in_use_B, self.spec)
 
-    def _start_prefill(self, group: list[Request], rows: list[int]) -> _Prefill:
-        """Reserves `rows` for the requests of `group` (one prompt) and restores the longest
-        run of its full chunks the prefix cache holds (all but the one holding the last
-        token, whose logits must be computed)."""
+    def _start_prefill(self, group: list[Request], rows: list[int]) -> _Prefill | None:
+        """Reserves `rows` for the requests of `group` (one prompt), and its prompt's pages:
+        the longest run of its full chunks the prefix cache holds (all but the one holding
+        the last token, whose logits must be computed), new ones for the rest, and one for
+        each further choice to copy the last page into. None (taking nothing) when the pool,
+        after letting go of cached prefixes, lacks those pages beside the next dispatch's."""
         prompt, C = group[0].prompt, self.prefill_chunk
-        keys, blocks = [], []
+        n, keys, cached_pages = len(prompt), [], []
+        job = _Prefill(group, rows, collections.deque(), keys, 0)
         if self._index is not None and not group[0].prompt_logprobs:
-            keys = self._index.keys(prompt)
-            blocks = self._index.lookup(keys[:(len(prompt) - 1) // C])
+            keys += self._index.keys(prompt)
+            cached_pages = self._index.lookup(keys[:(n - 1) // C])
+            self.tables.share(job, cached_pages)  # before letting go of cached prefixes
+        copies = len(group) - 1 if n % self.page_size else 0
+        need = self.tables.missing(job, n) + copies
+        while self._short(need) > 0 and self._index is not None and self._index.evict():
+            pass
+        if self._short(need) > 0:
+            self.tables.drop(job)
+            return None
+        self.tables.grow(job, n)
+        job.spares = self.pages.take(copies)
+        job.cached = len(cached_pages) * self.page_size
+        job.chunks.extend(chunk_plan(n, job.cached, C, self.max_seq_len))
+        if keys:
             self.counters["prefix_cache_lookups"] += 1
-            self.counters["prefix_cache_hits"] += bool(blocks)
-            self.counters["prefix_cache_hit_tokens"] += len(blocks) * C
-        cached = len(blocks) * C
-        job = _Prefill(group, rows, collections.deque(chunk_plan(
-            len(prompt), cached, C, self.max_seq_len)), keys, cached)
-        if blocks:
-            job.cache = self._restore(blocks)
+            self.counters["prefix_cache_hits"] += bool(cached_pages)
+            self.counters["prefix_cache_hit_tokens"] += job.cached
         for b in rows:
             self._reserved[b] = job
         return job
 
     def _run_chunk(self, job: _Prefill) -> int:
-        """Runs the next chunk of `job` (and stores it in the prefix cache if it is a full
-        chunk the cache lacks); returns its length."""
+        """Runs the next chunk of `job` (a draft model's too), and keeps it in the prefix
+        cache if it is a full chunk the cache lacks; returns its length."""
         start, L = job.chunks.popleft()
         prompt = job.prompt
         tokens_1L = np.zeros((1, L), np.int32)
@@ -442,39 +471,63 @@ class Engine:
             following = prompt[start + 1:start + L + 1]
             next_1L = np.zeros((1, L), np.int32)
             next_1L[0, :len(following)] = following
-        job.cache, job.logits, scores = self._prefill_chunk(job.cache, tokens_1L, len(real) - 1,
-                                                            next_1L, start)
+        pages_1N = self.tables.array([job], chunk_pages(start, L, self.page_size))
+        job.logits, scores = self._prefill_chunk(pages_1N, tokens_1L, start, len(real) - 1,
+                                                 next_1L)
+        if self.draft_params is not None:
+            self._prefill_chunk(pages_1N, tokens_1L, start, len(real) - 1, None, draft=True)
         if scores is not None:
             job.scores.append(scores)
-        chunk = start // self.prefill_chunk
+        chunk, per_chunk = start // self.prefill_chunk, self.prefill_chunk // self.page_size
         if chunk < len(job.keys):  # a full chunk of a prompt that reads the cache
-            block = self._index.allocate(job.keys[chunk])
-            if block is not None:
-                self._store(job.cache, chunk, block)
+            self._index.add(job.keys[chunk],
+                            self.tables.pages(job)[chunk * per_chunk:(chunk + 1) * per_chunk])
         return L
 
     def _insert_prefilled(self, job: _Prefill) -> list[_Program]:
-        """Writes a prefilled prompt into each of its rows, with each choice's first token."""
+        """Puts a prefilled prompt into each of its rows, with each choice's first token: the
+        first choice takes the prompt's pages, each further one shares its full pages and
+        copies its last (partial) one into a page of its own."""
         n, programs_ = len(job.prompt), []
-        draft_one = self._draft_prefill(job.prompt)
+        pages, full = self.tables.pages(job), n // self.page_size
+        first_choice = True
         for b, request in zip(job.rows, job.requests):
             del self._reserved[b]
             if request.cancelled:
                 self._finish(request, Chunk([], [], [], finish_reason="cancelled"))
                 continue
+            if first_choice or full == len(pages):
+                self.tables.share(request, pages)
+            else:
+                self.tables.share(request, pages[:full])
+                spare = job.spares.pop()
+                self.tables.give(request, [spare])
+                self._copy_pages([pages[full]], [spare])
+            first_choice = False
             key_1 = (row_key(request.seed) if request.key is None else request.key)[None]
             sampling = SamplingParams.broadcast(1, request.temperature, request.top_k,
                                                 request.top_p, request.min_p)
             self.end_bound[b], self.last_end[b] = n, n + request.max_tokens - 1
-            self._fit(self._room(b))
-            first = self._insert(b, job.cache, job.logits, request.max_tokens, sampling, key_1,
-                                 job.prompt, draft_one)
+            first = self._insert(b, job.logits, job.prompt, request.max_tokens, sampling, key_1)
             self.owners[b] = request
             self.inserted_before[b] = self.programs_dispatched
+            self.inserted += 1
+            self.inserted_at[b] = self.inserted
             self.dispatched[b] = 1
             request.cached_tokens = job.cached
-            programs_.append(_Program(first, [request], job.scores or None))
+            # Decoding anew after a preemption: skip what it has had (scores included).
+            request.replay = request.generated
+            request.drafted_tokens = request.accepted_tokens = 0
+            scores = None if request.replay else job.scores or None
+            programs_.append(_Program(first, [request], scores))
+        self._release(job)
         return programs_
+
+    def _release(self, job: _Prefill) -> None:
+        """Lets go of the pages a prompt held in its own name."""
+        self.tables.drop(job)
+        self.pages.release(job.spares)
+        job.spares = []
 
     def _prefill_some(self, decoding: bool) -> list[_Program]:
         """Runs the admitted prompts' chunks, first come first: about `prefill_chunk` tokens
@@ -495,9 +548,10 @@ class Engine:
         return done
 
     def _drop(self, job: _Prefill) -> None:
-        """Forgets a prompt being prefilled and frees the rows it reserved."""
+        """Forgets a prompt being prefilled and frees the rows and pages it reserved."""
         with contextlib.suppress(ValueError):
             self._jobs.remove(job)
+        self._release(job)
         for b in job.rows:
             if self._reserved.get(b) is job:
                 del self._reserved[b]
@@ -510,7 +564,7 @@ class Engine:
 
     def _dispatch(self) -> _Program:
         """`steps` decode steps of every row, under the strategy its requests need."""
-        self._fit()
+        self._grow()
         live = [r for b, r in enumerate(self.owners) if self._decoding(b)]
         strategy = Strategy(draw=any(r.strategy.draw for r in live),
                             sort=any(r.strategy.sort for r in live))
@@ -524,57 +578,30 @@ class Engine:
 
     def warm_up(self) -> float:
         """Compiles the programs a server meets and returns the seconds it took: every prefill
-        chunk, the prefix cache's copies, and at every cache size: decode greedy, sampling and
-        sampling with top-k/top-p (top log-probabilities and prompt scores compile when first
-        asked for), inserting every prefilled length that fits, and resizing to every other
-        size. The rows and the prefix cache are left empty."""
+        chunk shape (a draft's too), the insertion and the page copy, and at every table
+        width: decode greedy, sampling and sampling with top-k/top-p (top log-probabilities
+        and prompt scores compile when first asked for). The rows and the pool are left
+        empty."""
         start = time.perf_counter()
-        sizes = sorted({self._size_for(n) for n in range(1, self.max_len + 1)})
-        C = self.prefill_chunk
-        sampling, key_1 = SamplingParams.broadcast(1), jax.random.key(0)[None]
-        # A chunk program per capacity before and after it, and length (the start is an
-        # input); each takes a cache of its capacity before from an earlier chunk. A draft
-        # model's chunks have the same shapes.
-        # a prefilled cache of each capacity, its logits, and the draft's cache
-        after: dict[int, tuple] = {}
-        compiled = set()
-        for start_, L in chunk_shapes(C, self.max_seq_len):
-            before = chunk_capacity(0, start_) if start_ else None
-            program = (before, L, chunk_capacity(start_, L))
-            if program in compiled:
-                continue
-            compiled.add(program)
-            one, _, draft_one = (None,) * 3 if before is None else after[before]
+        # A chunk program per table width and length (the start is an input); no pages:
+        # nothing is written.
+        logits = None
+        for start_, L in chunk_shapes(self.prefill_chunk, self.max_seq_len):
+            pages_1N = np.full((1, chunk_pages(start_, L, self.page_size)), NO_PAGE, np.int32)
             tokens_1L = np.zeros((1, L), np.int32)
+            logits = self._prefill_chunk(pages_1N, tokens_1L, start_, L - 1, None)[0]
             if self.draft_params is not None:
-                draft_one = self._prefill_chunk(draft_one, tokens_1L, L - 1, None, start_,
-                                                draft=True)[0]
-            after[program[2]] = (*self._prefill_chunk(one, tokens_1L, L - 1, None, start_)[:2],
-                                 draft_one)
-        if self.pool is not None:
-            for k in range(1, (self.max_seq_len - 1) // C + 1):
-                self._restore([0] * k)
-                self._store(after[chunk_capacity(0, k * C)][0], k - 1, 0)
-        # The prefilled caches an insert meets, each with the shortest prompt it holds.
-        shortest: dict[int, tuple[int, tuple]] = {}
-        for n in range(self.max_seq_len - 1, 0, -1):
-            capacity = chunk_capacity(*chunk_plan(n, 0, C, self.max_seq_len)[-1])
-            shortest[capacity] = (n, after[capacity])
-        for size in sizes:
-            self._resize(size)
-            for n, (one, logits, draft_one) in shortest.values():
-                if n <= size:
-                    self._insert(0, one, logits, 1, sampling, key_1, [0] * n, draft_one)
+                self._prefill_chunk(pages_1N, tokens_1L, start_, L - 1, None, draft=True)
+        self._insert(0, logits, [0], 1, SamplingParams.broadcast(1), jax.random.key(0)[None])
+        self._copy_pages([0], [0])
+        for size in sorted({self._size_for(n) for n in range(1, self.max_len + 1)}):
+            self.width = pages_for(size, self.page_size)
             for draw, sort in ((False, False), (True, False), (True, True)):
                 for verify in (False, True) if self.spec else (False,):
                     self._decode(Strategy(draw, sort), top=0, verify=verify)
-            for other in sizes:  # to every other size and back
-                self._resize(other)
-                self._resize(size)
         jax.block_until_ready(self.rows)
         self.counters.clear()
         self._reset()
-        self._reset_pool()
         return time.perf_counter() - start
 
     # --------------------------------------------------------------------------- requests
@@ -614,6 +641,11 @@ class Engine:
         if len(requests) > self.max_batch:
             raise GenerateError(f"a group of {len(requests)} requests is more than the "
                                 f"{self.max_batch} rows")
+        n = len(first.prompt)
+        pages = pages_for(n, self.page_size) + (len(requests) - 1 if n % self.page_size else 0)
+        if pages > self.n_pages:
+            raise GenerateError(f"{len(requests)} choices of a prompt of {n} tokens need "
+                                f"{pages} pages of the KV cache's {self.n_pages}")
         if self._stopping.is_set():
             raise QueueFull("the server is shutting down")
         try:
@@ -623,11 +655,18 @@ class Engine:
         self._wake.set()
 
     def stats(self) -> dict:
-        """Rows in use, requests (or groups) waiting, requests finished by reason, tokens
-        generated, and the counters of prefill chunks and prefix cache lookups, hits and
-        tokens restored."""
-        return {"slots": self.max_batch, "slots_in_use": sum(r is not None for r in self.owners),
-                "queued": self._queue.qsize() + (self._held is not None),
+        """Rows in use, requests (or groups) waiting, requests running (holding a row) and
+        waiting (queued, or being prefilled), the KV cache's pages and those held, requests
+        finished by reason, tokens generated, and the counters of prefill chunks, prefix
+        cache lookups, hits and tokens restored, and preemptions."""
+        held = self._held or []
+        running = sum(r is not None for r in self.owners)
+        return {"slots": self.max_batch, "slots_in_use": running,
+                "queued": self._queue.qsize() + bool(held) + len(self._requeued),
+                "requests_running": running,
+                "requests_waiting": (self._queue.qsize() + len(held) + len(self._requeued)
+                                     + sum(len(job.requests) for job in list(self._jobs))),
+                "kv_pages_total": self.n_pages, "kv_pages_used": self.pages.used,
                 "finished": dict(self.finished), "generated_tokens": self.generated_tokens,
                 "prefix_cache_blocks": self.prefix_blocks,
                 "prefix_cache_blocks_used": 0 if self._index is None else len(self._index),
@@ -639,6 +678,7 @@ class Engine:
         for b, owner in enumerate(self.owners):
             if owner is request:
                 self.owners[b] = None
+        self.tables.drop(request)
         self._deliver(request, chunk)
 
     def _deliver(self, request: Request, chunk: Chunk) -> bool:
@@ -674,6 +714,9 @@ class Engine:
             for k, token in enumerate(e.tokens_BK[b].tolist()):
                 if token == NO_TOKEN:
                     break
+                if request.replay:  # delivered before it was preempted
+                    request.replay -= 1
+                    continue
                 if token in stops:
                     reason = "stop"
                     break
@@ -735,42 +778,50 @@ class Engine:
 
     def idle(self) -> bool:
         return (self._queue.empty() and self._held is None and not self._jobs
-                and all(r is None for r in self.owners))
+                and not self._requeued and all(r is None for r in self.owners))
 
     def _admit(self) -> None:
-        """Starts prefilling waiting groups, in order, while the rows free for them suffice:
-        rows neither reserved nor decoding (or that will be free once the programs dispatched
-        so far have run; their tokens are read from those programs)."""
+        """Starts prefilling waiting groups, in order (preempted requests first), while the
+        rows and pages free for them suffice: rows neither reserved nor decoding (or that
+        will be free once the programs dispatched so far have run; their tokens are read
+        from those programs), pages beside those the rows decoding take next."""
         free = [b for b in range(self.max_batch)
                 if not self._decoding(b) and b not in self._reserved]
         while free:
             group = self._held or self._next_group()
             if group is None:
                 return
+            self._held = group  # first come, first served: it waits for rows and pages
             if len(group) > len(free):
-                self._held = group  # first come, first served: wait for rows
                 return
-            self._held = None
-            rows, free = free[:len(group)], free[len(group):]
+            rows = free[:len(group)]
             try:
-                self._jobs.append(self._start_prefill(group, rows))
+                job = self._start_prefill(group, rows)
             except Exception as e:
                 log.exception("prefill failed")
-                for b in rows:
-                    self._reserved.pop(b, None)
+                self._held = None
                 self._recover(group, e)
+                continue
+            if job is None:
+                return
+            self._held, free = None, free[len(group):]
+            self._jobs.append(job)
 
     def _next_group(self) -> list[Request] | None:
-        """The next group's requests not cancelled (those cancelled finish here)."""
+        """The next group's requests (a preempted one's first) still to run (those cancelled
+        finish here; a preempted one may have finished from the programs before)."""
         while True:
-            try:
-                group = self._queue.get_nowait()
-            except queue.Empty:
-                return None
+            if self._requeued:
+                group = self._requeued.popleft()
+            else:
+                try:
+                    group = self._queue.get_nowait()
+                except queue.Empty:
+                    return None
             for request in group:
-                if request.cancelled:
+                if request.cancelled and not request.finished:
                     self._finish(request, Chunk([], [], [], finish_reason="cancelled"))
-            group = [r for r in group if not r.cancelled]
+            group = [r for r in group if not r.finished]
             if group:
                 return group
 
@@ -780,10 +831,12 @@ class Engine:
         prefix cache starts empty."""
         self._fail(touched, error)
         if any(x.is_deleted() for x in jax.tree.leaves(self.rows)):
-            self._fail(self.owners, error)
+            # The pool went with them: the prompts being prefilled too.
+            self._fail([*self.owners, *(r for job in self._jobs for r in job.requests)],
+                       error)
+            self._jobs.clear()
+            self._reserved.clear()
             self._reset()
-        if any(x.is_deleted() for x in jax.tree.leaves(self.pool)):
-            self._reset_pool()
 
     def _loop(self) -> None:
         pending: collections.deque[_Program] = collections.deque()
@@ -819,7 +872,9 @@ class Engine:
 
     def _drain_queue(self) -> list[Request]:
         """Every request waiting or being prefilled, taken off the engine."""
-        drained = [*(self._held or []), *(r for job in self._jobs for r in job.requests)]
+        drained = [*(self._held or []), *(r for job in self._jobs for r in job.requests),
+                   *(r for group in self._requeued for r in group)]
+        self._requeued.clear()
         for job in list(self._jobs):
             self._drop(job)
         self._held = None

@@ -11,14 +11,16 @@ from llama_jax.decode.decoder import DECODE_IMPLS
 from llama_jax.decode.speculate import MAX_GUESSES, METHODS
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
 from llama_jax.plan.costs import (PREFIX_CACHE_SHARE, PREFIX_CACHE_ROWS_MULTIPLE,
-                                  SERVING_PREFILL_CHUNK, SERVING_STEPS_PER_DISPATCH)
+                                  SERVING_PAGE_SIZE, SERVING_PREFILL_CHUNK,
+                                  SERVING_STEPS_PER_DISPATCH)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """The server's shape: its slots, dtypes, int8 weights and cache, attention and
+    """The server's shape: its rows, KV cache pages, dtypes, int8 weights and cache, attention and
     decoder, mesh, decode steps per dispatch, prefill chunk, prefix cache and speculative
     decoding (`check_speculation_flags` checks the last after parsing)."""
-    parser.add_argument("--max-batch", type=int, default=8, help="decode rows")
+    parser.add_argument("--max-batch", type=int, default=8,
+                        help="the most rows decoding at once")
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="tokens per request, prompt and output (default: the model's "
                              "context)")
@@ -36,6 +38,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=SERVING_PREFILL_CHUNK,
                         help="prompt tokens prefilled per program, between decode programs "
                              "(a power of two >= 16; also the prefix cache's block)")
+    parser.add_argument("--page-size", type=int, default=SERVING_PAGE_SIZE,
+                        help="positions per page of the KV cache (a power of two <= "
+                             "--prefill-chunk)")
+    parser.add_argument("--kv-cache-bytes", type=int, default=None,
+                        help="memory per device for the rows' KV cache pages; requests are "
+                             "admitted while their pages are free (default: a --max-seq-len "
+                             "row for each of --max-batch rows)")
     parser.add_argument("--prefix-cache-bytes", type=int, default=None,
                         help="memory per device for blocks of earlier prompts' KV (default: "
                              f"{PREFIX_CACHE_SHARE * 100:.0f}%% of what is free after the "

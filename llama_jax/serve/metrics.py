@@ -13,11 +13,15 @@ share it).
 - `llama_jax_cached_prompt_tokens_total`: the sum of those responses'
   `usage.prompt_tokens_details.cached_tokens`.
 - `llama_jax_queue_length`, `llama_jax_slots_in_use`, `llama_jax_slots`,
-  `llama_jax_prefix_cache_blocks` and `llama_jax_prefix_cache_blocks_used`: read from the
-  engine when scraped; so are its counters `llama_jax_prefill_chunks_total` (prefill programs
-  run), `llama_jax_prefix_cache_lookups_total` (prompts looked up), `llama_jax_prefix_cache_
-  hits_total` (those that restored at least one block) and `llama_jax_prefix_cache_hit_tokens_
-  total` (the tokens they restored, counted when the prompt is admitted).
+  `llama_jax_requests_running` (holding a row), `llama_jax_requests_waiting` (queued or
+  being prefilled), `llama_jax_kv_pages_total` and `llama_jax_kv_pages_used` (the KV cache's
+  pages, and those rows, prompts or the prefix cache hold), `llama_jax_prefix_cache_blocks`
+  and `llama_jax_prefix_cache_blocks_used`: read from the engine when scraped; so are its
+  counters `llama_jax_prefill_chunks_total` (prefill programs run),
+  `llama_jax_prefix_cache_lookups_total` (prompts looked up), `llama_jax_prefix_cache_
+  hits_total` (those that restored at least one block), `llama_jax_prefix_cache_hit_tokens_
+  total` (the tokens they restored, counted when the prompt is admitted) and
+  `llama_jax_preemptions_total` (rows preempted when the pages ran short).
 """
 
 from __future__ import annotations
@@ -60,6 +64,11 @@ class ServerMetrics:
         for name, doc in (("queued", "Requests waiting for a slot"),
                           ("slots_in_use", "Decode slots holding a request"),
                           ("slots", "Decode slots"),
+                          ("requests_running", "Requests holding a decode row"),
+                          ("requests_waiting", "Requests queued or being prefilled"),
+                          ("kv_pages_total", "Pages of the KV cache"),
+                          ("kv_pages_used", "Pages of the KV cache held by rows, prompts or "
+                                            "the prefix cache"),
                           ("prefix_cache_blocks", "Blocks of the prefix cache"),
                           ("prefix_cache_blocks_used", "Blocks of the prefix cache holding a "
                                                        "chunk")):

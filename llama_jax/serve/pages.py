@@ -8,28 +8,23 @@ prompt's `n` choices (each choice writes its first tokens into a page of its own
 
     pool = PagePool(total=1024)
     table = RowTable(pool, page_size=16)
-    table.grow(b, positions=300)     # row b's pages to hold its first 300 positions
-    pages_BN = table.array(rows=8, width=32)
-    table.drop(b)                    # its pages back (those no one else holds)
+    table.grow(request, positions=300)      # its pages to hold its first 300 positions
+    pages_BN = table.array(owners, width=32)  # each row's owner's pages (None: none)
+    table.drop(request)                     # its pages back (those no one else holds)
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Iterable, Sequence
+from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
-NO_PAGE = -1  # a table entry that is no page: nothing is written there
+from llama_jax.model.kv_cache import NO_PAGE, pages_for
 
 
 class OutOfPages(Exception):
     """The pool has fewer free pages than were asked for (nothing was taken)."""
-
-
-def pages_for(positions: int, page_size: int) -> int:
-    """The pages that hold `positions` positions."""
-    return -(-positions // page_size)
 
 
 class PagePool:
@@ -80,43 +75,46 @@ class PagePool:
 
 
 class RowTable:
-    """Each row's pages, in slot order, taken from and given back to `pool`."""
+    """The pages of each holder (a request's row, a prompt being prefilled), in the order of
+    its positions, taken from and given back to `pool`."""
 
     def __init__(self, pool: PagePool, page_size: int):
         self.pool = pool
         self.page_size = page_size
-        self.rows: dict[int, list[int]] = {}
+        self.held: dict[Hashable, list[int]] = {}
 
-    def pages(self, b: int) -> list[int]:
-        return self.rows.get(b, [])
+    def pages(self, holder: Hashable) -> list[int]:
+        return self.held.get(holder, [])
 
-    def share(self, b: int, pages: Sequence[int]) -> None:
-        """Row b's table starts with `pages`, held by others too (a cached prefix)."""
-        if self.pages(b):
-            raise ValueError(f"row {b} has pages already: shared pages come first")
+    def share(self, holder: Hashable, pages: Sequence[int]) -> None:
+        """`pages` (held already, by others too) added to the holder's."""
         self.pool.hold(pages)
-        self.rows[b] = list(pages)
+        self.held.setdefault(holder, []).extend(pages)
 
-    def missing(self, b: int, positions: int) -> int:
-        """The pages row b lacks to hold its first `positions` positions."""
-        return max(pages_for(positions, self.page_size) - len(self.pages(b)), 0)
+    def give(self, holder: Hashable, pages: Sequence[int]) -> None:
+        """`pages` taken for the holder (`PagePool.take`) added to its, held in its name."""
+        self.held.setdefault(holder, []).extend(pages)
 
-    def grow(self, b: int, positions: int) -> list[int]:
-        """Takes the pages row b lacks to hold its first `positions` positions and returns
-        them; raises OutOfPages (taking none) if the pool is short."""
-        new = self.pool.take(self.missing(b, positions))
-        self.rows.setdefault(b, []).extend(new)
+    def missing(self, holder: Hashable, positions: int) -> int:
+        """The pages the holder lacks to hold its first `positions` positions."""
+        return max(pages_for(positions, self.page_size) - len(self.pages(holder)), 0)
+
+    def grow(self, holder: Hashable, positions: int) -> list[int]:
+        """Takes the pages the holder lacks to hold its first `positions` positions and
+        returns them; raises OutOfPages (taking none) if the pool is short."""
+        new = self.pool.take(self.missing(holder, positions))
+        self.held.setdefault(holder, []).extend(new)
         return new
 
-    def drop(self, b: int) -> None:
-        """Row b's pages let go of (those no one else holds are free again)."""
-        self.pool.release(self.rows.pop(b, []))
+    def drop(self, holder: Hashable) -> None:
+        """The holder's pages let go of (those no one else holds are free again)."""
+        self.pool.release(self.held.pop(holder, []))
 
-    def array(self, rows: int, width: int) -> np.ndarray:
-        """The tables of rows 0 .. rows - 1 as `[rows, width]` int32, `NO_PAGE` past each
-        row's pages (a row's pages beyond `width` are left out)."""
-        table = np.full((rows, width), NO_PAGE, np.int32)
-        for b, pages in self.rows.items():
-            kept = pages[:width]
+    def array(self, holders: Sequence[Hashable | None], width: int) -> np.ndarray:
+        """The tables of `holders` (None: a row of no pages) as `[len(holders), width]`
+        int32, `NO_PAGE` past each one's pages (pages beyond `width` are left out)."""
+        table = np.full((len(holders), width), NO_PAGE, np.int32)
+        for b, holder in enumerate(holders):
+            kept = self.pages(holder)[:width] if holder is not None else []
             table[b, :len(kept)] = kept
         return table

@@ -53,14 +53,13 @@ def attention_of(config: ModelConfig):
 @dataclasses.dataclass(frozen=True)
 class Mixer:
     """An attention mixer kind. Its caches are pytrees (flax struct dataclasses) whose arrays
-    have the batch rows on one axis and the S slots on another, with `map_seq(fn, max_len)`:
-    the cache with `fn(array, seq_axis)` applied to its arrays, `fn` returning `max_len` slots
-    (`KVCache.map_seq`, for the server's resized cache); `apply` writes each row's T new
-    tokens at its own slot `context.end[b]` (of layer `context.layer` in a stacked cache;
-    `kv_storage.write` takes such per-row starts). A paged cache is the same cache made for
-    P pages of `page` slots (the rows' axis holds pages): with `context.pages` set, `apply`
-    writes through the rows' tables (`kv_storage.write`'s `pages_BN`) and attends over the
-    rows' pages (`kv_storage.gather_pages`)."""
+    have the batch rows first (after the layers' axis of a stacked cache) and the S slots on
+    another axis; `apply` writes each row's T new tokens at its own slot `context.end[b]` (of
+    layer `context.layer` in a stacked cache; `kv_storage.write` takes such per-row starts).
+    A paged cache is the same cache made for P pages of `page` slots (the rows' axis holds
+    pages): with `context.pages` set, `apply` writes through the rows' tables
+    (`kv_storage.write`'s `pages_BN`) and attends over the rows' pages
+    (`kv_storage.gather_pages`)."""
 
     specs: Callable  # (config, residual_scale) -> the block's "attn" TensorSpecs
     apply: Callable  # (config, p, x_BTD, context, cache or None) -> (y_BTD, cache)

@@ -40,7 +40,6 @@ from flax import struct
 from llama_jax.nn.attention import kv_storage
 from llama_jax.nn.attention.context import (MIXERS, Context, Mixer, attention_of,
                                            causal_attention_flops)
-from llama_jax.nn.attention.kv_storage import SlotFn
 from llama_jax.nn.attention.dot_product import DECODE_QUERIES, decode_attention_block_diagonal
 from llama_jax.nn.ops import linear
 from llama_jax.errors import require
@@ -128,12 +127,6 @@ class StackedCache:
         k, v = (kv_storage.read(x, self.dtype, q_BTNH.dtype) for x in (k, v))
         return attention_of(config)(q_BTNH, k, v, context.mask, kv_layout="BKSH")
 
-    def map_seq(self, fn: SlotFn, max_len: int) -> "StackedCache":
-        """The cache with `fn(array, seq_axis)` applied to its stored arrays; `fn` returns
-        `max_len` slots (see `KVCache.map_seq`)."""
-        def put(cache_LBKSH):
-            return _constrain_stacked(kv_storage.map_stored(cache_LBKSH, lambda a: fn(a, 3)))
-        return self.replace(k=put(self.k), v=put(self.v))
 
 
 @struct.dataclass
@@ -184,13 +177,6 @@ class LayerCache:
         return self.replace(k=gather(self.k), v=gather(self.v),
                             max_len=pages_BN.shape[1] * self.max_len)
 
-    def map_seq(self, fn: SlotFn, max_len: int) -> "LayerCache":
-        """The cache with `fn(array, seq_axis)` applied to its stored arrays seen as
-        `[B, K, S, ...]`; `fn` returns `max_len` slots (see `KVCache.map_seq`)."""
-        def put(cache_BCH):
-            return _constrain_merged(kv_storage.map_stored(
-                cache_BCH, lambda a: _merged(fn(_heads(a, self.max_len), 2))), max_len)
-        return self.replace(k=put(self.k), v=put(self.v), max_len=max_len)
 
 
 def cache_vectors(config: ModelConfig) -> tuple[int, int]:

@@ -26,9 +26,6 @@ from llama_jax.parallel.sharding import constrain
 from llama_jax.quant import SCALE_BYTES, Int8, is_int8, to_int8_vectors
 
 INT8 = "int8"
-# A function of one stored cache array and the axis of its slots, returning the array with its
-# slots moved or resized (model/kv_cache.py's KVCache.map_seq).
-SlotFn = Callable[[jax.Array, int], jax.Array]
 
 
 def zeros(shape: Sequence[int], dtype: str, bits: bool = False) -> jax.Array | Int8:

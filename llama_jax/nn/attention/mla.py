@@ -45,7 +45,6 @@ from flax import struct
 from llama_jax.nn.attention import kv_storage
 from llama_jax.nn.attention.context import (MIXERS, Context, Mixer, attention_of,
                                            causal_attention_flops)
-from llama_jax.nn.attention.kv_storage import SlotFn
 from llama_jax.nn.attention.dot_product import DECODE_QUERIES, dense_attention
 from llama_jax.nn.norms import rms_norm
 from llama_jax.nn.ops import cast_weight, dense, einsum_f32
@@ -176,11 +175,6 @@ class StackedCache:
     def read(self, context: Context, compute_dtype) -> jax.Array | Int8:
         return _read(self.latent[context.layer], context, self.dtype, compute_dtype)
 
-    def map_seq(self, fn: SlotFn, max_len: int) -> "StackedCache":
-        """The cache with `fn(array, seq_axis)` applied to its stored arrays; `fn` returns
-        `max_len` slots (see `KVCache.map_seq`)."""
-        return self.replace(latent=_constrain_stacked(
-            kv_storage.map_stored(self.latent, lambda a: fn(a, 2))))
 
 
 @struct.dataclass
@@ -203,11 +197,6 @@ class LayerCache:
     def read(self, context: Context, compute_dtype) -> jax.Array | Int8:
         return _read(self.latent, context, self.dtype, compute_dtype)
 
-    def map_seq(self, fn: SlotFn, max_len: int) -> "LayerCache":
-        """The cache with `fn(array, seq_axis)` applied to its stored arrays; `fn` returns
-        `max_len` slots (see `KVCache.map_seq`)."""
-        return self.replace(latent=_constrain_layer(
-            kv_storage.map_stored(self.latent, lambda a: fn(a, 1))))
 
 
 def _read(latent_BSW: jax.Array | Int8, context: Context, dtype: str, compute_dtype
