@@ -314,6 +314,25 @@ def test_requests_that_cannot_run_are_refused_with_the_lengths(params):
     assert engine.stop_ids == [5]
 
 
+def test_every_program_takes_the_rows_any_program_returns(params):
+    """The rows rest between programs in one structure whatever table width a program ran
+    at: an executable compiled once takes the rows of any other (else each call after a
+    change of width would miss the compiled program and compile again)."""
+    from llama_jax.decode import batching as programs
+    from llama_jax.decode.sampling import Strategy
+
+    config, p = CONFIGS["gqa"], params["gqa"]
+    rows = programs.empty_rows(np.asarray([-1], np.int32), config=config, batch=2, n_pages=8,
+                               page_size=16, max_len=64, cache_dtype="float32",
+                               layout="stacked", placement=None)
+    tables = {width: np.arange(2 * width, dtype=np.int32).reshape(2, width) for width in (2, 4)}
+    compiled = {width: programs.decode.lower(
+        rows, p, table, config=config, n_steps=1, strategy=Strategy(False, False), top=0,
+        placement=None).compile() for width, table in tables.items()}
+    for width in (2, 4, 2):
+        rows, _ = compiled[width](rows, p, tables[width])
+
+
 @pytest.mark.parametrize("layout", ["stacked", "per_layer"])
 @pytest.mark.parametrize("name", ["gqa", "mla"])
 def test_copied_pages_hold_what_their_sources_hold(layout, name):

@@ -91,6 +91,13 @@ def _with_tables(rows: Rows, pages_BN: jax.Array) -> Rows:
     return rows.replace(cache=with_pages(rows.cache, pages_BN), draft_cache=draft)
 
 
+def _between_programs(rows: Rows) -> Rows:
+    """The rows as they rest between programs: tables of no pages (each program gets the
+    host's), so that every program takes and returns rows of one structure."""
+    B = rows.last_B.shape[0]
+    return _with_tables(rows, jnp.full((B, 1), NO_PAGE, jnp.int32))
+
+
 def _scan_steps(config, params, rows: Rows, n_steps: int, strategy, top):
     def one(rows: Rows, _):
         rows, emitted = step(config, params, rows, strategy, top)
@@ -107,7 +114,9 @@ def decode(rows: Rows, params: Params, pages_BN: jax.Array, *, config: ModelConf
            ) -> tuple[Rows, Emitted]:
     """`n_steps` decode steps of every row (`rows.step`) over its pages `pages_BN`."""
     with placed(placement):
-        return _scan_steps(config, params, _with_tables(rows, pages_BN), n_steps, strategy, top)
+        rows, emitted = _scan_steps(config, params, _with_tables(rows, pages_BN), n_steps,
+                                    strategy, top)
+        return _between_programs(rows), emitted
 
 
 def _scan_rounds(config, params, draft_params, rows: Rows, n_rounds: int, spec: Speculation,
@@ -155,8 +164,10 @@ def speculate(rows: Rows, params: Params, draft_params: Params | None,
     model's (`draft_params`, its cache in the rows; without `verify`, one step of it a round
     keeps its cache in step)."""
     with placed(placement):
-        return _scan_rounds(config, params, draft_params, _with_tables(rows, pages_BN),
-                            n_steps, spec, verify, strategy, top)
+        rows, emitted = _scan_rounds(config, params, draft_params,
+                                     _with_tables(rows, pages_BN), n_steps, spec, verify,
+                                     strategy, top)
+        return _between_programs(rows), emitted
 
 
 def check_prefill_chunk(chunk: int) -> None:
