@@ -371,7 +371,8 @@ class Engine:
             for x in jax.tree.leaves(args)))
         if key not in self._executables:
             start = time.perf_counter()
-            with warnings.catch_warnings():  # a resize cannot reuse the donated buffers
+            # The rows are donated whole; XLA may find no output for some of their buffers.
+            with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "Some donated buffers were not usable")
                 self._executables[key] = fn.lower(*args, **static).compile()
             log.info("compiled %s %s in %.1f s", fn.__name__,
