@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from llama_jax import quant
 from llama_jax.config import ModelConfig, RunConfig
 from llama_jax.errors import GenerateError
+from llama_jax.model.kv_cache import pages_for
 from llama_jax.nn.heads import head_matmul_size
 from llama_jax.nn.attention import kv_storage
 from llama_jax.nn.attention.mixers import mixer_of
@@ -116,7 +117,7 @@ def serving_cache_bytes(config: ModelConfig, max_batch: int, max_seq_len: int,
                         ) -> int:
     """The KV cache a server keeps for its rows by default: the pages of `page_size`
     positions that hold `max_seq_len` positions, for each of `max_batch` rows."""
-    row = -(-serving_cache_len(max_seq_len) // page_size) * page_size
+    row = pages_for(serving_cache_len(max_seq_len), page_size) * page_size
     return max_batch * row * kv_cache_bytes_per_token(config, cache_dtype)
 
 
@@ -131,7 +132,7 @@ def serving_rows_pages(max_batch: int, max_len: int, page_size: int, page_bytes:
                        kv_cache_bytes: int | None) -> int:
     """A server's rows' KV cache pages: `kv_cache_bytes` of pages of `page_bytes` (None: a
     row of `max_len` positions for each of `max_batch` rows), at least one such row."""
-    row = -(-max_len // page_size)
+    row = pages_for(max_len, page_size)
     rows = max_batch * row if kv_cache_bytes is None else kv_cache_bytes // page_bytes
     if rows < row:
         raise GenerateError(

@@ -328,6 +328,11 @@ class Engine:
         """The cache positions row `b` may write up to in the next dispatch."""
         return min(self.end_bound[b] + self.advance, self.last_end[b]) + self.past_end
 
+    def _last_page_copies(self, n: int, choices: int) -> int:
+        """The pages the further choices of a prompt of n tokens copy its last page into:
+        none when that page is full (each choice then writes from a page of its own)."""
+        return choices - 1 if n % self.page_size else 0
+
     def _short(self, extra: int = 0) -> int:
         """The pages the pool lacks for `extra` pages and the next dispatch of every row
         decoding."""
@@ -440,7 +445,7 @@ class Engine:
             keys += self._index.keys(prompt)
             cached_pages = self._index.lookup(keys[:(n - 1) // C])
             self.tables.share(job, cached_pages)  # before letting go of cached prefixes
-        copies = len(group) - 1 if n % self.page_size else 0
+        copies = self._last_page_copies(n, len(group))
         need = self.tables.missing(job, n) + copies
         while self._short(need) > 0 and self._index is not None and self._index.evict():
             pass
@@ -643,7 +648,7 @@ class Engine:
             raise GenerateError(f"a group of {len(requests)} requests is more than the "
                                 f"{self.max_batch} rows")
         n = len(first.prompt)
-        pages = pages_for(n, self.page_size) + (len(requests) - 1 if n % self.page_size else 0)
+        pages = pages_for(n, self.page_size) + self._last_page_copies(n, len(requests))
         if pages > self.n_pages:
             raise GenerateError(f"{len(requests)} choices of a prompt of {n} tokens need "
                                 f"{pages} pages of the KV cache's {self.n_pages}")

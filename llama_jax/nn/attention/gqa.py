@@ -232,7 +232,7 @@ def _write_rows_merged(cache_BCH, x_BTKH, max_len: int, end_B, dtype: str,
     if pages_BN is None:
         pages_BN = jnp.arange(B)[:, None]
     pages_BT, offsets_BT = kv_storage.page_index(end_B, T, pages_BN, max_len,
-                                                 _rows_of(cache_BCH))
+                                                 kv_storage.stored_shape(cache_BCH)[0])
     positions_BKT = jnp.arange(K)[None, :, None] * max_len + offsets_BT[:, None, :]
     rows_BKT = jnp.broadcast_to(pages_BT[:, None, :], positions_BKT.shape)
     x_BCH = jnp.swapaxes(x_BTKH, 1, 2).reshape(B, K * T, H)
@@ -240,10 +240,6 @@ def _write_rows_merged(cache_BCH, x_BTKH, max_len: int, end_B, dtype: str,
                                       positions_BKT.reshape(B, K * T), (0, 0, 0), dtype,
                                       row_axis=0, seq_axis=1)
     return _constrain_merged(cache_BCH, max_len)
-
-
-def _rows_of(cache: jax.Array | Int8) -> int:
-    return (cache.values if isinstance(cache, Int8) else cache).shape[0]
 
 
 def _heads(a_BCX: jax.Array, max_len: int) -> jax.Array:

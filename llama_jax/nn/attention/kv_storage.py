@@ -50,12 +50,17 @@ def write(cache: jax.Array | Int8, x: jax.Array, start: Sequence, dtype: str,
     if all(jnp.ndim(s) == 0 for s in start):
         return _write(cache, x, start, dtype)
     seq_axis = next(axis for axis, s in enumerate(start) if jnp.ndim(s) == 1)
-    stored = cache.values if is_int8(cache) else cache
+    shape = stored_shape(cache)
     if pages_BN is None:
         pages_BN = jnp.arange(x.shape[row_axis])[:, None]
     pages_BT, positions_BT = page_index(start[seq_axis], x.shape[seq_axis], pages_BN,
-                                        stored.shape[seq_axis], stored.shape[row_axis])
+                                        shape[seq_axis], shape[row_axis])
     return write_rows(cache, x, pages_BT, positions_BT, start, dtype, row_axis, seq_axis)
+
+
+def stored_shape(cache: jax.Array | Int8) -> tuple[int, ...]:
+    """The shape of a cache's values (an int8 cache's, not its scales')."""
+    return (cache.values if is_int8(cache) else cache).shape
 
 
 def page_index(end_B: jax.Array, T: int, pages_BN: jax.Array, page: int, n_pages: int
