@@ -17,7 +17,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_PROMPTS := --prompt "The json module" --prompt "To open a file, use" \
 	--prompt "A list comprehension"
 
-.PHONY: test test-pods test-real demo demo-draft doc-task chat llama-cpp corpus bench bench-xla-clock install clean
+.PHONY: test test-pods test-real soak demo demo-draft doc-task chat llama-cpp corpus bench bench-xla-clock install clean
 
 install: $(VENV)/.installed
 
@@ -170,4 +170,9 @@ test-pods: install $(LIBTPU)
 # first time a 98 MB download and llama.cpp's build.
 test-real: install llama-cpp
 	$(PY) -m pytest -q -m real tests/test_smollm2.py tests/test_llama_cpp.py
+
+# The server under 64 concurrent clients for 10 minutes on 127.0.0.1, then its answers checked
+# against generate alone (bench/soak.py; not in the CI suite: ~15 min in all).
+soak: install
+	$(PY) bench/soak.py
 

@@ -60,7 +60,8 @@ import numpy as np
 import llama_jax
 from llama_jax.decode.generate import generate
 from llama_jax.plan.costs import SERVING_STEPS_PER_DISPATCH
-from llama_jax.serve.engine import Engine, Request
+from llama_jax.serve.engine import Engine
+from llama_jax.serve.requests import Request
 
 from common import BENCH_MODEL, run_child
 

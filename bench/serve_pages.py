@@ -29,7 +29,8 @@ import httpx
 import jax
 
 import llama_jax
-from llama_jax.plan.costs import serving_cache_bytes
+from llama_jax.plan.costs import SERVING_PAGE_SIZE, kv_cache_bytes_per_token
+from llama_jax.plan.serving import ServerShape
 
 from common import BENCH_MODEL, medians
 from serve import Server, free_port, load, make_checkpoint, requests_of
@@ -88,7 +89,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     root = make_checkpoint(Path(tempfile.mkdtemp(prefix="bench_pages_")))
     tokenizer = llama_jax.load_tokenizer(root / "native")
-    memory = serving_cache_bytes(BENCH_MODEL, args.dense_rows, MAX_SEQ_LEN, CACHE_DTYPE)
+    page = SERVING_PAGE_SIZE * kv_cache_bytes_per_token(BENCH_MODEL, CACHE_DTYPE)
+    memory = ServerShape.of(BENCH_MODEL.max_seq_len, page, max_batch=args.dense_rows,
+                            max_seq_len=MAX_SEQ_LEN).rows_bytes
     print(f"# {platform.processor() or platform.machine()}, jax {jax.__version__}, "
           f"{memory / 2**20:.0f} MiB of KV pages, {args.rounds} rounds", flush=True)
     names = {f"{args.dense_rows} rows (a full context each)": args.dense_rows,

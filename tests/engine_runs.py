@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import threading
 
-from llama_jax.serve.engine import Engine, Request
+from llama_jax.serve.engine import Engine
+from llama_jax.serve.requests import Request
 
 WAIT_S = 120
 

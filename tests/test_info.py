@@ -116,10 +116,11 @@ def test_cli_text_and_config_file(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["llama9-1t"], "neither a file nor a preset"),
     (["llama3-8b", "--batch", "0"], "--batch=0 must be > 0"),
-    (["llama3-8b", "--max-batch", "0"], "--max-batch=0 must be > 0"),
-    (["llama3-8b", "--max-seq-len", "0"], "--max-seq-len=0 must be > 0"),
-    (["llama3-8b", "--max-seq-len", "9000"], "--max-seq-len=9000 is more than the model's "
-                                             "context (8192)"),
+    (["llama3-8b", "--max-batch", "0"], "max_batch=0 (--max-batch) and steps_per_dispatch=4 "
+                                        "(--steps-per-dispatch) must be >= 1"),
+    (["llama3-8b", "--max-seq-len", "0"], "max_seq_len=0 (--max-seq-len) must be in [1, 8192]"),
+    (["llama3-8b", "--max-seq-len", "9000"], "max_seq_len=9000 (--max-seq-len) must be in "
+                                             "[1, 8192] (the model's context)"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert info.main(argv) == 2

@@ -83,3 +83,27 @@ def test_random_operations_never_lose_or_double_a_page():
         assert [pool.holders(p) for p in range(pool.total)] == holders.tolist()
         assert pool.free == int(np.sum(holders == 0))
     assert pages_for(0, 4) == 0 and pages_for(9, 4) == 3
+
+
+def test_a_short_pool_lets_go_only_of_cached_chunks_that_free_pages():
+    """Two chunks of 2 pages cached, the older one still listed by a row: a pool short of a
+    page lets go of the newer (the older would free nothing), then has nothing to let go."""
+    from llama_jax.plan.serving import ServerShape
+    from llama_jax.serve.allocator import Allocator
+
+    shape = ServerShape.of(64, page_bytes=100, max_batch=1, max_seq_len=32, prefill_chunk=16,
+                           page_size=8, kv_cache_bytes=400, prefix_cache_bytes=400)
+    allocator = Allocator(shape, "float32")
+    assert shape.n_pages == 8 and shape.prefix_blocks == 2
+    prompt = list(range(40))
+    keys, cached, spares = allocator.reserve_prompt("row", prompt, 1, True, [])
+    assert (len(keys), cached, spares) == (2, 0, []) and allocator.pool.used == 5
+    allocator.keep_chunk("row", keys[0], 0)
+    allocator.keep_chunk("row", keys[1], 1)
+    allocator.release("row")
+    allocator.tables.share("reader", allocator.index.lookup(keys[:1]))  # a row reads chunk 0
+    assert allocator.pool.used == 4 and allocator.cached_blocks == 2
+    assert allocator.make_room([("grower", 5 * 8)])  # 5 pages: the newer chunk goes
+    assert allocator.cached_blocks == 1 and allocator.index.lookup(keys[:1])
+    assert not allocator.make_room([("grower", 7 * 8)])  # chunk 0 would free nothing
+    assert allocator.cached_blocks == 1 and allocator.pool.free == 6

@@ -5,6 +5,7 @@ text and chat-format pieces against references (Meta's LLaMA 3 chat format). The
 pages: more rows than a dense cache of the same bytes, preemption when they run short."""
 
 import dataclasses
+import functools
 import io
 import json
 from pathlib import Path
@@ -20,7 +21,8 @@ from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import copied_pages, init_paged_cache
 from llama_jax.data.chat import (chat_format, encode_with_special_tokens, llama2_chat,
                                   llama3_chat)
-from llama_jax.serve.engine import Engine, Request
+from llama_jax.serve.engine import Engine
+from llama_jax.serve.requests import Request
 from llama_jax.serve.text import StopText
 from engine_runs import run
 from models import SERVING, TINY, prompts, random_params
@@ -71,9 +73,9 @@ def test_the_table_widens_for_a_long_row_and_narrows_after_it(params, decode_imp
     engine = Engine(config, p, max_batch=3, max_seq_len=256, stop_ids=[],
                     decode_impl=decode_impl, steps_per_dispatch=2)
     widths = []
-    decode = engine._decode
-    monkeypatch.setattr(engine, "_decode", lambda *args, **kw: (
-        widths.append(engine.width * engine.page_size), decode(*args, **kw))[1])
+    decode = engine.programs.decode
+    monkeypatch.setattr(engine.programs, "decode", lambda *args, **kw: (
+        widths.append(engine.width * engine.shape.page_size), decode(*args, **kw))[1])
     engine.start()
     batch = prompts([5, 150, 8, 58], seed=21, vocab=config.vocab_size)
     new = [50, 10, 50, 12]
@@ -105,10 +107,10 @@ def test_pages_run_more_rows_and_preempt_the_newest_when_short(params, decode_im
     each = page_bytes(config, p, 16, "float32", None)
     engine = Engine(config, p, max_batch=4, max_seq_len=96, stop_ids=[], cache_dtype="float32",
                     decode_impl=decode_impl, steps_per_dispatch=3, kv_cache_bytes=8 * each)
-    assert engine.n_pages == 8
+    assert engine.shape.n_pages == 8
     running = []
-    decode = engine._decode
-    monkeypatch.setattr(engine, "_decode", lambda *args, **kw: (
+    decode = engine.programs.decode
+    monkeypatch.setattr(engine.programs, "decode", lambda *args, **kw: (
         running.append(sum(engine._decoding(b) for b in range(4))), decode(*args, **kw))[1])
     engine.start()
     batch = prompts([30, 17, 40, 9, 25, 5, 33], seed=4, vocab=config.vocab_size)
@@ -135,11 +137,14 @@ def test_an_engine_reserves_its_largest_cache_before_choosing_the_decoder(monkey
     """"auto" decodes unrolled only while the per-layer copy and the rows' largest cache fit
     in the free memory (on CPU here; the same rule on GPU)."""
     from llama_jax.decode import decoder
-    from llama_jax.plan.costs import serving_cache_bytes
+    from llama_jax.plan.costs import SERVING_PAGE_SIZE, kv_cache_bytes_per_token
+    from llama_jax.plan.serving import ServerShape
 
     p = llama_jax.init_params(TINY, jax.random.key(9))  # no copy of it made yet
     need = (sum(w.nbytes for w in jax.tree.leaves(p["groups"]))
-            + serving_cache_bytes(TINY, 2, 64, "float32"))
+            + ServerShape.of(TINY.max_seq_len,
+                             SERVING_PAGE_SIZE * kv_cache_bytes_per_token(TINY, "float32"),
+                             max_batch=2, max_seq_len=64).rows_bytes)
     for free, layout in ((need - 1, "stacked"), (need, "per_layer")):  # no copy, then one
         monkeypatch.setattr(decoder, "free_memory_bytes", lambda: free)
         engine = Engine(TINY, p, max_batch=2, max_seq_len=64, cache_dtype="float32",
@@ -166,7 +171,7 @@ def test_an_engine_on_a_mesh_equals_generate_unsharded(params, tmp_path):
         results = run(engine, [dict(prompt=q, max_tokens=9) for q in batch])
     finally:
         assert engine.stop(30)
-    assert len(jax.tree.leaves(engine.rows.cache.groups)[0].sharding.device_set) == 8
+    assert len(jax.tree.leaves(engine.programs.rows.cache.groups)[0].sharding.device_set) == 8
     expected = generate(config, params["gqa"], batch, 9, stop_tokens=[])
     assert [r["tokens"] for r in results] == expected
 
@@ -197,13 +202,13 @@ def test_a_failing_prefill_fails_only_its_request(params, monkeypatch):
     and the engine serves the next request."""
     config, p = CONFIGS["gqa"], params["gqa"]
     engine = Engine(config, p, max_batch=2, max_seq_len=64, stop_ids=[], steps_per_dispatch=4)
-    prefill = engine._prefill_chunk
+    prefill = engine.programs.prefill_chunk
 
     def faulty(pages_1N, tokens_1L, start, last, *args):
         if last == 6:  # the 7-token prompt's one chunk
             raise RuntimeError("injected")
         return prefill(pages_1N, tokens_1L, start, last, *args)
-    monkeypatch.setattr(engine, "_prefill_chunk", faulty)
+    monkeypatch.setattr(engine.programs, "prefill_chunk", faulty)
     engine.start()
     try:
         batch = prompts([5, 7, 9], seed=2, vocab=config.vocab_size)
@@ -225,8 +230,8 @@ def test_the_pool_holds_what_the_planner_counts(params):
     for cache_dtype in ("bfloat16", "int8"):
         engine = Engine(CONFIGS["mla"], params["mla"], max_batch=3, max_seq_len=100,
                         cache_dtype=cache_dtype, steps_per_dispatch=5)
-        stored = sum(x.nbytes for x in jax.tree.leaves(engine.rows.cache.groups))
-        assert engine.n_pages == 21
+        stored = sum(x.nbytes for x in jax.tree.leaves(engine.programs.rows.cache.groups))
+        assert engine.shape.n_pages == 21
         assert stored == 21 * 16 * kv_cache_bytes_per_token(CONFIGS["mla"], cache_dtype)
 
 
@@ -238,18 +243,24 @@ def test_the_server_refuses_a_cache_that_does_not_fit(tmp_path, monkeypatch, cap
     config = dataclasses.replace(TINY, vocab_size=320)
     llama_jax.save_native(config, llama_jax.init_params(config, jax.random.key(0)), tmp_path)
     _sentencepiece(tmp_path)
-    monkeypatch.setattr(app, "free_memory_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(app, "free_memory_bytes", lambda: 1 << 14)
     assert main(["--checkpoint", str(tmp_path), "--max-batch", "64"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: the KV cache of --max-batch 64 rows of --max-seq-len 256 "
-                          "tokens (float32) needs 0.01 GiB, but 0.00 GiB is free")
+    assert err.startswith("error: 90% of the 16.0 KiB free after the weights (--kv-cache-bytes "
+                          "by default) holds 1 pages of 16 positions (8192 bytes each), fewer "
+                          "than the 16 of one row of --max-seq-len 256") and err.count("\n") == 1
+    monkeypatch.setattr(app, "free_memory_bytes", lambda: 1 << 20)
+    assert main(["--checkpoint", str(tmp_path), "--kv-cache-bytes", str(1 << 21)]) == 2
+    assert capsys.readouterr().err.startswith(
+        "error: the KV cache of --kv-cache-bytes 2097152 (float32) needs 0.00 GiB, but 0.00 "
+        "GiB is free after loading the model")
     monkeypatch.setattr(app, "free_memory_bytes", lambda: 1 << 30)
     assert main(["--checkpoint", str(tmp_path), "--prefix-cache-bytes", str(1 << 31)]) == 2
     assert "--prefix-cache-bytes 2147483648 must be >= 0 and at most the 1.00 GiB free" in \
         capsys.readouterr().err
     assert main(["--checkpoint", str(tmp_path), "--prefill-chunk", "24"]) == 2
     assert capsys.readouterr().err == \
-        "error: prefill_chunk=24 must be a power of two >= 16\n"
+        "error: prefill_chunk=24 (--prefill-chunk) must be a power of two >= 16\n"
     other = dataclasses.replace(config, vocab_size=300)
     llama_jax.save_native(other, llama_jax.init_params(other, jax.random.key(1)),
                           tmp_path / "draft")
@@ -262,25 +273,29 @@ def test_the_server_refuses_a_cache_that_does_not_fit(tmp_path, monkeypatch, cap
     assert "--speculate draft needs --draft-checkpoint DIR" in capsys.readouterr().err
 
 
-def test_the_cache_check_counts_a_speculating_servers_longer_rows_and_draft(params,
-                                                                             monkeypatch):
-    """Free memory that holds the plain server's rows but not k more positions a row, nor a
-    draft's cache beside them, is refused for those."""
-    from llama_jax.decode.decoder import cache_bytes_per_device, memory_need
+def test_the_cache_check_fits_the_rows_pages_to_the_memory_left(params, monkeypatch):
+    """Memory left for 16 pages of 16 positions holds 4 plain rows of 64 positions whole; a
+    speculating server's rows are 4 positions longer (5 pages each): the pool is then the 16
+    pages that fit, 8 beside a draft model's pages of the same size. Less than one row, or
+    more --kv-cache-bytes than is free, is refused, naming the flag."""
+    from llama_jax.decode.decoder import page_bytes
+    from llama_jax.plan.serving import KV_CACHE_SHARE
     from llama_jax.serve import app
 
     config, weights = CONFIGS["gqa"], params["gqa"]
-    shape = (config, weights, 4, 64, "float32", None, 0)
-    plain = memory_need(cache_bytes_per_device(config, weights, 4, 64, "float32", None),
-                        weights)
-    monkeypatch.setattr(app, "free_memory_bytes", lambda: plain)
-    app.check_cache_fits(*shape)
-    with pytest.raises(GenerateError, match="KV cache"):
-        app.check_cache_fits(*shape, speculative_tokens=4)
-    monkeypatch.setattr(app, "free_memory_bytes", lambda: plain * 3 // 2)
-    app.check_cache_fits(*shape, speculative_tokens=4)
-    with pytest.raises(GenerateError, match="KV cache"):
-        app.check_cache_fits(*shape, speculative_tokens=4, draft=(config, weights))
+    each = page_bytes(config, weights, 16, "float32", None)
+    check = functools.partial(app.check_cache_fits, config, weights, "float32", None,
+                              prefix_cache_bytes=0, max_batch=4, max_seq_len=64)
+    monkeypatch.setattr(app, "free_memory_bytes", lambda: int(16 * each / KV_CACHE_SHARE) + 16)
+    plain, speculating = check(), check(speculative_tokens=4)
+    assert (plain.rows_pages, plain.cache_len) == (16, 64)
+    assert (speculating.rows_pages, speculating.cache_len) == (16, 68)
+    assert check(speculative_tokens=4, draft=(config, weights)).rows_pages == 8
+    with pytest.raises(GenerateError, match=f"--kv-cache-bytes {18 * each} .float32. needs"):
+        check(kv_cache_bytes=18 * each)
+    monkeypatch.setattr(app, "free_memory_bytes", lambda: int(4 * each / KV_CACHE_SHARE) - 1)
+    with pytest.raises(GenerateError, match="holds 3 pages .* fewer than the 4 of one row"):
+        check()
 
 
 def _sentencepiece(directory):

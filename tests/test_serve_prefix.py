@@ -15,7 +15,8 @@ import llama_jax
 from llama_jax.decode.generate import generate
 from llama_jax.decode.batching import chunk_plan
 from llama_jax.decode.decoder import page_bytes
-from llama_jax.serve.engine import Engine, Request
+from llama_jax.serve.engine import Engine
+from llama_jax.serve.requests import Request
 
 from models import SERVING, random_params
 

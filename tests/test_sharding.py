@@ -228,8 +228,8 @@ def test_the_server_checks_the_cache_a_device_holds(backend, devices_counted, mo
     need = devices_counted * sharding.bytes_per_device(cache.groups)
     # the parameters' devices are of that platform (parallel/target.py)
     monkeypatch.setattr(target, "platform_of_tree", lambda tree: backend)
-    check = functools.partial(app.check_cache_fits, model, placed, 4, 40, "bfloat16",
-                              mesh_config)
+    check = functools.partial(app.check_cache_fits, model, placed, "bfloat16", mesh_config,
+                              max_batch=4, max_seq_len=40)
     monkeypatch.setattr(app, "free_memory_bytes", lambda: need)
     check()
     monkeypatch.setattr(app, "free_memory_bytes", lambda: need - 1)

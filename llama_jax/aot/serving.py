@@ -32,10 +32,9 @@ import jax
 from llama_jax.aot.compiled import ProgramMemory, compile_program
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name, load_model_config
-from llama_jax.decode.decoder import (DECODE_IMPLS, UNROLLED_BACKENDS, page_bytes,
-                                      pool_devices)
+from llama_jax.decode.decoder import DECODE_IMPLS, UNROLLED_BACKENDS, server_shape
 from llama_jax.decode.speculate import speculation
-from llama_jax.decode.batching import check_page_size, check_prefill_chunk, lower_programs
+from llama_jax.decode.batching import lower_programs
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.formats.checkpoint import checkpoint_config
 from llama_jax.formats.loading import placed_target
@@ -46,8 +45,7 @@ from llama_jax.parallel.devices import free_memory_bytes
 from llama_jax.plan import hardware
 from llama_jax.plan.costs import (SERVING_PAGE_SIZE, SERVING_PREFILL_CHUNK,
                                   SERVING_STEPS_PER_DISPATCH, default_prefix_cache_bytes,
-                                  format_bytes, prefix_cache_blocks, serving_cache_len,
-                                  serving_pool_pages, serving_rows_pages)
+                                  format_bytes)
 from llama_jax.config import parse_mesh
 from llama_jax.serve.flags import add_server_arguments, check_speculation_flags
 
@@ -118,16 +116,9 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
     `page_size` positions (`kv_cache_bytes` of them for the rows), speculating as
     `speculate`, `num_speculative_tokens` and `ngram` say (by a draft model of
     `draft_config`: speculate="draft" is implied by it), as `Engine`'s."""
-    check_prefill_chunk(prefill_chunk)
-    check_page_size(page_size, prefill_chunk)
-    max_seq_len = max_seq_len or config.max_seq_len
-    if not 1 <= max_seq_len <= config.max_seq_len:
-        raise GenerateError(f"--max-seq-len {max_seq_len} must be in [1, {config.max_seq_len}] "
-                            "(the model's context)")
-    if decode_impl not in DECODE_IMPLS or max_batch < 1 or steps < 1:
+    if decode_impl not in DECODE_IMPLS:
         raise GenerateError(f"decode_impl={decode_impl!r} must be one of "
-                            f"{', '.join(DECODE_IMPLS)}; max_batch={max_batch} and "
-                            f"steps={steps} must be >= 1")
+                            f"{', '.join(DECODE_IMPLS)}")
     if topology is None:  # what `serve` checks against: the memory free now
         devices, described, limit = jax.devices(), "this host", free_memory_bytes()
         chip = None
@@ -154,25 +145,23 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
     if draft_config is not None and mesh is not None:
         raise GenerateError("a server's draft model decodes on one device: compile it "
                             "without --mesh, or speculate by prompt lookup")
-    cache_len = serving_cache_len(max_seq_len, spec and spec.k)
-    each = page_bytes(config, params, page_size, cache_dtype, mesh,
-                      None if draft_config is None else (draft_config, draft_params))
-    rows_pages = serving_rows_pages(max_batch, cache_len, page_size, each, kv_cache_bytes)
-    planned = rows_pages * each
-    block = each * (prefill_chunk // page_size)
+    draft = None if draft_config is None else (draft_config, draft_params)
+    weights = sharding.bytes_per_device((params, draft_params))
+    room = None if limit is None else limit - weights
+    shape = server_shape(config, params, cache_dtype, mesh, draft, max_batch=max_batch,
+                         max_seq_len=max_seq_len, steps=steps, prefill_chunk=prefill_chunk,
+                         page_size=page_size, speculative_tokens=spec.k if spec else 0,
+                         kv_cache_bytes=kv_cache_bytes, cache_room=room)
     if prefix_cache_bytes is None:
         prefix_cache_bytes = default_prefix_cache_bytes(
-            None if limit is None else limit - planned - sharding.bytes_per_device(params),
-            planned)
-    blocks = prefix_cache_blocks(prefix_cache_bytes, block, prefill_chunk, max_seq_len)
-    n_pages = serving_pool_pages(rows_pages, blocks, prefill_chunk, page_size,
-                                 pool_devices(params))
-    log(f"compiling a server of {max_batch} x {max_seq_len} tokens for {described}")
+            None if room is None else room - shape.pool_bytes, shape.pool_bytes)
+    shape = shape.with_prefix_cache(prefix_cache_bytes)
+    log(f"compiling a server of {max_batch} x {shape.max_seq_len} tokens for {described}")
     programs = []
     with target.compiling_for(devices):
         lowered, rows = lower_programs(
-            config, params, max_batch=max_batch, n_pages=n_pages, page_size=page_size,
-            prompt_len=max_seq_len - 1, chunk=prefill_chunk, max_len=cache_len,
+            config, params, max_batch=max_batch, n_pages=shape.n_pages, page_size=page_size,
+            prompt_len=shape.max_seq_len - 1, chunk=prefill_chunk, max_len=shape.cache_len,
             steps=steps, cache_dtype=cache_dtype, mesh_config=mesh,
             layout="stacked" if decode_impl == "scan" else "per_layer", spec=spec,
             draft_params=draft_params)
@@ -189,13 +178,13 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
         xla_flags=os.environ.get("XLA_FLAGS", ""), compiler_options=options,
         limit=limit, decode_impl=decode_impl,
         weights=config.quantize or config.param_dtype, cache_dtype=cache_dtype,
-        max_batch=max_batch, max_seq_len=max_seq_len, cache_len=cache_len,
-        parameters=sharding.bytes_per_device((params, draft_params)),
+        max_batch=max_batch, max_seq_len=shape.max_seq_len, cache_len=shape.cache_len,
+        parameters=weights,
         # the stored keys and values, the draft's beside the model's
         cache=sharding.bytes_per_device((rows.cache.groups, None if rows.draft_cache is None
                                          else rows.draft_cache.groups)),
-        planned_cache=planned, prefill_chunk=prefill_chunk, page_size=page_size,
-        prefix_cache=blocks * block,
+        planned_cache=shape.rows_bytes, prefill_chunk=prefill_chunk, page_size=page_size,
+        prefix_cache=shape.prefix_bytes,
         programs=tuple(programs),
         speculation=None if spec is None else f"{spec.method}, k={spec.k}")
 

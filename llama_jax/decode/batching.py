@@ -40,7 +40,6 @@ from llama_jax.decode.rows import (Emitted, Lookup, Rows, advance, choose, specu
 from llama_jax.decode.sampling import SamplingParams, Strategy
 from llama_jax.decode.speculate import HIT_RATE_START, Speculation, put_rows, worth_verifying
 from llama_jax.decode.step import NO_TOKEN
-from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import (NO_PAGE, copied_pages, init_paged_cache, paged_rows,
                                       pages_for, with_pages)
 from llama_jax.model.params import Params
@@ -48,7 +47,7 @@ from llama_jax.model.transformer import apply
 from llama_jax.nn.heads import lm_head
 from llama_jax.parallel import sharding
 from llama_jax.parallel.sharding import placed
-from llama_jax.shapes import MIN_BUCKET, bucket
+from llama_jax.shapes import bucket
 
 TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (OpenAI's limit)
 # The strategy of a prefill: it samples one token per request, so it always takes every path
@@ -168,20 +167,6 @@ def speculate(rows: Rows, params: Params, draft_params: Params | None,
                                      _with_tables(rows, pages_BN), n_steps, spec, verify,
                                      strategy, top)
         return _between_programs(rows), emitted
-
-
-def check_prefill_chunk(chunk: int) -> None:
-    """Refuses a prefill chunk that is not a power of two >= MIN_BUCKET."""
-    if chunk < MIN_BUCKET or chunk & (chunk - 1):
-        raise GenerateError(f"prefill_chunk={chunk} must be a power of two >= {MIN_BUCKET}")
-
-
-def check_page_size(page_size: int, chunk: int) -> None:
-    """Refuses a page size that is not a power of two of at most a prefill chunk (a chunk
-    is whole pages: the prefix cache keeps chunks as pages)."""
-    if page_size < 1 or page_size & (page_size - 1) or page_size > chunk:
-        raise GenerateError(f"page_size={page_size} must be a power of two <= the prefill "
-                            f"chunk ({chunk})")
 
 
 def chunk_plan(n: int, start: int, chunk: int, max_len: int) -> list[tuple[int, int]]:

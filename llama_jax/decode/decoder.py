@@ -21,7 +21,9 @@ from llama_jax.model.transformer import unstack_layers
 from llama_jax.parallel import sharding, target
 from llama_jax.parallel.devices import free_memory_bytes
 from llama_jax.parallel.sharding import MESH_AXES
+from llama_jax.plan.costs import SERVING_PAGE_SIZE
 from llama_jax.plan.memory import kv_cache_bytes_per_device
+from llama_jax.plan.serving import ServerShape
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,17 @@ def pool_devices(params: Params) -> int:
     (abstract parameters' too), or one."""
     mesh = sharding.mesh_of(params)
     return 1 if mesh is None else mesh.size
+
+
+def server_shape(config: ModelConfig, params: Params, cache_dtype: str,
+                 mesh_config: MeshConfig | None, draft: tuple[ModelConfig, Params] | None,
+                 **flags) -> ServerShape:
+    """`ServerShape.of` a server of `config` with `params` (their mesh splits its pool of
+    pages) and a cache of `cache_dtype`, beside a draft model's (`draft`: its config and
+    parameters)."""
+    each = page_bytes(config, params, flags.get("page_size", SERVING_PAGE_SIZE), cache_dtype,
+                      mesh_config, draft)
+    return ServerShape.of(config.max_seq_len, each, devices=pool_devices(params), **flags)
 
 
 def memory_need(bytes_per_device: int, params: Params) -> int:

@@ -25,8 +25,6 @@ import jax.numpy as jnp
 
 from llama_jax import quant
 from llama_jax.config import ModelConfig, RunConfig
-from llama_jax.errors import GenerateError
-from llama_jax.model.kv_cache import pages_for
 from llama_jax.nn.heads import head_matmul_size
 from llama_jax.nn.attention import kv_storage
 from llama_jax.nn.attention.mixers import mixer_of
@@ -112,42 +110,11 @@ def default_prefix_cache_bytes(free_after: int | None, rows_cache: int) -> int:
     return most if free_after is None else max(0, min(most, int(free_after * PREFIX_CACHE_SHARE)))
 
 
-def serving_cache_bytes(config: ModelConfig, max_batch: int, max_seq_len: int,
-                        cache_dtype: str = "bfloat16", page_size: int = SERVING_PAGE_SIZE
-                        ) -> int:
-    """The KV cache a server keeps for its rows by default: the pages of `page_size`
-    positions that hold `max_seq_len` positions, for each of `max_batch` rows."""
-    row = pages_for(serving_cache_len(max_seq_len), page_size) * page_size
-    return max_batch * row * kv_cache_bytes_per_token(config, cache_dtype)
-
-
 def serving_cache_len(max_seq_len: int, speculative_tokens: int | None = None) -> int:
     """The cache positions a server's row holds at its largest: `max_seq_len` (a row that
     stopped stays at its end); speculating with k `speculative_tokens`, k more (a row's last
     verify pass writes them past its end)."""
     return max_seq_len + (speculative_tokens or 0)
-
-
-def serving_rows_pages(max_batch: int, max_len: int, page_size: int, page_bytes: int,
-                       kv_cache_bytes: int | None) -> int:
-    """A server's rows' KV cache pages: `kv_cache_bytes` of pages of `page_bytes` (None: a
-    row of `max_len` positions for each of `max_batch` rows), at least one such row."""
-    row = pages_for(max_len, page_size)
-    rows = max_batch * row if kv_cache_bytes is None else kv_cache_bytes // page_bytes
-    if rows < row:
-        raise GenerateError(
-            f"--kv-cache-bytes {kv_cache_bytes} holds {rows} pages of {page_size} positions "
-            f"({page_bytes} bytes each), fewer than the {row} of one row of {max_len} "
-            "positions")
-    return rows
-
-
-def serving_pool_pages(rows_pages: int, prefix_blocks: int, chunk: int, page_size: int,
-                       devices: int) -> int:
-    """A server's pool of pages: the rows' and the prefix cache's `prefix_blocks` chunks of
-    `chunk` positions, a multiple of the `devices` (its pages are split over them)."""
-    pages = rows_pages + prefix_blocks * (chunk // page_size)
-    return -(-pages // devices) * devices
 
 
 def train_flops_per_token(config: ModelConfig, seq_len: int, frozen_backbone: bool = False

@@ -24,13 +24,14 @@ import sys
 
 from llama_jax.plan import costs, hardware, memory
 from llama_jax.plan.costs import format_bytes
+from llama_jax.plan.serving import ServerShape
 from llama_jax.parallel import sharding, topology
 from llama_jax.cli import add_int8_arguments, user_errors_exit
 from llama_jax.parallel.sharding import MESH_AXES
 from llama_jax.config import (DTYPES, REMAT_POLICIES, MeshConfig, ModelConfig, load_model_config,
                               parse_mesh)
 from llama_jax.config.run import MU_DTYPES
-from llama_jax.errors import ConfigError
+from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS, chosen_attention
 
 DEFAULT_BANDWIDTH_GBPS = hardware.HARDWARE["h100"].bandwidth / 1e9
@@ -303,25 +304,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def plan_serving(config: ModelConfig, max_batch: int, max_seq_len: int,
                  cache_dtype: str) -> dict:
-    """The KV cache a server (`python -m llama_jax.serve`) holds at its largest."""
-    for flag, value in (("--max-batch", max_batch), ("--max-seq-len", max_seq_len)):
-        if value <= 0:
-            raise ConfigError(f"{flag}={value} must be > 0")
-    if max_seq_len > config.max_seq_len:
-        raise ConfigError(f"--max-seq-len={max_seq_len} is more than the model's context "
-                          f"({config.max_seq_len})")
-    chunk = costs.SERVING_PREFILL_CHUNK
-    rows = costs.serving_cache_bytes(config, max_batch, max_seq_len, cache_dtype)
+    """The KV cache a server (`python -m llama_jax.serve`) holds at its largest, on one
+    device with memory to spare."""
+    page = costs.SERVING_PAGE_SIZE
+    try:
+        shape = ServerShape.of(config.max_seq_len,
+                               page * costs.kv_cache_bytes_per_token(config, cache_dtype),
+                               max_batch=max_batch, max_seq_len=max_seq_len, page_size=page)
+    except GenerateError as e:
+        raise ConfigError(str(e)) from None
     # The server's default prefix cache where memory is plenty (a share of the free memory
     # otherwise), in whole blocks of one prefill chunk.
-    block = chunk * costs.kv_cache_bytes_per_token(config, cache_dtype)
-    most = block * costs.prefix_cache_blocks(costs.default_prefix_cache_bytes(None, rows),
-                                             block, chunk, max_seq_len)
-    page = costs.SERVING_PAGE_SIZE
+    shape = shape.with_prefix_cache(costs.default_prefix_cache_bytes(None, shape.rows_bytes))
     return {"max_batch": max_batch, "max_seq_len": max_seq_len, "cache_dtype": cache_dtype,
-            "kv_cache_bytes": rows, "page_size": page,
-            "kv_pages": rows // (page * costs.kv_cache_bytes_per_token(config, cache_dtype)),
-            "prefill_chunk": chunk, "prefix_cache_bytes": most}
+            "kv_cache_bytes": shape.rows_bytes, "page_size": page, "kv_pages": shape.rows_pages,
+            "prefill_chunk": shape.prefill_chunk, "prefix_cache_bytes": shape.prefix_bytes}
 
 
 def render_serving(s: dict) -> str:

@@ -30,7 +30,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from llama_jax.data.tokenizer import Tokenizer
 from llama_jax.errors import GenerateError
 from llama_jax.data.chat import ChatFormat
-from llama_jax.serve.engine import Chunk, Engine, QueueFull, Request
+from llama_jax.serve.engine import Engine
+from llama_jax.serve.requests import Chunk, QueueFull, Request
 from llama_jax.serve.metrics import ServerMetrics
 from llama_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from llama_jax.serve.text import StopText

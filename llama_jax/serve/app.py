@@ -7,20 +7,18 @@ from pathlib import Path
 
 from llama_jax.config import MeshConfig, cache_dtype_name
 from llama_jax.data.tokenizer import load_tokenizer
-from llama_jax.decode.decoder import (memory_need, owned_decoder_params, page_bytes,
-                                      pool_devices)
-from llama_jax.decode.batching import check_page_size, check_prefill_chunk
+from llama_jax.decode.decoder import memory_need, owned_decoder_params, server_shape
 from llama_jax.errors import ConfigError, GenerateError
 from llama_jax.formats.checkpoint import load_checkpoint
 from llama_jax.parallel import target
 from llama_jax.parallel.devices import free_memory_bytes
 from llama_jax.parallel.sharding import make_mesh
 from llama_jax.plan.costs import (SERVING_PAGE_SIZE, SERVING_PREFILL_CHUNK,
-                                  SERVING_STEPS_PER_DISPATCH, default_prefix_cache_bytes,
-                                  serving_cache_len, serving_pool_pages, serving_rows_pages)
+                                  SERVING_STEPS_PER_DISPATCH, default_prefix_cache_bytes)
 from llama_jax.serve.api import Server
 from llama_jax.data.chat import chat_format
 from llama_jax.serve.engine import Engine
+from llama_jax.plan.serving import ServerShape
 
 GIB = 1 << 30
 
@@ -38,12 +36,11 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
           draft_checkpoint: str | Path | None = None) -> tuple[Server, Engine]:
     """The API state and its (not yet started) engine for `checkpoint`. The rows' KV cache
     takes `kv_cache_bytes` per device of pages of `page_size` positions (None: a longest row
-    for each row); the prefix cache `prefix_cache_bytes` (None: `default_prefix_cache_bytes`;
+    for each row, or what fits `KV_CACHE_SHARE` of the memory left when less); the prefix
+    cache `prefix_cache_bytes` (None: `default_prefix_cache_bytes`;
     0: none);
     `speculate` and the rest are the engine's; `draft_checkpoint` is a draft model's, loaded
     as the model is (`dtype`, `quantize`; speculate="draft" is implied by it)."""
-    check_prefill_chunk(prefill_chunk)
-    check_page_size(page_size, prefill_chunk)
     tok = load_tokenizer(tokenizer or checkpoint)
     device_mesh = None if mesh is None else make_mesh(mesh)
     config, params = load_checkpoint(checkpoint, dtype, quantize=quantize,
@@ -58,23 +55,24 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
         cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
     except ConfigError as e:
         raise GenerateError(str(e)) from None
-    seq_len = max_seq_len or config.max_seq_len
     speculating = speculate is not None or draft is not None
-    prefix_cache_bytes = check_cache_fits(config, params, max_batch, seq_len, cache_dtype,
-                                          mesh, prefix_cache_bytes,
-                                          num_speculative_tokens if speculating else None,
-                                          draft, page_size, kv_cache_bytes)
+    shape = check_cache_fits(config, params, cache_dtype, mesh, draft, prefix_cache_bytes,
+                             max_batch=max_batch, max_seq_len=max_seq_len,
+                             steps=steps_per_dispatch, prefill_chunk=prefill_chunk,
+                             page_size=page_size, kv_cache_bytes=kv_cache_bytes,
+                             speculative_tokens=num_speculative_tokens if speculating else 0)
     # The server keeps one copy of the weights, the decoder's: the stacked arrays go here.
     params, decode_impl = owned_decoder_params(params, decode_impl)
     if draft is not None:
         draft = (draft[0].with_execution(attention_impl=attention_impl),
                  owned_decoder_params(draft[1], decode_impl)[0])
     stop_ids = sorted({*config.stop_ids, *(t for t in tok.eos_ids if t < config.vocab_size)})
-    engine = Engine(config, params, max_batch=max_batch, max_seq_len=seq_len,
+    # The engine's shape is the one checked: the rows' pages and the prefix cache as bytes.
+    engine = Engine(config, params, max_batch=max_batch, max_seq_len=shape.max_seq_len,
                     stop_ids=stop_ids, cache_dtype=cache_dtype, decode_impl=decode_impl,
                     steps_per_dispatch=steps_per_dispatch, prefill_chunk=prefill_chunk,
-                    prefix_cache_bytes=prefix_cache_bytes, page_size=page_size,
-                    kv_cache_bytes=kv_cache_bytes, max_queue=max_queue,
+                    prefix_cache_bytes=shape.prefix_bytes, page_size=page_size,
+                    kv_cache_bytes=shape.rows_bytes, max_queue=max_queue,
                     mesh_config=mesh, speculate=speculate,
                     num_speculative_tokens=num_speculative_tokens, ngram=ngram,
                     min_accepted=min_accepted, draft=draft)
@@ -82,42 +80,38 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
     return Server(engine, tok, name, chat_format(checkpoint, tok)), engine
 
 
-def check_cache_fits(config, params, max_batch: int, max_seq_len: int, cache_dtype: str,
-                     mesh: MeshConfig | None,
-                     prefix_cache_bytes: int | None = None,
-                     speculative_tokens: int | None = None, draft=None,
-                     page_size: int = SERVING_PAGE_SIZE,
-                     kv_cache_bytes: int | None = None) -> int:
-    """Refuses rows whose KV cache pages (`kv_cache_bytes` of pages of `page_size`; None: a
-    longest row for each row) are more than the memory left after loading the model: on a
-    mesh, the part of the cache one device holds against that device's free memory; then a
-    prefix cache of `prefix_cache_bytes` more than what is left after the rows. Speculating
-    with k `speculative_tokens` (and a draft model `(config, params)`), the rows are k
-    longer (and the draft's cache is beside them). Returns the prefix cache's bytes (per
-    device; None asks for the default share)."""
-    max_len = serving_cache_len(max_seq_len, speculative_tokens)
-    each = page_bytes(config, params, page_size, cache_dtype, mesh, draft)
-    rows = serving_rows_pages(max_batch, max_len, page_size, each, kv_cache_bytes)
-    cache = each * serving_pool_pages(rows, 0, page_size, page_size, pool_devices(params))
-    need = memory_need(cache, params)
+def check_cache_fits(config, params, cache_dtype: str, mesh: MeshConfig | None, draft=None,
+                     prefix_cache_bytes: int | None = None, **flags) -> ServerShape:
+    """The shape (`server_shape` of the `flags`) of a server whose rows' KV cache pages take
+    `--kv-cache-bytes`, by default at most a share of the memory left after loading the
+    model (and the draft model `(config, params)`, if any): on a mesh, the part of the pool
+    one device holds against that device's free memory. Refuses pages that do not fit it,
+    then a prefix cache of `prefix_cache_bytes` more than what is left after the rows (None:
+    the default share of it)."""
     free = free_memory_bytes()
-    # CPU: the host's memory, whole
+    # CPU: the host's memory, whole, for every device's part
     on_each = mesh is not None and target.platform_of_tree(params) != "cpu"
+    sharing = memory_need(1, params)
+    shape = server_shape(config, params, cache_dtype, mesh, draft,
+                         cache_room=None if free is None else free // sharing, **flags)
+    need = memory_need(shape.pool_bytes, params)
     where = " on a device" if on_each else ""
     if free is not None and need > free:
         part = "each device's part of the KV cache" if on_each else "the KV cache"
+        kv_cache_bytes = flags.get("kv_cache_bytes")
         what = (f"of --kv-cache-bytes {kv_cache_bytes}" if kv_cache_bytes is not None else
-                f"of --max-batch {max_batch} rows of --max-seq-len {max_seq_len} tokens")
+                f"of --max-batch {shape.max_batch} rows of --max-seq-len {shape.max_seq_len} "
+                "tokens")
         raise GenerateError(
             f"{part} {what} ({cache_dtype}) needs {need / GIB:.2f} GiB, but "
             f"{free / GIB:.2f} GiB is free{where} after loading the model: lower "
             "--kv-cache-bytes, --max-batch or --max-seq-len, or use --cache-dtype int8")
-    left = None if free is None else free - need
+    left = None if free is None else (free - need) // sharing
     if prefix_cache_bytes is None:
-        return default_prefix_cache_bytes(left, cache)
+        return shape.with_prefix_cache(default_prefix_cache_bytes(left, shape.pool_bytes))
     if prefix_cache_bytes < 0 or (left is not None and prefix_cache_bytes > left):
         raise GenerateError(
             f"--prefix-cache-bytes {prefix_cache_bytes} must be >= 0 and at most the "
             f"{max(left or 0, 0) / GIB:.2f} GiB free{where} after the weights and the rows' "
             "KV cache")
-    return prefix_cache_bytes
+    return shape.with_prefix_cache(prefix_cache_bytes)

@@ -44,7 +44,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-bytes", type=int, default=None,
                         help="memory per device for the rows' KV cache pages; requests are "
                              "admitted while their pages are free (default: a --max-seq-len "
-                             "row for each of --max-batch rows)")
+                             "row for each of --max-batch rows, or 90%% of the memory left "
+                             "after the weights when less)")
     parser.add_argument("--prefix-cache-bytes", type=int, default=None,
                         help="memory per device for blocks of earlier prompts' KV (default: "
                              f"{PREFIX_CACHE_SHARE * 100:.0f}%% of what is free after the "

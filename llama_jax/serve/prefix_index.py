@@ -11,9 +11,9 @@ The cache holds at most `blocks` chunks, each as the pages a prompt wrote it int
 more holder of those pages (`PagePool.hold`), so they outlive the prompt's row, and a new
 prompt that hits them lists them in its own table (no copy). Every chunk sits in one
 least-recently-used order; a lookup's hits become the most recent, and adding a chunk to a
-full cache, or a pool short of pages, lets go of the least recent (its pages are free once
-no row lists them). Evicting one of a chain's middle chunks leaves the chunks after it
-unreachable, and they age out in turn.
+full cache lets go of the least recent (its pages are free once no row lists them); a pool
+short of pages, of the least recent whose pages no row lists. Evicting one of a chain's
+middle chunks leaves the chunks after it unreachable, and they age out in turn.
 """
 
 from __future__ import annotations
@@ -78,6 +78,17 @@ class PrefixIndex:
             return False
         self.pool.release(self._lru.popitem(last=False)[1])
         return True
+
+    def free_some(self) -> bool:
+        """Lets go of the least recently used chunk that holds a page no row lists (so the
+        pool gains a page); False when every chunk's pages are rows' too, and letting go of
+        them would free nothing."""
+        for key, pages in self._lru.items():
+            if any(self.pool.holders(page) == 1 for page in pages):
+                del self._lru[key]
+                self.pool.release(pages)
+                return True
+        return False
 
     def __len__(self) -> int:
         return len(self._lru)

@@ -1,0 +1,140 @@
+"""A server's device programs (`decode/batching.py`) and the rows they run over: each program
+compiled once per static arguments and argument shapes, and the warm-up that compiles those a
+server meets before its first request."""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llama_jax.config import ModelConfig
+from llama_jax.decode import batching
+from llama_jax.decode.rows import Emitted
+from llama_jax.decode.sampling import SamplingParams, Strategy
+from llama_jax.decode.speculate import Speculation
+from llama_jax.model.kv_cache import NO_PAGE
+from llama_jax.model.params import Params
+from llama_jax.plan.serving import ServerShape
+
+log = logging.getLogger("llama_jax.serve")
+
+
+class Programs:
+    """The rows of a server of `shape` (`batching.empty_rows`: a pool of pages, a draft
+    model's beside it) and the programs that advance them, each returning what the host
+    reads. Every call replaces `rows` (the old ones are donated)."""
+
+    def __init__(self, config: ModelConfig, params: Params, draft_params: Params | None,
+                 shape: ServerShape, stop_ids: Sequence[int], cache_dtype: str, layout: str,
+                 spec: Speculation | None, placement):
+        self.config, self.params, self.draft_params = config, params, draft_params
+        self.shape, self.cache_dtype, self.layout = shape, cache_dtype, layout
+        self.spec, self.placement = spec, placement
+        self.stop_ids = np.asarray(stop_ids, np.int32)
+        self._executables: dict = {}
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty rows over an empty pool."""
+        s = self.shape
+        self.rows = self._run(batching.empty_rows, self.stop_ids, config=self.config,
+                              batch=s.max_batch, n_pages=s.n_pages, page_size=s.page_size,
+                              max_len=s.cache_len, cache_dtype=self.cache_dtype,
+                              layout=self.layout, spec=self.spec, placement=self.placement)
+
+    @property
+    def compiled(self) -> int:
+        """The programs compiled so far."""
+        return len(self._executables)
+
+    def lost(self) -> bool:
+        """Whether the rows went with a program that did not finish (they were donated)."""
+        return any(x.is_deleted() for x in jax.tree.leaves(self.rows))
+
+    def _run(self, fn, *args, **static):
+        """`fn(*args, **static)`, compiled once per static arguments and argument shapes (and
+        shardings: on a mesh, programs lay out their outputs by the sharding rules)."""
+        key = (fn, tuple(sorted(static.items())), tuple(
+            (np.shape(x), jnp.result_type(x), getattr(x, "sharding", None))
+            for x in jax.tree.leaves(args)))
+        if key not in self._executables:
+            start = time.perf_counter()
+            # The rows are donated whole; XLA may find no output for some of their buffers.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+                self._executables[key] = fn.lower(*args, **static).compile()
+            log.info("compiled %s %s in %.1f s", fn.__name__,
+                     {k: v for k, v in static.items() if k not in ("config", "placement")},
+                     time.perf_counter() - start)
+        return self._executables[key](*args)
+
+    def prefill_chunk(self, pages_1N: np.ndarray, tokens_1L: np.ndarray, start: int,
+                      last: int, next_1L: np.ndarray | None, draft: bool = False):
+        """A chunk of a prompt prefilled into its pages by the model (or by the draft model,
+        into its pool): the chunk's logits and, with `next_1L`, its scores."""
+        config, params = ((self.spec.draft_config, self.draft_params) if draft
+                          else (self.config, self.params))
+        self.rows, logits, scores = self._run(
+            batching.prefill_chunk, self.rows, params, pages_1N, tokens_1L, np.int32(start),
+            np.int32(last), next_1L, config=config, draft=draft, placement=self.placement)
+        return logits, scores
+
+    def insert(self, b: int, logits_1V: jax.Array, prompt: Sequence[int], max_new: int,
+               sampling: SamplingParams, key_1: jax.Array) -> Emitted:
+        """A prefilled prompt into row `b`, with its first token."""
+        prompt_1S = None
+        if self.spec:  # the guesses read the row's tokens beside its cache
+            prompt_1S = np.zeros((1, self.shape.cache_len), np.int32)
+            prompt_1S[0, :len(prompt)] = prompt
+        self.rows, first = self._run(batching.insert, self.rows, logits_1V, np.int32(b),
+                                     np.int32(len(prompt)), np.int32(max_new), sampling, key_1,
+                                     prompt_1S)
+        return first
+
+    def copy_pages(self, from_pages: Sequence[int], to_pages: Sequence[int]) -> None:
+        self.rows = self._run(batching.copy_pages, self.rows, np.asarray(from_pages, np.int32),
+                              np.asarray(to_pages, np.int32))
+
+    def decode(self, pages_BN: np.ndarray, strategy: Strategy, top: int,
+               verify: bool = False) -> Emitted:
+        """`shape.steps` decode steps (speculating: rounds, verifying or not) of every row
+        over the pages of `pages_BN`."""
+        program, args, spec = ((batching.decode, (), {}) if self.spec is None else (
+            batching.speculate, (self.draft_params,), {"spec": self.spec, "verify": verify}))
+        self.rows, emitted = self._run(program, self.rows, self.params, *args, pages_BN,
+                                       config=self.config, n_steps=self.shape.steps,
+                                       strategy=strategy, top=top, placement=self.placement,
+                                       **spec)
+        return emitted
+
+    def warm_up(self, widths: Sequence[int]) -> None:
+        """Compiles the programs a server meets: every prefill chunk shape (a draft's too),
+        the insertion and the page copy, and at every table width of `widths` (pages) decode
+        greedy, sampling and sampling with top-k/top-p (top log-probabilities and prompt
+        scores compile when first asked for). The rows are left empty."""
+        s = self.shape
+        logits = None
+        # A chunk program per table width and length (the start is an input); no pages:
+        # nothing is written.
+        for start, L in batching.chunk_shapes(s.prefill_chunk, s.max_seq_len):
+            pages_1N = np.full((1, batching.chunk_pages(start, L, s.page_size)), NO_PAGE,
+                               np.int32)
+            tokens_1L = np.zeros((1, L), np.int32)
+            logits = self.prefill_chunk(pages_1N, tokens_1L, start, L - 1, None)[0]
+            if self.draft_params is not None:
+                self.prefill_chunk(pages_1N, tokens_1L, start, L - 1, None, draft=True)
+        self.insert(0, logits, [0], 1, SamplingParams.broadcast(1), jax.random.key(0)[None])
+        self.copy_pages([0], [0])
+        for width in widths:
+            pages_BN = np.full((s.max_batch, width), NO_PAGE, np.int32)
+            for draw, sort in ((False, False), (True, False), (True, True)):
+                for verify in (False, True) if self.spec else (False,):
+                    self.decode(pages_BN, Strategy(draw, sort), top=0, verify=verify)
+        jax.block_until_ready(self.rows)
+        self.reset()
