@@ -4,7 +4,9 @@ server meets before its first request."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import os
 import time
 import warnings
 from typing import Sequence
@@ -57,33 +59,46 @@ class Programs:
         """Whether the rows went with a program that did not finish (they were donated)."""
         return any(x.is_deleted() for x in jax.tree.leaves(self.rows))
 
-    def _run(self, fn, *args, **static):
-        """`fn(*args, **static)`, compiled once per static arguments and argument shapes (and
-        shardings: on a mesh, programs lay out their outputs by the sharding rules)."""
-        key = (fn, tuple(sorted(static.items())), tuple(
+    @staticmethod
+    def _key(fn, args, static) -> tuple:
+        """A program's cache key: the function, its static arguments and its arguments' shapes
+        (and shardings: on a mesh, programs lay out their outputs by the sharding rules)."""
+        return (fn, tuple(sorted(static.items())), tuple(
             (np.shape(x), jnp.result_type(x), getattr(x, "sharding", None))
             for x in jax.tree.leaves(args)))
-        if key not in self._executables:
-            start = time.perf_counter()
-            # The rows are donated whole; XLA may find no output for some of their buffers.
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-                self._executables[key] = fn.lower(*args, **static).compile()
-            log.info("compiled %s %s in %.1f s", fn.__name__,
-                     {k: v for k, v in static.items() if k not in ("config", "placement")},
-                     time.perf_counter() - start)
-        return self._executables[key](*args)
+
+    def _compile(self, fn, args, static) -> None:
+        key = self._key(fn, args, static)
+        if key in self._executables:
+            return
+        start = time.perf_counter()
+        # The rows are donated whole; XLA may find no output for some of their buffers.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            self._executables[key] = fn.lower(*args, **static).compile()
+        log.info("compiled %s %s in %.1f s", fn.__name__,
+                 {k: v for k, v in static.items() if k not in ("config", "placement")},
+                 time.perf_counter() - start)
+
+    def _run(self, fn, *args, **static):
+        """`fn(*args, **static)`, compiled once per `_key`."""
+        self._compile(fn, args, static)
+        return self._executables[self._key(fn, args, static)](*args)
 
     def prefill_chunk(self, pages_1N: np.ndarray, tokens_1L: np.ndarray, start: int,
                       last: int, next_1L: np.ndarray | None, draft: bool = False):
         """A chunk of a prompt prefilled into its pages by the model (or by the draft model,
         into its pool): the chunk's logits and, with `next_1L`, its scores."""
+        fn, args, static = self._prefill_call(pages_1N, tokens_1L, start, last, next_1L, draft)
+        self.rows, logits, scores = self._run(fn, *args, **static)
+        return logits, scores
+
+    def _prefill_call(self, pages_1N, tokens_1L, start, last, next_1L, draft):
         config, params = ((self.spec.draft_config, self.draft_params) if draft
                           else (self.config, self.params))
-        self.rows, logits, scores = self._run(
-            batching.prefill_chunk, self.rows, params, pages_1N, tokens_1L, np.int32(start),
-            np.int32(last), next_1L, config=config, draft=draft, placement=self.placement)
-        return logits, scores
+        return (batching.prefill_chunk, (self.rows, params, pages_1N, tokens_1L,
+                                         np.int32(start), np.int32(last), next_1L),
+                {"config": config, "draft": draft, "placement": self.placement})
 
     def insert(self, b: int, logits_1V: jax.Array, prompt: Sequence[int], max_new: int,
                sampling: SamplingParams, key_1: jax.Array) -> Emitted:
@@ -105,36 +120,46 @@ class Programs:
                verify: bool = False) -> Emitted:
         """`shape.steps` decode steps (speculating: rounds, verifying or not) of every row
         over the pages of `pages_BN`."""
-        program, args, spec = ((batching.decode, (), {}) if self.spec is None else (
-            batching.speculate, (self.draft_params,), {"spec": self.spec, "verify": verify}))
-        self.rows, emitted = self._run(program, self.rows, self.params, *args, pages_BN,
-                                       config=self.config, n_steps=self.shape.steps,
-                                       strategy=strategy, top=top, placement=self.placement,
-                                       **spec)
+        fn, args, static = self._decode_call(pages_BN, strategy, top, verify)
+        self.rows, emitted = self._run(fn, *args, **static)
         return emitted
 
+    def _decode_call(self, pages_BN, strategy, top, verify):
+        program, args, spec = ((batching.decode, (), {}) if self.spec is None else (
+            batching.speculate, (self.draft_params,), {"spec": self.spec, "verify": verify}))
+        return (program, (self.rows, self.params, *args, pages_BN),
+                {"config": self.config, "n_steps": self.shape.steps, "strategy": strategy,
+                 "top": top, "placement": self.placement, **spec})
+
     def warm_up(self, widths: Sequence[int]) -> None:
-        """Compiles the programs a server meets: every prefill chunk shape (a draft's too),
-        the insertion and the page copy, and at every table width of `widths` (pages) decode
-        greedy, sampling and sampling with top-k/top-p (top log-probabilities and prompt
-        scores compile when first asked for). The rows are left empty."""
+        """Compiles the programs a server meets, as many at once as there are CPU cores:
+        every prefill chunk shape (a draft's too), and at every table width of `widths`
+        (pages) decode greedy, sampling and sampling with top-k/top-p (top log-probabilities
+        and prompt scores compile when first asked for); then the insertion and the page
+        copy, run once. The rows are left empty."""
         s = self.shape
-        logits = None
+        calls, first = [], None
         # A chunk program per table width and length (the start is an input); no pages:
         # nothing is written.
         for start, L in batching.chunk_shapes(s.prefill_chunk, s.max_seq_len):
             pages_1N = np.full((1, batching.chunk_pages(start, L, s.page_size)), NO_PAGE,
                                np.int32)
-            tokens_1L = np.zeros((1, L), np.int32)
-            logits = self.prefill_chunk(pages_1N, tokens_1L, start, L - 1, None)[0]
+            chunk = (pages_1N, np.zeros((1, L), np.int32), start, L - 1, None)
+            first = first or chunk
+            calls.append(self._prefill_call(*chunk, False))
             if self.draft_params is not None:
-                self.prefill_chunk(pages_1N, tokens_1L, start, L - 1, None, draft=True)
-        self.insert(0, logits, [0], 1, SamplingParams.broadcast(1), jax.random.key(0)[None])
-        self.copy_pages([0], [0])
+                calls.append(self._prefill_call(*chunk, True))
         for width in widths:
             pages_BN = np.full((s.max_batch, width), NO_PAGE, np.int32)
             for draw, sort in ((False, False), (True, False), (True, True)):
                 for verify in (False, True) if self.spec else (False,):
-                    self.decode(pages_BN, Strategy(draw, sort), top=0, verify=verify)
+                    calls.append(self._decode_call(pages_BN, Strategy(draw, sort), 0, verify))
+        # XLA compiles outside the GIL. Chunks of one table width and length share a program.
+        unique = {self._key(*call): call for call in calls}.values()
+        with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            list(pool.map(lambda call: self._compile(*call), unique))
+        logits = self.prefill_chunk(*first)[0]
+        self.insert(0, logits, [0], 1, SamplingParams.broadcast(1), jax.random.key(0)[None])
+        self.copy_pages([0], [0])
         jax.block_until_ready(self.rows)
         self.reset()
