@@ -3,13 +3,13 @@ concurrent clients for 10 minutes, then its answers checked against `generate` a
 
     python bench/soak.py [--minutes 10] [--clients 64] [--checked 48]
 
-The model is a small random one (4 layers, 256 wide, vocabulary 320, a SentencePiece tokenizer
-of 300 pieces), served with 8 rows over a pool of pages that holds 3 full rows (so rows are
-preempted and requeued), a prefix cache and 32-token prefill chunks. Each client loops until
-the time is up, each request drawn at random: a prompt of 8-300 tokens, half of them after
-one of 4 shared 64-192-token prefixes; 1-120 new tokens; greedy or sampled (temperature 0.8,
-top-p 0.95, a seed); a fifth with a stop string; a tenth with n=2; a tenth streamed and
-cancelled after its first tokens. Every wait and request is bounded.
+The model is a small random one (4 layers, 256 wide, vocabulary 320, a SentencePiece
+tokenizer of 300 pieces), served with 8 rows over a pool of pages that holds 2 full rows and a
+prefix cache of 1 more (so rows are preempted and requeued), and 32-token prefill chunks. Each
+client loops until the time is up, each request drawn at random: a prompt of 8-300 tokens,
+half of them after one of 4 shared 64-192-token prefixes; 1-120 new tokens; greedy or sampled
+(temperature 0.8, top-p 0.95, a seed); a fifth with a stop string; a tenth with n=2; a tenth
+streamed and cancelled after its first tokens. Every wait and request is bounded.
 
 It passes when no request failed, no page is held once the server is idle beyond the prefix
 cache's, the server's RSS grew less than 5% from the end of the first minute to the end, and
@@ -44,7 +44,8 @@ MAX_SEQ_LEN = 512
 CHUNK = 32
 PAGE = 16
 ROWS = 8
-POOL_ROWS = 3  # the rows' pages hold this many --max-seq-len rows
+POOL_ROWS = 2  # the rows' pages hold this many --max-seq-len rows
+PREFIX_ROWS = 1  # and the prefix cache's (rows may take them when it lets go of chunks)
 REQUEST_TIMEOUT_S = 300
 TEXT = ["The cat sat on the mat and looked at the dog.",
         "A dog is a good friend; a cat is a proud one.", "Numbers: 12 34 56 78 90."] * 40
@@ -174,14 +175,15 @@ def main(argv=None) -> int:
         native = checkpoint(Path(tmp))
         page_bytes = PAGE * kv_cache_bytes_per_token(llama_jax.load_checkpoint(native)[0],
                                                      "float32")
+        row_bytes = MAX_SEQ_LEN // PAGE * page_bytes
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         server = Server([sys.executable, "-m", "llama_jax.serve", "--checkpoint", str(native),
                          "--host", "127.0.0.1", "--port", str(port),
                          "--served-model-name", "soak", "--max-batch", str(ROWS),
                          "--max-seq-len", str(MAX_SEQ_LEN), "--prefill-chunk", str(CHUNK),
-                         "--page-size", str(PAGE), "--kv-cache-bytes",
-                         str(POOL_ROWS * (MAX_SEQ_LEN // PAGE) * page_bytes),
+                         "--page-size", str(PAGE), "--kv-cache-bytes", str(POOL_ROWS * row_bytes),
+                         "--prefix-cache-bytes", str(PREFIX_ROWS * row_bytes),
                          "--max-queue", "1024", "--log-level", "warning"],
                         port, "serving soak on ")
         try:

@@ -1,5 +1,6 @@
-"""The tiny models the model, decode and server tests share: the tiny preset and its variants
-(by KV heads; the serving mixers and MLPs), their random parameters, and random prompts."""
+"""The tiny models the model, component, decode and server tests share: the tiny preset and its
+variants (by KV heads; the serving mixers and MLPs), the components' base, their random
+parameters (every leaf random, for comparing paths), and random prompts."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ BY_KV_HEADS = {name: dataclasses.replace(TINY, n_kv_heads=k)
 MLA_TINY = dataclasses.replace(TINY, attention="mla", n_kv_heads=None, head_dim=None,
                                mla=llama_jax.MlaConfig(kv_lora_rank=24, qk_nope_head_dim=12,
                                                        qk_rope_head_dim=8, v_head_dim=16))
+# The component tests' base: small, with attention blocks smaller than its sequences.
+COMPONENTS_BASE = llama_jax.ModelConfig(vocab_size=256, dim=48, n_layers=2, n_heads=4,
+                                        n_kv_heads=2, multiple_of=16, max_seq_len=64,
+                                        attention_block_q=8, attention_block_kv=16)
 SERVING = {
     "gqa": TINY,
     "mla": MLA_TINY,
@@ -38,3 +43,25 @@ def prompts(lengths, seed: int = 0, vocab: int = TINY.vocab_size) -> list[list[i
     """Random token-id prompts of the given lengths."""
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def randomised_params(config, seed: int = 0):
+    """Parameters with every leaf random — gains and biases too, which init sets to 1 and 0 —
+    so that each one matters to the comparisons; MoE routers decisive (near-uniform router
+    logits would let rounding noise flip top-k choices between paths)."""
+    params = llama_jax.init_params(config, jax.random.key(seed))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+
+    def randomised(path, leaf, k):
+        if "router" in jax.tree_util.keystr(path):
+            return 30 * leaf
+        if leaf.ndim <= 3 and _constant(leaf):
+            return leaf + 0.3 * jax.random.normal(k, leaf.shape, leaf.dtype)
+        return leaf
+    return jax.tree.unflatten(treedef, [randomised(path, leaf, k)
+                                        for (path, leaf), k in zip(leaves, keys)])
+
+
+def _constant(leaf) -> bool:
+    return leaf.std() == 0  # exactly the constant-initialised gains and biases

@@ -26,10 +26,9 @@ from llama_jax.nn.norms import layer_norm, rms_norm
 from llama_jax.nn.positions import sinusoids
 from llama_jax.spec import spec_leaves
 import reference as ref
+from models import COMPONENTS_BASE as BASE, randomised_params as random_params
 from reference import relative_error
 
-BASE = ModelConfig(vocab_size=256, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
-                   max_seq_len=64, attention_block_q=8, attention_block_kv=16)
 # Each kind once against the LLaMA baseline, then the classic recipes and a few mixtures.
 KINDS = {
     "llama": {},
@@ -75,28 +74,6 @@ KINDS = {
 }
 CONFIGS = {name: dataclasses.replace(BASE, **kw) for name, kw in KINDS.items()}
 forward = jax.jit(llama_jax.forward, static_argnums=0)
-
-
-def random_params(config, seed=0):
-    """Parameters with every leaf random — gains and biases too, which init sets to 1 and 0 —
-    so that each one matters to the comparisons; MoE routers decisive (near-uniform router
-    logits would let rounding noise flip top-k choices between paths)."""
-    params = llama_jax.init_params(config, jax.random.key(seed))
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-
-    def randomised(path, leaf, k):
-        if "router" in jax.tree_util.keystr(path):
-            return 30 * leaf
-        if leaf.ndim <= 3 and spec_like_vector(leaf):
-            return leaf + 0.3 * jax.random.normal(k, leaf.shape, leaf.dtype)
-        return leaf
-    return jax.tree.unflatten(treedef, [randomised(path, leaf, k)
-                                        for (path, leaf), k in zip(leaves, keys)])
-
-
-def spec_like_vector(leaf) -> bool:
-    return leaf.std() == 0  # exactly the constant-initialised gains and biases
 
 
 @pytest.fixture(scope="module")
@@ -406,7 +383,8 @@ import llama_jax
 import reference as ref
 from llama_jax.config import ModelConfig
 from llama_jax.plan import costs
-from test_components import BASE, random_params, relative_error
+from models import COMPONENTS_BASE as BASE, randomised_params as random_params
+from reference import relative_error
 
 # ScaleNorm from the paper, in float64: g * sqrt(D) * x / ||x||.
 ref.NORMS["scalenorm"] = lambda x, p, eps: p["scale"] * np.sqrt(x.shape[-1]) * x / np.sqrt(

@@ -349,12 +349,25 @@ def test_a_servers_draft_must_share_the_vocabulary_and_one_device(models):
         Engine(config, on_mesh, draft=first_layers(config, params, 1))
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_prompt_lookup_breaks_even_by_the_platforms_verify_cost(batch):
-    """An accelerator's step reads weights, so a verify pass costs about one step there (an
-    H200: 0.9-1.35 steps for 3-16 tokens at batch 1-8) and speculation stays on at lower
-    expected gains than on a CPU, whose rows compute."""
-    kept = {platform: speculation(TINY, "ngram", 4, (1, 3), None, batch,
-                                  platform=platform).min_kept
-            for platform in ("cpu", "gpu", "tpu", "metal")}
-    assert kept["gpu"] == kept["tpu"] < 0.25 * batch < kept["cpu"] == kept["metal"]
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "metal"])
+@pytest.mark.parametrize("batch, k", [(1, 2), (1, 8), (8, 4), (32, 15)])
+def test_at_the_break_even_a_round_costs_per_token_what_plain_steps_cost(platform, batch, k):
+    """Prompt lookup's `min_kept` makes a verify pass (costing `verify_cost` steps) cost one
+    step per token it yields (1 + kept); a draft model's makes a round (the pass and k draft
+    steps of r of the model) cost per token what a plain round does (a step and a draft
+    step). A pass costs more with more rows and more guesses, and less on an accelerator,
+    whose step reads weights, than on a CPU (an unknown platform is costed as a CPU)."""
+    from llama_jax.decode.speculate import draft_break_even, verify_cost
+    from llama_jax.plan.costs import param_counts
+
+    pass_cost = verify_cost(batch, k, platform)
+    lookup = speculation(TINY, "ngram", k, (1, 3), None, batch, platform=platform)
+    assert pass_cost / (1 + lookup.min_kept) == pytest.approx(1.0)
+    draft = dataclasses.replace(TINY, n_layers=1)
+    r = param_counts(draft).total / param_counts(TINY).total
+    kept = draft_break_even(TINY, draft, batch, k, platform)
+    assert (pass_cost + k * r) / (1 + kept) == pytest.approx(1 + r)
+    assert verify_cost(batch + 1, k, platform) > pass_cost < verify_cost(batch, k + 1, platform)
+    assert verify_cost(batch, k, "gpu") <= pass_cost
+    assert verify_cost(batch, k, "metal") == verify_cost(batch, k, "cpu") > verify_cost(
+        batch, k, "gpu")

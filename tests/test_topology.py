@@ -373,8 +373,10 @@ def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_a_server_that_does_not_fit_a_chip_is_reported_in_one_line(tmp_path):
-    """131,072 slots of a tiny model: a 17 GiB KV cache for one v5e chip. The same server
-    checked on this host from a checkpoint fits; --topology alone is refused."""
+    """131,072 rows of a tiny model on one v5e chip: their pages (17 GiB) are cut to the 90%
+    of the chip's memory the pool takes by default, and the decode program's working memory
+    beside them does not fit. The same server checked on this host from a checkpoint fits;
+    --topology alone is refused."""
     big = run_module("llama_jax.aot.serving", "configs/tiny.yaml", "--topology", "v5e-1",
                      "--max-batch", "131072")
     assert big.returncode == 1, big.stderr[-2000:]

@@ -203,7 +203,9 @@ def _placed_params(config: ModelConfig, devices: list, mesh: MeshConfig | None):
 
 def _per_layer(params):
     """The unrolled decoder's weights (`unstack_layers`) from abstract stacked ones: each
-    layer's leaf laid out as its stack was, less the layer axis."""
+    layer's leaf laid out as its stack was, less the layer axis (as slicing a placed stack
+    lays it out). `jax.eval_shape` of `unstack_layers` gives the structure but no shardings:
+    on a mesh of Auto axes, as the server's, it drops them."""
     def layer_of(stacked: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         placed = stacked.sharding
         if isinstance(placed, jax.sharding.NamedSharding):
