@@ -44,8 +44,7 @@ from llama_jax.parallel import sharding, target, topology as topologies
 from llama_jax.parallel.devices import free_memory_bytes
 from llama_jax.plan import hardware
 from llama_jax.plan.costs import (SERVING_PAGE_SIZE, SERVING_PREFILL_CHUNK,
-                                  SERVING_STEPS_PER_DISPATCH, default_prefix_cache_bytes,
-                                  format_bytes)
+                                  SERVING_STEPS_PER_DISPATCH, format_bytes)
 from llama_jax.config import parse_mesh
 from llama_jax.serve.flags import add_server_arguments, check_speculation_flags
 
@@ -152,10 +151,8 @@ def compile_serving(config: ModelConfig, topology: str | None = None, *,
                          max_seq_len=max_seq_len, steps=steps, prefill_chunk=prefill_chunk,
                          page_size=page_size, speculative_tokens=spec.k if spec else 0,
                          kv_cache_bytes=kv_cache_bytes, cache_room=room)
-    if prefix_cache_bytes is None:
-        prefix_cache_bytes = default_prefix_cache_bytes(
-            None if room is None else room - shape.pool_bytes, shape.pool_bytes)
-    shape = shape.with_prefix_cache(prefix_cache_bytes)
+    shape = (shape.with_default_prefix_cache(room) if prefix_cache_bytes is None
+             else shape.with_prefix_cache(prefix_cache_bytes))
     log(f"compiling a server of {max_batch} x {shape.max_seq_len} tokens for {described}")
     programs = []
     with target.compiling_for(devices):

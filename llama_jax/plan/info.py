@@ -315,7 +315,7 @@ def plan_serving(config: ModelConfig, max_batch: int, max_seq_len: int,
         raise ConfigError(str(e)) from None
     # The server's default prefix cache where memory is plenty (a share of the free memory
     # otherwise), in whole blocks of one prefill chunk.
-    shape = shape.with_prefix_cache(costs.default_prefix_cache_bytes(None, shape.rows_bytes))
+    shape = shape.with_default_prefix_cache(None)
     return {"max_batch": max_batch, "max_seq_len": max_seq_len, "cache_dtype": cache_dtype,
             "kv_cache_bytes": shape.rows_bytes, "page_size": page, "kv_pages": shape.rows_pages,
             "prefill_chunk": shape.prefill_chunk, "prefix_cache_bytes": shape.prefix_bytes}

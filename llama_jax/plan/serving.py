@@ -15,8 +15,8 @@ import dataclasses
 from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import pages_for
 from llama_jax.plan.costs import (SERVING_PAGE_SIZE, SERVING_PREFILL_CHUNK,
-                                  SERVING_STEPS_PER_DISPATCH, format_bytes,
-                                  prefix_cache_blocks, serving_cache_len)
+                                  SERVING_STEPS_PER_DISPATCH, default_prefix_cache_bytes,
+                                  format_bytes, prefix_cache_blocks, serving_cache_len)
 from llama_jax.shapes import MIN_BUCKET
 
 # The rows' pages take at most this share of the memory a device has free after the weights
@@ -96,6 +96,13 @@ class ServerShape:
         blocks = prefix_cache_blocks(nbytes, self.block_bytes, self.prefill_chunk,
                                      self.max_seq_len)
         return dataclasses.replace(self, prefix_blocks=blocks)
+
+    def with_default_prefix_cache(self, cache_room: int | None) -> ServerShape:
+        """This shape with the prefix cache a server keeps when not told
+        (`default_prefix_cache_bytes`), given `cache_room` (a device's memory free after
+        the weights; None: unknown): a share of what the pool leaves of it."""
+        left = None if cache_room is None else cache_room - self.pool_bytes
+        return self.with_prefix_cache(default_prefix_cache_bytes(left, self.pool_bytes))
 
     @property
     def cache_len(self) -> int:

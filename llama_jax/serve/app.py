@@ -14,7 +14,7 @@ from llama_jax.parallel import target
 from llama_jax.parallel.devices import free_memory_bytes
 from llama_jax.parallel.sharding import make_mesh
 from llama_jax.plan.costs import (SERVING_PAGE_SIZE, SERVING_PREFILL_CHUNK,
-                                  SERVING_STEPS_PER_DISPATCH, default_prefix_cache_bytes)
+                                  SERVING_STEPS_PER_DISPATCH)
 from llama_jax.serve.api import Server
 from llama_jax.data.chat import chat_format
 from llama_jax.serve.engine import Engine
@@ -37,7 +37,7 @@ def build(checkpoint: str | Path, *, tokenizer: str | Path | None = None, dtype=
     """The API state and its (not yet started) engine for `checkpoint`. The rows' KV cache
     takes `kv_cache_bytes` per device of pages of `page_size` positions (None: a longest row
     for each row, or what fits `KV_CACHE_SHARE` of the memory left when less); the prefix
-    cache `prefix_cache_bytes` (None: `default_prefix_cache_bytes`;
+    cache `prefix_cache_bytes` (None: `ServerShape.with_default_prefix_cache`;
     0: none);
     `speculate` and the rest are the engine's; `draft_checkpoint` is a draft model's, loaded
     as the model is (`dtype`, `quantize`; speculate="draft" is implied by it)."""
@@ -92,8 +92,8 @@ def check_cache_fits(config, params, cache_dtype: str, mesh: MeshConfig | None, 
     # CPU: the host's memory, whole, for every device's part
     on_each = mesh is not None and target.platform_of_tree(params) != "cpu"
     sharing = memory_need(1, params)
-    shape = server_shape(config, params, cache_dtype, mesh, draft,
-                         cache_room=None if free is None else free // sharing, **flags)
+    room = None if free is None else free // sharing  # a device's
+    shape = server_shape(config, params, cache_dtype, mesh, draft, cache_room=room, **flags)
     need = memory_need(shape.pool_bytes, params)
     where = " on a device" if on_each else ""
     if free is not None and need > free:
@@ -106,9 +106,9 @@ def check_cache_fits(config, params, cache_dtype: str, mesh: MeshConfig | None, 
             f"{part} {what} ({cache_dtype}) needs {need / GIB:.2f} GiB, but "
             f"{free / GIB:.2f} GiB is free{where} after loading the model: lower "
             "--kv-cache-bytes, --max-batch or --max-seq-len, or use --cache-dtype int8")
-    left = None if free is None else (free - need) // sharing
     if prefix_cache_bytes is None:
-        return shape.with_prefix_cache(default_prefix_cache_bytes(left, shape.pool_bytes))
+        return shape.with_default_prefix_cache(room)
+    left = None if room is None else room - shape.pool_bytes
     if prefix_cache_bytes < 0 or (left is not None and prefix_cache_bytes > left):
         raise GenerateError(
             f"--prefix-cache-bytes {prefix_cache_bytes} must be >= 0 and at most the "

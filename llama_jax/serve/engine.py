@@ -172,8 +172,6 @@ class Engine:
                                  None if draft is None else decoder_params(draft[1], impl),
                                  shape, self.stop_ids, self.cache_dtype, self.layout, self.spec,
                                  placement)
-        # The positions past its end a round writes (a verify pass's guesses).
-        self.past_end = shape.speculative_tokens
         # Speculating rows attend over every position: a verify pass's sums over them round
         # differently at another width, and a request's log-probabilities would depend on
         # the requests before it.
@@ -213,8 +211,10 @@ class Engine:
         return min(max(bucket(n), self.min_len), self.shape.cache_len)
 
     def _room(self, b: int) -> int:
-        """The cache positions row `b` may write up to in the next dispatch."""
-        return min(self.end_bound[b] + self.shape.advance, self.last_end[b]) + self.past_end
+        """The cache positions row `b` may write up to in the next dispatch (a verify pass
+        writes its guesses past the row's end)."""
+        return (min(self.end_bound[b] + self.shape.advance, self.last_end[b])
+                + self.shape.speculative_tokens)
 
     def _demands(self) -> list[tuple[Request, int]]:
         """Each row decoding's request, and the positions its next dispatch may write."""

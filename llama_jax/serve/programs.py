@@ -67,10 +67,11 @@ class Programs:
             (np.shape(x), jnp.result_type(x), getattr(x, "sharding", None))
             for x in jax.tree.leaves(args)))
 
-    def _compile(self, fn, args, static) -> None:
+    def _compile(self, fn, args, static):
+        """The executable of `fn(*args, **static)`, compiled on first use."""
         key = self._key(fn, args, static)
         if key in self._executables:
-            return
+            return self._executables[key]
         start = time.perf_counter()
         # The rows are donated whole; XLA may find no output for some of their buffers.
         with warnings.catch_warnings():
@@ -79,11 +80,11 @@ class Programs:
         log.info("compiled %s %s in %.1f s", fn.__name__,
                  {k: v for k, v in static.items() if k not in ("config", "placement")},
                  time.perf_counter() - start)
+        return self._executables[key]
 
     def _run(self, fn, *args, **static):
         """`fn(*args, **static)`, compiled once per `_key`."""
-        self._compile(fn, args, static)
-        return self._executables[self._key(fn, args, static)](*args)
+        return self._compile(fn, args, static)(*args)
 
     def prefill_chunk(self, pages_1N: np.ndarray, tokens_1L: np.ndarray, start: int,
                       last: int, next_1L: np.ndarray | None, draft: bool = False):
