@@ -345,6 +345,20 @@ def test_a_server_compiled_for_a_tpu_holds_its_part_of_the_cache():
     assert split.parameters < alone.parameters and split.n_devices == 4
 
 
+def test_a_tpu_servers_decode_steps_read_pages_with_the_pallas_kernel():
+    """A bf16 server of 128-feature heads on one v5e chip: its decode program reads the pool
+    in place with Pallas's paged attention kernel (a Mosaic call, lowered for the chip);
+    its prefill chunks gather."""
+    config = load_run_config("configs/tiny.yaml", [t for t in TINY if "heads" not in t] +
+                             ["model.n_heads=2", "model.n_kv_heads=1"]).model
+    assert config.H == 128
+    tpu_devices("v5e-1")
+    report = compile_serving(config, "v5e-1", max_batch=2, max_seq_len=64)
+    assert report.cache_dtype == "bfloat16" and report.fits, render_serving(report)
+    calls = {p.name: p.custom_calls for p in report.programs}
+    assert MOSAIC in calls["decode"] and MOSAIC not in calls["prefill"], calls
+
+
 def test_a_speculating_server_compiled_for_a_tpu_holds_the_drafts_cache_too():
     """Speculating servers on one v5e chip: prompt lookup's compiles its rounds that verify
     (`speculate`) in place of decode steps, over k + 1 more slots; a draft model's also

@@ -192,6 +192,12 @@ def constrain(x: jax.Array, axes: Sequence[str | None],
         x, NamedSharding(mesh, spec(axes, x.shape, getattr(mesh_config, table), mesh.shape)))
 
 
+def active_mesh() -> Mesh | None:
+    """The mesh of the enclosing `use_mesh`, if any: code traced under it is partitioned."""
+    active = _ACTIVE.get()
+    return None if active is None else active[0]
+
+
 def mesh_of(tree) -> Mesh | None:
     """The mesh the arrays of `tree` are laid out on, if they are spread over one."""
     for leaf in jax.tree.leaves(tree):

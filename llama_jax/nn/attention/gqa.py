@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from llama_jax.nn.attention import kv_storage
+from llama_jax.nn.attention import kv_storage, paged_kernel
 from llama_jax.nn.attention.context import (MIXERS, Context, Mixer, attention_of,
                                            causal_attention_flops)
 from llama_jax.nn.attention.dot_product import DECODE_QUERIES, decode_attention_block_diagonal
@@ -155,8 +155,14 @@ class LayerCache:
     def attend(self, config: ModelConfig, q_BTNH: jax.Array, context: Context) -> jax.Array:
         """A decode step or verify pass (up to `DECODE_QUERIES` queries) by
         `decode_attention_block_diagonal`; longer inputs under the configured
-        implementation."""
+        implementation. From a pool of pages, the rows' pages gathered, or read in place by
+        Pallas's TPU kernel where it applies (paged_kernel.py)."""
         if context.pages is not None:
+            _, T, _, H = q_BTNH.shape
+            if paged_kernel.applies(T, self.dtype, H):
+                return paged_kernel.paged_decode_attention(
+                    q_BTNH, self.k, self.v, context.end + 1, context.pages, self.max_len,
+                    softmax_scale(config))
             return self.gathered(context.pages).attend(config, q_BTNH,
                                                        context.replace(pages=None))
         k_BCH, v_BCH = (kv_storage.read(x, self.dtype, q_BTNH.dtype) for x in (self.k, self.v))
