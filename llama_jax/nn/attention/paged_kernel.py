@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from llama_jax.parallel import sharding, target
 
 # Mosaic tiles a block's last axis by a TPU core's 128 lanes: the kernel's head dims are
-# multiples (LLaMA's are 128)
+# multiples (LLaMA 1-3 and 3.2 3B have 128; 3.2 1B has 64, and gathers)
 LANES = 128
 # Positions one kernel block reads at most: the kernel walks a row's pages in blocks of
 # `pages_per_compute_block`, which must divide the table's width
