@@ -21,8 +21,9 @@ from llama_jax.nn.attention import paged_kernel
 from llama_jax.plan.hardware import hardware
 
 
-def decode_seconds(config, max_batch: int, max_seq_len: int, kernel: bool) -> float:
-    """XLA:TPU's time for the decode program's dispatch (its steps) on one v5e chip."""
+def decode_seconds(config, max_batch: int, max_seq_len: int, kernel: bool):
+    """XLA:TPU's time for the decode program's dispatch (its steps) on one v5e chip, and the
+    server's report."""
     applies = paged_kernel.applies
     if not kernel:
         paged_kernel.applies = lambda *_: False
