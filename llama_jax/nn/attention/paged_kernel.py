@@ -58,15 +58,15 @@ def paged_decode_attention(q_BTNH: jax.Array, k_PCH: jax.Array, v_PCH: jax.Array
     B, _, N, H = q_BTNH.shape
     P, C, _ = k_PCH.shape
     K = C // page
-    # The kernel has no softmax scale: the queries carry it
     k_PCH, v_PCH = (_floats(x) for x in (k_PCH, v_PCH))
-    q_RGH = (q_BTNH[:, 0] * jnp.asarray(scale, q_BTNH.dtype)).reshape(B * K, N // K, H)
+    # The kernel has no softmax scale: the queries carry it, in fp32 (as the kernel computes)
+    q_RGH = (q_BTNH[:, 0].astype(jnp.float32) * scale).reshape(B * K, N // K, H)
     tables_BKN = jnp.maximum(pages_BN, 0)[:, None, :] * K + jnp.arange(K)[None, :, None]
     out_RGH = paged_attention(
         q_RGH, *(x.reshape(1, P * K, page, H) for x in (k_PCH, v_PCH)),
         jnp.repeat(lengths_B.astype(jnp.int32), K), tables_BKN.reshape(B * K, -1),
         pages_per_compute_block=compute_block(pages_BN.shape[1], page))
-    return out_RGH.reshape(B, 1, N, H)
+    return out_RGH.reshape(B, 1, N, H).astype(q_BTNH.dtype)
 
 
 def _floats(cache_PCH: jax.Array) -> jax.Array:
