@@ -113,6 +113,54 @@ def test_jsonl_documents_and_bad_lines(tokenizer, tmp_path):
     assert got == want
 
 
+def split_documents(out: Path, split: str) -> list[tuple[int, ...]]:
+    """The documents of a prepared split, each as its tokens, sorted."""
+    meta = json.loads((out / "meta.json").read_text())
+    documents_ = []
+    for shard in meta["shards"]:
+        stem = out / "shards" / f"{shard['unit']:05d}.{split}"
+        tokens = np.fromfile(f"{stem}.bin", meta["dtype"])
+        offsets = np.fromfile(f"{stem}.idx", np.uint64).astype(int)
+        documents_ += [tuple(tokens[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
+    return sorted(documents_)
+
+
+def test_a_record_splits_by_its_id_or_text_wherever_it_is_stored(tokenizer, tmp_path):
+    """The same 40 records prepared from one JSONL file, from a renamed and compressed copy,
+    and re-cut into two files in another order: the same documents in validation each time
+    (keyed by file name and line, the copies put 1-4 of them there, different ones). A record
+    with an `id` keeps its split when its text changes."""
+    texts = [f"record {i}: " + "def f(x): return x * %d\n" % i for i in range(40)]
+    with_ids = [json.dumps({"text": t, "id": f"doc-{i}"}) for i, t in enumerate(texts)]
+    plain = [json.dumps({"text": t}) for t in texts]
+    splits = []
+    for lines in (with_ids, plain):
+        layouts = {"one": {"all.jsonl": lines},
+                   "renamed": {"renamed.jsonl.gz": lines},
+                   "recut": {"x.jsonl": lines[25:][::-1], "y.jsonl.gz": lines[:25]}}
+        for layout, files in layouts.items():
+            src = tmp_path / f"{len(splits)}-{layout}"
+            src.mkdir()
+            for file, part in files.items():
+                write_jsonl(src / file, part)
+            out = tmp_path / f"{len(splits)}-{layout}-out"
+            run([src], tokenizer, out, val_fraction=0.2)
+            splits.append(split_documents(out, "val"))
+        assert splits[-1] == splits[-2] == splits[-3] and 0 < len(splits[-1]) < 40
+    edited = [json.dumps({"text": t.upper(), "id": f"doc-{i}"}) for i, t in enumerate(texts)]
+    (tmp_path / "edited").mkdir()
+    write_jsonl(tmp_path / "edited" / "e.jsonl", edited)
+    run([tmp_path / "edited"], tokenizer, tmp_path / "edited-out", val_fraction=0.2)
+
+    def indices(documents_, texts_):
+        by_tokens = {tuple(tokenizer.encode(t, bos=True, eos=True)): i
+                     for i, t in enumerate(texts_)}
+        return sorted(by_tokens[d] for d in documents_)
+
+    edited_val = split_documents(tmp_path / "edited-out", "val")
+    assert indices(edited_val, [t.upper() for t in texts]) == indices(splits[0], texts)
+
+
 def test_non_utf8_text_is_named_by_file_and_line(tokenizer, tmp_path):
     src = tmp_path / "src"
     src.mkdir()

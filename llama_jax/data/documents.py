@@ -5,9 +5,11 @@ into units of work, and each document's text, read in bounded pieces.
   `.parquet` (one document per row of a text column; pyarrow), anything else one UTF-8
   document per file (`.txt`, `.md`).
 - A document's name is its file's path relative to its input (a directory, a glob's common
-  directory, a file's directory), with `:LINE` or `:ROW` inside a JSONL or Parquet file; a
-  hash of the name (`unit_hash`) decides its split, so the split does not depend on where the
-  corpus lives or how the work is spread.
+  directory, a file's directory), with `:LINE` or `:ROW` inside a JSONL or Parquet file. A
+  hash (`unit_hash`) of its split key decides its split: a record's `id` when it has one, else
+  its text (`record_key`), so the same records split the same whatever file holds them
+  (renamed, compressed, re-cut); a text file's key is its name, its path in the corpus. The
+  split never depends on where the corpus lives or how the work is spread.
 - Units of work, in the files' order: a JSONL or Parquet file alone; consecutive text files
   together up to about UNIT_BYTES.
 - Text files are read in pieces of about PIECE_BYTES cut after a line end, so memory does not
@@ -40,6 +42,14 @@ BAD_KINDS = ("not_json", "no_text", "not_utf8")  # what a prepare may skip, by k
 def unit_hash(name: str) -> float:
     """A stable pseudo-random number in [0, 1) for a document name."""
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") / 2 ** 64
+
+
+def record_key(record_id: object, text: str) -> str:
+    """A JSONL or Parquet record's split key: its `id` (a JSON value; null is none) when it
+    has one, else its text."""
+    if record_id is not None:
+        return "id " + json.dumps(record_id, sort_keys=True)
+    return "text " + text
 
 
 def files_of(spec: str) -> tuple[Path, list[Path]]:
@@ -161,7 +171,8 @@ def _open_text(path: Path) -> io.TextIOBase:
 
 def jsonl_documents(path: Path, name: str, text_key: str
                     ) -> Iterator[tuple[str, list[str] | BadInput]]:
-    """(name:LINE, [text]) per line of a JSONL file, or a BadInput for a bad line."""
+    """(split key, [text]) per line of a JSONL file, or (its name:LINE, a BadInput) for
+    a bad line (dropped, or it stops the run)."""
     with _open_text(path) as f:
         line_no = 0
         while True:
@@ -176,24 +187,27 @@ def jsonl_documents(path: Path, name: str, text_key: str
                 return
             if not line.strip():
                 continue
+            where = f"{name}:{line_no}"
             try:
-                text = json.loads(line)[text_key]
+                record = json.loads(line)
+                text = record[text_key]
                 if not isinstance(text, str):
                     raise TypeError(type(text).__name__)
             except json.JSONDecodeError as e:
-                yield f"{name}:{line_no}", BadInput(
+                yield where, BadInput(
                     "not_json", f"{path}: line {line_no}: not valid JSON ({e.msg})")
                 continue
             except (KeyError, TypeError) as e:
-                yield f"{name}:{line_no}", BadInput(
+                yield where, BadInput(
                     "no_text", f"{path}: line {line_no}: no string under {text_key!r} ({e})")
                 continue
-            yield f"{name}:{line_no}", [text]
+            yield record_key(record.get("id"), text), [text]
 
 
 def parquet_documents(path: Path, name: str, text_key: str
                       ) -> Iterator[tuple[str, list[str] | BadInput]]:
-    """(name:ROW, [text]) per row of a Parquet file's `text_key` column."""
+    """(split key, [text]) per row of a Parquet file's `text_key` column (the key by its `id`
+    column where it has one), or (name:ROW, a BadInput)."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -203,19 +217,24 @@ def parquet_documents(path: Path, name: str, text_key: str
     if text_key not in table.schema_arrow.names:
         raise DataError(f"{path}: no column {text_key!r} (columns: "
                         f"{', '.join(table.schema_arrow.names)}); choose one with --text-key")
+    ids = "id" in table.schema_arrow.names and text_key != "id"
     row = 0
-    for batch in table.iter_batches(columns=[text_key], batch_size=1024):
-        for text in batch.column(0).to_pylist():
+    for batch in table.iter_batches(columns=[text_key, "id"] if ids else [text_key],
+                                    batch_size=1024):
+        texts = batch.column(0).to_pylist()
+        for text, record_id in zip(texts, batch.column(1).to_pylist() if ids else
+                                   [None] * len(texts)):
             row += 1
+            where = f"{name}:{row}"
             if not isinstance(text, str):
-                yield f"{name}:{row}", BadInput(
+                yield where, BadInput(
                     "no_text", f"{path}: row {row}: {text_key!r} is not a string")
             else:
-                yield f"{name}:{row}", [text]
+                yield record_key(record_id, text), [text]
 
 
 def unit_documents(unit: dict, text_key: str) -> Iterator[tuple[str, object]]:
-    """(name, pieces or BadInput) of every document of a unit, in order."""
+    """(split key, pieces or BadInput) of every document of a unit, in order."""
     for entry in unit["files"]:
         path, name = Path(entry["path"]), entry["name"]
         if unit["kind"] == "jsonl":

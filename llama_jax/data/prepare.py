@@ -141,7 +141,7 @@ def _meta(out: Path, units: list[dict], settings: Settings, vocab_size: int) -> 
     return {"version": FORMAT_VERSION, "tokenizer_sha256": settings.tokenizer_sha256,
             "vocab_size": vocab_size, "dtype": token_dtype(vocab_size).name,
             "text_key": settings.text_key, "val_fraction": settings.val_fraction,
-            "files": sum(len(u["files"]) for u in units), **totals,
+            "split_key": settings.split_key, "files": sum(len(u["files"]) for u in units), **totals,
             **{key: sum(led[key] for led in ledgers) for key in counted},
             "shards": [{"unit": led["unit"], **{split: {k: led[split][k] for k in
                                                        ("tokens", "documents")}

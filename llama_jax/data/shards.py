@@ -38,6 +38,10 @@ class Settings:
     text_key: str = "text"
     val_fraction: float = 0.05
     skip_bad: bool = False
+    # How a document's split is keyed (documents.py): a record by its id or text, a text file
+    # by its name. Part of the plan, so a prepare begun under another rule is not resumed
+    # under this one (before it, records were keyed by file name and line).
+    split_key: str = "record id or text; file name"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -99,8 +103,8 @@ def prepare_unit(index: int, unit: dict, tokenizer_path: str, out: str,
     paths = shard_paths(out_dir, index)
     writers = {split: _SplitWriter(path, dtype) for split, path in paths.items()}
     counts = {"empty_documents": 0, **{f"skipped_{k}": 0 for k in BAD_KINDS}}
-    for name, pieces in unit_documents(unit, settings.text_key):
-        writer = writers["val" if unit_hash(name) < settings.val_fraction else "train"]
+    for key, pieces in unit_documents(unit, settings.text_key):
+        writer = writers["val" if unit_hash(key) < settings.val_fraction else "train"]
         writer.begin()
         try:
             if isinstance(pieces, BadInput):
