@@ -16,10 +16,12 @@ assistant's tokens for training) rendered as their contents.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import datetime
 import functools
 import json
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -39,6 +41,26 @@ class ChatTemplate:
     bos_token: str = ""
     eos_token: str = ""
 
+    @property
+    def marks_generation(self) -> bool:
+        """Whether the template marks the assistant's tokens (`{% generation %}` blocks)."""
+        return _GENERATION_TAG.search(self.text) is not None
+
+    def render_generation(self, messages: Sequence[dict], **extra: Any
+                          ) -> list[tuple[str, bool]]:
+        """The whole conversation's text (no generation prompt) cut into pieces, each with
+        whether a `{% generation %}` block rendered it (the assistant's tokens to train on)."""
+        token = _MARKING.set(True)
+        try:
+            text = self.render(messages, add_generation_prompt=False, **extra)
+        finally:
+            _MARKING.reset(token)
+        pieces = []
+        for i, part in enumerate(text.split(_GENERATION_START)):
+            inside, _, after = part.partition(_GENERATION_END) if i else ("", "", part)
+            pieces += [(inside, True), (after, False)]
+        return [(piece, generated) for piece, generated in pieces if piece]
+
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                **extra: Any) -> str:
         """The prompt text for `messages` (`extra`: more template variables, e.g. `tools`).
@@ -56,6 +78,14 @@ class ChatTemplate:
                                 f"{e}") from None
         except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
             raise GenerateError(f"{self.source}: the chat template failed: {e}") from None
+
+
+# While `render_generation` renders, each `{% generation %}` block's output is wrapped in
+# these (private-use characters, which no template writes)
+_MARKING: contextvars.ContextVar[bool] = contextvars.ContextVar("chat_generation_marks",
+                                                                default=False)
+_GENERATION_START, _GENERATION_END = "\ue000", "\ue001"
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 class _Refused(Exception):
@@ -87,14 +117,20 @@ def _environment():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(Extension):
-        """`{% generation %}...{% endgeneration %}`: its body, rendered in place."""
+        """`{% generation %}...{% endgeneration %}`: its body, rendered in place (marked
+        while `render_generation` renders)."""
 
         tags = {"generation"}
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.Scope(body, lineno=lineno)
+            return jinja2.nodes.CallBlock(self.call_method("marked"), [], [], body,
+                                          lineno=lineno)
+
+        def marked(self, caller):
+            text = caller()
+            return f"{_GENERATION_START}{text}{_GENERATION_END}" if _MARKING.get() else text
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[Generation, "jinja2.ext.loopcontrols"])

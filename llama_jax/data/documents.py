@@ -29,7 +29,7 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from llama_jax.errors import DataError
 
@@ -50,6 +50,24 @@ def record_key(record_id: object, text: str) -> str:
     if record_id is not None:
         return "id " + json.dumps(record_id, sort_keys=True)
     return "text " + text
+
+
+def jsonl_records(path: str | Path, what: str) -> Iterator[tuple[str, Any]]:
+    """(`file:LINE`, the parsed JSON) of every non-blank line of a JSONL file read whole (a
+    task's or chat examples: `what` names them in errors); a DataError names the file, or the
+    line that is not JSON."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{what} file {path}: cannot read ({e})") from None
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            where = f"{path}:{number}"
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not a JSON object ({e.msg})") from None
 
 
 def files_of(spec: str) -> tuple[Path, list[Path]]:

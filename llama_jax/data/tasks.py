@@ -32,7 +32,7 @@ import numpy as np
 
 from llama_jax.config import ModelConfig, TaskConfig
 from llama_jax.data.batches import shuffled_batches
-from llama_jax.data.documents import unit_hash
+from llama_jax.data.documents import jsonl_records, unit_hash
 from llama_jax.errors import DataError
 from llama_jax.data.tokenizer import Tokenizer
 from llama_jax.nn.heads import HEADS
@@ -45,20 +45,8 @@ def read_examples(path: str | Path, task: TaskConfig, model: ModelConfig, tokeni
     """Every line of a JSONL file as `{tokens, <target>, group, truncated}` (unpadded; without
     `targets`, the target only where a line has one, and `words` for token classification);
     an error naming the file, line and field for the first bad one."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"task file {path}: cannot read ({e})") from None
-    examples = []
-    for number, line in enumerate(lines, 1):
-        if line.strip():
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not a JSON object ({e.msg})") from None
-            examples.append(_example(record, where, task, model, tokenizer, seq_len, targets))
+    examples = [_example(record, where, task, model, tokenizer, seq_len, targets)
+                for where, record in jsonl_records(path, "task")]
     if not examples:
         raise DataError(f"task file {path}: no examples")
     return examples
