@@ -3,6 +3,7 @@ in a rendered conversation (against the conversation rendered by hand, and by a 
 `{% generation %}` marks), bad lines named, long conversations refused or cut, and packed rows
 that compute, conversation by conversation, what each computes alone."""
 
+import dataclasses
 import io
 import json
 
@@ -132,14 +133,14 @@ def test_packed_rows_compute_what_each_conversation_computes_alone(tokenizer):
     T = 128
     packed = pack(conversations, T, packing=True, pad_id=0)
     single = pack(conversations, T, packing=False, pad_id=0)
-    assert len(single["inputs"]) == 3 and len(packed["inputs"]) < 3
+    assert len(single["inputs_BT"]) == 3 and len(packed["inputs_BT"]) < 3
     config = TINY
     params = random_params({"m": config})["m"]
 
     def logits(rows):
-        return np.asarray(forward(config, params, jnp.asarray(rows["inputs"]),
-                                  positions_BT=jnp.asarray(rows["positions"]),
-                                  segment_ids_BT=jnp.asarray(rows["segment_ids"])))
+        return np.asarray(forward(config, params, jnp.asarray(rows["inputs_BT"]),
+                                  positions_BT=jnp.asarray(rows["positions_BT"]),
+                                  segment_ids_BT=jnp.asarray(rows["segment_ids_BT"])))
 
     packed_logits, single_logits = logits(packed), logits(single)
     row, at, segment = 0, 0, 1
@@ -148,10 +149,82 @@ def test_packed_rows_compute_what_each_conversation_computes_alone(tokenizer):
         if at + n > T:
             row, at, segment = row + 1, 0, 1
         span = slice(at, at + n)
-        np.testing.assert_array_equal(packed["targets"][row, span], c.tokens[1:])
-        np.testing.assert_array_equal(packed["weights"][row, span], c.assistant[1:])
-        np.testing.assert_array_equal(packed["segment_ids"][row, span], segment)
+        np.testing.assert_array_equal(packed["targets_BT"][row, span], c.tokens[1:])
+        np.testing.assert_array_equal(packed["weights_BT"][row, span], c.assistant[1:])
+        np.testing.assert_array_equal(packed["segment_ids_BT"][row, span], segment)
         np.testing.assert_allclose(packed_logits[row, span], single_logits[i, :n],
                                    rtol=2e-5, atol=2e-5)
         at, segment = at + n, segment + 1
-    assert packed["weights"][packed["segment_ids"] == 0].sum() == 0
+    assert packed["weights_BT"][packed["segment_ids_BT"] == 0].sum() == 0
+
+
+def test_the_chat_loss_counts_the_assistants_targets_only(tokenizer):
+    """`lm_sums` on packed chat rows against a float64 reference from the model's logits:
+    the cross-entropy summed over the targets that are the assistant's, and their count."""
+    from llama_jax.training.step import lm_sums
+
+    template = ChatTemplate("t", CHATML)
+    conversations = [encode(template, tokenizer, MESSAGES[:k]) for k in (3, 5)]
+    rows = pack(conversations, 160, packing=True, pad_id=0)
+    config = TINY
+    params = random_params({"m": config})["m"]
+    _, (sums, _) = lm_sums(config, params, {k: jnp.asarray(v) for k, v in rows.items()},
+                           z_loss=0.0)
+    logits = np.asarray(forward(config, params, jnp.asarray(rows["inputs_BT"]),
+                                positions_BT=jnp.asarray(rows["positions_BT"]),
+                                segment_ids_BT=jnp.asarray(rows["segment_ids_BT"])), np.float64)
+    log_p = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)
+                            ) - logits.max(-1, keepdims=True)
+    nll = -np.take_along_axis(log_p, rows["targets_BT"][..., None], -1)[..., 0]
+    scored = rows["weights_BT"] > 0
+    assert scored.sum() == sum(c.assistant[1:].sum() for c in conversations) > 0
+    assert float(sums["count"]) == scored.sum()
+    np.testing.assert_allclose(float(sums["loss_sum"]), nll[scored].sum(), rtol=1e-5)
+
+
+def chats(path, n: int, seed: int) -> str:
+    """Conversations whose answer repeats the question's words backwards: learnable, and
+    only from the question (the answer's own tokens are what is scored)."""
+    rng = np.random.default_rng(seed)
+    words = sorted(set(" ".join(TEXT[:3]).replace(".", "").replace(";", "").split()))
+    records = []
+    for i in range(n):
+        asked = list(rng.choice(words, 4))
+        records.append({"id": f"{seed}-{i}", "messages": [
+            {"role": "user", "content": " ".join(asked)},
+            {"role": "assistant", "content": " ".join(asked[::-1])}]})
+    return write(path, records)
+
+
+def test_a_chat_run_learns_its_conversations_and_keeps_its_format(tmp_path):
+    """A chat fine-tuning run (`task: {kind: chat}`) from a checkpoint without a chat
+    template: it learns the answers (validation loss on the assistant's tokens falls far
+    below the untrained model's), and its workdir keeps the ChatML template it was trained
+    in and the tokenizer, so a checkpoint of it chats in that format."""
+    import yaml
+
+    from checkpoints import tiny_checkpoint_with_tokenizer
+    from llama_jax.data.chat_template import load_chat_template
+    from llama_jax.training import finetune, trainer
+
+    pretrained = tiny_checkpoint_with_tokenizer(tmp_path / "lm")
+    tree = {"init_from": str(pretrained),
+            "task": {"kind": "chat", "train": chats(tmp_path / "train.jsonl", 96, 0),
+                     "val": chats(tmp_path / "val.jsonl", 16, 1)},
+            "train": {"seq_len": 256, "batch_size": 8, "steps": 60, "learning_rate": 3e-3,
+                      "warmup_steps": 5, "log_every": 10, "eval_every": 60,
+                      "checkpoint_every": 60}}
+    (tmp_path / "chat.yaml").write_text(yaml.safe_dump(tree))
+    run = finetune.load_run_config(tmp_path / "chat.yaml")
+    assert run.model.head == "lm" and run.task.packing and not run.task.truncate
+    logged = []
+    untrained = trainer.train(dataclasses.replace(run, train=dataclasses.replace(
+        run.train, steps=1, learning_rate=1e-9, warmup_steps=0, eval_every=1)),
+        tmp_path / "untrained", log=logged.append, progress=False)
+    outcome = trainer.train(run, tmp_path / "run", log=logged.append, progress=False)
+    assert any("task chat (ChatML" in line and "96 training conversations" in line
+               for line in logged), logged
+    assert outcome.val_loss < 0.6 * untrained.val_loss, (outcome.val_loss, untrained.val_loss)
+    assert load_chat_template(tmp_path / "run").text == load_chat_template(
+        tmp_path / "untrained").text
+    assert "<|im_start|>" in load_chat_template(tmp_path / "run").text

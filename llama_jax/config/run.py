@@ -152,9 +152,14 @@ def _mapping(value: Any, where: str) -> Mapping[str, Any]:
     return value
 
 
+# Supervised fine-tuning on conversations: the LM head trained on the assistant's tokens
+# (data/conversations.py), not a task head
+CHAT = "chat"
+
+
 def task_kinds() -> tuple[str, ...]:
-    """A task is a task head's: its kinds are the registered task heads (nn/heads.py)."""
-    return tuple(name for name in HEADS if HEADS[name].task)
+    """The registered task heads' kinds (nn/heads.py), and chat."""
+    return (*(name for name in HEADS if HEADS[name].task), CHAT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,10 +167,12 @@ class TaskConfig:
     """A downstream task (the `task:` section; training/tasks.py, data/tasks.py): the head it
     puts on the model, and the JSONL files it reads — one example per line, with `text` and
     `label` (sequence_classification), `labels` per word (token_classification) or `target`
-    (regression)."""
+    (regression); or chat: conversations (`messages`) the LM head is fine-tuned on
+    (data/conversations.py)."""
 
     kind: str = setting(type="str", choices=task_kinds,
-                        doc="sequence_classification | token_classification | regression")
+                        doc="sequence_classification | token_classification | regression | "
+                            "chat")
     train: str = setting(type="str", doc="a JSONL file")
     val: str | None = setting(None, type="str", null=True,
                               doc="a JSONL file; null: hold out val_fraction of train by hash")
@@ -176,6 +183,12 @@ class TaskConfig:
                               "index) or their count; regression: the target names or count")
     pooling: str = setting("last", type="str", choices=POOLINGS,
                            doc="sequence_classification and regression: last | mean")
+    packing: bool = setting(True, type="bool",
+                            doc="chat: conversations packed into rows (attention within each); "
+                                "false: one per row")
+    truncate: bool = setting(False, type="bool",
+                             doc="chat: cut a conversation longer than train.seq_len + 1 "
+                                 "tokens; false: refuse it")
 
     def __post_init__(self):
         check_settings(self)
@@ -187,6 +200,8 @@ class TaskConfig:
         else:
             require(isinstance(names, int) and not isinstance(names, bool) and names > 0,
                     "labels", names, "must be a list of names or a positive count")
+        if self.kind == CHAT:
+            return
         least = HEADS[self.kind].min_labels
         require(self.n_labels >= least, "labels", self.labels,
                 f"must name at least {least} output(s) for kind {self.kind!r}")
@@ -200,7 +215,9 @@ class TaskConfig:
         return self.labels if isinstance(self.labels, tuple) else None
 
     def head_fields(self) -> dict[str, Any]:
-        """The model fields of this task's head."""
+        """The model fields of this task's head (chat: the LM head's)."""
+        if self.kind == CHAT:
+            return {"head": "lm"}
         return {"head": self.kind, "n_labels": self.n_labels, "label_names": self.label_names,
                 "pooling": self.pooling if HEADS[self.kind].pooled else None}
 

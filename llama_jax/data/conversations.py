@@ -24,18 +24,37 @@ conversation longer than a row is refused (`truncate: false`, naming the line) o
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any, Sequence
 
+import grain
 import numpy as np
 
+from llama_jax.data.batches import shuffled_batches
 from llama_jax.data.chat import encode_with_special_tokens
-from llama_jax.data.chat_template import ChatTemplate
-from llama_jax.data.documents import jsonl_records
+from llama_jax.data.chat_template import ChatTemplate, load_chat_template
+from llama_jax.data.documents import jsonl_records, record_key, unit_hash
 from llama_jax.data.tokenizer import Tokenizer
 from llama_jax.errors import DataError, GenerateError
 
 ROLES = ("system", "user", "assistant", "tool")
+# A packed row's arrays, named as the language model's inputs (data/batches.py's Features)
+ROW_FIELDS = {"inputs_BT": np.int32, "targets_BT": np.int32, "weights_BT": np.float32,
+              "positions_BT": np.int32, "segment_ids_BT": np.int32}
+
+
+# The format a checkpoint without a chat template is fine-tuned in (as TRL's
+# `setup_chat_format` does): ChatML
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
+          "message['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def chat_template_for(checkpoint: str | Path | None) -> ChatTemplate:
+    """A checkpoint's own chat template, else ChatML (no checkpoint, or one without)."""
+    template = None if checkpoint is None else load_chat_template(checkpoint)
+    return template or ChatTemplate("ChatML (the checkpoint has no chat template)", CHATML)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +63,7 @@ class Conversation:
 
     tokens: np.ndarray  # int32 [n]
     assistant: np.ndarray  # bool [n]
+    key: str = ""  # what decides its split (documents.record_key): its id, else its messages
     truncated: bool = False
 
 
@@ -117,15 +137,15 @@ def read_conversations(path: str | Path, template: ChatTemplate, tokenizer: Toke
             conversation = encode(template, tokenizer, messages, tools)
         except GenerateError as e:
             raise DataError(f"{where}: {e}") from None
+        key = record_key(record.get("id"), json.dumps(record["messages"], sort_keys=True))
         n = len(conversation.tokens)
-        if n > seq_len + 1:
-            if not truncate:
-                raise DataError(f"{where}: {n} tokens, more than train.seq_len + 1 = "
-                                f"{seq_len + 1}; shorten it, raise train.seq_len or set "
-                                "task.truncate: true")
-            conversation = Conversation(conversation.tokens[:seq_len + 1],
-                                        conversation.assistant[:seq_len + 1], truncated=True)
-        conversations.append(conversation)
+        if n > seq_len + 1 and not truncate:
+            raise DataError(f"{where}: {n} tokens, more than train.seq_len + 1 = "
+                            f"{seq_len + 1}; shorten it, raise train.seq_len or set "
+                            "task.truncate: true")
+        conversations.append(Conversation(conversation.tokens[:seq_len + 1],
+                                          conversation.assistant[:seq_len + 1], key,
+                                          truncated=n > seq_len + 1))
     if not conversations:
         raise DataError(f"chat file {path}: no conversations")
     return conversations
@@ -133,9 +153,9 @@ def read_conversations(path: str | Path, template: ChatTemplate, tokenizer: Toke
 
 def pack(conversations: Sequence[Conversation], seq_len: int, packing: bool, pad_id: int
          ) -> dict[str, np.ndarray]:
-    """Rows `[R, T = seq_len]` of language-model inputs: `inputs`, `targets`, `weights`
-    (float32: 1 where the target is the assistant's), `positions` and `segment_ids` (see the
-    module doc). A conversation of n tokens takes n - 1 positions: its inputs predict its
+    """Rows `[R, T = seq_len]` of language-model inputs (`ROW_FIELDS`): inputs, targets,
+    weights (float32: 1 where the target is the assistant's), positions and segment ids (see
+    the module doc). A conversation of n tokens takes n - 1 positions: its inputs predict its
     next tokens."""
     rows, row, used = [], [], 0
     for conversation in conversations:
@@ -152,19 +172,68 @@ def pack(conversations: Sequence[Conversation], seq_len: int, packing: bool, pad
         used += n
     if row:
         rows.append(row)
-    out = {name: np.zeros((len(rows), seq_len), dtype)
-           for name, dtype in (("inputs", np.int32), ("targets", np.int32),
-                               ("weights", np.float32), ("positions", np.int32),
-                               ("segment_ids", np.int32))}
-    out["inputs"][:] = out["targets"][:] = pad_id
+    out = {name: np.zeros((len(rows), seq_len), dtype) for name, dtype in ROW_FIELDS.items()}
+    out["inputs_BT"][:] = out["targets_BT"][:] = pad_id
     for r, members in enumerate(rows):
         at = 0
         for segment, c in enumerate(members, 1):
             n = len(c.tokens) - 1
             span = slice(at, at + n)
-            out["inputs"][r, span], out["targets"][r, span] = c.tokens[:-1], c.tokens[1:]
-            out["weights"][r, span] = c.assistant[1:]
-            out["positions"][r, span] = np.arange(n)
-            out["segment_ids"][r, span] = segment
+            out["inputs_BT"][r, span], out["targets_BT"][r, span] = c.tokens[:-1], c.tokens[1:]
+            out["weights_BT"][r, span] = c.assistant[1:]
+            out["positions_BT"][r, span] = np.arange(n)
+            out["segment_ids_BT"][r, span] = segment
             at += n
     return out
+
+
+def split(conversations: list[Conversation], val_fraction: float
+          ) -> tuple[list[Conversation], list[Conversation]]:
+    """(training, validation) conversations: those whose key hashes below `val_fraction`
+    held out, at least one each way (data/tasks.py's rule, by conversation)."""
+    keys = sorted({c.key for c in conversations}, key=unit_hash)
+    if len(keys) < 2:
+        raise DataError(f"{len(conversations)} conversation(s): need at least two to hold one "
+                        "out for validation (or give task.val)")
+    n_val = min(max(1, sum(unit_hash(k) < val_fraction for k in keys)), len(keys) - 1)
+    held_out = set(keys[:n_val])
+    return ([c for c in conversations if c.key not in held_out],
+            [c for c in conversations if c.key in held_out])
+
+
+class _Rows:
+    """Random-access source of packed rows (grain's MapDataset reads it)."""
+
+    def __init__(self, rows: dict[str, np.ndarray]):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows["inputs_BT"])
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        return {name: a[i] for name, a in self.rows.items()}
+
+
+def train_batches(rows: dict[str, np.ndarray], batch_size: int, seed: int,
+                  process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
+    """Endless shuffled batches of rows, reshuffled every epoch; this process's rows of each
+    (as data.batches.train_batches)."""
+    if len(rows["inputs_BT"]) < batch_size:
+        raise DataError(f"the training conversations fill {len(rows['inputs_BT'])} rows: "
+                        f"fewer than one batch of {batch_size}; lower train.batch_size")
+    return shuffled_batches(_Rows(rows), batch_size, seed, process_index, process_count)
+
+
+def val_batches(rows: dict[str, np.ndarray], batch_size: int, process_index: int = 0,
+                process_count: int = 1) -> list[dict[str, np.ndarray]]:
+    """Every validation row once, in order; the last batch filled with rows of padding
+    (nothing scored); this process's rows of each batch."""
+    n = len(rows["inputs_BT"])
+    fill = -(-n // batch_size) * batch_size - n
+    full = {name: np.concatenate([a, np.zeros((fill, *a.shape[1:]), a.dtype)])
+            for name, a in rows.items()}
+    mine = [b * batch_size + i for b in range(len(full["inputs_BT"]) // batch_size)
+            for i in range(process_index, batch_size, process_count)]
+    per_batch = batch_size // process_count
+    return [{name: a[mine[k:k + per_batch]] for name, a in full.items()}
+            for k in range(0, len(mine), per_batch)]

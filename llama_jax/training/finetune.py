@@ -27,6 +27,7 @@ import jax
 
 from llama_jax.formats.checkpoint import checkpoint_config, load_checkpoint
 from llama_jax.config import ModelConfig, RunConfig, load_run_tree
+from llama_jax.config.run import CHAT
 from llama_jax.errors import CheckpointError, ConfigError
 from llama_jax.nn.heads import head_specs, is_task_head
 from llama_jax.model.params import Params, init_tensors
@@ -41,12 +42,13 @@ CHANGEABLE = ("pad_id", "eos_ids")
 def load_run_config(name_or_path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
     """A run config file or preset with `SECTION.KEY=VALUE` overrides (`config.load_run_tree`),
     its model taken from its `init_from` checkpoint when it has one, and a task's pad id
-    defaulted from the run's tokenizer."""
+    defaulted from the run's tokenizer (a task head's: chat trains the LM head)."""
     tree, path = load_run_tree(name_or_path, overrides)
     where = str(path)
     if tree.get("init_from") is not None:
         tree = {**tree, "model": _checkpoint_model(tree, where)}
-    if tree.get("task") and (tree.get("model") or {}).get("pad_id") is None:
+    task = tree.get("task") or {}
+    if task and task.get("kind") != CHAT and (tree.get("model") or {}).get("pad_id") is None:
         tokenizer = run_tokenizer(tree.get("data") or {}, tree.get("init_from"), where)
         tree = {**tree, "model": {**(tree.get("model") or {}), "pad_id": tokenizer.eos_ids[0]}}
     return RunConfig.from_tree(tree, where)
@@ -115,7 +117,7 @@ def initial_params(run: RunConfig, key: jax.Array, shardings: Params,
     _, loaded = load_checkpoint(run.init_from, run.model.param_dtype, mesh=mesh,
                                 mesh_config=run.mesh)
     params = {name: loaded[name] for name in shardings if name in loaded}
-    if "head" not in params:
+    if "head" in shardings and "head" not in params:  # a tied LM head has none of its own
         init_head = jax.jit(lambda k: init_tensors(run.model, head_specs(run.model)["head"], k),
                             out_shardings=shardings["head"])
         params["head"] = init_head(key)

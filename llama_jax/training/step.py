@@ -2,7 +2,8 @@
 
 Loss (`objective`): for language modelling, next-token cross-entropy in fp32 averaged over the
 scored tokens of the whole batch (a target that begins the next packed document is not scored;
-the logits computed whole or a piece at a time, cross_entropy.py),
+in a chat task's rows, only the assistant's tokens are; the logits computed whole or a piece at
+a time, cross_entropy.py),
 plus an optional z-loss `z · mean(log Z)²` (PaLM) that keeps the softmax normaliser near 1; for
 a downstream task, its loss (tasks.py). Either is a sum with its count, so the step divides
 once by the whole batch's count.
@@ -30,7 +31,8 @@ from flax import struct
 from llama_jax.training import tasks
 from llama_jax.training.cross_entropy import log_z_and_target
 from llama_jax.config import ModelConfig, RunConfig, TrainConfig
-from llama_jax.data.batches import features
+from llama_jax.config.run import CHAT
+from llama_jax.data.batches import Features, features
 from llama_jax.model.transformer import apply, aux_loss, aux_metrics, update_outside_gradient
 from llama_jax.model.params import Params, init_params
 
@@ -55,14 +57,23 @@ def init_state(config: ModelConfig, optimizer: optax.GradientTransformation,
 
 def loss_sums(config: ModelConfig, params: Params, window_BT1: jax.Array, bos_id: int,
               z_loss: float) -> tuple[jax.Array, tuple[dict, tuple]]:
-    """Language modelling: (cross-entropy + z-loss + the blocks' auxiliary losses, summed over
-    scored tokens), ({loss_sum: the cross-entropy sum, count}, the blocks' auxiliary outputs).
-    Auxiliary losses (per-token means) are scaled by the count so that dividing the sum by it
-    gives `mean CE + aux`."""
-    f = features(window_BT1, bos_id)
+    """Language modelling on packed windows `[B, T + 1]`: `lm_sums` of their features."""
+    return lm_sums(config, params, features(window_BT1, bos_id), z_loss)
+
+
+def lm_sums(config: ModelConfig, params: Params, f: Features | dict, z_loss: float,
+            frozen: bool = False) -> tuple[jax.Array, tuple[dict, tuple]]:
+    """Language modelling on inputs and weighted targets (`Features`, or a dict of its fields:
+    a chat batch, data/conversations.py): (cross-entropy + z-loss + the blocks' auxiliary
+    losses, summed over scored tokens), ({loss_sum: the cross-entropy sum, count}, the
+    blocks' auxiliary outputs). Auxiliary losses (per-token means) are scaled by the count so
+    that dividing the sum by it gives `mean CE + aux`. `frozen`: the gradient stops at the
+    final hidden states (`train.freeze: backbone` trains the head alone)."""
+    f = f if isinstance(f, Features) else Features(**f)
     out = apply(config, params, f.inputs_BT, positions_BT=f.positions_BT,
                 segment_ids_BT=f.segment_ids_BT)
-    log_z_BT, target_logit_BT = log_z_and_target(config, params, out.hidden_BTD, f.targets_BT)
+    hidden_BTD = jax.lax.stop_gradient(out.hidden_BTD) if frozen else out.hidden_BTD
+    log_z_BT, target_logit_BT = log_z_and_target(config, params, hidden_BTD, f.targets_BT)
     ce_sum = jnp.sum((log_z_BT - target_logit_BT) * f.weights_BT)
     count = jnp.sum(f.weights_BT)
     total = ce_sum + z_loss * jnp.sum(jnp.square(log_z_BT) * f.weights_BT)
@@ -71,10 +82,14 @@ def loss_sums(config: ModelConfig, params: Params, window_BT1: jax.Array, bos_id
 
 
 def objective(run: RunConfig, bos_id: int) -> LossFn:
-    """The run's loss: language modelling on packed windows, or its task's (tasks.py)."""
+    """The run's loss: language modelling on packed windows, or on a chat task's rows, or its
+    task head's (tasks.py)."""
+    frozen = run.train.freeze == "backbone"
     if run.task is None:
         return functools.partial(loss_sums, run.model, bos_id=bos_id, z_loss=run.train.z_loss)
-    return functools.partial(tasks.loss_sums, run.model, run.train.freeze == "backbone")
+    if run.task.kind == CHAT:
+        return functools.partial(lm_sums, run.model, z_loss=run.train.z_loss, frozen=frozen)
+    return functools.partial(tasks.loss_sums, run.model, frozen)
 
 
 def train_step(config: ModelConfig, train: TrainConfig, optimizer: optax.GradientTransformation,

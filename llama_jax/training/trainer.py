@@ -35,13 +35,16 @@ from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 from llama_jax.plan import costs, hardware
-from llama_jax.data import batches, tasks as task_data
+from llama_jax.data import batches, conversations, tasks as task_data
+from llama_jax.data.chat_template import CHAT_TEMPLATE_FILE
 from llama_jax.data.corpus import (corpus_tokenizer, corpus_tokens, keep_tokenizer,
                                    unigram_entropy)
 from llama_jax.training import finetune, tasks
 from llama_jax.parallel import sharding, target
 from llama_jax.formats import workdir as run_dir
 from llama_jax.config import RunConfig, TaskConfig
+from llama_jax.config.run import CHAT
+from llama_jax.files import write_atomically
 from llama_jax.errors import ConfigError, TrainingError
 from llama_jax.formats.legacy import is_legacy
 from llama_jax.model.params import abstract_params, param_specs
@@ -106,7 +109,8 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
     run_dir.claim(workdir, run)
     log(describe_attention(model, train_cfg.seq_len, target.platform_name(devices[0])))
 
-    source = (_corpus_data if run.task is None else _task_data)(run, workdir, log)
+    source = (_corpus_data if run.task is None else
+              _chat_data if run.task.kind == CHAT else _task_data)(run, workdir, log)
     iterator, val = source.train, source.val
 
     checkpoints = run_dir.Checkpoints(workdir, train_cfg)
@@ -170,7 +174,7 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
                         record.update(val_metrics)
                         say(f"step {step}: " + " ".join(
                             f"{k} {v:.4f}" for k, v in val_metrics.items()
-                            if run.task is not None or k == "val_ppl"
+                            if _task_head(run.task) or k == "val_ppl"
                             or k.startswith("val_loss")))
                     metrics.write(step, record)
                     bar.update(1)
@@ -358,8 +362,12 @@ def jitted_programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh) -> Jit
     start_state = initializer(run, mesh)
     replicated = sharding.replicated(mesh)
     batch_sharding = sharding.batch_sharding(mesh, run.mesh, ndim=1)  # rows of every leaf
+    B, T = run.train.batch_size, run.train.seq_len
     if run.task is None:
-        batch = jax.ShapeDtypeStruct((run.train.batch_size, run.train.seq_len + 1), jnp.int32)
+        batch = jax.ShapeDtypeStruct((B, T + 1), jnp.int32)
+    elif run.task.kind == CHAT:
+        batch = {name: jax.ShapeDtypeStruct((B, T), dtype)
+                 for name, dtype in conversations.ROW_FIELDS.items()}
     else:
         batch = tasks.abstract_batch(run)
     batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
@@ -423,7 +431,7 @@ def _validation(evaluate, params, groups: dict[str, list], sharding: NamedShardi
     (a mixture's sources; one group otherwise): the mean loss and perplexity over all of them
     (language modelling: with the blocks' statistics, `model.aux_metrics`, the MoE's drops,
     loads and router entropy) and, for a mixture, each source's `val_loss_NAME` and
-    `val_ppl_NAME`; or the task's metrics (nn/heads.py)."""
+    `val_ppl_NAME`; or a task head's metrics (nn/heads.py)."""
     sums = aux = None
     per_group = {}
     for name, group_batches in groups.items():
@@ -435,7 +443,7 @@ def _validation(evaluate, params, groups: dict[str, list], sharding: NamedShardi
             aux = batch_aux if aux is None else jax.tree.map(np.add, aux, batch_aux)
         per_group[name] = group
         sums = group if sums is None else jax.tree.map(np.add, sums, group)
-    if task is not None:
+    if _task_head(task):
         return {f"val_{k}": v for k, v in task_metrics(task.kind, sums).items()}
     out = _loss_metrics(sums, "")
     for name, group in per_group.items() if len(per_group) > 1 else ():
@@ -510,6 +518,42 @@ def _task_data(run: RunConfig, workdir: Path, log: Callable[[str], None]) -> _So
     return _Source(train=task_data.train_batches(train_examples, seed=train_cfg.seed, **shape),
                    val={"task": task_data.val_batches(val_examples, **shape)},
                    bos_id=tokenizer.bos_id)
+
+
+def _chat_data(run: RunConfig, workdir: Path, log: Callable[[str], None]) -> _Source:
+    """Chat fine-tuning: conversations rendered by the init_from checkpoint's chat template
+    (else ChatML), the template and tokenizer kept in the workdir (a checkpoint of the run
+    chats as it was trained), packed into rows (data/conversations.py)."""
+    task, train_cfg = run.task, run.train
+    tokenizer = finetune.run_tokenizer(dataclasses.asdict(run.data), run.init_from, "chat run")
+    keep_tokenizer(tokenizer.path, workdir)
+    template = conversations.chat_template_for(run.init_from)
+    write_atomically(workdir / CHAT_TEMPLATE_FILE, template.text)
+    read = functools.partial(conversations.read_conversations, template=template,
+                             tokenizer=tokenizer, seq_len=train_cfg.seq_len,
+                             truncate=task.truncate)
+    chats = read(task.train)
+    train_chats, val_chats = (conversations.split(chats, task.val_fraction) if task.val is None
+                              else (chats, read(task.val)))
+    # a row's padding is unscored and unseen by the rest: any token does; an end of sequence
+    rows = {name: conversations.pack(c, train_cfg.seq_len, task.packing, tokenizer.eos_ids[0])
+            for name, c in (("train", train_chats), ("val", val_chats))}
+    truncated = sum(c.truncated for c in train_chats + val_chats)
+    log(f"task chat ({template.source}): {len(train_chats)} training conversations in "
+        f"{len(rows['train']['inputs_BT'])} rows of {train_cfg.seq_len}, {len(val_chats)} "
+        f"validation ({task.val or f'held out of {task.train}'}); {truncated} cut to "
+        f"train.seq_len + 1 = {train_cfg.seq_len + 1} tokens")
+    processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    return _Source(train=conversations.train_batches(rows["train"], train_cfg.batch_size,
+                                                     train_cfg.seed, **processes),
+                   val={"chat": conversations.val_batches(rows["val"], train_cfg.batch_size,
+                                                          **processes)},
+                   bos_id=tokenizer.bos_id)
+
+
+def _task_head(task: TaskConfig | None) -> bool:
+    """Whether the run trains a task head (its metrics), not a language model."""
+    return task is not None and task.kind != CHAT
 
 
 @contextlib.contextmanager
