@@ -15,6 +15,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from llama_jax.nn.lora import delta as lora_delta, is_lora
 from llama_jax.quant import Int8, is_int8
 from llama_jax.parallel import target
 
@@ -152,6 +153,10 @@ def dense(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
     lhs, rhs = inputs.split(",")
     n_in = len(set(lhs) & set(rhs))
     assert lhs[-n_in:] == rhs[:n_in] and out == lhs[:-n_in] + rhs[n_in:], equation
+    if is_lora(w):  # a low-rank adapter beside the frozen weight (lora.py)
+        y = dense(equation, x, w.base)
+        x_MK = x.reshape(-1, math.prod(x.shape[x.ndim - n_in:]))
+        return (y + lora_delta(x_MK, w).reshape(y.shape)).astype(y.dtype)
     return row_tiled(lambda x: _dense(equation, x, w, n_in), x, n_in)
 
 

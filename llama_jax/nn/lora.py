@@ -1,0 +1,174 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021) on the model's matmul weights.
+
+A target weight `W` (any of the layers' dense weights, e.g. attention's wq/wk/wv/wo and the
+MLP's w_gate/w_up/w_down, float or int8) is replaced in the parameter tree by `Lora(W, A, B,
+scale)`, which the matmuls (`ops.dense`) compute as
+
+    x·W + scale · (x·A)·B,    scale = alpha / rank,
+
+`A` over W's contracted axes and the rank (`[K.., r]`, PEFT's `lora_A` transposed), `B` over
+the rank and W's output axes (`[r, N..]`, PEFT's `lora_B`). W is never widened, copied or
+merged while training: the adapters' path costs 2·r·(K + N) FLOPs per token against W's 2·K·N.
+`A` is initialised at random (Kaiming-uniform, as PEFT) and `B` at zero, so a fresh adapter
+computes exactly the base model (the delta is an exact zero). Stacked weights `[L, ..]` get
+stacked adapters `[L, ..]`: the layer scan slices them with their weights.
+
+`with_adapters(params, adapters)` puts them in place (the adapters are a tree beside the
+parameters, `{path: {"a", "b"}}`, what training differentiates and checkpoints);
+`merged(params)` folds them into plain weights (W + scale·A·B) for decoding and export.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from llama_jax.errors import ConfigError
+from llama_jax.quant import Int8, is_int8
+
+
+@struct.dataclass
+class Lora:
+    """A frozen weight and its low-rank adapter (see the module doc)."""
+
+    base: jax.Array | Int8
+    a: jax.Array  # [K.., r]: W's contracted (input) axes, then the rank
+    b: jax.Array  # [r, N..]: the rank, then W's output axes
+    scale: float = struct.field(pytree_node=False)  # alpha / rank
+    n_in: int = struct.field(pytree_node=False, default=1)  # W's contracted axes
+
+
+def is_lora(w: Any) -> bool:
+    return isinstance(w, Lora)
+
+
+def delta(x_MK: jax.Array, w: Lora) -> jax.Array:
+    """scale · (x·A)·B for rows `x_MK` of W's contracted size: `[M, N]` in fp32."""
+    r = w.a.shape[-1]
+    a_Kr = w.a.reshape(-1, r).astype(x_MK.dtype)
+    b_rN = w.b.reshape(r, -1).astype(x_MK.dtype)
+    x_Mr = jnp.einsum("MK,Kr->Mr", x_MK, a_Kr, preferred_element_type=jnp.float32)
+    return w.scale * jnp.einsum("Mr,rN->MN", x_Mr.astype(x_MK.dtype), b_rN,
+                                preferred_element_type=jnp.float32)
+
+
+def target_paths(params: dict, targets: Sequence[str]) -> list[str]:
+    """The paths ("GROUP/BLOCK/NAME" into `params["groups"]`, "GROUP/LAYER/BLOCK/NAME" for
+    per-layer weights) of every layer's weights named `targets`; a ConfigError names a target
+    the layers do not have."""
+    paths, found = [], set()
+    for g, group in enumerate(params["groups"]):
+        groups = group if isinstance(group, tuple) else (group,)
+        for layer, tree in enumerate(groups):
+            for block, tensors in tree.items():
+                for name in tensors if isinstance(tensors, dict) else ():
+                    if name in targets:
+                        found.add(name)
+                        prefix = f"{g}/{layer}" if isinstance(group, tuple) else f"{g}"
+                        paths.append(f"{prefix}/{block}/{name}")
+    missing = [t for t in targets if t not in found]
+    if missing:
+        raise ConfigError(f"lora.targets: {', '.join(map(repr, missing))} is not a weight of the "
+                          "model's layers (they have "
+                          f"{', '.join(sorted(_names(params)))})")
+    return paths
+
+
+def _names(params: dict) -> set[str]:
+    group = params["groups"][0]
+    tree = group[0] if isinstance(group, tuple) else group
+    return {name for tensors in tree.values() if isinstance(tensors, dict) for name in tensors}
+
+
+def init_adapters(params: dict, specs: dict, targets: Sequence[str], rank: int,
+                  key: jax.Array, dtype=jnp.float32) -> dict:
+    """Fresh adapters for `targets`: `{path: {"a", "b"}}` (`target_paths`), A uniform in
+    ±1/√K (PEFT's Kaiming-uniform bound over W's K contracted inputs), B zero. `specs` are the
+    parameters' TensorSpecs (model.params.param_specs): a target must be a matmul weight (its
+    spec names the axes its matmul contracts)."""
+    if rank < 1:
+        raise ConfigError(f"lora.rank={rank} must be >= 1")
+    adapters = {}
+    for i, path in enumerate(target_paths(params, targets)):
+        spec, w = _at(specs, path, stacked_specs=True), _at(params, path)
+        if not spec.contract:
+            raise ConfigError(f"lora.targets: {path.rsplit('/', 1)[1]!r} is not a matmul "
+                              "weight")
+        lead = _stacked(path)
+        shape = (w.values if is_int8(w) else w).shape
+        n_in = len(spec.contract)
+        inputs, outputs = shape[lead:lead + n_in], shape[lead + n_in:]
+        bound = 1.0 / math.sqrt(math.prod(inputs))
+        adapters[path] = {
+            "a": jax.random.uniform(jax.random.fold_in(key, i), (*shape[:lead], *inputs, rank),
+                                    dtype, -bound, bound),
+            "b": jnp.zeros((*shape[:lead], rank, *outputs), dtype)}
+    return adapters
+
+
+def with_adapters(params: dict, adapters: dict, scale: float) -> dict:
+    """`params` with each adapted weight replaced by `Lora(W, A, B, scale)`."""
+    groups = [_thaw(g) for g in params["groups"]]
+    for path, ab in adapters.items():
+        *keys, name = [int(k) if k.isdigit() else k for k in path.split("/")]
+        parent = groups[keys[0]]
+        for key in keys[1:]:
+            parent = parent[key]
+        n_in = ab["a"].ndim - 1 - _stacked(path)
+        parent[name] = Lora(parent[name], ab["a"], ab["b"], scale, n_in)
+    return {**params, "groups": tuple(_freeze(g) for g in groups)}
+
+
+def merged(params: dict) -> dict:
+    """`params` with every `Lora` folded into its weight: W + scale·A·B in fp32, then in W's
+    dtype (an int8 weight's sum is its scales' float dtype: the sum is not int8)."""
+    def fold(w):
+        if not is_lora(w):
+            return w
+        base = w.base.values * w.base.scale if is_int8(w.base) else w.base
+        lead = w.a.ndim - 1 - w.n_in  # a stacked group's layers' axis
+        r = w.a.shape[-1]
+        a = w.a.reshape(*w.a.shape[:lead], -1, r).astype(jnp.float32)
+        b = w.b.reshape(*w.b.shape[:lead + 1], -1).astype(jnp.float32)
+        ab = jnp.einsum("...kr,...rn->...kn", a, b, precision=jax.lax.Precision.HIGHEST)
+        total = base.astype(jnp.float32) + w.scale * ab.reshape(base.shape)
+        return total.astype(base.dtype)
+    return jax.tree.map(fold, params, is_leaf=is_lora)
+
+
+def _stacked(path: str) -> int:
+    """1 for a scanned group's weight ("GROUP/BLOCK/NAME": `[L, ..]`), 0 for a layer's own."""
+    return int(path.count("/") == 2)
+
+
+def _at(params: dict, path: str, stacked_specs: bool = False):
+    """The leaf at `path`; in a stacked group's specs (`stacked_specs`) a per-layer path's
+    layer index is skipped (one spec describes every layer)."""
+    node = params["groups"]
+    keys = path.split("/")
+    if stacked_specs and len(keys) == 4:
+        keys = keys[:1] + keys[2:]
+    for key in keys:
+        node = node[int(key) if key.isdigit() else key]
+    return node
+
+
+def _thaw(tree):
+    """A mutable copy of a group's nested dicts (or a tuple of per-layer trees)."""
+    if isinstance(tree, tuple):
+        return [_thaw(t) for t in tree]
+    if isinstance(tree, dict):
+        return {k: _thaw(v) for k, v in tree.items()}
+    return tree
+
+
+def _freeze(tree):
+    if isinstance(tree, list):
+        return tuple(_freeze(t) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _freeze(v) for k, v in tree.items()}
+    return tree

@@ -1,0 +1,108 @@
+"""Low-rank adapters (nn/lora.py): a matmul with an adapter is W plus (alpha/rank)·A·B against
+float64; a fresh adapter (B = 0) computes the base model bit for bit, float or int8; the
+model with adapters is the model with them merged; their gradients are the merged weight's
+gradient through A·B; bad targets are named."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llama_jax.errors import ConfigError
+from llama_jax.model.params import param_specs, quantize_params
+from llama_jax.model.transformer import forward
+from llama_jax.nn.lora import Lora, init_adapters, merged, with_adapters
+from llama_jax.nn.ops import dense
+from models import TINY, prompts, random_params
+
+TARGETS = ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"]
+
+
+def f64(x) -> np.ndarray:
+    return np.asarray(x, np.float64)
+
+
+@pytest.mark.parametrize("equation, w_shape, n_in", [
+    ("BTD,DNH->BTNH", (16, 4, 8), 1), ("BTNH,NHD->BTD", (4, 8, 16), 2)])
+def test_a_matmul_with_an_adapter_is_the_weight_plus_its_low_rank_product(equation, w_shape,
+                                                                          n_in):
+    rng = np.random.default_rng(0)
+    r, scale = 3, 2.5
+    x = rng.standard_normal((2, 5, *w_shape[:n_in]))
+    w, a, b = (rng.standard_normal(s) for s in (w_shape, (*w_shape[:n_in], r),
+                                                (r, *w_shape[n_in:])))
+    got = dense(equation, jnp.asarray(x, jnp.float32),
+                Lora(*(jnp.asarray(v, jnp.float32) for v in (w, a, b)), scale, n_in))
+    K, N = np.prod(w_shape[:n_in]), np.prod(w_shape[n_in:])
+    w_eff = w.reshape(K, N) + scale * a.reshape(K, r) @ b.reshape(r, N)
+    want = (x.reshape(-1, K) @ w_eff).reshape(*x.shape[:2], *w_shape[n_in:])
+    np.testing.assert_allclose(f64(got), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def base():
+    return random_params({"m": TINY})["m"]
+
+
+def adapters_for(params, key=0, b_scale=0.0):
+    """Adapters on every target, B drawn at random (× b_scale: 0 is a fresh adapter)."""
+    adapters = init_adapters(params, param_specs(TINY), TARGETS, 4, jax.random.key(key))
+    rng = np.random.default_rng(key)
+    return {p: {"a": ab["a"], "b": jnp.asarray(b_scale * rng.standard_normal(ab["b"].shape),
+                                               jnp.float32)} for p, ab in adapters.items()}
+
+
+def test_a_fresh_adapter_computes_the_base_model_bit_for_bit(base):
+    tokens = jnp.asarray(prompts([12, 12], seed=1))
+    for config, params in ((TINY, base), quantize_params(TINY, base)):
+        adapted = with_adapters(params, adapters_for(params), scale=2.0)
+        np.testing.assert_array_equal(np.asarray(forward(config, adapted, tokens)),
+                                      np.asarray(forward(config, params, tokens)))
+
+
+def test_the_model_with_adapters_is_the_model_with_them_merged(base):
+    tokens = jnp.asarray(prompts([12, 12], seed=2))
+    adapted = with_adapters(base, adapters_for(base, b_scale=0.05), scale=2.0)
+    with_lora = f64(forward(TINY, adapted, tokens))
+    folded = f64(forward(TINY, merged(adapted), tokens))
+    plain = f64(forward(TINY, base, tokens))
+    np.testing.assert_allclose(with_lora, folded, rtol=1e-4, atol=1e-4)
+    assert np.abs(with_lora - plain).max() > 1e-2  # the adapters change the model
+
+
+def test_adapter_gradients_are_the_merged_weights_gradient_through_a_and_b(base):
+    """dL/dA = s·dL/dW·Bᵀ and dL/dB = s·Aᵀ·dL/dW at W + s·A·B, for a stacked weight: only A
+    and B are differentiated (the base is a constant of the loss)."""
+    tokens = jnp.asarray(prompts([12, 12], seed=3))
+    adapters = adapters_for(base, b_scale=0.05)
+    s = 2.0
+
+    def loss_of_adapters(ad):
+        return jnp.sum(forward(TINY, with_adapters(base, ad, s), tokens) ** 2) * 1e-3
+
+    grads = jax.grad(loss_of_adapters)(adapters)
+    path = "0/attn/wq"  # [L, D, N, H]: contracts D
+    folded = merged(with_adapters(base, adapters, s))
+
+    def loss_of_weight(w):
+        params = {**folded, "groups": ({**folded["groups"][0], "attn": {
+            **folded["groups"][0]["attn"], "wq": w}},)}
+        return jnp.sum(forward(TINY, params, tokens) ** 2) * 1e-3
+
+    g_w = f64(jax.grad(loss_of_weight)(folded["groups"][0]["attn"]["wq"]))  # [L, D, N, H]
+    a, b = f64(adapters[path]["a"]), f64(adapters[path]["b"])  # [L, D, r], [L, r, N, H]
+    np.testing.assert_allclose(f64(grads[path]["a"]),
+                               s * np.einsum("ldnh,lrnh->ldr", g_w, b), rtol=2e-3, atol=2e-6)
+    np.testing.assert_allclose(f64(grads[path]["b"]),
+                               s * np.einsum("ldr,ldnh->lrnh", a, g_w), rtol=2e-3, atol=2e-6)
+
+
+def test_bad_targets_and_ranks_are_named(base):
+    specs = param_specs(TINY)
+    with pytest.raises(ConfigError, match=r"lora.targets: 'w1' is not a weight of the model's "
+                                          r"layers \(they have scale, w_down, w_gate"):
+        init_adapters(base, specs, ["wq", "w1"], 4, jax.random.key(0))
+    with pytest.raises(ConfigError, match=r"'scale' is not a matmul weight"):
+        init_adapters(base, specs, ["scale"], 4, jax.random.key(0))
+    with pytest.raises(ConfigError, match=r"lora.rank=0 must be >= 1"):
+        init_adapters(base, specs, ["wq"], 0, jax.random.key(0))
