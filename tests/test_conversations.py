@@ -196,35 +196,59 @@ def chats(path, n: int, seed: int) -> str:
     return write(path, records)
 
 
-def test_a_chat_run_learns_its_conversations_and_keeps_its_format(tmp_path):
-    """A chat fine-tuning run (`task: {kind: chat}`) from a checkpoint without a chat
-    template: it learns the answers (validation loss on the assistant's tokens falls far
-    below the untrained model's), and its workdir keeps the ChatML template it was trained
-    in and the tokenizer, so a checkpoint of it chats in that format."""
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory):
+    """A chat fine-tuning run of 60 steps from a tiny checkpoint without a chat template, and
+    the same run's model untrained (one step at a negligible learning rate)."""
     import yaml
 
     from checkpoints import tiny_checkpoint_with_tokenizer
-    from llama_jax.data.chat_template import load_chat_template
     from llama_jax.training import finetune, trainer
 
-    pretrained = tiny_checkpoint_with_tokenizer(tmp_path / "lm")
+    root = tmp_path_factory.mktemp("chat")
+    pretrained = tiny_checkpoint_with_tokenizer(root / "lm")
     tree = {"init_from": str(pretrained),
-            "task": {"kind": "chat", "train": chats(tmp_path / "train.jsonl", 96, 0),
-                     "val": chats(tmp_path / "val.jsonl", 16, 1)},
+            "task": {"kind": "chat", "train": chats(root / "train.jsonl", 96, 0),
+                     "val": chats(root / "val.jsonl", 16, 1)},
             "train": {"seq_len": 256, "batch_size": 8, "steps": 60, "learning_rate": 3e-3,
                       "warmup_steps": 5, "log_every": 10, "eval_every": 60,
                       "checkpoint_every": 60}}
-    (tmp_path / "chat.yaml").write_text(yaml.safe_dump(tree))
-    run = finetune.load_run_config(tmp_path / "chat.yaml")
-    assert run.model.head == "lm" and run.task.packing and not run.task.truncate
+    (root / "chat.yaml").write_text(yaml.safe_dump(tree))
+    run = finetune.load_run_config(root / "chat.yaml")
     logged = []
     untrained = trainer.train(dataclasses.replace(run, train=dataclasses.replace(
         run.train, steps=1, learning_rate=1e-9, warmup_steps=0, eval_every=1)),
-        tmp_path / "untrained", log=logged.append, progress=False)
-    outcome = trainer.train(run, tmp_path / "run", log=logged.append, progress=False)
+        root / "untrained", log=logged.append, progress=False)
+    outcome = trainer.train(run, root / "run", log=logged.append, progress=False)
+    return run, root, outcome, untrained, logged
+
+
+def test_a_chat_run_learns_its_conversations_and_keeps_its_format(chat_run):
+    """`task: {kind: chat}` from a checkpoint without a chat template: the run learns the
+    answers (validation loss on the assistant's tokens far below the untrained model's), and
+    its workdir keeps the ChatML template it was trained in and the tokenizer, so a
+    checkpoint of it chats in that format."""
+    from llama_jax.data.chat_template import load_chat_template
+
+    run, root, outcome, untrained, logged = chat_run
+    assert run.model.head == "lm" and run.task.packing and not run.task.truncate
     assert any("task chat (ChatML" in line and "96 training conversations" in line
                for line in logged), logged
     assert outcome.val_loss < 0.6 * untrained.val_loss, (outcome.val_loss, untrained.val_loss)
-    assert load_chat_template(tmp_path / "run").text == load_chat_template(
-        tmp_path / "untrained").text
-    assert "<|im_start|>" in load_chat_template(tmp_path / "run").text
+    assert "<|im_start|>" in load_chat_template(root / "run").text
+    assert (root / "run" / "tokenizer.model").is_file()
+
+
+def test_a_chat_run_resumes_exactly(chat_run):
+    """Stopped at step 30 and resumed: the same parameters as the run that went on."""
+    import chex
+
+    from llama_jax.training import trainer
+
+    run, root, _, _, _ = chat_run
+    first = trainer.train(run, root / "resumed", stop_at=30, log=lambda _: None,
+                          progress=False)
+    assert first.stopped_by == "stop_at"
+    trainer.train(run, root / "resumed", log=lambda _: None, progress=False)
+    chex.assert_trees_all_equal(llama_jax.load_checkpoint(root / "resumed")[1],
+                                llama_jax.load_checkpoint(root / "run")[1])

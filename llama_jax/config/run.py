@@ -326,6 +326,9 @@ class RunConfig:
             out["task"] = dataclasses.asdict(self.task)
             if isinstance(self.task.labels, tuple):
                 out["task"]["labels"] = list(self.task.labels)
+            if self.task.kind != CHAT:  # a task head run's file is as before chat runs
+                for name in ("packing", "truncate"):
+                    del out["task"][name]
         if self.init_from is not None:
             out["init_from"] = self.init_from
         return out
