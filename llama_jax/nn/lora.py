@@ -14,8 +14,9 @@ computes exactly the base model (the delta is an exact zero). Stacked weights `[
 stacked adapters `[L, ..]`: the layer scan slices them with their weights.
 
 `with_adapters(params, adapters)` puts them in place (the adapters are a tree beside the
-parameters, `{path: {"a", "b"}}`, what training differentiates and checkpoints);
-`merged(params)` folds them into plain weights (W + scale·A·B) for decoding and export.
+parameters, `{path: {"a", "b"}}`: a loss of `with_adapters(base, adapters)` differentiated by
+the adapters never computes a gradient for the base); `merged(params)` folds them into plain
+weights (W + scale·A·B) for decoding and export.
 """
 
 from __future__ import annotations
