@@ -19,6 +19,8 @@ in a row in file order, a conversation that does not fit the row's rest starting
 each has a segment id of its own (attention never crosses conversations) and positions from
 0; the rest of a row is padding (segment 0, unscored). Unpacked, each row holds one. A
 conversation longer than a row is refused (`truncate: false`, naming the line) or cut to it.
+Validation held out of the training file (`split`) is chosen by each conversation's `id`,
+else its messages, never by where it sits; batches are grain's, as pretraining's.
 """
 
 from __future__ import annotations
