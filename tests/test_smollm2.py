@@ -79,3 +79,21 @@ def test_make_chat_answers_on_stdin(gguf_file):
                             text=True, timeout=600, env={**os.environ, "PYTHON": sys.executable})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Paris" in result.stdout
+
+
+def test_a_smollm2_conversation_for_fine_tuning_is_transformers_tokens(gguf_file, reference):
+    """A conversation in SmolLM2's own template as chat fine-tuning reads it
+    (data/conversations.py): the ids transformers' `apply_chat_template(tokenize=True)` gives
+    the whole conversation, the assistant's tokens each answer and its `<|im_end|>\\n`."""
+    from llama_jax.data.conversations import encode
+
+    conversation = [*QUESTION, {"role": "assistant", "content": "Paris."},
+                    {"role": "user", "content": "And of Italy? ¿Y España?"},
+                    {"role": "assistant", "content": "Rome; Madrid."}]
+    tokenizer = load_tokenizer(gguf_file)
+    ours = encode(load_chat_template(gguf_file), tokenizer, conversation)
+    theirs = reference[1].apply_chat_template(conversation, tokenize=True, return_dict=True,
+                                              add_generation_prompt=False)["input_ids"]
+    assert ours.tokens.tolist() == list(theirs)
+    assistant = reference[1].decode(ours.tokens[ours.assistant].tolist())
+    assert assistant == "Paris.<|im_end|>\nRome; Madrid.<|im_end|>\n"
