@@ -36,7 +36,7 @@ import numpy as np
 from llama_jax.data.batches import shuffled_batches
 from llama_jax.data.chat import encode_with_special_tokens
 from llama_jax.data.chat_template import ChatTemplate, load_chat_template
-from llama_jax.data.documents import jsonl_records, record_key, unit_hash
+from llama_jax.data.documents import held_out_keys, jsonl_records, record_key
 from llama_jax.data.tokenizer import Tokenizer
 from llama_jax.errors import DataError, GenerateError
 
@@ -192,13 +192,11 @@ def pack(conversations: Sequence[Conversation], seq_len: int, packing: bool, pad
 def split(conversations: list[Conversation], val_fraction: float
           ) -> tuple[list[Conversation], list[Conversation]]:
     """(training, validation) conversations: those whose key hashes below `val_fraction`
-    held out, at least one each way (data/tasks.py's rule, by conversation)."""
-    keys = sorted({c.key for c in conversations}, key=unit_hash)
-    if len(keys) < 2:
+    held out, at least one each way (`documents.held_out_keys`)."""
+    held_out = held_out_keys((c.key for c in conversations), val_fraction)
+    if held_out is None:
         raise DataError(f"{len(conversations)} conversation(s): need at least two to hold one "
                         "out for validation (or give task.val)")
-    n_val = min(max(1, sum(unit_hash(k) < val_fraction for k in keys)), len(keys) - 1)
-    held_out = set(keys[:n_val])
     return ([c for c in conversations if c.key not in held_out],
             [c for c in conversations if c.key in held_out])
 

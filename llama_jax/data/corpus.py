@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from llama_jax.config import DEFAULT_CORPUS, DataConfig
-from llama_jax.data.documents import files_of, unit_hash
+from llama_jax.data.documents import files_of, held_out_keys, unit_hash
 from llama_jax.data.prepare import prepare
 from llama_jax.data.shards import (FORMAT_VERSION, ShardedTokens, is_prepared, open_prepared,
                                    sha256)
@@ -57,10 +57,9 @@ def find_corpus(spec: str, val_fraction: float) -> Corpus:
     if len(files) < 2:
         raise DataError(f"corpus {spec!r}: found {len(files)} file(s); need at least two "
                         "documents (one file each) to hold one out for validation")
-    ranked = sorted(files, key=lambda f: unit_hash(f.relative_to(root).as_posix()))
-    n_val = max(1, sum(unit_hash(f.relative_to(root).as_posix()) < val_fraction for f in files))
-    n_val = min(n_val, len(files) - 1)
-    return Corpus(root=root, train=tuple(sorted(ranked[n_val:])), val=tuple(sorted(ranked[:n_val])))
+    held_out = held_out_keys((f.relative_to(root).as_posix() for f in files), val_fraction)
+    val = [f for f in files if f.relative_to(root).as_posix() in held_out]
+    return Corpus(root=root, train=tuple(sorted(set(files) - set(val))), val=tuple(sorted(val)))
 
 
 def read_document(path: Path) -> str:

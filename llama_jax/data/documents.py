@@ -29,7 +29,7 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from llama_jax.errors import DataError
 
@@ -42,6 +42,17 @@ BAD_KINDS = ("not_json", "no_text", "not_utf8")  # what a prepare may skip, by k
 def unit_hash(name: str) -> float:
     """A stable pseudo-random number in [0, 1) for a document name."""
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") / 2 ** 64
+
+
+def held_out_keys(keys: Iterable[str], val_fraction: float) -> set[str] | None:
+    """The keys a split holds out for validation: those whose `unit_hash` is below
+    `val_fraction`, at least one and never all; None when there are fewer than two keys (no
+    split leaves one on each side)."""
+    ranked = sorted(set(keys), key=unit_hash)
+    if len(ranked) < 2:
+        return None
+    n_val = min(max(1, sum(unit_hash(k) < val_fraction for k in ranked)), len(ranked) - 1)
+    return set(ranked[:n_val])
 
 
 def record_key(record_id: object, text: str) -> str:

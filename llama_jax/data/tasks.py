@@ -32,7 +32,7 @@ import numpy as np
 
 from llama_jax.config import ModelConfig, TaskConfig
 from llama_jax.data.batches import shuffled_batches
-from llama_jax.data.documents import jsonl_records, unit_hash
+from llama_jax.data.documents import held_out_keys, jsonl_records
 from llama_jax.errors import DataError
 from llama_jax.data.tokenizer import Tokenizer
 from llama_jax.nn.heads import HEADS
@@ -138,12 +138,11 @@ def split(examples: list[dict[str, Any]], val_fraction: float
           ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(train, validation): a group goes to validation when its hash is below val_fraction;
     at least one group on each side."""
-    groups = sorted({e["group"] for e in examples}, key=unit_hash)
-    if len(groups) < 2:
-        raise DataError(f"{len(examples)} example(s) in {len(groups)} group: need at least two "
+    held_out = held_out_keys((e["group"] for e in examples), val_fraction)
+    if held_out is None:
+        groups = len({e["group"] for e in examples})
+        raise DataError(f"{len(examples)} example(s) in {groups} group: need at least two "
                         "to hold one out for validation (or give task.val)")
-    n_val = min(max(1, sum(unit_hash(g) < val_fraction for g in groups)), len(groups) - 1)
-    held_out = set(groups[:n_val])
     return ([e for e in examples if e["group"] not in held_out],
             [e for e in examples if e["group"] in held_out])
 
