@@ -11,13 +11,13 @@ import dataclasses
 from typing import Sequence
 
 import jax
-import numpy as np
 
 from llama_jax.decode.batching import chunk_pages, chunk_plan
 from llama_jax.decode.rows import Emitted
 from llama_jax.serve.allocator import Allocator, Demands
 from llama_jax.serve.programs import Programs
 from llama_jax.serve.requests import Request
+from llama_jax.shapes import padded_row
 
 
 @dataclasses.dataclass(eq=False)
@@ -85,14 +85,9 @@ class PrefillQueue:
         cache if it is a full chunk the cache lacks; returns its length."""
         start, L = job.chunks.popleft()
         prompt = job.prompt
-        tokens_1L = np.zeros((1, L), np.int32)
         real = prompt[start:start + L]
-        tokens_1L[0, :len(real)] = real
-        next_1L = None
-        if job.scoring:
-            following = prompt[start + 1:start + L + 1]
-            next_1L = np.zeros((1, L), np.int32)
-            next_1L[0, :len(following)] = following
+        tokens_1L = padded_row(real, L)
+        next_1L = padded_row(prompt[start + 1:start + L + 1], L) if job.scoring else None
         pages_1N = self.allocator.tables.array([job],
                                                chunk_pages(start, L, self.shape.page_size))
         self.counters["prefill_chunks"] += 1

@@ -23,6 +23,7 @@ from llama_jax.decode.speculate import Speculation
 from llama_jax.model.kv_cache import NO_PAGE
 from llama_jax.model.params import Params
 from llama_jax.plan.serving import ServerShape
+from llama_jax.shapes import padded_row
 
 log = logging.getLogger("llama_jax.serve")
 
@@ -104,10 +105,8 @@ class Programs:
     def insert(self, b: int, logits_1V: jax.Array, prompt: Sequence[int], max_new: int,
                sampling: SamplingParams, key_1: jax.Array) -> Emitted:
         """A prefilled prompt into row `b`, with its first token."""
-        prompt_1S = None
-        if self.spec:  # the guesses read the row's tokens beside its cache
-            prompt_1S = np.zeros((1, self.shape.cache_len), np.int32)
-            prompt_1S[0, :len(prompt)] = prompt
+        # the guesses read the row's tokens beside its cache
+        prompt_1S = padded_row(prompt, self.shape.cache_len) if self.spec else None
         self.rows, first = self._run(batching.insert, self.rows, logits_1V, np.int32(b),
                                      np.int32(len(prompt)), np.int32(max_new), sampling, key_1,
                                      prompt_1S)
