@@ -10,7 +10,7 @@ import pytest
 
 from llama_jax.errors import ConfigError
 from llama_jax.model.params import param_specs, quantize_params
-from llama_jax.model.transformer import forward
+from llama_jax.model.transformer import forward, unstack_layers
 from llama_jax.nn.lora import Lora, init_adapters, merged, with_adapters
 from llama_jax.nn.ops import dense
 from models import TINY, prompts, random_params
@@ -60,8 +60,10 @@ def test_a_fresh_adapter_computes_the_base_model_bit_for_bit(base):
                                       np.asarray(forward(config, params, tokens)))
 
 
-def test_the_model_with_adapters_is_the_model_with_them_merged(base):
+@pytest.mark.parametrize("layout", ["stacked", "per_layer"])
+def test_the_model_with_adapters_is_the_model_with_them_merged(base, layout):
     tokens = jnp.asarray(prompts([12, 12], seed=2))
+    base = base if layout == "stacked" else unstack_layers(base)
     adapted = with_adapters(base, adapters_for(base, b_scale=0.05), scale=2.0)
     with_lora = f64(forward(TINY, adapted, tokens))
     folded = f64(forward(TINY, merged(adapted), tokens))

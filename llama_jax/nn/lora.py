@@ -30,6 +30,7 @@ from flax import struct
 
 from llama_jax.errors import ConfigError
 from llama_jax.quant import Int8, is_int8
+from llama_jax.spec import is_spec
 
 
 @struct.dataclass
@@ -61,28 +62,13 @@ def target_paths(params: dict, targets: Sequence[str]) -> list[str]:
     """The paths ("GROUP/BLOCK/NAME" into `params["groups"]`, "GROUP/LAYER/BLOCK/NAME" for
     per-layer weights) of every layer's weights named `targets`; a ConfigError names a target
     the layers do not have."""
-    paths, found = [], set()
-    for g, group in enumerate(params["groups"]):
-        groups = group if isinstance(group, tuple) else (group,)
-        for layer, tree in enumerate(groups):
-            for block, tensors in tree.items():
-                for name in tensors if isinstance(tensors, dict) else ():
-                    if name in targets:
-                        found.add(name)
-                        prefix = f"{g}/{layer}" if isinstance(group, tuple) else f"{g}"
-                        paths.append(f"{prefix}/{block}/{name}")
-    missing = [t for t in targets if t not in found]
+    paths = list(_leaves(params["groups"], is_int8))
+    names = {_name(p) for p in paths}
+    missing = [t for t in targets if t not in names]
     if missing:
         raise ConfigError(f"lora.targets: {', '.join(map(repr, missing))} is not a weight of the "
-                          "model's layers (they have "
-                          f"{', '.join(sorted(_names(params)))})")
-    return paths
-
-
-def _names(params: dict) -> set[str]:
-    group = params["groups"][0]
-    tree = group[0] if isinstance(group, tuple) else group
-    return {name for tensors in tree.values() if isinstance(tensors, dict) for name in tensors}
+                          f"model's layers (they have {', '.join(sorted(names))})")
+    return [p for p in paths if _name(p) in targets]
 
 
 def init_adapters(params: dict, specs: dict, targets: Sequence[str], rank: int,
@@ -93,11 +79,12 @@ def init_adapters(params: dict, specs: dict, targets: Sequence[str], rank: int,
     spec names the axes its matmul contracts)."""
     if rank < 1:
         raise ConfigError(f"lora.rank={rank} must be >= 1")
+    weights, specs = _leaves(params["groups"], is_int8), _leaves(specs["groups"], is_spec)
     adapters = {}
     for i, path in enumerate(target_paths(params, targets)):
-        spec, w = _at(specs, path, stacked_specs=True), _at(params, path)
+        w, spec = weights[path], specs[_spec_path(path)]
         if not spec.contract:
-            raise ConfigError(f"lora.targets: {path.rsplit('/', 1)[1]!r} is not a matmul "
+            raise ConfigError(f"lora.targets: {_name(path)!r} is not a matmul "
                               "weight")
         lead = _stacked(path)
         shape = (w.values if is_int8(w) else w).shape
@@ -113,15 +100,13 @@ def init_adapters(params: dict, specs: dict, targets: Sequence[str], rank: int,
 
 def with_adapters(params: dict, adapters: dict, scale: float) -> dict:
     """`params` with each adapted weight replaced by `Lora(W, A, B, scale)`."""
-    groups = [_thaw(g) for g in params["groups"]]
-    for path, ab in adapters.items():
-        *keys, name = [int(k) if k.isdigit() else k for k in path.split("/")]
-        parent = groups[keys[0]]
-        for key in keys[1:]:
-            parent = parent[key]
-        n_in = ab["a"].ndim - 1 - _stacked(path)
-        parent[name] = Lora(parent[name], ab["a"], ab["b"], scale, n_in)
-    return {**params, "groups": tuple(_freeze(g) for g in groups)}
+    def put(path, w):
+        ab = adapters.get(_path(path))
+        if ab is None:
+            return w
+        return Lora(w, ab["a"], ab["b"], scale, ab["a"].ndim - 1 - _stacked(_path(path)))
+    groups = jax.tree_util.tree_map_with_path(put, params["groups"], is_leaf=is_int8)
+    return {**params, "groups": groups}
 
 
 def merged(params: dict) -> dict:
@@ -146,30 +131,25 @@ def _stacked(path: str) -> int:
     return int(path.count("/") == 2)
 
 
-def _at(params: dict, path: str, stacked_specs: bool = False):
-    """The leaf at `path`; in a stacked group's specs (`stacked_specs`) a per-layer path's
-    layer index is skipped (one spec describes every layer)."""
-    node = params["groups"]
-    keys = path.split("/")
-    if stacked_specs and len(keys) == 4:
-        keys = keys[:1] + keys[2:]
-    for key in keys:
-        node = node[int(key) if key.isdigit() else key]
-    return node
+def _path(keys) -> str:
+    """A tree path of `params["groups"]` as "GROUP[/LAYER]/BLOCK/NAME"."""
+    return "/".join(str(k.idx if hasattr(k, "idx") else k.key) for k in keys)
 
 
-def _thaw(tree):
-    """A mutable copy of a group's nested dicts (or a tuple of per-layer trees)."""
-    if isinstance(tree, tuple):
-        return [_thaw(t) for t in tree]
-    if isinstance(tree, dict):
-        return {k: _thaw(v) for k, v in tree.items()}
-    return tree
+def _spec_path(path: str) -> str:
+    """The path of a weight's spec: a stacked group's spec describes each of its layers, so a
+    per-layer path ("GROUP/LAYER/BLOCK/NAME") drops its LAYER."""
+    if _stacked(path):
+        return path
+    group, _, *rest = path.split("/")
+    return "/".join([group, *rest])
 
 
-def _freeze(tree):
-    if isinstance(tree, list):
-        return tuple(_freeze(t) for t in tree)
-    if isinstance(tree, dict):
-        return {k: _freeze(v) for k, v in tree.items()}
-    return tree
+def _name(path: str) -> str:
+    return path.rsplit("/", 1)[1]
+
+
+def _leaves(groups, is_leaf) -> dict[str, Any]:
+    """The layer groups' leaves (`is_leaf`: an int8 weight or a spec is one) by path."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(groups, is_leaf=is_leaf)
+    return {_path(keys): leaf for keys, leaf in flat}
