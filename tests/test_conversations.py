@@ -252,3 +252,17 @@ def test_a_chat_run_resumes_exactly(chat_run):
     trainer.train(run, root / "resumed", log=lambda _: None, progress=False)
     chex.assert_trees_all_equal(llama_jax.load_checkpoint(root / "resumed")[1],
                                 llama_jax.load_checkpoint(root / "run")[1])
+
+
+def test_a_bad_chat_file_stops_the_run_before_its_tokenizer_and_template_are_kept(chat_run,
+                                                                                  tmp_path):
+    from llama_jax.training import trainer
+
+    run = chat_run[0]
+    bad = write(tmp_path / "bad.jsonl", [{"messages": MESSAGES}, {"messages": [
+        {"role": "user", "content": "x"}]}])
+    run = dataclasses.replace(run, task=dataclasses.replace(run.task, train=bad))
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: no assistant turn"):
+        trainer.train(run, tmp_path / "run", log=lambda _: None, progress=False)
+    assert not (tmp_path / "run" / "tokenizer.model").exists()
+    assert not (tmp_path / "run" / "chat_template.jinja").exists()

@@ -76,7 +76,7 @@ def check_messages(record: Any, where: str) -> tuple[list[dict], Any]:
     if not isinstance(record, dict) or not isinstance(record.get("messages"), list) \
             or not record["messages"]:
         raise DataError(f"{where}: no \"messages\" list (a line is {{\"messages\": "
-                        "[{\"role\": ..., \"content\": ...}, ...]}})")
+                        "[{\"role\": ..., \"content\": ...}, ...]})")
     for i, message in enumerate(record["messages"]):
         if not isinstance(message, dict) or "role" not in message:
             raise DataError(f"{where}: messages[{i}] is not a {{\"role\", \"content\"}} object")

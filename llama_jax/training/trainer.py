@@ -526,15 +526,15 @@ def _chat_data(run: RunConfig, workdir: Path, log: Callable[[str], None]) -> _So
     chats as it was trained), packed into rows (data/conversations.py)."""
     task, train_cfg = run.task, run.train
     tokenizer = finetune.run_tokenizer(dataclasses.asdict(run.data), run.init_from, "chat run")
-    keep_tokenizer(tokenizer.path, workdir)
     template = conversations.chat_template_for(run.init_from)
-    write_atomically(workdir / CHAT_TEMPLATE_FILE, template.text)
     read = functools.partial(conversations.read_conversations, template=template,
                              tokenizer=tokenizer, seq_len=train_cfg.seq_len,
                              truncate=task.truncate)
     chats = read(task.train)
     train_chats, val_chats = (conversations.split(chats, task.val_fraction) if task.val is None
                               else (chats, read(task.val)))
+    keep_tokenizer(tokenizer.path, workdir)  # once the data is read: bad data writes nothing
+    write_atomically(workdir / CHAT_TEMPLATE_FILE, template.text)
     # a row's padding is unscored and unseen by the rest: any token does; an end of sequence
     rows = {name: conversations.pack(c, train_cfg.seq_len, task.packing, tokenizer.eos_ids[0])
             for name, c in (("train", train_chats), ("val", val_chats))}
