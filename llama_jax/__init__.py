@@ -53,6 +53,7 @@ _API = {
     "ModelConfig": "config", "MoeConfig": "config", "MlaConfig": "config",
     "RopeScaling": "config", "RunConfig": "config", "TrainConfig": "config",
     "DataConfig": "config", "MeshConfig": "config", "TaskConfig": "config",
+    "LoraConfig": "config",
     "load_model_config": "config",
     "Params": "model.params", "init_params": "model.params", "param_specs": "model.params",
     "abstract_params": "model.params",

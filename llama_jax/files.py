@@ -28,6 +28,13 @@ def write_atomically(path: Path, data: bytes | str) -> None:
     os.replace(temp, path)
 
 
+def keep_file(path: Path, data: bytes) -> None:
+    """`write_atomically`, creating the directory, unless `path` already holds `data`."""
+    if not path.is_file() or path.read_bytes() != data:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, data)
+
+
 def check_new_directory(dst: Path) -> None:
     """`dst` may be written: it does not exist, or is an empty directory."""
     if dst.is_dir() and not any(dst.iterdir()):

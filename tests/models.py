@@ -65,3 +65,23 @@ def randomised_params(config, seed: int = 0):
 
 def _constant(leaf) -> bool:
     return leaf.std() == 0  # exactly the constant-initialised gains and biases
+
+
+def one_step_each_way(run, batch, frozen=lambda run, mesh: ()) -> list[tuple[dict, float]]:
+    """(trained tensors after one step, its loss) of `run` from the same initial state on one
+    device and on a data=2, fsdp=2, tensor=2 mesh of 8; `frozen(run, mesh)` gives the step's
+    further arguments (a LoRA run's base)."""
+    from llama_jax.parallel import sharding
+    from llama_jax.training import trainer
+
+    results = []
+    for mesh_config, devices in ((llama_jax.MeshConfig(data=1), jax.devices()[:1]),
+                                 (llama_jax.MeshConfig(data=2, fsdp=2, tensor=2), jax.devices())):
+        placed = dataclasses.replace(run, mesh=mesh_config)
+        mesh = sharding.make_mesh(mesh_config, devices)
+        programs = trainer.compile_programs(placed, 1, mesh, evaluate=False)
+        state, metrics = programs.step(programs.init(jax.random.key(0)),
+                                       jax.device_put(batch, programs.batch_sharding),
+                                       *frozen(placed, mesh))
+        results.append((jax.device_get(state.params), float(metrics["loss"])))
+    return results

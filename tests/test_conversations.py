@@ -5,7 +5,6 @@ that compute, conversation by conversation, what each computes alone."""
 
 import dataclasses
 import io
-import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +17,7 @@ from llama_jax.errors import DataError
 from llama_jax.model.transformer import forward
 
 from checkpoints import TEXT
+from chats import chats, write
 from models import TINY, random_params
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\n' + m.content + "
@@ -77,12 +77,6 @@ def test_the_assistants_tokens_are_its_turns_content_and_end(tokenizer, text):
     ids, mine = by_hand(tokenizer)
     assert conversation.tokens.tolist() == ids
     assert conversation.assistant.tolist() == mine
-
-
-def write(path, records) -> str:
-    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records)
-                    + "\n")
-    return str(path)
 
 
 @pytest.mark.parametrize("record, message", [
@@ -180,20 +174,6 @@ def test_the_chat_loss_counts_the_assistants_targets_only(tokenizer):
     assert scored.sum() == sum(c.assistant[1:].sum() for c in conversations) > 0
     assert float(sums["count"]) == scored.sum()
     np.testing.assert_allclose(float(sums["loss_sum"]), nll[scored].sum(), rtol=1e-5)
-
-
-def chats(path, n: int, seed: int) -> str:
-    """Conversations whose answer repeats the question's words backwards: learnable, and
-    only from the question (the answer's own tokens are what is scored)."""
-    rng = np.random.default_rng(seed)
-    words = sorted(set(" ".join(TEXT[:3]).replace(".", "").replace(";", "").split()))
-    records = []
-    for i in range(n):
-        asked = list(rng.choice(words, 4))
-        records.append({"id": f"{seed}-{i}", "messages": [
-            {"role": "user", "content": " ".join(asked)},
-            {"role": "assistant", "content": " ".join(asked[::-1])}]})
-    return write(path, records)
 
 
 @pytest.fixture(scope="module")

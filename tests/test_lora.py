@@ -108,3 +108,26 @@ def test_bad_targets_and_ranks_are_named(base):
         init_adapters(base, specs, ["scale"], 4, jax.random.key(0))
     with pytest.raises(ConfigError, match=r"lora.rank=0 must be >= 1"):
         init_adapters(base, specs, ["wq"], 0, jax.random.key(0))
+
+
+def test_adapter_dropout_masks_the_adapters_inputs_and_keeps_their_mean():
+    """With `dropout` p and a key, each input feature of the adapter's path is dropped with
+    probability p and the rest scaled by 1/(1-p): the output over many keys averages to the
+    undropped one, one key's output differs from it, and the base path is never dropped."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((6, 16)), jnp.float32)
+    w, a, b = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+               for s in ((16, 8), (16, 4), (4, 8)))
+    p, scale = 0.25, 2.0
+    plain = f64(dense("MK,KN->MN", x, Lora(w, a, b, scale)))
+    outs = np.stack([f64(dense("MK,KN->MN", x, Lora(w, a, b, scale, 1, jax.random.key(k), p)))
+                     for k in range(400)])
+    assert np.abs(outs[0] - plain).max() > 0.1
+    delta = plain - f64(x) @ f64(w)
+    # the mean of 400 masks: within a few standard errors of the undropped delta
+    np.testing.assert_allclose(outs.mean(0), plain, atol=0.15 * np.abs(delta).max())
+    same_key = f64(dense("MK,KN->MN", x, Lora(w, a, b, scale, 1, jax.random.key(0), p)))
+    np.testing.assert_array_equal(same_key, outs[0])
+    zero = Lora(w, a, jnp.zeros_like(b), scale, 1, jax.random.key(0), p)
+    np.testing.assert_allclose(f64(dense("MK,KN->MN", x, zero)), f64(x) @ f64(w), rtol=1e-5,
+                               atol=1e-5)

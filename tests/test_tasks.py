@@ -29,6 +29,7 @@ from llama_jax.model.transformer import hidden_states
 from llama_jax.spec import spec_leaves
 from llama_jax.model.params import flat_paths, param_specs
 from llama_jax.data.tokenizer import train_sentencepiece
+from models import one_step_each_way
 from reference import relative_error
 
 REPO = Path(__file__).resolve().parent.parent
@@ -350,16 +351,7 @@ def test_a_sharded_task_step_equals_the_single_device_step(finetuned):
     batch = task_data.val_batches(
         [{"tokens": t, "label": i % 3} for i, t in enumerate(_tokens(3, [5, 9, 16, 12] * 4))],
         "sequence_classification", 32, PAD, 16)[0]
-    results = []
-    for mesh_config, devices in ((llama_jax.MeshConfig(data=1), jax.devices()[:1]),
-                                 (llama_jax.MeshConfig(data=2, fsdp=2, tensor=2), None)):
-        sharded = dataclasses.replace(run, mesh=mesh_config)
-        mesh = sharding.make_mesh(mesh_config, devices or jax.devices())
-        programs = trainer.compile_programs(sharded, 1, mesh, evaluate=False)
-        state = programs.init(jax.random.key(0))
-        state, metrics = programs.step(state, trainer._on_devices(programs.batch_sharding,
-                                                                  batch))
-        results.append((jax.device_get(state.params), float(metrics["loss"])))
+    results = one_step_each_way(run, batch)
     (single, loss1), (multi, loss8) = results
     assert loss8 == pytest.approx(loss1, rel=1e-5)
     chex.assert_trees_all_close(multi, single, rtol=1e-4, atol=1e-6)

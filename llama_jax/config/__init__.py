@@ -11,12 +11,12 @@ from llama_jax.config.loading import (CONFIG_DIR, list_presets, load_config_tree
 from llama_jax.config.model import (MOE, QUANTIZATIONS, REMAT_POLICIES, ROPE_SCALING_FIELDS,
                                     MlaConfig, ModelConfig, MoeConfig, RopeScaling,
                                     default_ffn_dim)
-from llama_jax.config.run import (DEFAULT_CORPUS, DataConfig, MeshConfig, RunConfig, TaskConfig,
+from llama_jax.config.run import (DEFAULT_CORPUS, DataConfig, LoraConfig, MeshConfig, RunConfig, TaskConfig,
                                   TrainConfig, parse_mesh)
 
 __all__ = ["CACHE_DTYPES", "DTYPES", "cache_dtype_name", "dtype_name", "CONFIG_DIR",
            "list_presets", "load_config_tree", "load_model_config", "load_run_tree",
            "resolve_config_path", "MOE", "QUANTIZATIONS", "REMAT_POLICIES",
            "ROPE_SCALING_FIELDS", "MlaConfig", "ModelConfig", "MoeConfig", "RopeScaling",
-           "default_ffn_dim", "DEFAULT_CORPUS", "DataConfig", "MeshConfig", "RunConfig",
+           "default_ffn_dim", "DEFAULT_CORPUS", "DataConfig", "LoraConfig", "MeshConfig", "RunConfig",
            "TaskConfig", "TrainConfig", "parse_mesh"]

@@ -21,7 +21,7 @@ from llama_jax.errors import ConfigError
 # The presets ship inside the package (`llama_jax/presets`, a link to the repository's configs/
 # that a wheel carries as package data), so an installed package finds them as a checkout does.
 CONFIG_DIR = (Path(__file__).resolve().parent.parent / "presets").resolve()
-SECTIONS = ("model", "train", "data", "mesh", "task")
+SECTIONS = ("model", "train", "data", "mesh", "task", "lora")
 SCALARS = ("init_from",)  # top-level keys that are values, not sections
 
 

@@ -16,12 +16,14 @@ from pathlib import Path
 
 from llama_jax.config.fields import ROLES, reference_rows
 from llama_jax.config.model import MlaConfig, ModelConfig, MoeConfig, RopeScaling
-from llama_jax.config.run import DataConfig, MeshConfig, SourceConfig, TaskConfig, TrainConfig
+from llama_jax.config.run import (DataConfig, LoraConfig, MeshConfig, SourceConfig, TaskConfig,
+                                  TrainConfig)
 
 DOCUMENT = Path(__file__).resolve().parent.parent.parent / "docs" / "config-reference.md"
 SECTIONS = (("model", ModelConfig), ("model.rope_scaling", RopeScaling), ("model.mla", MlaConfig),
             ("model.moe", MoeConfig), ("train", TrainConfig), ("data", DataConfig),
-            ("data.sources[]", SourceConfig), ("mesh", MeshConfig), ("task", TaskConfig))
+            ("data.sources[]", SourceConfig), ("mesh", MeshConfig), ("task", TaskConfig),
+            ("lora", LoraConfig))
 
 
 def render() -> str:

@@ -222,6 +222,36 @@ class TaskConfig:
                 "pooling": self.pooling if HEADS[self.kind].pooled else None}
 
 
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (the `lora:` section; nn/lora.py): the run trains `A` and `B` beside
+    each target weight of the init_from model, which stays frozen."""
+
+    rank: int = _positive(8, "r: the adapters' inner width")
+    alpha: float = setting(16.0, type="float", above=0,
+                           doc="the adapters' output is scaled by alpha / rank")
+    dropout: float = setting(0.0, type="float", at_least=0, below=1,
+                             doc="dropout on the adapters' inputs while training")
+    targets: Any = setting(("wq", "wv"), type="list",
+                           doc="the layers' weights adapted, by their parameter names (wq, wk, "
+                               "wv, wo, w_gate, w_up, w_down; MLA's and MoE experts' likewise)")
+
+    def __post_init__(self):
+        check_settings(self)
+        targets = self.targets
+        require(isinstance(targets, (list, tuple)) and targets and all(
+            isinstance(t, str) and t for t in targets) and len(set(targets)) == len(targets),
+            "targets", targets, "must be a non-empty list of distinct weight names")
+        object.__setattr__(self, "targets", tuple(targets))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "targets": list(self.targets)}
+
+
 def _mesh_axis(default: int, doc: str) -> Any:
     return setting(default, type="int", doc=doc + "; -1: the devices left")
 
@@ -308,6 +338,7 @@ class RunConfig:
     mesh: MeshConfig = MeshConfig()
     task: TaskConfig | None = None  # a downstream task; None: language modelling on data
     init_from: str | None = None  # a checkpoint the parameters start from (finetune.py)
+    lora: LoraConfig | None = None  # adapters trained on the frozen init_from model
 
     def __post_init__(self):
         if self.task is not None:
@@ -316,6 +347,14 @@ class RunConfig:
                         getattr(self.model, name), f"is set by the task section ({value!r})")
         require(self.init_from is None or (isinstance(self.init_from, str) and self.init_from),
                 "init_from", self.init_from, "must be a checkpoint directory")
+        if self.lora is not None:
+            require(self.init_from is not None, "lora", self.lora.to_dict(),
+                    "adapts a trained model: set init_from (the base the adapters train on)")
+            require(self.task is None or self.task.kind == CHAT, "lora", self.lora.to_dict(),
+                    "adapts a language model (a chat task, or none); task "
+                    f"{self.task and self.task.kind!r} trains a head (use train.freeze)")
+            require(self.train.freeze == "none", "train.freeze", self.train.freeze,
+                    "must be none with lora: (the base is frozen, the adapters train)")
 
     def to_dict(self) -> dict[str, Any]:
         out = {"model": self.model.to_dict(), "train": dataclasses.asdict(self.train),
@@ -331,6 +370,8 @@ class RunConfig:
                     del out["task"][name]
         if self.init_from is not None:
             out["init_from"] = self.init_from
+        if self.lora is not None:
+            out["lora"] = self.lora.to_dict()
         return out
 
     @classmethod
@@ -344,12 +385,13 @@ class RunConfig:
                             ("model", ModelConfig.from_dict),
                             ("train", functools.partial(build_section, TrainConfig)),
                             ("data", functools.partial(build_section, DataConfig)),
-                            ("mesh", functools.partial(build_section, MeshConfig))):
+                            ("mesh", functools.partial(build_section, MeshConfig)),
+                            ("lora", functools.partial(build_section, LoraConfig))):
             fields = tree.get(name) or {}
             if not isinstance(fields, Mapping):
                 raise ConfigError(f"{where}: `{name}:` must be a mapping, got {fields!r}")
-            if name == "task" and not fields:
-                continue
+            if (name == "task" and not fields) or (name == "lora" and tree.get(name) is None):
+                continue  # no task: language modelling; no lora: every weight trains
             if name == "model" and "task" in sections:
                 fields = with_task_head(fields, sections["task"])
             try:

@@ -53,10 +53,12 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def chat_template_for(checkpoint: str | Path | None) -> ChatTemplate:
-    """A checkpoint's own chat template, else ChatML (no checkpoint, or one without)."""
-    template = None if checkpoint is None else load_chat_template(checkpoint)
-    return template or ChatTemplate("ChatML (the checkpoint has no chat template)", CHATML)
+def chat_template_for(checkpoints: Sequence[str | Path]) -> ChatTemplate:
+    """The first of these checkpoints' own chat templates, else ChatML (no checkpoint, or
+    none with one)."""
+    found = (load_chat_template(c) for c in checkpoints)
+    return next((t for t in found if t is not None),
+                ChatTemplate("ChatML (the checkpoint has no chat template)", CHATML))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ from llama_jax.data.shards import (FORMAT_VERSION, ShardedTokens, is_prepared, o
                                    sha256)
 from llama_jax.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, train_sentencepiece
 from llama_jax.errors import DataError
-from llama_jax.files import write_atomically
+from llama_jax.files import keep_file, write_atomically
 
 
 
@@ -108,10 +108,7 @@ def _within_vocab(tokenizer: Tokenizer, vocab_size: int) -> Tokenizer:
 def keep_tokenizer(source: Path, workdir: Path) -> None:
     """A copy of the tokenizer file `source` in the workdir, where sample.py, predict and
     load_tokenizer(workdir) find it."""
-    kept = workdir / TOKENIZER_FILE
-    if not kept.is_file() or kept.read_bytes() != source.read_bytes():
-        workdir.mkdir(parents=True, exist_ok=True)
-        write_atomically(kept, source.read_bytes())
+    keep_file(workdir / TOKENIZER_FILE, source.read_bytes())
 
 
 def _limit_chars(texts: Iterator[str], limit: int) -> Iterator[str]:

@@ -49,6 +49,15 @@ class JsonTokenizer:
     def adds_bos(self) -> bool:
         return self._add_bos
 
+    def files(self) -> dict[str, bytes]:
+        """The files `from_directory` reads back as this tokenizer (a GGUF vocabulary's too):
+        tokenizer.json and the tokenizer_config.json of its BOS, first EOS and BOS rule."""
+        settings = {"bos_token": None if self.bos_id is None else self.id_to_token(self.bos_id),
+                    "eos_token": self.id_to_token(self.eos_ids[0]) if self.eos_ids else None,
+                    "add_bos_token": self._add_bos}
+        return {TOKENIZER_JSON: self._tok.to_str().encode(),
+                TOKENIZER_CONFIG: (json.dumps(settings, indent=2) + "\n").encode()}
+
     def _id(self, token: str) -> int:
         found = self._tok.token_to_id(token)
         if found is None:

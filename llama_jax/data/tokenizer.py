@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterable, Protocol, Sequence
 
 from llama_jax.errors import CheckpointError
+from llama_jax.files import keep_file
 
 TOKENIZER_FILE = "tokenizer.model"
 
@@ -167,6 +168,19 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if _TIKTOKEN_LINE.match(first_line.rstrip(b"\n")):
         return Llama3Tokenizer(path)
     return SentencePieceTokenizer(path)
+
+
+def save_tokenizer(tokenizer: Tokenizer, directory: Path) -> None:
+    """Keeps `tokenizer` in `directory` (a run's workdir) as files `load_tokenizer(directory)`
+    reads back as the same tokenizer: its model file as tokenizer.model, or (the tokenizers
+    library's: a tokenizer.json, a GGUF vocabulary) tokenizer.json and tokenizer_config.json.
+    A file already holding the same bytes is left as it is."""
+    from llama_jax.data import json_tokenizer
+
+    files = (tokenizer.files() if isinstance(tokenizer, json_tokenizer.JsonTokenizer)
+             else {TOKENIZER_FILE: tokenizer.path.read_bytes()})
+    for name, content in files.items():
+        keep_file(directory / name, content)
 
 
 def has_tokenizer(path: str | Path) -> bool:

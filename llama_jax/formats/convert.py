@@ -2,6 +2,7 @@
 
     python -m llama_jax.formats.convert SRC DST [--to native|hf] [--dtype D] [--no-reference]
     python -m llama_jax.formats.convert SRC OUT.gguf --to gguf [--dtype f16|bf16|q8_0|f32]
+    python -m llama_jax.formats.convert LORA_RUN DST --to peft
 
 SRC is anything `load_checkpoint` reads (HF, Meta, GGUF, native). The result is written to a
 hidden temporary directory (a file, for GGUF) beside DST, loaded back, and moved to DST only
@@ -18,7 +19,10 @@ Otherwise nothing is left behind and the exit status is non-zero. An existing DS
 overwritten. Tokenizer files next to the source weights are copied along; a GGUF file gets the
 source's tokenizer (SentencePiece or byte-level BPE) and chat template inside, its matrices
 in `--dtype` (default f16), and its logits read back must be within that type's rounding of
-the source's (GGUF_TOLERANCE).
+the source's (GGUF_TOLERANCE). A LoRA run converts as its merged model (base + adapters), or
+with `--to peft` as its adapters alone: PEFT's `adapter_config.json` +
+`adapter_model.safetensors`, gated by reading them back and, when the base is a Hugging Face
+checkpoint, by PEFT's logits on it.
 """
 
 from __future__ import annotations
@@ -33,13 +37,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from llama_jax.formats.checkpoint import detect_format, load_checkpoint
-from llama_jax.data.chat_template import load_chat_template
+from llama_jax.formats.checkpoint import detect_format, load_checkpoint, lora_base
+from llama_jax.data.chat_template import CHAT_TEMPLATE_FILE, load_chat_template
 from llama_jax.data.tokenizer import has_tokenizer, load_tokenizer
 from llama_jax.files import atomic_directory, check_new_directory, sibling_temp
 from llama_jax.cli import user_errors_exit
 from llama_jax.config import DTYPES, ModelConfig
-from llama_jax.formats import gguf, hf, meta, native
+from llama_jax.formats import gguf, hf, meta, native, peft, workdir
 from llama_jax.errors import CheckpointError
 from llama_jax.formats.torch_layout import META, names, slots, torch_shape
 from llama_jax.model.transformer import forward
@@ -118,8 +122,11 @@ def convert(src: str | Path, dst: str | Path, to: str = "native", dtype: str | N
     src, dst = Path(src), Path(dst)
     if to == "gguf":
         return convert_to_gguf(src, dst, dtype or "f16")
+    if to == "peft":
+        return convert_to_peft(src, dst, reference)
     if to not in WRITERS:
-        raise CheckpointError(f"--to {to!r}: expected one of {', '.join([*WRITERS, 'gguf'])}")
+        raise CheckpointError(f"--to {to!r}: expected one of "
+                              f"{', '.join([*WRITERS, 'gguf', 'peft'])}")
     if dtype not in (None, *DTYPES):
         raise CheckpointError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)} for "
                               f"--to {to}")
@@ -140,9 +147,7 @@ def convert(src: str | Path, dst: str | Path, to: str = "native", dtype: str | N
 
     with atomic_directory(dst) as tmp:
         WRITERS[to](config, params, tmp)
-        for name in TOKENIZER_FILES:
-            if (src / name).is_file():
-                shutil.copy2(src / name, tmp / name)
+        _copy_tokenizer(src, tmp)
         del params
         written_config, written = load_checkpoint(tmp, config.param_dtype)
         if written_config.architecture() != config.architecture():
@@ -185,6 +190,66 @@ def convert_to_gguf(src: Path, dst: Path, file_type: str) -> dict:
     return {"source_format": fmt, "dtype": file_type, "round_trip": err}
 
 
+def convert_to_peft(src: Path, dst: Path, reference: bool = True) -> dict:
+    """A LoRA run's adapters as a PEFT adapter directory at DST (formats/peft.py), through the
+    gate: the adapters read back from DST are ours, and — when the run's base is a Hugging Face
+    checkpoint and PEFT is installed — PEFT's model (base + adapter) gives our merged model's
+    logits."""
+    if detect_format(src) != "run" or not workdir.is_lora_run(src):
+        raise CheckpointError(f"{src}: --to peft writes a LoRA run's adapters; this is not a "
+                              "training run with a lora: section")
+    check_new_directory(dst)
+    run = workdir.run_config(src)
+    adapters = workdir.load_adapters(src)
+    base = str(Path(lora_base(run.init_from)).resolve())
+    config = run.model.with_execution(quantize=None, quantize_head=False)
+    report = {"source_format": "lora run", "base": base}
+    with atomic_directory(dst) as tmp:
+        peft.save(config, run.lora, adapters, base, tmp)
+        _copy_tokenizer(src, tmp)
+        _, back = peft.load(tmp, config)
+        if jax.tree.map(np.shape, back) != jax.tree.map(np.shape, adapters) or not all(
+                np.array_equal(x, y) for x, y in zip(jax.tree.leaves(back),
+                                                     jax.tree.leaves(adapters))):
+            raise ParityError(f"{dst}: the adapters read back differ from the run's; nothing "
+                              "written")
+        if reference and detect_format(base) == "hf":
+            tokens = gate_tokens(config)
+            ref = peft_logits(base, tmp, tokens)
+            if ref is not None:
+                merged_config, merged = load_checkpoint(src, "float32")
+                ours = float32_logits(merged_config, merged, tokens)
+                report["vs_peft"] = err = relative_error(ours, ref)
+                if not err <= TOLERANCE["float32"]:
+                    raise ParityError(f"{dst}: PEFT's logits on {base} with the written adapter "
+                                      f"differ from our merged model's by {err:.3g} "
+                                      f"(relative; allowed {TOLERANCE['float32']:g}); nothing "
+                                      "written")
+    return report
+
+
+def peft_logits(base: str, adapter: Path, tokens: np.ndarray) -> np.ndarray | None:
+    """PEFT's float32 logits of the adapter on its transformers base (None when peft or
+    transformers is not installed)."""
+    try:
+        import peft as hf_peft
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = hf_peft.PeftModel.from_pretrained(model, str(adapter))
+    with torch.no_grad():
+        return model.eval()(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    """The tokenizer and chat template files beside SRC's weights, copied into DST."""
+    for name in (*TOKENIZER_FILES, CHAT_TEMPLATE_FILE):
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
 def _tokenizer_of(src: Path):
     """The source's tokenizer, or None when it has none (a broken one is an error: a GGUF
     written without its vocabulary would not chat)."""
@@ -201,7 +266,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="checkpoint directory (HF, Meta or llama_jax)")
     parser.add_argument("dst", help="new directory (or .gguf file) to write (must not exist)")
-    parser.add_argument("--to", default="native", choices=sorted([*WRITERS, "gguf"]))
+    parser.add_argument("--to", default="native", choices=sorted([*WRITERS, "gguf", "peft"]),
+                        help="peft: a LoRA run's adapters as a PEFT adapter directory (hf, "
+                             "native, gguf: a LoRA run's merged model)")
     parser.add_argument("--dtype", choices=[*DTYPES, *gguf.GGUF_TYPES], default=None,
                         help="parameter dtype to write (default: as stored); for --to gguf the "
                              "matrices' type (default f16)")

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import grain
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 import yaml
 
@@ -154,22 +156,43 @@ def run_config(workdir: Path) -> RunConfig:
     return RunConfig.from_tree(read_yaml_mapping(path, "run config"), str(path))
 
 
-def load(path: Path, loading: Loading,
-         placement: Placement | None = None) -> tuple[ModelConfig, Params]:
-    """The parameters of the run's latest complete checkpoint, with the model section of its
-    config.yaml."""
-    config = native.read_config(path)
+def is_lora_run(path: Path) -> bool:
+    """Whether the run in `path` trains LoRA adapters: its checkpoints hold them, not a model
+    (`load_checkpoint` merges them into their base)."""
+    return read_yaml_mapping(path / CONFIG, "run config").get("lora") is not None
+
+
+def latest_checkpoint(path: Path) -> tuple[int, Path, Any]:
+    """(step, params directory, the stored tree's metadata) of the run's latest complete
+    checkpoint."""
     checkpoints = Checkpoints(path, TrainConfig(), create=False)
     try:
         step = checkpoints.latest_step()
         if step is None:
             raise CheckpointError(f"{path}: a training run without a complete checkpoint yet")
-        params_dir = checkpoints.params_dir(step)
-        stored = checkpoints.stored_params(step)
+        return step, checkpoints.params_dir(step), checkpoints.stored_params(step)
     finally:
         checkpoints.close()
+
+
+def load(path: Path, loading: Loading,
+         placement: Placement | None = None) -> tuple[ModelConfig, Params]:
+    """The parameters of the run's latest complete checkpoint, with the model section of its
+    config.yaml."""
+    config = native.read_config(path)
+    step, params_dir, stored = latest_checkpoint(path)
     try:  # onto the placement, whatever mesh the run was saved from
         return native.restore(params_dir, stored, config, loading, placement, path / CONFIG)
     except (ValueError, KeyError) as e:  # orbax: stored tree or shapes differ from the config
         raise CheckpointError(f"{path}: checkpoint {step} does not match its config.yaml: "
                               f"{e}") from None
+
+
+def load_adapters(path: Path) -> dict[str, dict[str, np.ndarray]]:
+    """A LoRA run's adapters (`{path: {"a", "b"}}`, nn/lora.py) from its latest complete
+    checkpoint, on the host."""
+    _, params_dir, stored = latest_checkpoint(path)
+    as_host = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray, dtype=m.dtype),
+                           stored)
+    return ocp.PyTreeCheckpointer().restore(params_dir, args=ocp.args.PyTreeRestore(
+        item=stored, restore_args=as_host))

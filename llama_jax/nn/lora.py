@@ -30,7 +30,7 @@ from flax import struct
 
 from llama_jax.errors import ConfigError
 from llama_jax.quant import Int8, is_int8
-from llama_jax.spec import is_spec
+from llama_jax.spec import TensorSpec, is_spec
 
 
 @struct.dataclass
@@ -42,6 +42,10 @@ class Lora:
     b: jax.Array  # [r, N..]: the rank, then W's output axes
     scale: float = struct.field(pytree_node=False)  # alpha / rank
     n_in: int = struct.field(pytree_node=False, default=1)  # W's contracted axes
+    # dropout on the adapter's inputs while training: the probability, and the key of its
+    # mask (`[L]` keys for a stacked weight); None: no dropout
+    key: jax.Array | None = None
+    dropout: float = struct.field(pytree_node=False, default=0.0)
 
 
 def is_lora(w: Any) -> bool:
@@ -51,6 +55,9 @@ def is_lora(w: Any) -> bool:
 def delta(x_MK: jax.Array, w: Lora) -> jax.Array:
     """scale · (x·A)·B for rows `x_MK` of W's contracted size: `[M, N]` in fp32."""
     r = w.a.shape[-1]
+    if w.key is not None and w.dropout > 0:
+        keep_MK = jax.random.bernoulli(w.key, 1.0 - w.dropout, x_MK.shape)
+        x_MK = jnp.where(keep_MK, x_MK / (1.0 - w.dropout), 0).astype(x_MK.dtype)
     a_Kr = w.a.reshape(-1, r).astype(x_MK.dtype)
     b_rN = w.b.reshape(r, -1).astype(x_MK.dtype)
     x_Mr = jnp.einsum("MK,Kr->Mr", x_MK, a_Kr, preferred_element_type=jnp.float32)
@@ -71,40 +78,77 @@ def target_paths(params: dict, targets: Sequence[str]) -> list[str]:
     return [p for p in paths if _name(p) in targets]
 
 
-def init_adapters(params: dict, specs: dict, targets: Sequence[str], rank: int,
-                  key: jax.Array, dtype=jnp.float32) -> dict:
-    """Fresh adapters for `targets`: `{path: {"a", "b"}}` (`target_paths`), A uniform in
-    ±1/√K (PEFT's Kaiming-uniform bound over W's K contracted inputs), B zero. `specs` are the
-    parameters' TensorSpecs (model.params.param_specs): a target must be a matmul weight (its
-    spec names the axes its matmul contracts)."""
+def adapter_specs(params: dict, specs: dict, targets: Sequence[str],
+                  rank: int) -> dict[str, dict[str, TensorSpec]]:
+    """The adapters' descriptions `{path: {"a", "b"}}` for `targets` (`target_paths`): their
+    shapes, and logical axes that place them on a mesh as their weight is placed (A along W's
+    inputs, B along its outputs; the rank is "lora_rank", replicated by default). `specs` are
+    the parameters' TensorSpecs (model.params.param_specs): a target must be a matmul weight
+    (its spec names the axes its matmul contracts). Their init is `init_adapters`'."""
     if rank < 1:
         raise ConfigError(f"lora.rank={rank} must be >= 1")
-    weights, specs = _leaves(params["groups"], is_int8), _leaves(specs["groups"], is_spec)
-    adapters = {}
-    for i, path in enumerate(target_paths(params, targets)):
-        w, spec = weights[path], specs[_spec_path(path)]
+    layer_specs = _leaves(specs["groups"], is_spec)
+    out = {}
+    for path in target_paths(params, targets):
+        spec = layer_specs[_spec_path(path)]
         if not spec.contract:
-            raise ConfigError(f"lora.targets: {_name(path)!r} is not a matmul "
-                              "weight")
-        lead = _stacked(path)
-        shape = (w.values if is_int8(w) else w).shape
-        n_in = len(spec.contract)
-        inputs, outputs = shape[lead:lead + n_in], shape[lead + n_in:]
-        bound = 1.0 / math.sqrt(math.prod(inputs))
-        adapters[path] = {
-            "a": jax.random.uniform(jax.random.fold_in(key, i), (*shape[:lead], *inputs, rank),
-                                    dtype, -bound, bound),
-            "b": jnp.zeros((*shape[:lead], rank, *outputs), dtype)}
+            raise ConfigError(f"lora.targets: {_name(path)!r} is not a matmul weight")
+        lead = "" if _stacked(path) else "L"  # a per-layer weight's spec has no L
+        letters = [c for c in spec.letters if c not in lead]
+        inputs = [c for c in letters if c in spec.contract]
+        outputs = [c for c in letters if c not in spec.contract and c != "L"]
+        stack = [c for c in letters if c == "L"]
+
+        def part(chosen: list[str], zeros: bool) -> TensorSpec:
+            dims = {**dict(zip(spec.letters, spec.shape)), "r": rank}
+            axes = {**dict(zip(spec.letters, spec.axes)), "r": "lora_rank"}
+            return TensorSpec("".join(chosen), tuple(dims[c] for c in chosen),
+                              tuple(axes[c] for c in chosen), "zeros" if zeros else "normal")
+        out[path] = {"a": part(stack + inputs + ["r"], False),
+                     "b": part(stack + ["r"] + outputs, True)}
+    return out
+
+
+def init_adapters(params: dict, specs: dict, targets: Sequence[str], rank: int,
+                  key: jax.Array, dtype=jnp.float32) -> dict:
+    """Fresh adapters for `targets` (`adapter_specs`): A uniform in ±1/√K (PEFT's
+    Kaiming-uniform bound over W's K contracted inputs), B zero."""
+    return init_from_specs(adapter_specs(params, specs, targets, rank), key, dtype)
+
+
+def init_from_specs(specs: dict[str, dict[str, TensorSpec]], key: jax.Array,
+                    dtype=jnp.float32) -> dict:
+    """Fresh adapters of these descriptions (`adapter_specs`): A uniform in ±1/√K, B zero."""
+    adapters = {}
+    for i, (path, ab) in enumerate(specs.items()):
+        a, b = ab["a"], ab["b"]
+        n_in = len(a.letters) - 1 - a.letters.count("L")
+        bound = 1.0 / math.sqrt(math.prod(a.shape[-1 - n_in:-1]))
+        adapters[path] = {"a": jax.random.uniform(jax.random.fold_in(key, i), a.shape, dtype,
+                                                  -bound, bound),
+                          "b": jnp.zeros(b.shape, dtype)}
     return adapters
 
 
-def with_adapters(params: dict, adapters: dict, scale: float) -> dict:
-    """`params` with each adapted weight replaced by `Lora(W, A, B, scale)`."""
-    def put(path, w):
-        ab = adapters.get(_path(path))
+def with_adapters(params: dict, adapters: dict, scale: float, dropout: float = 0.0,
+                  key: jax.Array | None = None) -> dict:
+    """`params` with each adapted weight replaced by `Lora(W, A, B, scale)`; with a `key` and a
+    `dropout` probability, each adapter drops its inputs with a mask of its own (each layer's
+    own, for a stacked weight), as PEFT's `lora_dropout` does while training."""
+    paths = list(adapters)
+
+    def put(keys, w):
+        path = _path(keys)
+        ab = adapters.get(path)
         if ab is None:
             return w
-        return Lora(w, ab["a"], ab["b"], scale, ab["a"].ndim - 1 - _stacked(_path(path)))
+        lead = _stacked(path)
+        mask_key = None
+        if key is not None and dropout > 0:
+            mask_key = jax.random.fold_in(key, paths.index(path))
+            if lead:
+                mask_key = jax.random.split(mask_key, ab["a"].shape[0])
+        return Lora(w, ab["a"], ab["b"], scale, ab["a"].ndim - 1 - lead, mask_key, dropout)
     groups = jax.tree_util.tree_map_with_path(put, params["groups"], is_leaf=is_int8)
     return {**params, "groups": groups}
 

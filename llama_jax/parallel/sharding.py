@@ -44,6 +44,7 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert")
 # parallelism the MoE experts. Activations: the batch over data x fsdp x expert (outside the
 # experts, the expert axis is one more data-parallel axis), heads / FFN / vocab over tensor,
 # the experts' token buffers `[B, E, C, D]` over expert (E) and data x fsdp (B: expert_batch).
+# LoRA's adapters split along their weight's axes; their rank ("lora_rank") is replicated.
 # The KV cache: rows over data x fsdp x expert, KV heads over tensor; MLA's latent cache is
 # replicated over tensor (its one shared "head" cannot be split). A config's `mesh:`
 # section overrides entries.
@@ -56,7 +57,7 @@ RULE_TABLES = {
     "weight_rules": ({"embed": "fsdp", "q_heads": "tensor", "kv_heads": "tensor",
                       "mlp": "tensor", "vocab": "tensor", "experts": "expert", "latent": "fsdp"},
                      ("layers", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "vocab",
-                      "norm", "positions", "experts", "latent", "labels")),
+                      "norm", "positions", "experts", "latent", "labels", "lora_rank")),
     "activation_rules": ({"batch": BATCH_AXES, "heads": "tensor", "kv_heads": "tensor",
                           "mlp": "tensor", "vocab": "tensor", "experts": "expert",
                           "expert_batch": ["data", "fsdp"]},

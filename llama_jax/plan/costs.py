@@ -29,7 +29,8 @@ from llama_jax.nn.heads import head_matmul_size
 from llama_jax.nn.attention import kv_storage
 from llama_jax.nn.attention.mixers import mixer_of
 from llama_jax.spec import TensorSpec, count, spec_leaves
-from llama_jax.model.params import param_specs
+from llama_jax.model.params import abstract_params, param_specs
+from llama_jax.nn.lora import adapter_specs
 
 TRAIN_FLOPS_FORMULA = ("6*P_mm + 3*L*T*N*(H+Hv) (P_mm: active matmul weights incl. LM head; "
                        "causal attention)")
@@ -117,22 +118,29 @@ def serving_cache_len(max_seq_len: int, speculative_tokens: int | None = None) -
     return max_seq_len + (speculative_tokens or 0)
 
 
-def train_flops_per_token(config: ModelConfig, seq_len: int, frozen_backbone: bool = False
-                          ) -> int:
+def train_flops_per_token(config: ModelConfig, seq_len: int, frozen_backbone: bool = False,
+                          adapters: int = 0) -> int:
     """6·P_mm + attention (module docstring). With a frozen backbone (a task head trained
     alone) only the head has a backward pass: 2·P_mm + 4·(the head's matmul weights) + the
-    attention's forward third."""
+    attention's forward third. With LoRA `adapters` (their element count, P_lora) on a frozen
+    base, the base's backward computes input gradients only: 4·P_mm + attention + 6·P_lora."""
     attention = 3 * config.n_layers * mixer_of(config).context_flops(config, seq_len)
     if frozen_backbone:
         return 2 * param_counts(config).matmul + 4 * head_matmul_size(config) + attention // 3
+    if adapters:
+        return 4 * param_counts(config).matmul + attention + 6 * adapters
     return 6 * param_counts(config).matmul + attention
 
 
 def train_flops_per_step(run: RunConfig) -> float:
     """A run's model FLOPs per optimizer step, all devices together (`train_flops_per_token`
-    over its batch; a frozen backbone's forward only)."""
+    over its batch; a frozen backbone's forward only; a LoRA run's base without weight
+    gradients)."""
+    adapters = 0 if run.lora is None else count(adapter_specs(
+        abstract_params(run.model), param_specs(run.model), run.lora.targets, run.lora.rank))
     return run.train.batch_size * run.train.seq_len * train_flops_per_token(
-        run.model, run.train.seq_len, frozen_backbone=run.train.freeze == "backbone")
+        run.model, run.train.seq_len, frozen_backbone=run.train.freeze == "backbone",
+        adapters=adapters)
 
 
 def decode_bytes_per_step(config: ModelConfig, batch: int, context: int,

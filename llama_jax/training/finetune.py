@@ -25,13 +25,15 @@ from typing import Any, Sequence
 
 import jax
 
-from llama_jax.formats.checkpoint import checkpoint_config, load_checkpoint
+from llama_jax.formats import peft
+from llama_jax.formats.checkpoint import (checkpoint_config, detect_format, load_checkpoint,
+                                          lora_base)
 from llama_jax.config import ModelConfig, RunConfig, load_run_tree
 from llama_jax.config.run import CHAT
 from llama_jax.errors import CheckpointError, ConfigError
 from llama_jax.nn.heads import head_specs, is_task_head
 from llama_jax.model.params import Params, init_tensors
-from llama_jax.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
+from llama_jax.data.tokenizer import TOKENIZER_FILE, Tokenizer, has_tokenizer, load_tokenizer
 
 HEAD_FIELDS = ("head", "n_labels", "pooling", "label_names")
 # what a fine-tuning run's `model:` section may change of its checkpoint's model, beside the
@@ -96,16 +98,55 @@ def _check_head(base: ModelConfig, task: dict[str, Any], source: str, where: str
             "labels")
 
 
+def model_files(init_from: str | None) -> list[str]:
+    """Where a fine-tuning run looks for its checkpoint's tokenizer and chat template, in
+    order: init_from, then (a PEFT adapter's) its base."""
+    if init_from is None:
+        return []
+    return list(dict.fromkeys([init_from, lora_base(init_from)]))
+
+
 def run_tokenizer(data: dict[str, Any], init_from: str | None, where: str) -> Tokenizer:
-    """A task run's tokenizer: `data.tokenizer`, else the init_from checkpoint's."""
-    source = data.get("tokenizer") or (init_from and str(Path(init_from) / TOKENIZER_FILE))
+    """A task run's tokenizer: `data.tokenizer`, else the init_from checkpoint's (a tokenizer
+    file in its directory, or a GGUF file's vocabulary)."""
+    source = data.get("tokenizer") or next(
+        (p for p in model_files(init_from) if has_tokenizer(p)), None)
     if source is None:
         raise ConfigError(f"{where}: a task run needs a tokenizer: set data.tokenizer (or "
-                          "init_from a checkpoint that has a tokenizer.model)")
+                          f"init_from a checkpoint that has {TOKENIZER_FILE} or "
+                          "tokenizer.json)")
     try:
         return load_tokenizer(source)
     except CheckpointError as e:
         raise ConfigError(f"{where}: {e}") from None
+
+
+def load_base(run: RunConfig, mesh: jax.sharding.Mesh) -> Params:
+    """A LoRA run's frozen base: its init_from checkpoint in `model.param_dtype`, int8 where
+    `model.quantize` says (quantized as it is read: QLoRA's base), placed on `mesh`."""
+    _, loaded = load_checkpoint(lora_base(run.init_from), run.model.param_dtype,
+                                quantize=run.model.quantize, mesh=mesh, mesh_config=run.mesh)
+    return loaded
+
+
+def initial_adapters(run: RunConfig) -> dict | None:
+    """The adapters a LoRA run starts from when its init_from is a PEFT adapter (`{path:
+    {"a", "b"}}` on the host), else None (fresh ones). The adapter's rank, alpha and targets
+    must be the `lora:` section's."""
+    if detect_format(run.init_from) != "peft":
+        return None
+    try:
+        settings, adapters = peft.load(Path(run.init_from), run.model)
+    except CheckpointError as e:
+        raise ConfigError(f"init_from {run.init_from}: {e}") from None
+    for name, theirs, ours in (("rank", settings.rank, run.lora.rank),
+                               ("alpha", settings.alpha, run.lora.alpha),
+                               ("targets", sorted(settings.targets), sorted(run.lora.targets))):
+        if theirs != ours:
+            raise ConfigError(f"lora.{name}={ours!r}, but the init_from PEFT adapter "
+                              f"{run.init_from} has {theirs!r}: a run continues an adapter "
+                              "with its shape (set the lora section to match)")
+    return adapters
 
 
 def initial_params(run: RunConfig, key: jax.Array, shardings: Params,

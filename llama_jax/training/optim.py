@@ -55,10 +55,11 @@ def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
                                 [warmup, decay_start])
 
 
-def weight_decay_mask(config: ModelConfig) -> Params:
+def weight_decay_mask(config: ModelConfig, specs: Params | None = None) -> Params:
     """True for tensors that decay (their description says so): matrices and embedding tables,
-    not norm gains and biases."""
-    return map_specs(lambda spec: spec.decay, param_specs(config))
+    not norm gains and biases. `specs`: what trains, when not the model's parameters (a LoRA
+    run's adapters)."""
+    return map_specs(lambda spec: spec.decay, param_specs(config) if specs is None else specs)
 
 
 def trainable(config: ModelConfig, freeze: str) -> Params:
@@ -69,10 +70,13 @@ def trainable(config: ModelConfig, freeze: str) -> Params:
     return jax.tree_util.tree_map_with_path(label, param_specs(config), is_leaf=is_spec)
 
 
-def make_optimizer(config: ModelConfig, train: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(config: ModelConfig, train: TrainConfig,
+                   specs: Params | None = None) -> optax.GradientTransformation:
+    """The run's optimizer for the model's parameters, or for `specs` (the TensorSpecs of
+    what trains instead: a LoRA run's adapters)."""
     chain = [optax.clip_by_global_norm(train.clip_norm)] if train.clip_norm > 0 else []
     adamw = optax.adamw(learning_rate_schedule(train), b1=train.b1, b2=train.b2, eps=train.eps,
-                        weight_decay=train.weight_decay, mask=weight_decay_mask(config))
+                        weight_decay=train.weight_decay, mask=weight_decay_mask(config, specs))
     if train.mu_dtype is not None:
         adamw = first_moment_stored_as(adamw, jnp.dtype(train.mu_dtype))
     chain.append(adamw)

@@ -13,6 +13,11 @@ Gradient accumulation: the batch is split into `micro_batches` parts run one aft
 count of the whole batch once at the end, so m micro-batches give the gradient of one big batch
 (up to float summation order) and activation memory is that of one part.
 
+LoRA (a `lora:` section): the state's parameters are the adapters alone (nn/lora.py) and the
+frozen base model is a further argument of the step, neither donated nor updated: the loss is
+differentiated by the adapters only, so no gradient, optimizer state or update exists for the
+base.
+
 Mixed precision: the parameters (and optimizer moments, unless `train.mu_dtype` stores the
 first in bf16) stay in `param_dtype` (fp32 masters);
 the model casts weights to `compute_dtype` inside its matmuls, so gradients arrive in fp32.
@@ -30,11 +35,12 @@ from flax import struct
 
 from llama_jax.training import tasks
 from llama_jax.training.cross_entropy import log_z_and_target
-from llama_jax.config import ModelConfig, RunConfig, TrainConfig
+from llama_jax.config import LoraConfig, ModelConfig, RunConfig, TrainConfig
 from llama_jax.config.run import CHAT
 from llama_jax.data.batches import Features, features
 from llama_jax.model.transformer import apply, aux_loss, aux_metrics, update_outside_gradient
 from llama_jax.model.params import Params, init_params
+from llama_jax.nn.lora import with_adapters
 
 
 # (params, batch) -> (the objective's sum, ({loss_sum, count, statistics...}, aux outputs))
@@ -92,24 +98,43 @@ def objective(run: RunConfig, bos_id: int) -> LossFn:
     return functools.partial(tasks.loss_sums, run.model, frozen)
 
 
+def adapted(loss_fn: LossFn, base: Params | None, lora: LoraConfig | None,
+            key: jax.Array | None = None) -> LossFn:
+    """The loss as a function of what trains: the parameters (`base` None), or a LoRA run's
+    adapters on the frozen `base` (dropping the adapters' inputs with `key`'s masks)."""
+    if base is None:
+        return loss_fn
+    return lambda adapters, batch: loss_fn(
+        with_adapters(base, adapters, lora.scale, lora.dropout, key), batch)
+
+
 def train_step(config: ModelConfig, train: TrainConfig, optimizer: optax.GradientTransformation,
-               loss_fn: LossFn, state: TrainState, batch) -> tuple[TrainState, dict]:
+               loss_fn: LossFn, state: TrainState, batch, base: Params | None = None, *,
+               lora: LoraConfig | None = None) -> tuple[TrainState, dict]:
     """One optimizer step on a batch (packed windows `[B, T + 1]`, or a task's dict of
     arrays, every leaf `[B, ...]`); returns the new state and this step's metrics (loss = the
-    mean loss before the update)."""
-    grad_of_sums = jax.grad(loss_fn, has_aux=True)
+    mean loss before the update). A LoRA run's state holds its adapters, `base` the model."""
+    step_key = jax.random.fold_in(jax.random.key(train.seed), state.step)  # LoRA's dropout
+
+    def grad_of_sums(params, part, index):
+        loss = adapted(loss_fn, base, lora, jax.random.fold_in(step_key, index))
+        return jax.grad(loss, has_aux=True)(params, part)
+
     if train.micro_batches == 1:
-        grad_sums, (sums, aux) = grad_of_sums(state.params, batch)
+        grad_sums, (sums, aux) = grad_of_sums(state.params, batch, 0)
     else:
         parts = jax.tree.map(lambda x: x.reshape(train.micro_batches, -1, *x.shape[1:]), batch)
 
-        def accumulate(carry, part):
-            return jax.tree.map(jnp.add, carry, grad_of_sums(state.params, part)), None
+        def accumulate(carry, part_and_index):
+            return jax.tree.map(jnp.add, carry, grad_of_sums(state.params,
+                                                             *part_and_index)), None
 
         # The carry's structure (gradients, sums, auxiliary outputs) is the first part's.
-        shapes = jax.eval_shape(grad_of_sums, state.params, jax.tree.map(lambda x: x[0], parts))
+        shapes = jax.eval_shape(grad_of_sums, state.params,
+                                jax.tree.map(lambda x: x[0], parts), 0)
         zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), shapes)
-        (grad_sums, (sums, aux)), _ = jax.lax.scan(accumulate, zeros, parts)
+        (grad_sums, (sums, aux)), _ = jax.lax.scan(
+            accumulate, zeros, (parts, jnp.arange(train.micro_batches)))
     count = jnp.maximum(sums["count"], 1.0)
     grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grad_sums, state.params)
     with jax.named_scope("optimizer"):  # profiles (bench/profile_step.py) group by it
@@ -118,7 +143,8 @@ def train_step(config: ModelConfig, train: TrainConfig, optimizer: optax.Gradien
     metrics = {"loss": sums["loss_sum"] / count, "grad_norm": optax.tree.norm(grads),
                "nonfinite_in_row": opt_state.notfinite_count,
                "nonfinite_total": opt_state.total_notfinite, **aux_metrics(aux)}
-    if train.freeze == "backbone":  # nothing of a frozen backbone changes, by rule either
+    if train.freeze == "backbone" or base is not None:
+        # nothing of a frozen backbone (or base) changes, by rule either
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
     # Rule-based updates (the MoE selection bias) are skipped with the step when it was not
     # finite, so such a step changes nothing.
@@ -129,8 +155,10 @@ def train_step(config: ModelConfig, train: TrainConfig, optimizer: optax.Gradien
     return new_state, metrics
 
 
-def eval_sums(loss_fn: LossFn, params: Params, batch) -> tuple[dict, tuple]:
+def eval_sums(loss_fn: LossFn, params: Params, batch, base: Params | None = None, *,
+              lora: LoraConfig | None = None) -> tuple[dict, tuple]:
     """(the loss's sums — loss_sum, count and a task's statistics —, auxiliary outputs) of one
-    validation batch: sums to add over batches (`aux_metrics` turns the last into scalars)."""
-    _, sums = loss_fn(params, batch)
+    validation batch: sums to add over batches (`aux_metrics` turns the last into scalars). A
+    LoRA run's `params` are its adapters on `base`."""
+    _, sums = adapted(loss_fn, base, lora)(params, batch)
     return sums

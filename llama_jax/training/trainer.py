@@ -37,8 +37,8 @@ from tqdm import tqdm
 from llama_jax.plan import costs, hardware
 from llama_jax.data import batches, conversations, tasks as task_data
 from llama_jax.data.chat_template import CHAT_TEMPLATE_FILE
-from llama_jax.data.corpus import (corpus_tokenizer, corpus_tokens, keep_tokenizer,
-                                   unigram_entropy)
+from llama_jax.data.corpus import corpus_tokenizer, corpus_tokens, unigram_entropy
+from llama_jax.data.tokenizer import save_tokenizer
 from llama_jax.training import finetune, tasks
 from llama_jax.parallel import sharding, target
 from llama_jax.formats import workdir as run_dir
@@ -48,6 +48,8 @@ from llama_jax.files import write_atomically
 from llama_jax.errors import ConfigError, TrainingError
 from llama_jax.formats.legacy import is_legacy
 from llama_jax.model.params import abstract_params, param_specs
+from llama_jax.nn.lora import adapter_specs, init_from_specs
+from llama_jax.spec import map_specs
 from llama_jax.training.metrics import MetricsLog
 from llama_jax.nn.attention.dot_product import chosen_attention, describe_attention
 from llama_jax.nn.heads import is_task_head, task_metrics
@@ -82,10 +84,15 @@ def check_run(run: RunConfig, mesh: jax.sharding.Mesh) -> None:
         raise ConfigError(f"train.freeze={train.freeze!r} needs a `task:` section (it trains "
                           "a task head alone)")
     chosen_attention(model, target.platform_name(mesh.devices.flat[0]))
-    if model.quantize is not None:
-        raise ConfigError(f"model.quantize={model.quantize!r} is for inference: training "
-                          "updates float weights (train or fine-tune from the float "
-                          "checkpoint, and quantize when loading it to decode)")
+    if model.quantize is not None and run.lora is None:
+        raise ConfigError(f"model.quantize={model.quantize!r} is for inference, or for a LoRA "
+                          "run's frozen base: training updates float weights (train or "
+                          "fine-tune from the float checkpoint, and quantize when loading it "
+                          "to decode)")
+    if run.lora is not None:  # the targets (and a PEFT start's) are named before any writing
+        adapter_specs(abstract_params(model), param_specs(model), run.lora.targets,
+                      run.lora.rank)
+        finetune.initial_adapters(run)
     if train.seq_len > model.max_seq_len:
         raise ConfigError(f"train.seq_len={train.seq_len} exceeds the model's context "
                           f"(model.max_seq_len={model.max_seq_len})")
@@ -126,6 +133,8 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
     programs = compile_programs(run, source.bos_id, mesh)
     batch_sharding, abstract, compile_s = (programs.batch_sharding, programs.abstract,
                                            programs.compile_s)
+    # a LoRA run's frozen base: read from init_from whether the run starts or resumes
+    frozen = () if run.lora is None else (finetune.load_base(run, mesh),)
     if start:
         params, opt_state = checkpoints.restore(start, abstract.params, abstract.opt_state,
                                                 iterator)
@@ -155,7 +164,7 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
         with _stop_signals() as received:
             for step in range(start + 1, end + 1):
                 batch = _on_devices(batch_sharding, next(iterator))
-                state, step_metrics = programs.step(state, batch)
+                state, step_metrics = programs.step(state, batch, *frozen)
                 values = jax.device_get(step_metrics)
                 window.steps += 1
                 record = {"loss": values["loss"]}
@@ -167,8 +176,9 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
                                     mfu=f"{record['mfu']:.0%}", refresh=False)
                 with window.paused():
                     if step % train_cfg.eval_every == 0 or step == train_cfg.steps:
-                        val_metrics = _validation(programs.evaluate, state.params, val,
-                                                  batch_sharding, run.task)
+                        val_metrics = _validation(
+                            functools.partial(programs.evaluate, state.params),
+                            val, batch_sharding, run.task, frozen)
                         outcome.val_loss = val_metrics["val_loss"]
                         outcome.val_metrics = val_metrics
                         record.update(val_metrics)
@@ -278,8 +288,10 @@ class Programs:
 
     init: Callable  # seed key -> TrainState, created sharded
     abstract: TrainState  # shapes, dtypes and shardings of the state
-    step: Callable  # (state, batch) -> (state, metrics), compiled ahead of time, state donated
-    evaluate: Callable | None  # (params, batch) -> (sums: loss_sum, count, ...; aux)
+    # (state, batch[, base]) -> (state, metrics), compiled ahead of time, state donated; a LoRA
+    # run's frozen base is the third argument
+    step: Callable
+    evaluate: Callable | None  # (params, batch[, base]) -> (sums: loss_sum, count, ...; aux)
     compile_s: float
     batch_sharding: NamedSharding
     step_bytes: int | None  # XLA's footprint of the step per device; None if not reported
@@ -317,25 +329,41 @@ class Initializer:
     init: Callable  # seed key -> TrainState, created sharded
     abstract: TrainState  # shapes, dtypes and shardings of the state
     optimizer: optax.GradientTransformation
-    params_sharding: Any  # the parameters' shardings (a tree like the parameters)
+    params_sharding: Any  # the trained tensors' shardings (a tree like them)
     state_sharding: TrainState
+    base: Any = None  # a LoRA run's frozen base: its abstract tensors, sharded; else None
 
 
 def initializer(run: RunConfig, mesh: jax.sharding.Mesh) -> Initializer:
-    """How `run` creates its state on `mesh`: every leaf laid out by the sharding rules."""
-    optimizer = make_optimizer(run.model, run.train)
-    params_sharding = sharding.param_shardings(param_specs(run.model), mesh, run.mesh)
+    """How `run` creates its state on `mesh`: every leaf laid out by the sharding rules. A LoRA
+    run's state holds the adapters, placed as their weights are (`lora.adapter_specs`)."""
+    specs = param_specs(run.model)
+    trained = specs if run.lora is None else adapter_specs(
+        abstract_params(run.model), specs, run.lora.targets, run.lora.rank)
+    optimizer = make_optimizer(run.model, run.train, trained)
+    params_sharding = sharding.param_shardings(trained, mesh, run.mesh)
+    abstract_trained = map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), trained)
     state_sharding = TrainState(
         step=sharding.replicated(mesh), params=params_sharding,
-        opt_state=sharding.optimizer_state_shardings(optimizer, abstract_params(run.model),
-                                                     params_sharding, mesh))
-    init = jax.jit(functools.partial(init_state, run.model, optimizer),
-                   out_shardings=state_sharding)
+        opt_state=sharding.optimizer_state_shardings(
+            optimizer, abstract_params(run.model) if run.lora is None else abstract_trained,
+            params_sharding, mesh))
+    if run.lora is None:
+        init = jax.jit(functools.partial(init_state, run.model, optimizer),
+                       out_shardings=state_sharding)
+        base = None
+    else:
+        init = jax.jit(lambda key: _fresh_state(optimizer, init_from_specs(trained, key)),
+                       out_shardings=state_sharding)
+        base = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract_params(run.model),
+                            sharding.param_shardings(specs, mesh, run.mesh))
     abstract = jax.eval_shape(init, jax.random.key(0))
     if run.init_from is not None:
         init = functools.partial(_init_from_checkpoint, run, optimizer, params_sharding,
-                                 state_sharding, mesh)
-    return Initializer(init, abstract, optimizer, params_sharding, state_sharding)
+                                 state_sharding, mesh) if run.lora is None else \
+            functools.partial(_init_adapters, run, init, optimizer, state_sharding)
+    return Initializer(init, abstract, optimizer, params_sharding, state_sharding, base)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,16 +372,21 @@ class Jitted:
     abstract arguments it lowers for."""
 
     start: Initializer
-    step: Callable  # jitted (state, batch) -> (state, metrics), state donated
-    evaluate: Callable  # jitted (params, batch) -> (sums, aux)
+    step: Callable  # jitted (state, batch[, base]) -> (state, metrics), state donated
+    evaluate: Callable  # jitted (params, batch[, base]) -> (sums, aux)
     batch: Any  # the abstract batch (a task's dict of them), sharded
     batch_sharding: NamedSharding
 
     def lower_step(self) -> jax.stages.Lowered:
-        return self.step.lower(self.start.abstract, self.batch)
+        return self.step.lower(self.start.abstract, self.batch, *self.frozen)
 
     def lower_evaluate(self) -> jax.stages.Lowered:
-        return self.evaluate.lower(self.start.abstract.params, self.batch)
+        return self.evaluate.lower(self.start.abstract.params, self.batch, *self.frozen)
+
+    @property
+    def frozen(self) -> tuple:
+        """The programs' arguments beyond (state or params, batch): a LoRA run's base."""
+        return () if self.start.base is None else (self.start.base,)
 
 
 def jitted_programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh) -> Jitted:
@@ -373,12 +406,14 @@ def jitted_programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh) -> Jit
     batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                         sharding=batch_sharding), batch)
     loss_fn = objective(run, bos_id)
+    frozen = () if start_state.base is None else (
+        jax.tree.map(lambda a: a.sharding, start_state.base),)
     step = jax.jit(functools.partial(train_step, run.model, run.train, start_state.optimizer,
-                                     loss_fn),
-                   in_shardings=(start_state.state_sharding, batch_sharding),
+                                     loss_fn, lora=run.lora),
+                   in_shardings=(start_state.state_sharding, batch_sharding, *frozen),
                    out_shardings=(start_state.state_sharding, replicated), donate_argnums=0)
-    evaluate = jax.jit(functools.partial(eval_sums, loss_fn),
-                       in_shardings=(start_state.params_sharding, batch_sharding),
+    evaluate = jax.jit(functools.partial(eval_sums, loss_fn, lora=run.lora),
+                       in_shardings=(start_state.params_sharding, batch_sharding, *frozen),
                        out_shardings=replicated)
     return Jitted(start_state, step, evaluate, batch, batch_sharding)
 
@@ -408,10 +443,25 @@ def _init_from_checkpoint(run: RunConfig, optimizer, params_sharding, state_shar
     """A fine-tuning run's first state: its init_from checkpoint's parameters with a fresh
     head (finetune.py), and the optimizer's state for them."""
     params = finetune.initial_params(run, key, params_sharding, mesh)
-    start = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p,
-                                         opt_state=optimizer.init(p)),
-                    out_shardings=state_sharding)
+    start = jax.jit(functools.partial(_fresh_state, optimizer), out_shardings=state_sharding)
     return start(params)
+
+
+def _init_adapters(run: RunConfig, fresh: Callable, optimizer, state_sharding,
+                   key: jax.Array) -> TrainState:
+    """A LoRA run's first state: the adapters of its init_from PEFT adapter, else `fresh(key)`
+    (new ones)."""
+    adapters = finetune.initial_adapters(run)
+    if adapters is None:
+        return fresh(key)
+    start = jax.jit(functools.partial(_fresh_state, optimizer), out_shardings=state_sharding)
+    return start(adapters)
+
+
+def _fresh_state(optimizer: optax.GradientTransformation, params) -> TrainState:
+    """Step 0 of training `params` (a model's, or a LoRA run's adapters)."""
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(params))
 
 
 @jax.jit
@@ -425,20 +475,21 @@ def _on_devices(batch_sharding: NamedSharding, batch):
                                                                            rows), batch)
 
 
-def _validation(evaluate, params, groups: dict[str, list], sharding: NamedSharding,
-                task: TaskConfig | None) -> dict[str, float]:
+def _validation(evaluate, groups: dict[str, list], sharding: NamedSharding,
+                task: TaskConfig | None, frozen: tuple = ()) -> dict[str, float]:
     """Validation metrics (`val_` names) from the loss's sums over the batches of every group
     (a mixture's sources; one group otherwise): the mean loss and perplexity over all of them
     (language modelling: with the blocks' statistics, `model.aux_metrics`, the MoE's drops,
     loads and router entropy) and, for a mixture, each source's `val_loss_NAME` and
-    `val_ppl_NAME`; or a task head's metrics (nn/heads.py)."""
+    `val_ppl_NAME`; or a task head's metrics (nn/heads.py). `evaluate(batch, *frozen)` gives
+    one batch's sums (`frozen`: a LoRA run's base)."""
     sums = aux = None
     per_group = {}
     for name, group_batches in groups.items():
         group = None
         for batch in group_batches:
-            batch_sums, batch_aux = jax.device_get(evaluate(params,
-                                                            _on_devices(sharding, batch)))
+            batch_sums, batch_aux = jax.device_get(evaluate(_on_devices(sharding, batch),
+                                                            *frozen))
             group = batch_sums if group is None else jax.tree.map(np.add, group, batch_sums)
             aux = batch_aux if aux is None else jax.tree.map(np.add, aux, batch_aux)
         per_group[name] = group
@@ -500,7 +551,7 @@ def _task_data(run: RunConfig, workdir: Path, log: Callable[[str], None]) -> _So
     workdir), padded (data/tasks.py). Validation covers every held-out example."""
     task, train_cfg, model = run.task, run.train, run.model
     tokenizer = finetune.run_tokenizer(dataclasses.asdict(run.data), run.init_from, "task run")
-    keep_tokenizer(tokenizer.path, workdir)
+    save_tokenizer(tokenizer, workdir)
     read = functools.partial(task_data.read_examples, task=task, model=model,
                              tokenizer=tokenizer, seq_len=train_cfg.seq_len)
     examples = read(task.train)
@@ -526,14 +577,14 @@ def _chat_data(run: RunConfig, workdir: Path, log: Callable[[str], None]) -> _So
     chats as it was trained), packed into rows (data/conversations.py)."""
     task, train_cfg = run.task, run.train
     tokenizer = finetune.run_tokenizer(dataclasses.asdict(run.data), run.init_from, "chat run")
-    template = conversations.chat_template_for(run.init_from)
+    template = conversations.chat_template_for(finetune.model_files(run.init_from))
     read = functools.partial(conversations.read_conversations, template=template,
                              tokenizer=tokenizer, seq_len=train_cfg.seq_len,
                              truncate=task.truncate)
     chats = read(task.train)
     train_chats, val_chats = (conversations.split(chats, task.val_fraction) if task.val is None
                               else (chats, read(task.val)))
-    keep_tokenizer(tokenizer.path, workdir)  # once the data is read: bad data writes nothing
+    save_tokenizer(tokenizer, workdir)  # once the data is read: bad data writes nothing
     write_atomically(workdir / CHAT_TEMPLATE_FILE, template.text)
     # a row's padding is unscored and unseen by the rest: any token does; an end of sequence
     rows = {name: conversations.pack(c, train_cfg.seq_len, task.packing, tokenizer.eos_ids[0])
