@@ -35,6 +35,7 @@ import jax
 
 from llama_jax.parallel import distributed
 from llama_jax.cli import user_errors_exit
+from llama_jax.config.run import CHAT
 from llama_jax import load_run_config
 from llama_jax.training.trainer import train
 from llama_jax.aot.training import compile_training, render
@@ -90,7 +91,14 @@ def main(argv: list[str] | None = None) -> int:
             print(message, file=sys.stderr)
 
     outcome = train(run, workdir, log=log, progress=not args.no_progress)
-    if run.task is not None:
+    if run.task is not None and run.task.kind == CHAT:
+        if outcome.val_loss is not None:
+            before = outcome.val_metrics_before.get("val_loss")
+            log(f"validation loss on the assistant's tokens {outcome.val_loss:.4f} nats/token "
+                f"(perplexity {math.exp(outcome.val_loss):.2f})"
+                + ("" if before is None else f"; {before:.4f} before fine-tuning"))
+        next_step = f"Chat with: python sample.py --checkpoint {workdir} --chat"
+    elif run.task is not None:
         if outcome.val_metrics:
             log("validation " + ", ".join(f"{name[4:]} {value:.4f}"
                                           for name, value in outcome.val_metrics.items()))

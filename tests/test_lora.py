@@ -3,6 +3,8 @@ float64; a fresh adapter (B = 0) computes the base model bit for bit, float or i
 model with adapters is the model with them merged; their gradients are the merged weight's
 gradient through A·B; bad targets are named."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,7 @@ from llama_jax.model.params import param_specs, quantize_params
 from llama_jax.model.transformer import forward, unstack_layers
 from llama_jax.nn.lora import Lora, init_adapters, merged, with_adapters
 from llama_jax.nn.ops import dense
-from models import TINY, prompts, random_params
+from models import MLA_TINY, SERVING, TINY, prompts, random_params
 
 TARGETS = ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"]
 
@@ -131,3 +133,59 @@ def test_adapter_dropout_masks_the_adapters_inputs_and_keeps_their_mean():
     zero = Lora(w, a, jnp.zeros_like(b), scale, 1, jax.random.key(0), p)
     np.testing.assert_allclose(f64(dense("MK,KN->MN", x, zero)), f64(x) @ f64(w), rtol=1e-5,
                                atol=1e-5)
+
+
+MOE_SHARED = dataclasses.replace(SERVING["moe"], moe=dataclasses.replace(
+    SERVING["moe"].moe, n_shared_experts=1))
+
+
+@pytest.mark.parametrize("config, targets", [
+    (MLA_TINY, ["wq_nope", "wq_rope", "w_dkv", "w_kr", "w_uk", "w_uv", "wo", "w_up"]),
+    (MOE_SHARED, ["wq", "wo", "w_gate", "w_up", "w_down"]),
+    (MOE_SHARED.with_execution(moe_dispatch="dropless"), ["experts/w_up", "shared/w_down"]),
+], ids=["mla", "moe-experts-and-shared", "moe-dropless"])
+def test_mla_and_moe_layers_compute_their_adapters_as_merged_weights(config, targets):
+    """MLA's projections, and a MoE's routed experts (an adapter each, batched or grouped
+    like their weights) and shared experts: the model with adapters is the model with them
+    merged. A path's end ("experts/w_up") names those weights alone."""
+    params = random_params({"m": config})["m"]
+    tokens = jnp.asarray(prompts([12, 12], seed=5, vocab=config.vocab_size))
+    adapters = init_adapters(params, param_specs(config), targets, 4, jax.random.key(1))
+    rng = np.random.default_rng(1)
+    adapters = {p: {"a": ab["a"], "b": jnp.asarray(0.05 * rng.standard_normal(ab["b"].shape),
+                                                   jnp.float32)}
+                for p, ab in adapters.items()}
+    if config.moe is not None:  # the routed experts' adapters are per expert: [L, E, ..]
+        expert = next(ab for p, ab in adapters.items() if "/experts/" in p)
+        assert expert["a"].shape[:2] == expert["b"].shape[:2] == (config.n_layers,
+                                                                  config.moe.n_experts)
+    adapted = with_adapters(params, adapters, scale=2.0)
+    with_lora = f64(forward(config, adapted, tokens))
+    np.testing.assert_allclose(with_lora, f64(forward(config, merged(adapted), tokens)),
+                               rtol=1e-4, atol=1e-4)
+    assert np.abs(with_lora - f64(forward(config, params, tokens))).max() > 1e-2
+
+
+def test_moe_expert_adapters_compute_the_same_on_a_mesh():
+    """The dropless experts run per device (shard_map): their adapters go in with their
+    weights, and the sharded forward pass is the single-device one."""
+    import functools
+
+    import llama_jax
+    from llama_jax.parallel import sharding
+
+    config = MOE_SHARED.with_execution(moe_dispatch="dropless")
+    params = random_params({"m": config})["m"]
+    adapters = init_adapters(params, param_specs(config), ["experts/w_gate", "wq"], 4,
+                             jax.random.key(2))
+    rng = np.random.default_rng(2)
+    adapters = {p: {"a": ab["a"], "b": jnp.asarray(0.05 * rng.standard_normal(ab["b"].shape),
+                                                   jnp.float32)} for p, ab in adapters.items()}
+    adapted = with_adapters(params, adapters, scale=2.0)
+    tokens = jnp.asarray(prompts([12] * 4, seed=6, vocab=config.vocab_size))
+    expected = f64(forward(config, adapted, tokens))
+    mesh_config = llama_jax.MeshConfig(data=2, expert=2, tensor=2)
+    mesh = sharding.make_mesh(mesh_config)
+    with sharding.use_mesh(mesh, mesh_config):
+        got = f64(jax.jit(functools.partial(forward, config))(adapted, tokens))
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)

@@ -213,3 +213,13 @@ def test_train_py_names_a_bad_lora_target_in_one_line(lora_run, tmp_path):
     assert done.stderr.strip().splitlines()[-1].startswith("error: ") and \
         "lora.targets: 'w1'" in done.stderr, done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_the_shipped_chat_tune_config_loads(lora_run):
+    """configs/tasks/chat-tune.yaml (make chat-tune) with init_from pointed at a test
+    checkpoint: a LoRA chat run on every target."""
+    run = finetune.load_run_config(ROOT / "configs" / "tasks" / "chat-tune.yaml",
+                                   [f"init_from={lora_run['base']}"])
+    assert run.task.kind == "chat" and run.lora.targets == tuple(TARGETS)
+    mesh = sharding.make_mesh(run.mesh, jax.devices())
+    trainer.check_run(run, mesh)

@@ -234,7 +234,8 @@ class LoraConfig:
                              doc="dropout on the adapters' inputs while training")
     targets: Any = setting(("wq", "wv"), type="list",
                            doc="the layers' weights adapted, by their parameter names (wq, wk, "
-                               "wv, wo, w_gate, w_up, w_down; MLA's and MoE experts' likewise)")
+                               "wv, wo, w_gate, w_up, w_down; MLA's likewise) or their paths' "
+                               "ends (shared/w_gate: a MoE layer's shared experts)")
 
     def __post_init__(self):
         check_settings(self)

@@ -11,7 +11,9 @@ the rank and W's output axes (`[r, N..]`, PEFT's `lora_B`). W is never widened, 
 merged while training: the adapters' path costs 2·r·(K + N) FLOPs per token against W's 2·K·N.
 `A` is initialised at random (Kaiming-uniform, as PEFT) and `B` at zero, so a fresh adapter
 computes exactly the base model (the delta is an exact zero). Stacked weights `[L, ..]` get
-stacked adapters `[L, ..]`: the layer scan slices them with their weights.
+stacked adapters `[L, ..]`: the layer scan slices them with their weights. A MoE's routed
+experts `[L, E, ..]` get an adapter each (`[L, E, K.., r]`, `[L, E, r, N..]`), computed by the
+experts' batched or grouped matmuls as their weights are (ops.einsum_f32, ops.grouped_f32).
 
 `with_adapters(params, adapters)` puts them in place (the adapters are a tree beside the
 parameters, `{path: {"a", "b"}}`: a loss of `with_adapters(base, adapters)` differentiated by
@@ -47,17 +49,41 @@ class Lora:
     key: jax.Array | None = None
     dropout: float = struct.field(pytree_node=False, default=0.0)
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.base.shape)
+
 
 def is_lora(w: Any) -> bool:
     return isinstance(w, Lora)
 
 
+def dropped(x: jax.Array, w: Lora) -> jax.Array:
+    """The adapter's input: `x` with its dropout applied (when it has a key), else `x`."""
+    if w.key is None or w.dropout == 0:
+        return x
+    keep = jax.random.bernoulli(w.key, 1.0 - w.dropout, x.shape)
+    return jnp.where(keep, x / (1.0 - w.dropout), 0).astype(x.dtype)
+
+
+def delta_equations(equation: str) -> tuple[str, str]:
+    """The two einsums of an adapter's path for the weight einsum `equation` ("BECD,EDM->BECM":
+    per-expert weights, batched over E): x·A into the rank ("BECD,EDr->BECr"), then ·B out of
+    it ("BECr,ErM->BECM")."""
+    inputs, out = equation.split("->")
+    lhs, rhs = inputs.split(",")
+    batched = [c for c in rhs if c in lhs and c in out]
+    contracted = [c for c in rhs if c in lhs and c not in out]
+    outputs = [c for c in rhs if c not in lhs]
+    mid = "".join(c for c in lhs if c not in contracted) + "r"
+    return (f"{lhs},{''.join(batched + contracted)}r->{mid}",
+            f"{mid},{''.join(batched)}r{''.join(outputs)}->{out}")
+
+
 def delta(x_MK: jax.Array, w: Lora) -> jax.Array:
     """scale · (x·A)·B for rows `x_MK` of W's contracted size: `[M, N]` in fp32."""
     r = w.a.shape[-1]
-    if w.key is not None and w.dropout > 0:
-        keep_MK = jax.random.bernoulli(w.key, 1.0 - w.dropout, x_MK.shape)
-        x_MK = jnp.where(keep_MK, x_MK / (1.0 - w.dropout), 0).astype(x_MK.dtype)
+    x_MK = dropped(x_MK, w)
     a_Kr = w.a.reshape(-1, r).astype(x_MK.dtype)
     b_rN = w.b.reshape(r, -1).astype(x_MK.dtype)
     x_Mr = jnp.einsum("MK,Kr->Mr", x_MK, a_Kr, preferred_element_type=jnp.float32)
@@ -67,15 +93,19 @@ def delta(x_MK: jax.Array, w: Lora) -> jax.Array:
 
 def target_paths(params: dict, targets: Sequence[str]) -> list[str]:
     """The paths ("GROUP/BLOCK/NAME" into `params["groups"]`, "GROUP/LAYER/BLOCK/NAME" for
-    per-layer weights) of every layer's weights named `targets`; a ConfigError names a target
-    the layers do not have."""
+    per-layer weights) of every layer's weights named `targets`: a weight's name ("w_gate"),
+    or the end of its path ("shared/w_gate": a MoE layer's shared experts alone). A
+    ConfigError names a target the layers do not have."""
     paths = list(_leaves(params["groups"], is_int8))
-    names = {_name(p) for p in paths}
-    missing = [t for t in targets if t not in names]
+
+    def named(path: str, target: str) -> bool:
+        return ("/" + path).endswith("/" + target)
+    missing = [t for t in targets if not any(named(p, t) for p in paths)]
     if missing:
+        names = sorted({_name(p) for p in paths})
         raise ConfigError(f"lora.targets: {', '.join(map(repr, missing))} is not a weight of the "
-                          f"model's layers (they have {', '.join(sorted(names))})")
-    return [p for p in paths if _name(p) in targets]
+                          f"model's layers (they have {', '.join(names)})")
+    return [p for p in paths if any(named(p, t) for t in targets)]
 
 
 def adapter_specs(params: dict, specs: dict, targets: Sequence[str],
@@ -95,9 +125,10 @@ def adapter_specs(params: dict, specs: dict, targets: Sequence[str],
             raise ConfigError(f"lora.targets: {_name(path)!r} is not a matmul weight")
         lead = "" if _stacked(path) else "L"  # a per-layer weight's spec has no L
         letters = [c for c in spec.letters if c not in lead]
+        # the layers' and (MoE) the experts' axes: each has adapters of its own
+        stack = [c for c in letters if c in "LE"]
         inputs = [c for c in letters if c in spec.contract]
-        outputs = [c for c in letters if c not in spec.contract and c != "L"]
-        stack = [c for c in letters if c == "L"]
+        outputs = [c for c in letters if c not in spec.contract and c not in stack]
 
         def part(chosen: list[str], zeros: bool) -> TensorSpec:
             dims = {**dict(zip(spec.letters, spec.shape)), "r": rank}
@@ -122,7 +153,7 @@ def init_from_specs(specs: dict[str, dict[str, TensorSpec]], key: jax.Array,
     adapters = {}
     for i, (path, ab) in enumerate(specs.items()):
         a, b = ab["a"], ab["b"]
-        n_in = len(a.letters) - 1 - a.letters.count("L")
+        n_in = len(a.letters) - 1 - a.letters.count("L") - a.letters.count("E")
         bound = 1.0 / math.sqrt(math.prod(a.shape[-1 - n_in:-1]))
         adapters[path] = {"a": jax.random.uniform(jax.random.fold_in(key, i), a.shape, dtype,
                                                   -bound, bound),
@@ -148,7 +179,8 @@ def with_adapters(params: dict, adapters: dict, scale: float, dropout: float = 0
             mask_key = jax.random.fold_in(key, paths.index(path))
             if lead:
                 mask_key = jax.random.split(mask_key, ab["a"].shape[0])
-        return Lora(w, ab["a"], ab["b"], scale, ab["a"].ndim - 1 - lead, mask_key, dropout)
+        return Lora(w, ab["a"], ab["b"], scale, ab["a"].ndim - 1 - _lead(path), mask_key,
+                    dropout)
     groups = jax.tree_util.tree_map_with_path(put, params["groups"], is_leaf=is_int8)
     return {**params, "groups": groups}
 
@@ -160,7 +192,7 @@ def merged(params: dict) -> dict:
         if not is_lora(w):
             return w
         base = w.base.values * w.base.scale if is_int8(w.base) else w.base
-        lead = w.a.ndim - 1 - w.n_in  # a stacked group's layers' axis
+        lead = w.a.ndim - 1 - w.n_in  # a stacked group's layers' axis, a MoE's experts'
         r = w.a.shape[-1]
         a = w.a.reshape(*w.a.shape[:lead], -1, r).astype(jnp.float32)
         b = w.b.reshape(*w.b.shape[:lead + 1], -1).astype(jnp.float32)
@@ -171,13 +203,20 @@ def merged(params: dict) -> dict:
 
 
 def _stacked(path: str) -> int:
-    """1 for a scanned group's weight ("GROUP/BLOCK/NAME": `[L, ..]`), 0 for a layer's own."""
-    return int(path.count("/") == 2)
+    """1 for a scanned group's weight ("GROUP/BLOCK/../NAME": `[L, ..]`), 0 for a layer's own
+    ("GROUP/LAYER/BLOCK/../NAME": its second part is the layer's index)."""
+    return int(not path.split("/")[1].isdigit())
 
 
 def _path(keys) -> str:
     """A tree path of `params["groups"]` as "GROUP[/LAYER]/BLOCK/NAME"."""
     return "/".join(str(k.idx if hasattr(k, "idx") else k.key) for k in keys)
+
+
+def _lead(path: str) -> int:
+    """How many leading axes of a weight have adapters of their own: a stacked group's layers,
+    and a MoE block's experts."""
+    return _stacked(path) + int("experts" in path.split("/"))
 
 
 def _spec_path(path: str) -> str:

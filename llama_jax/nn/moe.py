@@ -187,9 +187,14 @@ def apply_experts(p: dict, x_BTD: jax.Array, experts_BTR: jax.Array, weights_BTR
         y_BTD = _capacity_experts(p, x_BTD, slot_BTR, weights_BTR, mlp, E, slots)
     else:
         # Sorting and grouped matmuls cannot be partitioned by XLA: each device runs its rows.
-        y_BTD = per_shard(functools.partial(_dropless_experts, names=tuple(p), mlp=mlp),
-                          in_axes=[(None, None, None)] * len(p) + [("batch", None, None)] * 3,
-                          out_axes=("batch", None, None))(*p.values(), x_BTD, experts_BTR,
+        # The weights go in as their arrays (an int8 weight's two, a LoRA weight's base and
+        # adapters), whole on every device.
+        leaves, weights_def = jax.tree.flatten(p)
+        y_BTD = per_shard(functools.partial(_dropless_experts, weights_def=weights_def,
+                                            mlp=mlp),
+                          in_axes=[(None,) * leaf.ndim for leaf in leaves]
+                          + [("batch", None, None)] * 3,
+                          out_axes=("batch", None, None))(*leaves, x_BTD, experts_BTR,
                                                           weights_BTR)
     return y_BTD.astype(x_BTD.dtype), dropped
 
@@ -217,11 +222,12 @@ def _capacity_experts(p, x_BTD, slot_BTR, weights_BTR, mlp, E, slots):
                       precision=matmul_precision(gathered_BTRD, weights_BTR))
 
 
-def _dropless_experts(*arrays, names: tuple[str, ...], mlp: str):
+def _dropless_experts(*arrays, weights_def, mlp: str):
     """Assignments sorted by expert, grouped matmuls over the sorted rows, unsorted; dropped
-    assignments (weight zero) are computed too — grouped matmuls have no buffers to overflow."""
-    p = dict(zip(names, arrays[:len(names)]))
-    x_BTD, experts_BTR, weights_BTR = arrays[len(names):]
+    assignments (weight zero) are computed too — grouped matmuls have no buffers to overflow.
+    `arrays`: the leaves of the weights' tree (`weights_def`), then the tokens."""
+    p = jax.tree.unflatten(weights_def, arrays[:weights_def.num_leaves])
+    x_BTD, experts_BTR, weights_BTR = arrays[weights_def.num_leaves:]
     B, T, R = experts_BTR.shape
     E = p["w_up"].shape[0]
     experts_A = experts_BTR.reshape(-1)

@@ -15,7 +15,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from llama_jax.nn.lora import delta as lora_delta, is_lora
+from llama_jax.nn.lora import (delta as lora_delta, delta_equations as lora_delta_equations,
+                               dropped as lora_dropped, is_lora)
 from llama_jax.quant import Int8, is_int8
 from llama_jax.parallel import target
 
@@ -31,6 +32,10 @@ def einsum_f32(equation: str, a: jax.Array, b: jax.Array | Int8) -> jax.Array:
     """
     if is_int8(b):
         return _int8_einsum(equation, a, b)
+    if is_lora(b):  # a MoE's experts' weights with their adapters (lora.py)
+        to_rank, from_rank = lora_delta_equations(equation)
+        h = einsum_f32(to_rank, lora_dropped(a, b), b.a).astype(a.dtype)
+        return einsum_f32(equation, a, b.base) + b.scale * einsum_f32(from_rank, h, b.b)
     precision = matmul_precision(a, b)
     a, b = _widened_on_cpu(a, b)
     return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32, precision=precision)
@@ -110,6 +115,10 @@ def grouped_f32(rows: jax.Array, w_EIO: jax.Array | Int8, sizes_E: jax.Array) ->
     """Grouped matmul (`jax.lax.ragged_dot`): consecutive runs of `sizes_E[e]` rows times
     `w_EIO[e]`, fp32 result; widened on CPU as in `einsum_f32`. An int8 `w_EIO`'s scales
     `[E, 1, O]` multiply each row's output by its expert's."""
+    if is_lora(w_EIO):  # the experts' adapters: grouped like their weights (lora.py)
+        h = grouped_f32(lora_dropped(rows, w_EIO), w_EIO.a, sizes_E).astype(rows.dtype)
+        return (grouped_f32(rows, w_EIO.base, sizes_E)
+                + w_EIO.scale * grouped_f32(h, w_EIO.b, sizes_E))
     if is_int8(w_EIO):
         expert_of_row = jnp.repeat(jnp.arange(w_EIO.shape[0]), sizes_E,
                                    total_repeat_length=rows.shape[0])

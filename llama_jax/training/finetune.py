@@ -20,6 +20,7 @@ the final hidden states, so the backbone's backward pass is not computed at all.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -47,6 +48,8 @@ def load_run_config(name_or_path: str | Path, overrides: Sequence[str] = ()) -> 
     defaulted from the run's tokenizer (a task head's: chat trains the LM head)."""
     tree, path = load_run_tree(name_or_path, overrides)
     where = str(path)
+    if isinstance(tree.get("init_from"), str):  # "~/..." is the user's home, as in a shell
+        tree = {**tree, "init_from": os.path.expanduser(tree["init_from"])}
     if tree.get("init_from") is not None:
         tree = {**tree, "model": _checkpoint_model(tree, where)}
     task = tree.get("task") or {}

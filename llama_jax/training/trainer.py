@@ -72,6 +72,8 @@ class Outcome:
     tokens_per_s: float = 0.0  # over the whole run, compile excluded
     peak_memory_bytes: int | None = None  # per device: see `_peak_memory`
     val_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the last eval
+    # a fine-tuning run that starts (not resumes): its checkpoint's validation metrics
+    val_metrics_before: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def check_run(run: RunConfig, mesh: jax.sharding.Mesh) -> None:
@@ -149,6 +151,12 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
     metrics = MetricsLog(workdir / run_dir.METRICS, workdir / run_dir.TENSORBOARD, start)
     outcome = Outcome(step=start, compile_s=compile_s,
                       val_unigram_entropy=source.val_unigram_entropy)
+    validate = functools.partial(_validation, groups=val, sharding=batch_sharding,
+                                 task=run.task, frozen=frozen)
+    if run.init_from is not None and not start:  # what fine-tuning starts from
+        outcome.val_metrics_before = validate(functools.partial(programs.evaluate,
+                                                                state.params))
+        log("before training: " + _described(outcome.val_metrics_before, run.task))
     log(f"step compiled in {compile_s:.1f} s ({_mib(programs.step_bytes)} per device); "
         f"training steps {start + 1}..{end} of "
         f"{train_cfg.steps} on {len(devices)} {devices[0].platform} device(s), mesh "
@@ -176,16 +184,12 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
                                     mfu=f"{record['mfu']:.0%}", refresh=False)
                 with window.paused():
                     if step % train_cfg.eval_every == 0 or step == train_cfg.steps:
-                        val_metrics = _validation(
-                            functools.partial(programs.evaluate, state.params),
-                            val, batch_sharding, run.task, frozen)
+                        val_metrics = validate(functools.partial(programs.evaluate,
+                                                                 state.params))
                         outcome.val_loss = val_metrics["val_loss"]
                         outcome.val_metrics = val_metrics
                         record.update(val_metrics)
-                        say(f"step {step}: " + " ".join(
-                            f"{k} {v:.4f}" for k, v in val_metrics.items()
-                            if _task_head(run.task) or k == "val_ppl"
-                            or k.startswith("val_loss")))
+                        say(f"step {step}: " + _described(val_metrics, run.task))
                     metrics.write(step, record)
                     bar.update(1)
                     outcome.step = step
@@ -500,6 +504,12 @@ def _validation(evaluate, groups: dict[str, list], sharding: NamedSharding,
     for name, group in per_group.items() if len(per_group) > 1 else ():
         out.update(_loss_metrics(group, f"_{name}"))
     return out | {f"val_{k}": float(v) for k, v in aux_metrics(aux or ()).items()}
+
+
+def _described(val_metrics: dict[str, float], task: TaskConfig | None) -> str:
+    """The validation metrics a log line shows: a task head's, or the losses and perplexity."""
+    return " ".join(f"{k} {v:.4f}" for k, v in val_metrics.items()
+                    if _task_head(task) or k == "val_ppl" or k.startswith("val_loss"))
 
 
 def _loss_metrics(sums: dict, suffix: str) -> dict[str, float]:
