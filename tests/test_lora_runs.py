@@ -223,3 +223,16 @@ def test_the_shipped_chat_tune_config_loads(lora_run):
     assert run.task.kind == "chat" and run.lora.targets == tuple(TARGETS)
     mesh = sharding.make_mesh(run.mesh, jax.devices())
     trainer.check_run(run, mesh)
+
+
+def test_the_planner_and_xla_count_a_lora_runs_state_alike(lora_run):
+    """`train.py --compile-only` of a LoRA run: the frozen base and the adapters are its
+    parameters, the adapters' moments its optimizer state, in the planner as in XLA's
+    compiled step (each device's share on a data x tensor mesh)."""
+    from llama_jax.aot.training import compile_training
+
+    report = compile_training(lora_run["run"], evaluate=False)
+    assert report.parameters == report.plan.weights
+    assert report.optimizer == pytest.approx(report.plan.optimizer, rel=0.01)
+    # fp32 gradients of the adapters alone, and their two fp32 moments
+    assert 2 * report.plan.gradients == report.plan.optimizer < report.plan.weights / 3

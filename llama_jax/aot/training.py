@@ -85,10 +85,11 @@ def compile_training(run: RunConfig, topology: str | None = None, slices: int = 
     with target.compiling_for(mesh), sharding.use_mesh(mesh, run.mesh):
         run = dataclasses.replace(run, model=run.model.for_platform())  # auto: the target's
         check_run(run, mesh)
+        adapters = None if run.lora is None else costs.run_adapter_specs(run)
         plan = plan_memory(run.model, run.mesh, len(devices), batch=run.train.batch_size,
                            seq=run.train.seq_len, remat=run.model.remat,
                            micro_batches=run.train.micro_batches, backend=platform,
-                           mu_dtype=run.train.mu_dtype)
+                           mu_dtype=run.train.mu_dtype, adapters=adapters)
         log(f"compiling for {described}, mesh {dict(mesh.shape)}")
         jitted = jitted_programs(run, _ANY_BOS_ID, mesh)
         options = target.compiler_options()
@@ -108,7 +109,7 @@ def compile_training(run: RunConfig, topology: str | None = None, slices: int = 
         versions=topologies.compiler_versions(platform) if topology else {},
         xla_flags=os.environ.get("XLA_FLAGS", ""), compiler_options=options,
         limit=entry.memory_bytes if entry else None,
-        parameters=sharding.bytes_per_device(state.params),
+        parameters=sharding.bytes_per_device((state.params, *jitted.frozen)),
         optimizer=sharding.bytes_per_device(state.opt_state), plan=plan,
         programs=tuple(programs))
 

@@ -132,12 +132,17 @@ def train_flops_per_token(config: ModelConfig, seq_len: int, frozen_backbone: bo
     return 6 * param_counts(config).matmul + attention
 
 
+def run_adapter_specs(run: RunConfig) -> dict:
+    """A LoRA run's adapters' TensorSpecs (`lora.adapter_specs` of its model and section)."""
+    return adapter_specs(abstract_params(run.model), param_specs(run.model), run.lora.targets,
+                         run.lora.rank)
+
+
 def train_flops_per_step(run: RunConfig) -> float:
     """A run's model FLOPs per optimizer step, all devices together (`train_flops_per_token`
     over its batch; a frozen backbone's forward only; a LoRA run's base without weight
     gradients)."""
-    adapters = 0 if run.lora is None else count(adapter_specs(
-        abstract_params(run.model), param_specs(run.model), run.lora.targets, run.lora.rank))
+    adapters = 0 if run.lora is None else count(run_adapter_specs(run))
     return run.train.batch_size * run.train.seq_len * train_flops_per_token(
         run.model, run.train.seq_len, frozen_backbone=run.train.freeze == "backbone",
         adapters=adapters)

@@ -99,12 +99,22 @@ def _ways(rules: tuple, mesh_shape: dict[str, int], axis: str, size: int) -> int
 def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch: int,
                 seq: int, remat: str, micro_batches: int = 1, kv_batch: int = 1,
                 kv_seq: int | None = None, kv_dtype: str = "bfloat16",
-                backend: str = "cpu", mu_dtype: str | None = None) -> MemoryPlan:
-    """Per-device bytes of training `config` (attention as it would run on `backend`)."""
+                backend: str = "cpu", mu_dtype: str | None = None,
+                adapters=None) -> MemoryPlan:
+    """Per-device bytes of training `config` (attention as it would run on `backend`). With
+    `adapters` (a LoRA run's TensorSpecs, nn/lora.py) only they train, in fp32: the model's
+    weights are held frozen (int8 where quantized), without gradients or moments."""
     shape = dict(zip(MESH_AXES, mesh.shape_for(n_devices)))
     param_bytes = costs.dtype_bytes(config.param_dtype)
     specs = param_specs(config)
     state_elems = _elements_per_device(specs, mesh.weight_rules, shape)
+    frozen = 0
+    if adapters is not None:
+        frozen = sum(costs.stored_bytes(s, config.param_dtype)
+                     // sharding.shard_ways(sharding.spec(s.axes, s.shape, mesh.weight_rules,
+                                                          shape), shape)
+                     for s in spec_leaves(specs))
+        state_elems, param_bytes = _elements_per_device(adapters, mesh.weight_rules, shape), 4
     rules = mesh.activation_rules
     rows = batch // micro_batches // _ways(rules, shape, "batch", batch // micro_batches)
     tokens = rows * seq
@@ -161,7 +171,7 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
         gathered_layer if shape["fsdp"] > 1 and backend in SHARED_WORKING_SETS else 0)
     kv_seq = seq if kv_seq is None else kv_seq
     kv = kv_cache_bytes_per_device(config, kv_batch, kv_seq, kv_dtype, mesh.cache_rules, shape)
-    return MemoryPlan(mesh=shape, weights=state_elems * param_bytes,
+    return MemoryPlan(mesh=shape, weights=frozen + state_elems * param_bytes,
                       gradients=state_elems * param_bytes,
                       optimizer=(costs.dtype_bytes(mu_dtype or config.param_dtype)
                                  + param_bytes) * state_elems,

@@ -48,7 +48,7 @@ from llama_jax.files import write_atomically
 from llama_jax.errors import ConfigError, TrainingError
 from llama_jax.formats.legacy import is_legacy
 from llama_jax.model.params import abstract_params, param_specs
-from llama_jax.nn.lora import adapter_specs, init_from_specs
+from llama_jax.nn.lora import init_from_specs
 from llama_jax.spec import map_specs
 from llama_jax.training.metrics import MetricsLog
 from llama_jax.nn.attention.dot_product import chosen_attention, describe_attention
@@ -92,8 +92,7 @@ def check_run(run: RunConfig, mesh: jax.sharding.Mesh) -> None:
                           "fine-tune from the float checkpoint, and quantize when loading it "
                           "to decode)")
     if run.lora is not None:  # the targets (and a PEFT start's) are named before any writing
-        adapter_specs(abstract_params(model), param_specs(model), run.lora.targets,
-                      run.lora.rank)
+        costs.run_adapter_specs(run)
         finetune.initial_adapters(run)
     if train.seq_len > model.max_seq_len:
         raise ConfigError(f"train.seq_len={train.seq_len} exceeds the model's context "
@@ -342,8 +341,7 @@ def initializer(run: RunConfig, mesh: jax.sharding.Mesh) -> Initializer:
     """How `run` creates its state on `mesh`: every leaf laid out by the sharding rules. A LoRA
     run's state holds the adapters, placed as their weights are (`lora.adapter_specs`)."""
     specs = param_specs(run.model)
-    trained = specs if run.lora is None else adapter_specs(
-        abstract_params(run.model), specs, run.lora.targets, run.lora.rank)
+    trained = specs if run.lora is None else costs.run_adapter_specs(run)
     optimizer = make_optimizer(run.model, run.train, trained)
     params_sharding = sharding.param_shardings(trained, mesh, run.mesh)
     abstract_trained = map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), trained)
