@@ -118,8 +118,10 @@ def check_it_trains(root: Path):
     assert abstract["tags"].shape == (16, 3)
     lines = []
     outcome = trainer.train(run, root / "run", log=lines.append, progress=False)
-    evaluations = [line for line in lines if "val_label_accuracy" in line]
+    evaluations = [line for line in lines if line.startswith("step ") and
+                   "val_label_accuracy" in line]
     assert len(evaluations) == 2, lines
+    assert any(line.startswith("before training: val_loss") for line in lines), lines
     assert set(outcome.val_metrics) == {"val_loss", "val_label_accuracy"}
     first_loss = float(evaluations[0].split("val_loss ")[1].split()[0])
     assert outcome.val_loss < first_loss, evaluations

@@ -132,20 +132,10 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
         _check_resumable(checkpoints, start, workdir)
 
     programs = compile_programs(run, source.bos_id, mesh)
-    batch_sharding, abstract, compile_s = (programs.batch_sharding, programs.abstract,
-                                           programs.compile_s)
+    batch_sharding, compile_s = programs.batch_sharding, programs.compile_s
     # a LoRA run's frozen base: read from init_from whether the run starts or resumes
     frozen = () if run.lora is None else (finetune.load_base(run, mesh),)
-    if start:
-        params, opt_state = checkpoints.restore(start, abstract.params, abstract.opt_state,
-                                                iterator)
-        state = TrainState(step=jnp.asarray(start, jnp.int32), params=params,
-                           opt_state=opt_state)
-        log(f"resumed from {workdir / run_dir.CHECKPOINTS / str(start)}")
-    else:
-        state = programs.init(jax.random.key(train_cfg.seed))
-        if run.init_from is not None:
-            log(f"initialised from {run.init_from}")
+    state = _first_state(run, programs, checkpoints, start, iterator, workdir, log)
 
     metrics = MetricsLog(workdir / run_dir.METRICS, workdir / run_dir.TENSORBOARD, start)
     outcome = Outcome(step=start, compile_s=compile_s,
@@ -208,6 +198,24 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
         checkpoints.close()
         metrics.close()
     return outcome
+
+
+def _first_state(run: RunConfig, programs: Programs, checkpoints: run_dir.Checkpoints,
+                 start: int, iterator: Iterator, workdir: Path,
+                 log: Callable[[str], None]) -> TrainState:
+    """The state step `start + 1` trains: the checkpoint of step `start` (the data iterator
+    moved to its position), or at step 0 a fresh or init_from state."""
+    if start:
+        abstract = programs.abstract
+        params, opt_state = checkpoints.restore(start, abstract.params, abstract.opt_state,
+                                                iterator)
+        log(f"resumed from {workdir / run_dir.CHECKPOINTS / str(start)}")
+        return TrainState(step=jnp.asarray(start, jnp.int32), params=params,
+                          opt_state=opt_state)
+    state = programs.init(jax.random.key(run.train.seed))
+    if run.init_from is not None:
+        log(f"initialised from {run.init_from}")
+    return state
 
 
 @dataclasses.dataclass
