@@ -6,7 +6,8 @@ The directory's contents decide the format: `config.yaml` + `params/` (llama_jax
 `config.json` + safetensors (Hugging Face: Llama or GPT-2), `params.json` +
 `consolidated.NN.pth` (Meta), a training run's workdir (`config.yaml` + `checkpoints/`: its
 latest checkpoint; a LoRA run's adapters merged into its base), or a PEFT LoRA adapter
-(`adapter_config.json`: merged into the base it names). A file is read as GGUF (llama.cpp's format) when it starts with GGUF's magic.
+(`adapter_config.json`: merged into the base it names). A file is read as GGUF (llama.cpp's
+format) when it starts with GGUF's magic.
 """
 
 from __future__ import annotations
@@ -80,10 +81,9 @@ def load_checkpoint(path: str | Path, dtype=None, *, quantize: str | None = None
 
     fmt, loading = detect_format(path), Loading(dtype, quantize, quantize_head)
     if fmt == "peft":
-        base_config = checkpoint_config(peft.base_of(Path(path)))
-        lora, adapters = peft.load(Path(path), base_config)
-        return _merged(peft.base_of(Path(path)), Loading(), lora, adapters, loading, placement,
-                       path)
+        base = peft.base_of(Path(path))
+        lora, adapters = peft.load(Path(path), checkpoint_config(base))
+        return _merged(base, Loading(), lora, adapters, loading, placement, path)
     if fmt == "run" and workdir.is_lora_run(Path(path)):
         run = workdir.run_config(Path(path))
         return _merged(lora_base(run.init_from), Loading(run.model.param_dtype,

@@ -92,6 +92,13 @@ def transformers_logits(src: Path, fmt: str, config: ModelConfig,
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf.hf_config(config)))
         model.load_state_dict(_hf_state_from_meta(src, config))
+    return _torch_logits(model, tokens)
+
+
+def _torch_logits(model, tokens: np.ndarray) -> np.ndarray:
+    """A transformers model's float32 logits on `tokens`, in eval mode without gradients."""
+    import torch
+
     with torch.no_grad():
         return model.eval()(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
 
@@ -239,8 +246,7 @@ def peft_logits(base: str, adapter: Path, tokens: np.ndarray) -> np.ndarray | No
         return None
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     model = hf_peft.PeftModel.from_pretrained(model, str(adapter))
-    with torch.no_grad():
-        return model.eval()(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+    return _torch_logits(model, tokens)
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:

@@ -352,12 +352,12 @@ def initializer(run: RunConfig, mesh: jax.sharding.Mesh) -> Initializer:
     trained = specs if run.lora is None else costs.run_adapter_specs(run)
     optimizer = make_optimizer(run.model, run.train, trained)
     params_sharding = sharding.param_shardings(trained, mesh, run.mesh)
-    abstract_trained = map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), trained)
+    abstract_trained = abstract_params(run.model) if run.lora is None else map_specs(
+        lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), trained)  # fp32 adapters
     state_sharding = TrainState(
         step=sharding.replicated(mesh), params=params_sharding,
-        opt_state=sharding.optimizer_state_shardings(
-            optimizer, abstract_params(run.model) if run.lora is None else abstract_trained,
-            params_sharding, mesh))
+        opt_state=sharding.optimizer_state_shardings(optimizer, abstract_trained,
+                                                     params_sharding, mesh))
     if run.lora is None:
         init = jax.jit(functools.partial(init_state, run.model, optimizer),
                        out_shardings=state_sharding)
