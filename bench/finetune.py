@@ -72,13 +72,13 @@ def rows(gguf: Path, data: Path, seq_len: int, packing: bool = False) -> dict:
     """The training conversations in file order, one per row (or packed), as numpy arrays
     `[n, seq_len]`."""
     import llama_jax
-    from llama_jax.data import conversations
+    from llama_jax.data import chat_rows, conversations
 
     tokenizer = llama_jax.load_tokenizer(gguf)
     chats = conversations.read_conversations(
         data / "train.jsonl", conversations.chat_template_for([gguf]), tokenizer, seq_len,
         truncate=True)
-    return conversations.pack(chats, seq_len, packing, tokenizer.eos_ids[0])
+    return chat_rows.pack(chats, seq_len, packing, tokenizer.eos_ids[0])
 
 
 def real_tokens(batch: dict) -> int:

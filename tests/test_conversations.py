@@ -4,6 +4,7 @@ in a rendered conversation (against the conversation rendered by hand, and by a 
 that compute, conversation by conversation, what each computes alone."""
 
 import dataclasses
+import functools
 import io
 
 import jax.numpy as jnp
@@ -12,7 +13,8 @@ import pytest
 
 import llama_jax
 from llama_jax.data.chat_template import ChatTemplate
-from llama_jax.data.conversations import encode, pack, read_conversations
+from llama_jax.data.chat_rows import pack
+from llama_jax.data.conversations import encode, read_conversations
 from llama_jax.errors import DataError
 from llama_jax.model.transformer import forward
 
@@ -110,8 +112,13 @@ def test_a_long_conversation_is_refused_or_cut(tokenizer, tmp_path):
     n = len(encode(ChatTemplate("t", CHATML), tokenizer, MESSAGES).tokens)
     with pytest.raises(DataError, match=rf":1: {n} tokens, more than train.seq_len \+ 1 = 21"):
         read_conversations(path, ChatTemplate("t", CHATML), tokenizer, 20, truncate=False)
-    (cut,) = read_conversations(path, ChatTemplate("t", CHATML), tokenizer, 20, truncate=True)
-    assert cut.truncated and len(cut.tokens) == 21
+    (whole,) = read_conversations(path, ChatTemplate("t", CHATML), tokenizer, 20,
+                                  truncate=True)
+    assert len(whole.tokens) == n > 21
+    row = pack([whole], 20, packing=True, pad_id=0)  # cut to the row: 20 inputs, 21 tokens
+    np.testing.assert_array_equal(row["inputs_BT"][0], whole.tokens[:20])
+    np.testing.assert_array_equal(row["targets_BT"][0], whole.tokens[1:21])
+    np.testing.assert_array_equal(row["weights_BT"][0], whole.assistant[1:21])
 
 
 def test_packed_rows_compute_what_each_conversation_computes_alone(tokenizer):
@@ -234,8 +241,7 @@ def test_a_chat_run_resumes_exactly(chat_run):
                                 llama_jax.load_checkpoint(root / "run")[1])
 
 
-def test_a_bad_chat_file_stops_the_run_before_its_tokenizer_and_template_are_kept(chat_run,
-                                                                                  tmp_path):
+def test_a_bad_chat_file_stops_the_run_before_anything_is_written(chat_run, tmp_path):
     from llama_jax.training import trainer
 
     run = chat_run[0]
@@ -244,5 +250,119 @@ def test_a_bad_chat_file_stops_the_run_before_its_tokenizer_and_template_are_kep
     run = dataclasses.replace(run, task=dataclasses.replace(run.task, train=bad))
     with pytest.raises(DataError, match=r"bad\.jsonl:2: no assistant turn"):
         trainer.train(run, tmp_path / "run", log=lambda _: None, progress=False)
-    assert not (tmp_path / "run" / "tokenizer.model").exists()
-    assert not (tmp_path / "run" / "chat_template.jinja").exists()
+    assert not (tmp_path / "run").exists()  # no tokenizer, template or config.yaml
+
+
+def prepare_chats(inputs, checkpoint, out, **kw):
+    from llama_jax.data import prepare
+
+    return prepare.prepare([str(i) for i in inputs], None, out, chat=checkpoint,
+                           log=lambda _: None, progress=False, **kw)
+
+
+def test_a_prepared_chat_dataset_gives_the_rows_of_its_jsonl(tokenizer, tmp_path):
+    """`prepare --chat` over a JSONL file and a gzipped one: the same conversations, split the
+    same way (by id) and in the same rows as the whole file read in memory; the same bytes for
+    one worker or two."""
+    import gzip
+
+    from llama_jax.data import chat_rows, shards
+
+    whole = chats(tmp_path / "whole.jsonl", 40, 3)
+    lines = (tmp_path / "whole.jsonl").read_text().splitlines()
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text("\n".join(lines[:25]) + "\n")
+    with gzip.open(tmp_path / "in" / "b.jsonl.gz", "wt") as f:
+        f.write("\n".join(lines[25:]) + "\n")
+    checkpoint = tokenizer.path.parent  # a tokenizer and no chat template: ChatML
+    metas = [prepare_chats([tmp_path / "in"], checkpoint, tmp_path / f"out{w}", workers=w,
+                           val_fraction=0.25) for w in (1, 2)]
+    assert metas[0] == metas[1] and metas[0]["kind"] == "chat"
+    files = [{p.relative_to(tmp_path / f"out{w}"): p.read_bytes()
+              for p in (tmp_path / f"out{w}").rglob("*") if p.is_file()} for w in (1, 2)]
+    assert files[0] == files[1]
+    template = conversations_template()
+    read = functools.partial(chat_rows.chat_splits, val=None, val_fraction=0.25,
+                             template=template, tokenizer=tokenizer, seq_len=64, truncate=True)
+    prepared, in_memory = read(str(tmp_path / "out1")), read(whole)
+    assert (metas[0]["train"]["documents"], metas[0]["val"]["documents"]) == (
+        len(in_memory.train), len(in_memory.val)) and 0 < len(in_memory.val) < 40
+    assert prepared.truncated(64) == in_memory.truncated(64) > 0  # some are cut to the row
+    for name in ("train", "val"):
+        rows = [chat_rows.Rows(getattr(s, name), 64, packing=True, pad_id=0)
+                for s in (prepared, in_memory)]
+        assert len(rows[0]) == len(rows[1]) > 0
+        for r in range(len(rows[0])):
+            for field in chat_rows.ROW_FIELDS:
+                np.testing.assert_array_equal(rows[0][r][field], rows[1][r][field])
+    assert isinstance(prepared.train.tokens, shards.ShardedTokens)  # memory-mapped, not read
+
+
+def conversations_template():
+    from llama_jax.data.conversations import chat_template_for
+
+    return chat_template_for([])
+
+
+def test_bad_chat_lines_are_named_or_skipped_and_counted(tokenizer, tmp_path):
+    checkpoint = tokenizer.path.parent
+    path = write(tmp_path / "chats.jsonl", [{"messages": MESSAGES}, {"messages": [
+        {"role": "user", "content": "x"}, {"role": "robot", "content": "y"}]},
+        "{not json", {"messages": MESSAGES[:3]}])
+    with pytest.raises(DataError, match=r"chats\.jsonl: line 2: messages\[1\]: unknown role "
+                                        r"'robot'.*--skip-bad"):
+        prepare_chats([path], checkpoint, tmp_path / "out")
+    meta = prepare_chats([path], checkpoint, tmp_path / "skipped", skip_bad=True,
+                         val_fraction=0.0)
+    assert (meta["skipped_bad_chat"], meta["skipped_not_json"]) == (1, 1)
+    assert meta["train"]["documents"] == 2
+    text = write(tmp_path / "notes.txt", ["plain text"])
+    with pytest.raises(DataError, match=r"notes\.txt: conversations are read from JSONL"):
+        prepare_chats([text], checkpoint, tmp_path / "text")
+
+
+def test_a_prepared_dataset_of_another_kind_tokenizer_or_template_is_refused(tokenizer,
+                                                                             tmp_path):
+    from llama_jax.data import chat_rows, corpus, prepare
+
+    checkpoint = tokenizer.path.parent
+    path = chats(tmp_path / "chats.jsonl", 8, 0)
+    prepare_chats([path], checkpoint, tmp_path / "chat", val_fraction=0.3)
+    read = functools.partial(chat_rows.chat_splits, str(tmp_path / "chat"), None, 0.1,
+                             tokenizer=tokenizer, seq_len=64, truncate=True)
+    read(template=conversations_template())
+    with pytest.raises(DataError, match="prepared with another chat template than the run's"):
+        read(template=ChatTemplate("t", CHATML_MARKED))
+    with pytest.raises(DataError, match="a prepared set of conversations, not text corpus"):
+        corpus.corpus_tokens(str(tmp_path / "chat"), 0.1, tokenizer)
+    (tmp_path / "docs").mkdir()
+    for i in range(3):
+        (tmp_path / "docs" / f"{i}.txt").write_text(TEXT[i])
+    prepare.prepare([str(tmp_path / "docs")], tokenizer.path, tmp_path / "text",
+                    log=lambda _: None, progress=False)
+    with pytest.raises(DataError, match="a prepared text corpus, not set of conversations"):
+        chat_rows.chat_splits(str(tmp_path / "text"), None, 0.1, conversations_template(),
+                              tokenizer, 64, True)
+    with pytest.raises(DataError, match=r"conversation \d+ has \d+ tokens, more than "
+                                        r"train.seq_len \+ 1 = 9"):
+        read(template=conversations_template(), seq_len=8, truncate=False)
+
+
+def test_a_chat_run_trains_the_same_from_a_prepared_dataset(chat_run, tmp_path):
+    """The chat run's training file prepared (no validation held out: the run's task.val is
+    its own file) trains to the same parameters, bitwise, as the file read whole."""
+    import chex
+
+    from llama_jax.training import trainer
+
+    run = chat_run[0]
+    prepare_chats([run.task.train], run.init_from, tmp_path / "prepared", val_fraction=0.0)
+    from_file = dataclasses.replace(run, train=dataclasses.replace(run.train, eval_every=3))
+    from_prepared = dataclasses.replace(from_file, task=dataclasses.replace(
+        run.task, train=str(tmp_path / "prepared")))
+    outcomes = [trainer.train(r, tmp_path / name, stop_at=3, log=lambda _: None,
+                              progress=False)
+                for name, r in (("file", from_file), ("prepared", from_prepared))]
+    assert outcomes[0].val_loss == outcomes[1].val_loss
+    chex.assert_trees_all_equal(llama_jax.load_checkpoint(tmp_path / "prepared")[1],
+                                llama_jax.load_checkpoint(tmp_path / "file")[1])

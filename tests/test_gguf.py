@@ -19,6 +19,8 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 import llama_jax  # noqa: E402
 from llama_jax import load_checkpoint  # noqa: E402
 from llama_jax.errors import CheckpointError  # noqa: E402
+from llama_jax import gguf_file  # noqa: E402
+from llama_jax.data.tokenizer import save_tokenizer, tokenizer_sha256  # noqa: E402
 from llama_jax.formats.checkpoint import checkpoint_config  # noqa: E402
 from checkpoints import save_trained_here, stdlib_tokenizer  # noqa: E402
 from reference import relative_error  # noqa: E402
@@ -401,6 +403,13 @@ def test_a_model_trained_here_exports_to_gguf_and_reads_back(trained_here, tmp_p
         assert theirs.encode(text) == ours.encode(text)
         assert theirs.decode(ours.encode(text)) == ours.decode(ours.encode(text))
     assert (theirs.bos_id, theirs.eos_ids) == (ours.bos_id, ours.eos_ids)
+    # kept in a workdir: the vocabulary alone (not the GGUF), read back as the same tokenizer
+    save_tokenizer(theirs, tmp_path / "kept")
+    kept = tmp_path / "kept" / "tokenizer.model"
+    assert not gguf_file.is_gguf(kept) and kept.stat().st_size < out.stat().st_size / 4
+    again = llama_jax.load_tokenizer(tmp_path / "kept")
+    assert again.encode(texts[0]) == ours.encode(texts[0])
+    assert tokenizer_sha256(again) == tokenizer_sha256(theirs)
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16", "q8_0"])

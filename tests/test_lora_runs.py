@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 import llama_jax
-from llama_jax.data import conversations
+from llama_jax.data import chat_rows, conversations
 from llama_jax.errors import ConfigError
 from llama_jax.formats import workdir as run_dir
 from llama_jax.model.transformer import forward
@@ -149,7 +149,7 @@ def test_a_sharded_lora_step_equals_the_single_device_step(lora_run):
     data x fsdp x tensor = 8 devices: the same step as on one device."""
     run, T = lora_run["run"], lora_run["run"].train.seq_len
     tokenizer = llama_jax.load_tokenizer(lora_run["base"])
-    rows = conversations.pack(conversations.read_conversations(
+    rows = chat_rows.pack(conversations.read_conversations(
         run.task.train, conversations.chat_template_for([]), tokenizer, T, truncate=False),
         T, True, tokenizer.eos_ids[0])
     rows = {name: v[:run.train.batch_size] for name, v in rows.items()}

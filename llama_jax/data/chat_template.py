@@ -20,6 +20,7 @@ import contextvars
 import dataclasses
 import datetime
 import functools
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -40,6 +41,11 @@ class ChatTemplate:
     text: str
     bos_token: str = ""
     eos_token: str = ""
+
+    def sha256(self) -> str:
+        """What the rendered text depends on, hashed: the template and its BOS and EOS."""
+        return hashlib.sha256(json.dumps([self.text, self.bos_token, self.eos_token]).encode()
+                              ).hexdigest()
 
     @property
     def marks_generation(self) -> bool:

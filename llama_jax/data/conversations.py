@@ -1,5 +1,5 @@
 """Conversations for supervised fine-tuning: OpenAI-shaped chats in JSONL → token ids with the
-assistant's tokens marked → packed rows of training inputs.
+assistant's tokens marked.
 
 Each line is `{"messages": [{"role", "content"}, ...]}` (roles system, user, assistant,
 tool; a `tools` key is passed to the template, which may take it). A conversation is rendered
@@ -14,13 +14,11 @@ Each piece is encoded on its own (control tokens named in the text become those 
 `chat.encode_with_special_tokens` does), so a piece's tokens are exactly the piece's: the
 loss counts a target token iff it is in an assistant piece.
 
-Rows (`pack`) hold `train.seq_len` inputs. Packed (`packing`), conversations follow each other
-in a row in file order, a conversation that does not fit the row's rest starting the next row;
-each has a segment id of its own (attention never crosses conversations) and positions from
-0; the rest of a row is padding (segment 0, unscored). Unpacked, each row holds one. A
-conversation longer than a row is refused (`truncate: false`, naming the line) or cut to it.
-Validation held out of the training file (`split`) is chosen by each conversation's `id`,
-else its messages, never by where it sits; batches are grain's, as pretraining's.
+Conversations come from a JSONL file read whole (`read_conversations`) or, at scale, from a
+dataset `python -m llama_jax.data.prepare --chat` wrote (`chat_documents`: what its workers
+encode). Validation held out of a training file (`split`) is chosen by each conversation's
+`id`, else its messages (`chat_key`), never by where it sits; so is a prepared dataset's.
+Rows and batches: chat_rows.py.
 """
 
 from __future__ import annotations
@@ -28,22 +26,18 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
-import grain
 import numpy as np
 
-from llama_jax.data.batches import shuffled_batches
 from llama_jax.data.chat import encode_with_special_tokens
 from llama_jax.data.chat_template import ChatTemplate, load_chat_template
-from llama_jax.data.documents import held_out_keys, jsonl_records, record_key
+from llama_jax.data.documents import (BadInput, held_out_keys, jsonl_lines, jsonl_records,
+                                      record_key)
 from llama_jax.data.tokenizer import Tokenizer
 from llama_jax.errors import DataError, GenerateError
 
 ROLES = ("system", "user", "assistant", "tool")
-# A packed row's arrays, named as the language model's inputs (data/batches.py's Features)
-ROW_FIELDS = {"inputs_BT": np.int32, "targets_BT": np.int32, "weights_BT": np.float32,
-              "positions_BT": np.int32, "segment_ids_BT": np.int32}
 
 
 # The format a checkpoint without a chat template is fine-tuned in (as TRL's
@@ -67,8 +61,7 @@ class Conversation:
 
     tokens: np.ndarray  # int32 [n]
     assistant: np.ndarray  # bool [n]
-    key: str = ""  # what decides its split (documents.record_key): its id, else its messages
-    truncated: bool = False
+    key: str = ""  # what decides its split (`chat_key`)
 
 
 def check_messages(record: Any, where: str) -> tuple[list[dict], Any]:
@@ -129,11 +122,16 @@ def encode(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[dict
     return Conversation(np.asarray(ids, np.int32), np.asarray(mine, bool))
 
 
+def chat_key(record: dict) -> str:
+    """A conversation's split key (documents.record_key): its `id`, else its messages."""
+    return record_key(record.get("id"), json.dumps(record["messages"], sort_keys=True))
+
+
 def read_conversations(path: str | Path, template: ChatTemplate, tokenizer: Tokenizer,
                        seq_len: int, truncate: bool) -> list[Conversation]:
-    """Every conversation of a JSONL file, encoded; one longer than `seq_len` + 1 tokens (a
-    row's inputs and its last target) cut to it, or refused without `truncate`. Bad lines are
-    a DataError naming the file and line."""
+    """Every conversation of a JSONL file, encoded whole; one longer than `seq_len` + 1 tokens
+    (a row's inputs and its last target) is refused without `truncate` (rows cut it,
+    chat_rows.py). Bad lines are a DataError naming the file and line."""
     conversations = []
     for where, record in jsonl_records(path, "chat"):
         messages, tools = check_messages(record, where)
@@ -141,54 +139,34 @@ def read_conversations(path: str | Path, template: ChatTemplate, tokenizer: Toke
             conversation = encode(template, tokenizer, messages, tools)
         except GenerateError as e:
             raise DataError(f"{where}: {e}") from None
-        key = record_key(record.get("id"), json.dumps(record["messages"], sort_keys=True))
         n = len(conversation.tokens)
         if n > seq_len + 1 and not truncate:
             raise DataError(f"{where}: {n} tokens, more than train.seq_len + 1 = "
                             f"{seq_len + 1}; shorten it, raise train.seq_len or set "
                             "task.truncate: true")
-        conversations.append(Conversation(conversation.tokens[:seq_len + 1],
-                                          conversation.assistant[:seq_len + 1], key,
-                                          truncated=n > seq_len + 1))
+        conversations.append(dataclasses.replace(conversation, key=chat_key(record)))
     if not conversations:
         raise DataError(f"chat file {path}: no conversations")
     return conversations
 
 
-def pack(conversations: Sequence[Conversation], seq_len: int, packing: bool, pad_id: int
-         ) -> dict[str, np.ndarray]:
-    """Rows `[R, T = seq_len]` of language-model inputs (`ROW_FIELDS`): inputs, targets,
-    weights (float32: 1 where the target is the assistant's), positions and segment ids (see
-    the module doc). A conversation of n tokens takes n - 1 positions: its inputs predict its
-    next tokens."""
-    rows, row, used = [], [], 0
-    for conversation in conversations:
-        n = len(conversation.tokens) - 1
-        if n < 1:
-            continue
-        if n > seq_len:
-            raise DataError(f"a conversation of {n + 1} tokens does not fit a row of "
-                            f"{seq_len} inputs (read_conversations cuts or refuses it)")
-        if row and (not packing or used + n > seq_len):
-            rows.append(row)
-            row, used = [], 0
-        row.append(conversation)
-        used += n
-    if row:
-        rows.append(row)
-    out = {name: np.zeros((len(rows), seq_len), dtype) for name, dtype in ROW_FIELDS.items()}
-    out["inputs_BT"][:] = out["targets_BT"][:] = pad_id
-    for r, members in enumerate(rows):
-        at = 0
-        for segment, c in enumerate(members, 1):
-            n = len(c.tokens) - 1
-            span = slice(at, at + n)
-            out["inputs_BT"][r, span], out["targets_BT"][r, span] = c.tokens[:-1], c.tokens[1:]
-            out["weights_BT"][r, span] = c.assistant[1:]
-            out["positions_BT"][r, span] = np.arange(n)
-            out["segment_ids_BT"][r, span] = segment
-            at += n
-    return out
+def chat_documents(unit: dict, template: ChatTemplate, tokenizer: Tokenizer
+                   ) -> Iterator[tuple[str, Conversation | BadInput]]:
+    """(split key, the encoded conversation) per line of a unit's JSONL files, or (the line's
+    name, a BadInput `bad_chat`, `not_json` or `not_utf8`): what a chat prepare writes."""
+    for entry in unit["files"]:
+        for where, line_no, record in jsonl_lines(Path(entry["path"]), entry["name"]):
+            if isinstance(record, BadInput):
+                yield where, record
+                continue
+            line = f"{entry['path']}: line {line_no}"  # as the other bad lines are named
+            try:
+                messages, tools = check_messages(record, line)
+                yield chat_key(record), encode(template, tokenizer, messages, tools)
+            except DataError as e:
+                yield where, BadInput("bad_chat", str(e))
+            except GenerateError as e:
+                yield where, BadInput("bad_chat", f"{line}: {e}")
 
 
 def split(conversations: list[Conversation], val_fraction: float
@@ -201,41 +179,3 @@ def split(conversations: list[Conversation], val_fraction: float
                         "out for validation (or give task.val)")
     return ([c for c in conversations if c.key not in held_out],
             [c for c in conversations if c.key in held_out])
-
-
-class _Rows:
-    """Random-access source of packed rows (grain's MapDataset reads it)."""
-
-    def __init__(self, rows: dict[str, np.ndarray]):
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows["inputs_BT"])
-
-    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        return {name: a[i] for name, a in self.rows.items()}
-
-
-def train_batches(rows: dict[str, np.ndarray], batch_size: int, seed: int,
-                  process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
-    """Endless shuffled batches of rows, reshuffled every epoch; this process's rows of each
-    (as data.batches.train_batches)."""
-    if len(rows["inputs_BT"]) < batch_size:
-        raise DataError(f"the training conversations fill {len(rows['inputs_BT'])} rows: "
-                        f"fewer than one batch of {batch_size}; lower train.batch_size")
-    return shuffled_batches(_Rows(rows), batch_size, seed, process_index, process_count)
-
-
-def val_batches(rows: dict[str, np.ndarray], batch_size: int, process_index: int = 0,
-                process_count: int = 1) -> list[dict[str, np.ndarray]]:
-    """Every validation row once, in order; the last batch filled with rows of padding
-    (nothing scored); this process's rows of each batch."""
-    n = len(rows["inputs_BT"])
-    fill = -(-n // batch_size) * batch_size - n
-    full = {name: np.concatenate([a, np.zeros((fill, *a.shape[1:]), a.dtype)])
-            for name, a in rows.items()}
-    mine = [b * batch_size + i for b in range(len(full["inputs_BT"]) // batch_size)
-            for i in range(process_index, batch_size, process_count)]
-    per_batch = batch_size // process_count
-    return [{name: a[mine[k:k + per_batch]] for name, a in full.items()}
-            for k in range(0, len(mine), per_batch)]

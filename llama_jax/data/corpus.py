@@ -33,7 +33,7 @@ from llama_jax.data.shards import (FORMAT_VERSION, ShardedTokens, is_prepared, o
                                    sha256)
 from llama_jax.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, train_sentencepiece
 from llama_jax.errors import DataError
-from llama_jax.files import keep_file, write_atomically
+from llama_jax.files import keep_file
 
 
 
@@ -94,7 +94,7 @@ def prepare_tokenizer(data: DataConfig, corpus: Corpus, vocab_size: int, workdir
             model = train_sentencepiece(texts, vocab_size)
         except RuntimeError as e:  # e.g. a vocabulary larger than the text allows
             raise DataError(f"training the tokenizer on {corpus.root} failed: {e}") from None
-        write_atomically(kept, model)
+        keep_file(kept, model)
     return _within_vocab(load_tokenizer(kept), vocab_size)
 
 

@@ -36,7 +36,8 @@ from llama_jax.errors import DataError
 UNIT_BYTES = 1 << 20  # text files are grouped into units of work of about this size
 PIECE_BYTES = 1 << 20  # documents are read and encoded in pieces of about this size
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
-BAD_KINDS = ("not_json", "no_text", "not_utf8")  # what a prepare may skip, by kind
+# what a prepare may skip, by kind (bad_chat: a conversation that is not one, chat_documents)
+BAD_KINDS = ("not_json", "no_text", "not_utf8", "bad_chat")
 
 
 def unit_hash(name: str) -> float:
@@ -198,39 +199,47 @@ def _open_text(path: Path) -> io.TextIOBase:
     return path.open("r", encoding="utf-8", errors="strict")
 
 
-def jsonl_documents(path: Path, name: str, text_key: str
-                    ) -> Iterator[tuple[str, list[str] | BadInput]]:
-    """(split key, [text]) per line of a JSONL file, or (its name:LINE, a BadInput) for
-    a bad line (dropped, or it stops the run)."""
+def jsonl_lines(path: Path, name: str) -> Iterator[tuple[str, int, Any]]:
+    """(name:LINE, the line's number, its parsed JSON or a BadInput) per non-blank line of a
+    JSONL file: bad lines are yielded (dropped, or they stop the run), not raised."""
     with _open_text(path) as f:
         line_no = 0
         while True:
             line_no += 1
+            where = f"{name}:{line_no}"
             try:
                 line = f.readline()
             except UnicodeDecodeError as e:
-                yield f"{name}:{line_no}", BadInput(
+                yield where, line_no, BadInput(
                     "not_utf8", f"{path}: line {line_no}: not UTF-8 ({e.reason})")
                 return  # the decoder cannot go on past it
             if not line:
                 return
             if not line.strip():
                 continue
-            where = f"{name}:{line_no}"
             try:
-                record = json.loads(line)
-                text = record[text_key]
-                if not isinstance(text, str):
-                    raise TypeError(type(text).__name__)
+                yield where, line_no, json.loads(line)
             except json.JSONDecodeError as e:
-                yield where, BadInput(
+                yield where, line_no, BadInput(
                     "not_json", f"{path}: line {line_no}: not valid JSON ({e.msg})")
-                continue
-            except (KeyError, TypeError) as e:
-                yield where, BadInput(
-                    "no_text", f"{path}: line {line_no}: no string under {text_key!r} ({e})")
-                continue
-            yield record_key(record.get("id"), text), [text]
+
+
+def jsonl_documents(path: Path, name: str, text_key: str
+                    ) -> Iterator[tuple[str, list[str] | BadInput]]:
+    """(split key, [text]) per line of a JSONL file, or (its name:LINE, a BadInput) for
+    a bad line (dropped, or it stops the run)."""
+    for where, line_no, record in jsonl_lines(path, name):
+        if isinstance(record, BadInput):
+            yield where, record
+            continue
+        text = record.get(text_key) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            found = "no key" if isinstance(record, dict) and text_key not in record else \
+                type(text if isinstance(record, dict) else record).__name__
+            yield where, BadInput(
+                "no_text", f"{path}: line {line_no}: no string under {text_key!r} ({found})")
+            continue
+        yield record_key(record.get("id"), text), [text]
 
 
 def parquet_documents(path: Path, name: str, text_key: str

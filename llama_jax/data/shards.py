@@ -6,6 +6,9 @@ A prepared directory holds, per unit of work (data/documents.py) and split (trai
 vocabulary over 65,536), and `.idx`, the uint64 offset of each document's first token, then
 the total; `ledger/NNNNN.json`, written last for a finished unit, with its counts and its
 shards' sizes and hashes; and once every unit is done `meta.json` and a copy of the tokenizer.
+A chat dataset (`prepare --chat`: meta.json's `kind` is "chat") holds conversations instead,
+each as its chat template renders it (no BOS or EOS of ours), and beside `.bin` a `.mask` of
+one uint8 per token, 1 where the token is the assistant's (`conversation_arrays` reads them).
 Opening a dataset reads meta.json only: the shards are memory-mapped when first read.
 """
 
@@ -20,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from llama_jax.data.chat_template import ChatTemplate
+from llama_jax.data.conversations import Conversation, chat_documents
 from llama_jax.data.documents import (BAD_KINDS, BadInput, unit_documents, unit_files,
                                       unit_hash)
 from llama_jax.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
@@ -49,35 +54,42 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 class _SplitWriter:
-    """One split's shard of a unit: tokens appended document by document, and their offsets,
-    written beside their final names and renamed into place when closed."""
+    """One split's shard of a unit: tokens appended document by document (a conversation's
+    assistant flags beside them, `masked`), and their offsets, written beside their final
+    names and renamed into place when closed."""
 
-    def __init__(self, path: Path, dtype: np.dtype):
+    def __init__(self, path: Path, dtype: np.dtype, masked: bool = False):
         self.path, self.dtype = path, dtype  # the tokens' final path; the offsets' is .idx
-        self.file = _partial(path).open("wb")
+        self.files = {"bin": _partial(path).open("wb")}
+        if masked:
+            self.files["mask"] = _partial(path.with_suffix(".mask")).open("wb")
         self.offsets = [0]
 
     def begin(self) -> None:
         self.start = self.offsets[-1]
 
-    def write(self, ids: list[int]) -> None:
-        np.asarray(ids, self.dtype).tofile(self.file)
+    def write(self, ids, assistant=None) -> None:
+        np.asarray(ids, self.dtype).tofile(self.files["bin"])
+        if assistant is not None:
+            np.asarray(assistant, np.uint8).tofile(self.files["mask"])
 
     def end(self) -> None:
-        self.offsets.append(self.file.tell() // self.dtype.itemsize)
+        self.offsets.append(self.files["bin"].tell() // self.dtype.itemsize)
 
     def drop(self) -> None:
         """Takes back the document begun last (it was bad)."""
-        self.file.seek(self.start * self.dtype.itemsize)
-        self.file.truncate()
+        for suffix, file in self.files.items():
+            file.seek(self.start * (self.dtype.itemsize if suffix == "bin" else 1))
+            file.truncate()
 
     def close(self) -> dict:
         """Renames the shard into place; its counts, and each file's size and hash."""
-        self.file.close()
+        for file in self.files.values():
+            file.close()
         index = self.path.with_suffix(".idx")
         np.asarray(self.offsets, np.uint64).tofile(_partial(index))
         record = {"tokens": self.offsets[-1], "documents": len(self.offsets) - 1}
-        for path in (self.path, index):
+        for path in (self.path, index, *[self.path.with_suffix(".mask")] * ("mask" in self.files)):
             os.replace(_partial(path), path)
             record[path.suffix[1:]] = {"bytes": path.stat().st_size, "sha256": sha256(path)}
         return record
@@ -94,22 +106,28 @@ def shard_paths(out: Path, index: int) -> dict[str, Path]:
     return {split: out / "shards" / f"{index:05d}.{split}.bin" for split in SPLITS}
 
 
-def prepare_unit(index: int, unit: dict, tokenizer_path: str, out: str,
-                 settings: Settings) -> dict:
-    """Tokenizes one unit into its shards and writes its ledger; returns the ledger."""
+def prepare_unit(index: int, unit: dict, tokenizer_path: str, out: str, settings: Settings,
+                 template: ChatTemplate | None = None) -> dict:
+    """Tokenizes one unit into its shards and writes its ledger; returns the ledger. With a
+    chat `template`, the unit's JSONL lines are conversations, written with their assistant
+    flags (conversations.chat_documents)."""
     out_dir = Path(out)
     tokenizer = _tokenizer(tokenizer_path)
     dtype = token_dtype(tokenizer.vocab_size)
     paths = shard_paths(out_dir, index)
-    writers = {split: _SplitWriter(path, dtype) for split, path in paths.items()}
+    writers = {split: _SplitWriter(path, dtype, masked=template is not None)
+               for split, path in paths.items()}
     counts = {"empty_documents": 0, **{f"skipped_{k}": 0 for k in BAD_KINDS}}
-    for key, pieces in unit_documents(unit, settings.text_key):
+    documents = (unit_documents(unit, settings.text_key) if template is None
+                 else chat_documents(unit, template, tokenizer))
+    for key, document in documents:
         writer = writers["val" if unit_hash(key) < settings.val_fraction else "train"]
         writer.begin()
         try:
-            if isinstance(pieces, BadInput):
-                raise pieces
-            written = _write_document(writer, pieces, tokenizer)
+            if isinstance(document, BadInput):
+                raise document
+            written = (_write_document(writer, document, tokenizer) if template is None
+                       else _write_conversation(writer, document))
         except BadInput as bad:
             if not settings.skip_bad:
                 raise DataError(f"{bad} (`python -m llama_jax.data.prepare --skip-bad` skips "
@@ -154,6 +172,13 @@ def _write_document(writer: _SplitWriter, pieces, tokenizer) -> bool:
     return begun
 
 
+def _write_conversation(writer: _SplitWriter, conversation: Conversation) -> bool:
+    """Writes a conversation's tokens as its template rendered them (no BOS or EOS of ours)
+    and their assistant flags."""
+    writer.write(conversation.tokens, conversation.assistant)
+    return len(conversation.tokens) > 0
+
+
 def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -172,7 +197,9 @@ def unit_done(out: Path, index: int, unit: dict) -> bool:
     if ledger["files"] != unit_files(unit):
         return False
     for split, path in shard_paths(out, index).items():
-        for suffix in ("bin", "idx"):
+        for suffix in ("bin", "idx", "mask"):
+            if suffix == "mask" and suffix not in ledger[split]:  # a text corpus has none
+                continue
             shard = path.with_suffix("." + suffix)
             if not shard.is_file() or shard.stat().st_size != ledger[split][suffix]["bytes"]:
                 return False
@@ -225,6 +252,9 @@ def _mapped(path: str, dtype: str, n: int) -> np.ndarray:
                         "dataset again") from None
 
 
+_KINDS = {"text": "text corpus", "chat": "set of conversations"}
+
+
 @dataclasses.dataclass(frozen=True)
 class PreparedData:
     """A prepared dataset, opened: its meta.json and each split's tokens."""
@@ -239,13 +269,31 @@ class PreparedData:
         return self.root / TOKENIZER_FILE
 
 
+def conversation_arrays(prepared: PreparedData, splits: tuple[str, ...]
+                        ) -> tuple[ShardedTokens, ShardedTokens, np.ndarray]:
+    """Splits of a prepared chat dataset, end to end: the tokens, their assistant flags (uint8)
+    and each conversation's first token's offset, then the total (int64 `[C + 1]`)."""
+    found = [(prepared.root / "shards" / f"{s['unit']:05d}.{split}.bin", s[split]["tokens"])
+             for split in splits for s in prepared.meta["shards"] if s[split]["tokens"]]
+    paths, sizes = [p for p, _ in found], [n for _, n in found]
+    starts, base = [], 0
+    for path, n in found:
+        offsets = np.fromfile(path.with_suffix(".idx"), np.uint64).astype(np.int64)
+        starts.append(offsets[:-1] + base)
+        base += n
+    return (ShardedTokens(paths, sizes, prepared.meta["dtype"]),
+            ShardedTokens([p.with_suffix(".mask") for p in paths], sizes, "uint8"),
+            np.concatenate(starts + [np.asarray([base], np.int64)]))
+
+
 def is_prepared(path: str | Path) -> bool:
     """Whether `path` is a prepared dataset's directory (finished or not)."""
     return (Path(path).expanduser() / "plan.json").is_file()
 
 
-def open_prepared(path: str | Path) -> PreparedData:
-    """Opens a prepared dataset: reads its meta.json and nothing of the tokens."""
+def open_prepared(path: str | Path, kind: str = "text") -> PreparedData:
+    """Opens a prepared dataset of `kind` ("text" or "chat"): reads its meta.json and nothing
+    of the tokens."""
     root = Path(path).expanduser()
     try:
         meta = json.loads((root / "meta.json").read_text())
@@ -255,6 +303,12 @@ def open_prepared(path: str | Path) -> PreparedData:
     if meta.get("version") != FORMAT_VERSION:
         raise DataError(f"{root}: prepared with format version {meta.get('version')}; this "
                         f"version reads {FORMAT_VERSION}: prepare it again")
+    if meta.get("kind", "text") != kind:
+        raise DataError(f"{root}: a prepared {_KINDS[meta.get('kind', 'text')]}, not "
+                        f"{_KINDS[kind]}: it is read as " + (
+                            "a chat run's task.train or task.val" if kind == "text" else
+                            "data.corpus; prepare chat JSONL with `python -m "
+                            "llama_jax.data.prepare --chat CHECKPOINT`"))
     splits = {split: ShardedTokens(
         [root / "shards" / f"{s['unit']:05d}.{split}.bin" for s in meta["shards"]],
         [s[split]["tokens"] for s in meta["shards"]], meta["dtype"]) for split in SPLITS}

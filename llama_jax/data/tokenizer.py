@@ -14,6 +14,7 @@ file's vocabulary by gguf_vocab.py.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import re
@@ -171,16 +172,34 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 
 def save_tokenizer(tokenizer: Tokenizer, directory: Path) -> None:
-    """Keeps `tokenizer` in `directory` (a run's workdir) as files `load_tokenizer(directory)`
-    reads back as the same tokenizer: its model file as tokenizer.model, or (the tokenizers
-    library's: a tokenizer.json, a GGUF vocabulary) tokenizer.json and tokenizer_config.json.
-    A file already holding the same bytes is left as it is."""
-    from llama_jax.data import json_tokenizer
-
-    files = (tokenizer.files() if isinstance(tokenizer, json_tokenizer.JsonTokenizer)
-             else {TOKENIZER_FILE: tokenizer.path.read_bytes()})
-    for name, content in files.items():
+    """Keeps `tokenizer` in `directory` (a run's workdir) as `tokenizer_files`; a file already
+    holding the same bytes is left as it is."""
+    for name, content in tokenizer_files(tokenizer).items():
         keep_file(directory / name, content)
+
+
+def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:
+    """Files `load_tokenizer(directory)` reads back as `tokenizer`: its model file as
+    tokenizer.model (a GGUF's SentencePiece vocabulary serialized alone, not the GGUF), or
+    (the tokenizers library's: a tokenizer.json, a GGUF's byte-level vocabulary)
+    tokenizer.json and tokenizer_config.json."""
+    from llama_jax.data import json_tokenizer
+    from llama_jax import gguf_file as gguf
+
+    if isinstance(tokenizer, json_tokenizer.JsonTokenizer):
+        return tokenizer.files()
+    if isinstance(tokenizer, SentencePieceTokenizer) and gguf.is_gguf(tokenizer.path):
+        return {TOKENIZER_FILE: tokenizer.model_proto()}
+    return {TOKENIZER_FILE: tokenizer.path.read_bytes()}
+
+
+def tokenizer_sha256(tokenizer: Tokenizer) -> str:
+    """A tokenizer's identity, wherever it was read from: its `tokenizer_files`, hashed."""
+    digest = hashlib.sha256()
+    for name, content in sorted(tokenizer_files(tokenizer).items()):
+        digest.update(f"{name}\0{len(content)}\0".encode())
+        digest.update(content)
+    return digest.hexdigest()
 
 
 def has_tokenizer(path: str | Path) -> bool:

@@ -48,8 +48,16 @@ def is_workdir(path: Path) -> bool:
 
 
 def claim(workdir: Path, run: RunConfig) -> None:
-    """Makes `workdir` this run's, or checks that its checkpoints belong to this run; writes
-    config.yaml. (A config.yaml without checkpoints is from a run that never got going.)"""
+    """Makes `workdir` this run's (`check_claim`, then config.yaml written)."""
+    check_claim(workdir, run)
+    workdir.mkdir(parents=True, exist_ok=True)
+    write_atomically(workdir / CONFIG, yaml.safe_dump(run.to_dict(), sort_keys=False))
+
+
+def check_claim(workdir: Path, run: RunConfig) -> None:
+    """Refuses a workdir whose checkpoints belong to another run, writing nothing (a run
+    checks this before reading its data, and claims the workdir once the data is read). A
+    config.yaml without checkpoints is from a run that never got going: it is replaced."""
     stored_path = workdir / CONFIG
     checkpoints = workdir / CHECKPOINTS
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
@@ -66,8 +74,6 @@ def claim(workdir: Path, run: RunConfig) -> None:
                 f"{workdir} holds checkpoints of a run with a different config "
                 f"({'; '.join(differences)}); they would not continue this run. Resume with "
                 "the same config or use another --workdir")
-    workdir.mkdir(parents=True, exist_ok=True)
-    write_atomically(stored_path, yaml.safe_dump(run.to_dict(), sort_keys=False))
 
 
 def config_differences(stored: RunConfig, new: RunConfig) -> list[str]:

@@ -1,9 +1,10 @@
 """The training loop: data, state, checkpoints, metrics and signals around `training.train_step`.
 
 Order of work, so that every mistake in the input surfaces before anything is compiled: check
-the config against the devices, claim the workdir (refusing one that holds another run's
-checkpoints), find and tokenize the corpus, then compile the step ahead of time (its compile
-time is reported on its own), restore the latest checkpoint if there is one, and train.
+the config against the devices and the workdir (refusing one that holds another run's
+checkpoints), find and tokenize the corpus, claim the workdir (write its config.yaml: bad data
+leaves none), then compile the step ahead of time (its compile time is reported on its own),
+restore the latest checkpoint if there is one, and train.
 
 Everything runs on the mesh of the config's `mesh:` section (`parallel/sharding.py`): the state is
 created already sharded by the weight rules (optimizer moments like their parameters), the step
@@ -35,7 +36,7 @@ from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 from llama_jax.plan import costs, hardware
-from llama_jax.data import batches, conversations, tasks as task_data
+from llama_jax.data import batches, chat_rows, conversations, tasks as task_data
 from llama_jax.data.chat_template import CHAT_TEMPLATE_FILE
 from llama_jax.data.corpus import corpus_tokenizer, corpus_tokens, unigram_entropy
 from llama_jax.data.tokenizer import save_tokenizer
@@ -114,11 +115,12 @@ def train(run: RunConfig, workdir: Path, *, stop_at: int | None = None,
     local = jax.local_devices()[0]  # memory statistics: another process's device has none here
     mesh = sharding.make_mesh(run.mesh, devices)
     check_run(run, mesh)
-    run_dir.claim(workdir, run)
+    run_dir.check_claim(workdir, run)
     log(describe_attention(model, train_cfg.seq_len, target.platform_name(devices[0])))
 
     source = (_corpus_data if run.task is None else
               _chat_data if run.task.kind == CHAT else _task_data)(run, workdir, log)
+    run_dir.claim(workdir, run)  # once the data is read: bad data leaves no config behind
     iterator, val = source.train, source.val
 
     checkpoints = run_dir.Checkpoints(workdir, train_cfg)
@@ -410,7 +412,7 @@ def jitted_programs(run: RunConfig, bos_id: int, mesh: jax.sharding.Mesh) -> Jit
         batch = jax.ShapeDtypeStruct((B, T + 1), jnp.int32)
     elif run.task.kind == CHAT:
         batch = {name: jax.ShapeDtypeStruct((B, T), dtype)
-                 for name, dtype in conversations.ROW_FIELDS.items()}
+                 for name, dtype in chat_rows.ROW_FIELDS.items()}
     else:
         batch = tasks.abstract_batch(run)
     batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
@@ -589,32 +591,29 @@ def _task_data(run: RunConfig, workdir: Path, log: Callable[[str], None]) -> _So
 
 def _chat_data(run: RunConfig, workdir: Path, log: Callable[[str], None]) -> _Source:
     """Chat fine-tuning: conversations rendered by the init_from checkpoint's chat template
-    (else ChatML), the template and tokenizer kept in the workdir (a checkpoint of the run
-    chats as it was trained), packed into rows (data/conversations.py)."""
+    (else ChatML) from JSONL or a prepared chat dataset, the template and tokenizer kept in the
+    workdir (a checkpoint of the run chats as it was trained), in rows built as they are read
+    (data/chat_rows.py)."""
     task, train_cfg = run.task, run.train
     tokenizer = finetune.run_tokenizer(dataclasses.asdict(run.data), run.init_from, "chat run")
     template = conversations.chat_template_for(finetune.model_files(run.init_from))
-    read = functools.partial(conversations.read_conversations, template=template,
-                             tokenizer=tokenizer, seq_len=train_cfg.seq_len,
-                             truncate=task.truncate)
-    chats = read(task.train)
-    train_chats, val_chats = (conversations.split(chats, task.val_fraction) if task.val is None
-                              else (chats, read(task.val)))
+    found = chat_rows.chat_splits(task.train, task.val, task.val_fraction, template, tokenizer,
+                                  train_cfg.seq_len, task.truncate)
+    # a row's padding is unscored and unseen by the rest: any token does; an end of sequence
+    rows = {name: chat_rows.Rows(s, train_cfg.seq_len, task.packing, tokenizer.eos_ids[0])
+            for name, s in (("train", found.train), ("val", found.val))}
+    processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    batches = chat_rows.train_batches(rows["train"], train_cfg.batch_size, train_cfg.seed,
+                                      **processes)
     save_tokenizer(tokenizer, workdir)  # once the data is read: bad data writes nothing
     write_atomically(workdir / CHAT_TEMPLATE_FILE, template.text)
-    # a row's padding is unscored and unseen by the rest: any token does; an end of sequence
-    rows = {name: conversations.pack(c, train_cfg.seq_len, task.packing, tokenizer.eos_ids[0])
-            for name, c in (("train", train_chats), ("val", val_chats))}
-    truncated = sum(c.truncated for c in train_chats + val_chats)
-    log(f"task chat ({template.source}): {len(train_chats)} training conversations in "
-        f"{len(rows['train']['inputs_BT'])} rows of {train_cfg.seq_len}, {len(val_chats)} "
-        f"validation ({task.val or f'held out of {task.train}'}); {truncated} cut to "
+    log(f"task chat ({template.source}): {len(found.train):,} training conversations in "
+        f"{len(rows['train']):,} rows of {train_cfg.seq_len}, {len(found.val):,} validation "
+        f"({found.val_source}); {found.truncated(train_cfg.seq_len)} cut to "
         f"train.seq_len + 1 = {train_cfg.seq_len + 1} tokens")
-    processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
-    return _Source(train=conversations.train_batches(rows["train"], train_cfg.batch_size,
-                                                     train_cfg.seed, **processes),
-                   val={"chat": conversations.val_batches(rows["val"], train_cfg.batch_size,
-                                                          **processes)},
+    return _Source(train=batches,
+                   val={"chat": chat_rows.ValBatches(rows["val"], train_cfg.batch_size,
+                                                     **processes)},
                    bos_id=tokenizer.bos_id)
 
 
