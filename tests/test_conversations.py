@@ -7,6 +7,8 @@ import dataclasses
 import functools
 import io
 
+import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -181,6 +183,41 @@ def test_the_chat_loss_counts_the_assistants_targets_only(tokenizer):
     assert scored.sum() == sum(c.assistant[1:].sum() for c in conversations) > 0
     assert float(sums["count"]) == scored.sum()
     np.testing.assert_allclose(float(sums["loss_sum"]), nll[scored].sum(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("loss_chunk", [None, 48])
+def test_the_scored_only_head_gives_the_dense_losses_and_gradients(tokenizer, loss_chunk):
+    """A chat run's LM head over the scored positions alone (pieces no row scores in are
+    skipped): the dense head's sums and gradients (z-loss included), with and without
+    `loss_chunk`'s rematerialised pieces; rows of 192 positions whose scored ones fit in fewer
+    pieces than the row has, so some are skipped."""
+    from llama_jax.training import cross_entropy
+    from llama_jax.training.step import lm_sums
+
+    template = ChatTemplate("t", CHATML)
+    conversations = [encode(template, tokenizer, MESSAGES[:k]) for k in (3, 5, 3)]
+    rng = np.random.default_rng(1)
+    for c in conversations:
+        c.tokens[:] = rng.integers(3, 300, len(c.tokens))
+    rows = {k: jnp.asarray(v) for k, v in pack(conversations, 192, False, 0).items()}
+    piece = loss_chunk or cross_entropy.SCORED_PIECE
+    assert int(jnp.max(jnp.sum(rows["weights_BT"] > 0, 1))) <= 192 - piece  # one skipped
+    config = dataclasses.replace(TINY, loss_chunk=loss_chunk)
+    params = random_params({"m": config})["m"]
+
+    def sums(params, scored_only):
+        total, (parts, _) = lm_sums(config, params, rows, z_loss=1e-3, scored_only=scored_only)
+        return total, parts
+
+    (dense, dense_parts), dense_grad = jax.value_and_grad(sums, has_aux=True)(params, False)
+    (ours, parts), grad = jax.value_and_grad(sums, has_aux=True)(params, True)
+    np.testing.assert_allclose(float(ours), float(dense), rtol=1e-6)
+    assert float(parts["count"]) == float(dense_parts["count"])
+    np.testing.assert_allclose(float(parts["loss_sum"]), float(dense_parts["loss_sum"]),
+                               rtol=1e-6)
+    chex.assert_trees_all_close(grad, dense_grad, rtol=2e-5, atol=1e-7)
+    hlo = jax.jit(functools.partial(sums, scored_only=True)).lower(params).as_text()
+    assert "stablehlo.case" in hlo or "conditional" in hlo
 
 
 @pytest.fixture(scope="module")

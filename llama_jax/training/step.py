@@ -34,7 +34,7 @@ import optax
 from flax import struct
 
 from llama_jax.training import tasks
-from llama_jax.training.cross_entropy import log_z_and_target
+from llama_jax.training.cross_entropy import log_z_and_target, scored_log_z_and_target
 from llama_jax.config import LoraConfig, ModelConfig, RunConfig, TrainConfig
 from llama_jax.config.run import CHAT
 from llama_jax.data.batches import Features, features
@@ -68,21 +68,29 @@ def loss_sums(config: ModelConfig, params: Params, window_BT1: jax.Array, bos_id
 
 
 def lm_sums(config: ModelConfig, params: Params, f: Features | dict, z_loss: float,
-            frozen: bool = False) -> tuple[jax.Array, tuple[dict, tuple]]:
+            frozen: bool = False, scored_only: bool = False
+            ) -> tuple[jax.Array, tuple[dict, tuple]]:
     """Language modelling on inputs and weighted targets (`Features`, or a dict of its fields:
-    a chat batch, data/conversations.py): (cross-entropy + z-loss + the blocks' auxiliary
+    a chat batch, data/chat_rows.py): (cross-entropy + z-loss + the blocks' auxiliary
     losses, summed over scored tokens), ({loss_sum: the cross-entropy sum, count}, the
     blocks' auxiliary outputs). Auxiliary losses (per-token means) are scaled by the count so
     that dividing the sum by it gives `mean CE + aux`. `frozen`: the gradient stops at the
-    final hidden states (`train.freeze: backbone` trains the head alone)."""
+    final hidden states (`train.freeze: backbone` trains the head alone). `scored_only`: the
+    LM head runs over the scored positions alone (`cross_entropy.scored_log_z_and_target`;
+    for rows whose weights are sparse, as a conversation's are)."""
     f = f if isinstance(f, Features) else Features(**f)
     out = apply(config, params, f.inputs_BT, positions_BT=f.positions_BT,
                 segment_ids_BT=f.segment_ids_BT)
     hidden_BTD = jax.lax.stop_gradient(out.hidden_BTD) if frozen else out.hidden_BTD
-    log_z_BT, target_logit_BT = log_z_and_target(config, params, hidden_BTD, f.targets_BT)
-    ce_sum = jnp.sum((log_z_BT - target_logit_BT) * f.weights_BT)
-    count = jnp.sum(f.weights_BT)
-    total = ce_sum + z_loss * jnp.sum(jnp.square(log_z_BT) * f.weights_BT)
+    if scored_only:
+        log_z_BT, target_logit_BT, weights_BT = scored_log_z_and_target(
+            config, params, hidden_BTD, f.targets_BT, f.weights_BT)
+    else:
+        log_z_BT, target_logit_BT = log_z_and_target(config, params, hidden_BTD, f.targets_BT)
+        weights_BT = f.weights_BT
+    ce_sum = jnp.sum((log_z_BT - target_logit_BT) * weights_BT)
+    count = jnp.sum(weights_BT)
+    total = ce_sum + z_loss * jnp.sum(jnp.square(log_z_BT) * weights_BT)
     total += aux_loss(out.aux) * count
     return total, ({"loss_sum": ce_sum, "count": count}, out.aux)
 
@@ -94,7 +102,8 @@ def objective(run: RunConfig, bos_id: int) -> LossFn:
     if run.task is None:
         return functools.partial(loss_sums, run.model, bos_id=bos_id, z_loss=run.train.z_loss)
     if run.task.kind == CHAT:
-        return functools.partial(lm_sums, run.model, z_loss=run.train.z_loss, frozen=frozen)
+        return functools.partial(lm_sums, run.model, z_loss=run.train.z_loss, frozen=frozen,
+                                 scored_only=True)
     return functools.partial(tasks.loss_sums, run.model, frozen)
 
 
