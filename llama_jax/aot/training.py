@@ -19,13 +19,15 @@ from typing import Callable
 import jax
 
 from llama_jax.aot.compiled import ProgramMemory, compile_program
-from llama_jax.config import MeshConfig, RunConfig
+from llama_jax.config import MeshConfig, ModelConfig, RunConfig
+from llama_jax.config.run import CHAT
 from llama_jax.nn.attention.dot_product import describe_attention
 from llama_jax.parallel import sharding, target, topology as topologies
 from llama_jax.parallel.sharding import MESH_AXES
 from llama_jax.plan import costs, hardware
 from llama_jax.plan.costs import format_bytes
 from llama_jax.plan.memory import MemoryPlan, plan_memory
+from llama_jax.training.cross_entropy import SCORED_PIECE
 from llama_jax.training.finetune import load_run_config
 from llama_jax.training.trainer import check_run, jitted_programs
 
@@ -86,7 +88,7 @@ def compile_training(run: RunConfig, topology: str | None = None, slices: int = 
         run = dataclasses.replace(run, model=run.model.for_platform())  # auto: the target's
         check_run(run, mesh)
         adapters = None if run.lora is None else costs.run_adapter_specs(run)
-        plan = plan_memory(run.model, run.mesh, len(devices), batch=run.train.batch_size,
+        plan = plan_memory(_as_trained(run), run.mesh, len(devices), batch=run.train.batch_size,
                            seq=run.train.seq_len, remat=run.model.remat,
                            micro_batches=run.train.micro_batches, backend=platform,
                            mu_dtype=run.train.mu_dtype, adapters=adapters)
@@ -167,3 +169,11 @@ def render(report: TrainingReport, run: RunConfig) -> str:
         lines += program.report_lines(
             report.limit, report.model_flops if program is step else None)
     return "\n".join(lines)
+
+
+def _as_trained(run: RunConfig) -> ModelConfig:
+    """The model as the run's loss computes it: a chat run's LM head in rematerialised pieces
+    (training/cross_entropy.py, scored positions only), as `loss_chunk` pieces are planned."""
+    if run.task is None or run.task.kind != CHAT:
+        return run.model
+    return dataclasses.replace(run.model, loss_chunk=run.model.loss_chunk or SCORED_PIECE)
