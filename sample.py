@@ -6,8 +6,9 @@ with it.
                      [--top-k 0] [--top-p 0.9] [--min-p 0] [--seed 0] [--dtype bfloat16]
                      [--quantize int8 [--quantize-head]] [--cache-dtype int8]
                      [--speculate ngram | --draft-checkpoint DIR] [--num-speculative-tokens 4]
+                     [--json-schema FILE | --regex PATTERN]
 
-    python sample.py --checkpoint MODEL.gguf --chat [--system "You are ..."]
+    python sample.py --checkpoint MODEL.gguf --chat [--system "You are ..."] [--json-schema FILE]
 
 `--chat` reads one user message per line from stdin and streams each answer, keeping the
 conversation: every turn is rendered with the checkpoint's own chat template (LLaMA 3's or
@@ -23,6 +24,10 @@ Speculative decoding gives the same output (greedy: the same tokens; sampled: th
 distribution) in fewer target passes: `--speculate ngram` guesses by prompt lookup (for output
 that repeats its input: summaries, edits, quotes), `--draft-checkpoint DIR` by a small model
 sharing the tokenizer. The acceptance rate goes to stderr with the timings.
+
+`--json-schema FILE` and `--regex PATTERN` constrain the output (llama_jax.decode.grammar):
+every token is chosen among those that keep it a JSON value of the schema (written as
+`json.dumps` writes it) or a match of the pattern, and the output ends where the grammar does.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from llama_jax.config import DTYPES
 from llama_jax.nn.attention.dot_product import ATTENTION_IMPLS
 from llama_jax.decode.decoder import DECODE_IMPLS, owned_decoder_params
 from llama_jax.decode.generate import GenerationStats, stream
+from llama_jax.decode.grammar import Grammar
 from llama_jax.decode.speculate import MAX_GUESSES, METHODS
 from llama_jax.errors import GenerateError
 from llama_jax.data.chat import chat_format
@@ -75,6 +81,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_speculation_arguments(parser, "speculative decoding: ngram (prompt lookup) or draft (a "
                                       "draft model, --draft-checkpoint; implied by it)",
                               METHODS, MAX_GUESSES)
+    parser.add_argument("--json-schema", metavar="FILE",
+                        help="constrain the output to JSON of this schema (a JSON file)")
+    parser.add_argument("--regex", help="constrain the output to match this regular expression")
     parser.add_argument("--draft-checkpoint",
                         help="a draft model's checkpoint (sharing the tokenizer), loaded as "
                              "--dtype and --quantize say")
@@ -103,7 +112,27 @@ def sampling(args: argparse.Namespace) -> dict:
                 min_p=args.min_p, cache_dtype=args.cache_dtype)
 
 
-def chat(args: argparse.Namespace, config, params, tokenizer, decode_impl: str) -> int:
+def constraint(args: argparse.Namespace, tokenizer) -> dict:
+    """`stream`'s grammar settings from --json-schema and --regex (checked before anything
+    compiles: a bad file or schema is one line naming it)."""
+    if args.json_schema and args.regex:
+        raise GenerateError("give --json-schema or --regex, not both")
+    if args.regex:
+        grammar = Grammar.regex(args.regex)
+    elif args.json_schema:
+        try:
+            grammar = Grammar.json_schema(Path(args.json_schema).read_text())
+        except OSError as e:
+            raise GenerateError(f"--json-schema {args.json_schema}: {e.strerror}") from None
+        except GenerateError as e:
+            raise GenerateError(f"--json-schema {args.json_schema}: {e}") from None
+    else:
+        return {}
+    return dict(grammar=grammar, tokenizer=tokenizer)
+
+
+def chat(args: argparse.Namespace, config, params, tokenizer, decode_impl: str,
+         constrained: dict) -> int:
     """The `--chat` loop: a turn per stdin line, each answer streamed and kept."""
     render = chat_format(args.checkpoint, tokenizer)
     messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -119,7 +148,7 @@ def chat(args: argparse.Namespace, config, params, tokenizer, decode_impl: str) 
         messages.append({"role": "user", "content": line.rstrip("\n")})
         text, answer = TextStream(tokenizer), []
         for new_tokens, _ in stream(config, params, [render(messages)], args.max_new_tokens,
-                                    **sampling(args), seed=args.seed + turn,
+                                    **sampling(args), **constrained, seed=args.seed + turn,
                                     decode_impl=decode_impl, chunk_steps=args.chunk_steps):
             answer += new_tokens[0]
             print(text.push(new_tokens[0]), end="", flush=True)
@@ -137,12 +166,13 @@ def main(argv: list[str] | None = None) -> int:
                             "--prompt-file and speculation")
     prompts = [] if args.chat else read_prompts(args)
     tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
+    constrained = constraint(args, tokenizer)
     config, params = load_checkpoint(args.checkpoint, args.dtype, quantize=args.quantize,
                                      quantize_head=args.quantize_head)
     config = config.with_execution(attention_impl=args.attention_impl)
     params, decode_impl = owned_decoder_params(params, args.decode_impl)  # one copy held
     if args.chat:
-        return chat(args, config, params, tokenizer, decode_impl)
+        return chat(args, config, params, tokenizer, decode_impl, constrained)
     draft = None
     if args.draft_checkpoint:
         draft_config, draft_params = load_checkpoint(args.draft_checkpoint, args.dtype,
@@ -158,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                     seed=args.seed, decode_impl=decode_impl,
                     chunk_steps=args.chunk_steps if streaming else None, stats=stats,
                     speculate=args.speculate, num_speculative_tokens=args.num_speculative_tokens,
-                    ngram=tuple(args.ngram), draft=draft)
+                    ngram=tuple(args.ngram), draft=draft, **constrained)
     for i, (new_tokens, _) in enumerate(chunks):
         for row, tokens in zip(generated, new_tokens):
             row += tokens

@@ -110,6 +110,40 @@ def test_bad_input_is_one_line_and_exit_2(checkpoint, argv, message, capsys):
     assert err.startswith("error:") and message in err and "Traceback" not in err
 
 
+def test_json_schema_and_regex_constrain_the_streamed_output(checkpoint, tmp_path, capsys):
+    """--json-schema FILE: the streamed continuation is a JSON value of the schema (what the
+    library's constrained `stream` gives); --regex: a full match."""
+    import json
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 999},
+                                               "b": {"type": "boolean"}},
+              "required": ["n", "b"], "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    for flags, check in ((["--json-schema", str(tmp_path / "schema.json")],
+                          lambda text: set(json.loads(text)) == {"n", "b"}),
+                         (["--regex", "[0-9]{3}-[a-z]{2}"],
+                          lambda text: __import__("re").fullmatch("[0-9]{3}-[a-z]{2}", text))):
+        assert sample.main(["--checkpoint", str(checkpoint), "--prompt", "Data:",
+                            "--max-new-tokens", "60", "--seed", "1", *flags]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("Data:") and check(out[len("Data:"):-1]), out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--json-schema", "/nonexistent.json"], "--json-schema /nonexistent.json: No such file"),
+    (["--json-schema", "SCHEMA", "--regex", "a"], "give --json-schema or --regex, not both"),
+    (["--json-schema", "SCHEMA"], "json schema: Invalid type: strin"),
+    (["--regex", "(ab"], "regex: "),
+])
+def test_bad_constraints_are_one_line_and_exit_2(checkpoint, tmp_path, argv, message, capsys):
+    (tmp_path / "schema.json").write_text('{"type": "strin"}')
+    argv = [str(tmp_path / "schema.json") if a == "SCHEMA" else a for a in argv]
+    assert sample.main(["--checkpoint", str(checkpoint), "--prompt", "x", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_missing_checkpoint(tmp_path, capsys):
     assert sample.main(["--checkpoint", str(tmp_path / "nope"), "--prompt", "x"]) == 2
     assert "no tokenizer file" in capsys.readouterr().err

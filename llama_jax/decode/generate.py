@@ -41,8 +41,10 @@ from llama_jax.model.transformer import apply
 from llama_jax.nn.attention.dot_product import chosen_attention
 from llama_jax.nn.heads import is_task_head, lm_head
 from llama_jax.model.params import Params
+from llama_jax.data.tokenizer import Tokenizer
 from llama_jax.decode.decoder import (cache_bytes_per_device, decoder_params, is_unstacked,
                                       resolve_decode_impl)
+from llama_jax.decode.grammar import Constrained, row_grammars
 from llama_jax.decode.sampling import SamplingParams, Strategy, check_settings
 from llama_jax.decode.rows import (Emitted, Lookup, Rows, advance, choose, row_key,
                                    speculative_round, step)
@@ -102,19 +104,22 @@ class Decoding:
                                              "strategy", "spec", "placement"))
 def _prefill(config: ModelConfig, params: Params, prompts_BT: jax.Array, length_B: jax.Array,
              active_B: jax.Array, stop_S: jax.Array, sampling: SamplingParams,
-             max_new: jax.Array, key_B: jax.Array, draft_params: Params | None = None, *,
-             cache_len: int, n_out: int, cache_dtype: str, strategy: Strategy,
-             spec: Speculation | None = None, placement: tuple | None) -> Decoding:
+             max_new: jax.Array, key_B: jax.Array, draft_params: Params | None = None,
+             mask_BW: jax.Array | None = None, *, cache_len: int, n_out: int,
+             cache_dtype: str, strategy: Strategy, spec: Speculation | None = None,
+             placement: tuple | None) -> Decoding:
     """The rows after their prompts (`prompts_BT`, each row's first `length_B` tokens; the
-    rest padding, written past the row's end and never seen) and each row's first token;
-    speculating, their token ids and the draft model's cache of the prompts."""
+    rest padding, written past the row's end and never seen) and each row's first token
+    (among those `mask_BW` allows: constrained rows); speculating, their token ids and the
+    draft model's cache of the prompts."""
     with placed(placement):
         B = prompts_BT.shape[0]
         cache, h_BTD = _prompted(config, params, prompts_BT, length_B, cache_len, cache_dtype)
         h_B1D = jnp.take_along_axis(h_BTD, (length_B - 1)[:, None, None], axis=1)
         logits_BV = lm_head(config, params, h_B1D)[:, 0]
         zeros_B = jnp.zeros((B,), jnp.int32)
-        token_B, logprob_B, _, _ = choose(logits_BV, key_B, zeros_B, sampling, strategy, 0)
+        token_B, logprob_B, _, _ = choose(logits_BV, key_B, zeros_B, sampling, strategy, 0,
+                                          mask_BW)
         lookup = draft_cache = None
         if spec is not None:
             tokens_BS = jnp.pad(prompts_BT, ((0, 0), (0, cache_len - prompts_BT.shape[1])))
@@ -125,7 +130,7 @@ def _prefill(config: ModelConfig, params: Params, prompts_BT: jax.Array, length_
         rows = Rows(cache=cache, last_B=zeros_B, step_B=zeros_B,
                     max_new_B=jnp.broadcast_to(max_new, (B,)), done_B=~active_B,
                     sampling=sampling, key_B=key_B, stop_S=stop_S, lookup=lookup,
-                    draft_cache=draft_cache)
+                    draft_cache=draft_cache, mask_BW=mask_BW)
         out = Output(jnp.full((B, n_out), NO_TOKEN, jnp.int32), jnp.zeros((B, n_out), jnp.float32))
         first = Emitted(token_B[:, None], logprob_B[:, None], None, None)
         return Decoding(advance(rows, token_B, active_B),
@@ -236,7 +241,8 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
            chunk_steps: int | None = 16, stats: GenerationStats | None = None,
            speculate: str | None = None, num_speculative_tokens: int = 4,
            ngram: tuple[int, int] = (1, 3), min_accepted: float | None = None,
-           draft: tuple[ModelConfig, Params] | None = None,
+           draft: tuple[ModelConfig, Params] | None = None, grammar=None, json_schema=None,
+           regex=None, tokenizer: Tokenizer | None = None,
            ) -> Iterator[tuple[list[list[int]], list[list[float]]]]:
     """Yields, after the first token and then after every `chunk_steps` decode steps, each
     row's newly generated tokens and their log-probabilities (stop tokens excluded).
@@ -253,7 +259,9 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     (`speculate.worth_verifying`), taking plain steps otherwise (None: the break-even of
     `speculate.verify_cost`; 0: always verify); a draft's, always unless `min_accepted` is
     given. The host chooses between rounds that verify and plain ones per program of
-    `chunk_steps` rounds (`SPECULATIVE_CHUNK` when None), by the rows' rates then."""
+    `chunk_steps` rounds (`SPECULATIVE_CHUNK` when None), by the rows' rates then.
+    Constrained decoding (grammar.py `row_grammars`, with `tokenizer`): `json_schema`,
+    `regex` or `grammar`; such a batch yields after every token (the host writes the masks)."""
     _validate(config, prompts, max_new_tokens, temperature, top_k, top_p, min_p)
     try:
         cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
@@ -261,25 +269,20 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
         raise GenerateError(str(e)) from None
     stats = stats if stats is not None else GenerationStats()
     longest = max(len(p) for p in prompts)
-    max_new = min(max_new_tokens, config.max_seq_len - longest)
-    if max_new < max_new_tokens:
-        stats.truncated = True
-        warnings.warn(f"the context is full: generating at most {max_new} of {max_new_tokens} "
-                      f"new tokens (longest prompt {longest}, max_seq_len {config.max_seq_len})",
-                      stacklevel=2)
+    max_new = _fitting(config, longest, max_new_tokens, stats)
     stops = stop_table(config, stop_tokens)
 
     B, T, N = bucket(len(prompts), 1), bucket(longest), bucket(max_new)
+    constrained = Constrained.of(row_grammars(len(prompts), grammar, json_schema, regex),
+                                 tokenizer, config.vocab_size, stops, B)
+    if constrained is not None and (speculate is not None or draft is not None):
+        raise GenerateError("speculative decoding does not take a grammar yet: decode "
+                            "constrained rows without speculate or draft")
     if draft is not None and min_accepted is None:
         min_accepted = 0.0  # a draft model's guesses are verified every round
     spec = speculation(config, speculate, num_speculative_tokens, ngram, draft, B,
                        min_accepted, target.platform_of_tree(params))
-    prompts_BT = np.zeros((B, T), np.int32)  # each prompt from column 0
-    length_B = np.ones((B,), np.int32)  # padding rows: one token, inactive
-    for b, prompt in enumerate(prompts):
-        prompts_BT[b, :len(prompt)] = prompt
-        length_B[b] = len(prompt)
-    active_B = np.arange(B) < len(prompts)
+    prompts_BT, length_B, active_B = _batch(prompts, B, T)
     sampling = SamplingParams.broadcast(B, temperature, top_k, top_p, min_p)
     strategy = Strategy.of(temperature, top_k, top_p)
     # A verify pass writes k + 1 positions past a row's end, the last of them for a row about
@@ -291,7 +294,8 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     draft_params = None if draft is None else decoder_params(draft[1], impl)
     key_B = jax.vmap(functools.partial(row_key, seed))(jnp.arange(B))
     args = (config, params, prompts_BT, length_B, active_B, np.asarray(stops, np.int32),
-            sampling, np.int32(max_new), key_B, draft_params)
+            sampling, np.int32(max_new), key_B, draft_params,
+            None if constrained is None else constrained.mask())
     prefill = _compiled(_prefill, stats, mesh_config, *args, cache_len=cache_len, n_out=N,
                         cache_dtype=cache_dtype, strategy=strategy, spec=spec)
     start = time.perf_counter()
@@ -317,14 +321,43 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
         done_B = np.asarray(state.rows.done_B)
         if bool(np.all(done_B)):
             return
+        if constrained is not None:  # the next step's masks, after the tokens just taken
+            constrained.follow(new[0])
+            state = state.replace(rows=state.rows.replace(mask_BW=constrained.mask()))
         # A round verifies when its rows' rates say so (the host's choice, as a server's).
         verify = spec is not None and worth_a_pass(np.asarray(state.rows.lookup.hit_rate_B),
                                                    ~done_B, spec)
-        n_steps = np.int32(chunk_steps or (N if spec is None else SPECULATIVE_CHUNK))
+        n_steps = np.int32(1 if constrained is not None else
+                           chunk_steps or (N if spec is None else SPECULATIVE_CHUNK))
         decode = _compiled(_decode, stats, mesh_config, config, params, state, n_steps,
                            draft_params, strategy=strategy, spec=spec, verify=verify)
         start = time.perf_counter()
         state = decode(params, state, n_steps, draft_params)
+
+
+def _fitting(config: ModelConfig, longest: int, max_new_tokens: int,
+             stats: GenerationStats) -> int:
+    """The new tokens the context leaves room for after the longest prompt (a warning, and
+    `stats.truncated`, when fewer than asked)."""
+    max_new = min(max_new_tokens, config.max_seq_len - longest)
+    if max_new < max_new_tokens:
+        stats.truncated = True
+        warnings.warn(f"the context is full: generating at most {max_new} of {max_new_tokens} "
+                      f"new tokens (longest prompt {longest}, max_seq_len {config.max_seq_len})",
+                      stacklevel=3)
+    return max_new
+
+
+def _batch(prompts: Sequence[Sequence[int]], B: int, T: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The prompts as a batch of B rows: each from column 0 (`[B, T]`), their lengths and
+    which rows are prompts (padding rows: one token, inactive)."""
+    prompts_BT = np.zeros((B, T), np.int32)
+    length_B = np.ones((B,), np.int32)
+    for b, prompt in enumerate(prompts):
+        prompts_BT[b, :len(prompt)] = prompt
+        length_B[b] = len(prompt)
+    return prompts_BT, length_B, np.arange(B) < len(prompts)
 
 
 def lower_programs(config: ModelConfig, params: Params, *, batch: int, prompt_len: int,
@@ -378,7 +411,8 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
              return_logprobs: bool = False, stats: GenerationStats | None = None,
              speculate: str | None = None, num_speculative_tokens: int = 4,
              ngram: tuple[int, int] = (1, 3), min_accepted: float | None = None,
-             draft: tuple[ModelConfig, Params] | None = None):
+             draft: tuple[ModelConfig, Params] | None = None, grammar=None, json_schema=None,
+             regex=None, tokenizer: Tokenizer | None = None):
     """New tokens for each prompt (a list of token-id lists), stop token excluded.
 
     `stop_tokens=None` stops on the model's EOS ids (`config.stop_ids`); `[]` generates exactly
@@ -389,7 +423,8 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
     "scan" or "unrolled": the same function either way. Parameters on a mesh decode under
     `mesh_config`'s sharding rules (default rules when None). With `return_logprobs`, returns
     `(tokens, logprobs)`. Speculative decoding (`speculate="ngram"`, or a `draft` model;
-    `num_speculative_tokens`, `ngram`, `min_accepted`): see `stream`.
+    `num_speculative_tokens`, `ngram`, `min_accepted`): see `stream`. Constrained decoding
+    (`json_schema`, `regex` or `grammar`, with the `tokenizer`): see `stream`.
     """
     tokens = [[] for _ in prompts]
     logprobs = [[] for _ in prompts]
@@ -399,7 +434,8 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
             cache_dtype=cache_dtype, decode_impl=decode_impl, mesh_config=mesh_config,
             chunk_steps=None, stats=stats, speculate=speculate,
             num_speculative_tokens=num_speculative_tokens, ngram=ngram,
-            min_accepted=min_accepted, draft=draft):
+            min_accepted=min_accepted, draft=draft, grammar=grammar, json_schema=json_schema,
+            regex=regex, tokenizer=tokenizer):
         for row, (t, lp) in enumerate(zip(new_tokens, new_logprobs)):
             tokens[row] += t
             logprobs[row] += lp

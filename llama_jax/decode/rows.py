@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from llama_jax.config import ModelConfig
+from llama_jax.decode.grammar import allowed
 from llama_jax.decode.sampling import SamplingParams, Strategy, sample
 from llama_jax.decode.speculate import (HIT_RATE_START, Speculation, cut, draft_proposals,
                                         ngram_proposals, put_rows, token_logprobs,
@@ -71,6 +72,9 @@ class Rows:
     stop_S: jax.Array  # [n_stop] int32: the ids that end a row (NO_TOKEN: none)
     lookup: Lookup | None = None
     draft_cache: KVCache | None = None  # the draft model's, ends per row like `cache`'s
+    # constrained rows: the tokens each may take next, packed (grammar.py; every bit set for a
+    # row without a grammar), written by the host before each step
+    mask_BW: jax.Array | None = None
 
 
 @struct.dataclass
@@ -90,11 +94,14 @@ class Emitted:
     hit_rate_B: jax.Array | None = None
 
 
-def choose(logits_BV, key_B, step_B, sampling, strategy: Strategy, top: int):
-    """Each row's token of step `step_B` and the log-probabilities of its model distribution
-    (before temperature and filters): of the token, and of the `top` most likely ones."""
+def choose(logits_BV, key_B, step_B, sampling, strategy: Strategy, top: int, mask_BW=None):
+    """Each row's token of step `step_B` (among the tokens `mask_BW` allows, grammar.py) and
+    the log-probabilities of its model distribution (before temperature, filters and the
+    mask): of the token, and of the `top` most likely ones."""
     keys_B = jax.vmap(jax.random.fold_in)(key_B, step_B)
-    token_B = sample(logits_BV, keys_B, sampling, strategy)
+    allowed_BV = logits_BV if mask_BW is None else jnp.where(
+        allowed(mask_BW, logits_BV.shape[-1]), logits_BV, -jnp.inf)
+    token_B = sample(allowed_BV, keys_B, sampling, strategy)
     logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32))
     logprob_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], -1)[:, 0]
     top_logprobs_Bn, top_ids_Bn = jax.lax.top_k(logprobs_BV, top)
@@ -119,7 +126,7 @@ def step(config: ModelConfig, params: Params, rows: Rows, strategy: Strategy, to
     logits_BV, cache = next_logits(config, params, rows.last_B, rows.cache)
     cache = cache.replace(end=jnp.where(active_B, cache.end, rows.cache.end))
     token_B, logprob_B, top_ids_Bn, top_logprobs_Bn = choose(
-        logits_BV, rows.key_B, rows.step_B, rows.sampling, strategy, top)
+        logits_BV, rows.key_B, rows.step_B, rows.sampling, strategy, top, rows.mask_BW)
     emitted = Emitted(jnp.where(active_B, token_B, NO_TOKEN)[:, None], logprob_B[:, None],
                       top_ids_Bn[:, None], top_logprobs_Bn[:, None])
     return advance(rows.replace(cache=cache), token_B, active_B), emitted
