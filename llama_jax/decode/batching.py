@@ -235,13 +235,15 @@ def prefill_chunk(rows: Rows, params: Params, pages_1N: jax.Array, tokens_1L: ja
 @functools.partial(jax.jit, donate_argnames=("rows",))
 def insert(rows: Rows, logits_1V: jax.Array, row: jax.Array, end: jax.Array,
            max_new: jax.Array, sampling: SamplingParams, key_1: jax.Array,
-           prompt_1S: jax.Array | None = None) -> tuple[Rows, Emitted]:
+           prompt_1S: jax.Array | None = None, mask_1W: jax.Array | None = None
+           ) -> tuple[Rows, Emitted]:
     """Row `row` holding a prefilled prompt of `end` tokens (in the pages the host lists for
     it; with `lookup`, its tokens `prompt_1S` beside them): its settings, and its first
-    token, sampled from the prompt's last `logits_1V` with the request's key (its step 0),
-    which it also returns."""
+    token, sampled from the prompt's last `logits_1V` with the request's key (its step 0;
+    among the tokens `mask_1W` allows, a constrained request), which it also returns."""
     token_1, logprob_1, top_ids, top_logprobs = choose(
-        logits_1V, key_1, jnp.zeros((1,), jnp.int32), sampling, PREFILL_STRATEGY, TOP_LOGPROBS)
+        logits_1V, key_1, jnp.zeros((1,), jnp.int32), sampling, PREFILL_STRATEGY, TOP_LOGPROBS,
+        mask_1W)
     first = Emitted(token_1[:, None], logprob_1[:, None], top_ids[:, None],
                     top_logprobs[:, None])
     put = lambda values_B, value_1: values_B.at[row].set(value_1[0])  # noqa: E731

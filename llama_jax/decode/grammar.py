@@ -207,6 +207,10 @@ class Matcher:
         """How many of these tokens, in order, the grammar would take from here."""
         return self._matcher.validate_tokens([int(t) for t in tokens])
 
+    def reset(self) -> None:
+        """Back to the grammar's start (a preempted request decodes anew)."""
+        self._matcher.reset()
+
     @property
     def ended(self) -> bool:
         """The grammar takes nothing more (only the ending ids may follow)."""

@@ -33,6 +33,7 @@ from llama_jax.data.chat import ChatFormat
 from llama_jax.serve.engine import Engine
 from llama_jax.serve.requests import Chunk, QueueFull, Request
 from llama_jax.serve.metrics import ServerMetrics
+from llama_jax.decode.grammar import Grammar, Matcher, vocabulary
 from llama_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from llama_jax.serve.text import StopText
 
@@ -187,7 +188,8 @@ class Server:
             raise OpenAIError(400, str(e), "messages") from None
         limit = self._limit(prompt, body.limit, "max_completion_tokens", "messages")
         top = (body.top_logprobs or 0) if body.logprobs else 0
-        choices, events = self._start([prompt], [limit], body, top, body.logprobs)
+        choices, events = self._start([prompt], [limit], body, top, body.logprobs,
+                                      grammar=body.grammar())
         head = _head("chatcmpl", "chat.completion", self.model_name)
 
         def logprobs(choice: Choice, first: int, last: int) -> dict | None:
@@ -241,12 +243,14 @@ class Server:
         return max_tokens
 
     def _start(self, prompts: list[list[int]], limits: list[int], body, top_logprobs: int,
-               per_token: bool, score_prompt: bool = False
+               per_token: bool, score_prompt: bool = False, grammar: Grammar | None = None
                ) -> tuple[list[Choice], asyncio.Queue]:
-        """Submits `n` choices per prompt; refuses all of them if the queue cannot take them."""
+        """Submits `n` choices per prompt (each under `grammar`, if given); refuses all of
+        them if the queue cannot take them."""
         if body.n > self.engine.max_batch:
             raise OpenAIError(400, f"n={body.n} is more than this server's "
                                    f"{self.engine.max_batch} decode rows", "n")
+        matcher = None if grammar is None else self._matcher_of(grammar)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
         choices = []
@@ -259,7 +263,8 @@ class Server:
                 choice.request = Request(
                     prompt, limit, choice.deliver, temperature=body.temperature,
                     top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
-                    seed=seed + j, top_logprobs=top_logprobs, prompt_logprobs=score_prompt)
+                    seed=seed + j, top_logprobs=top_logprobs, prompt_logprobs=score_prompt,
+                    matcher=None if matcher is None else matcher())
                 choices.append(choice)
         submitted = []
         try:  # a prompt's n choices share one prefill
@@ -278,6 +283,17 @@ class Server:
                 request.cancel()
             raise OpenAIError(400, str(e)) from None
         return choices, events
+
+    def _matcher_of(self, grammar: Grammar) -> Callable[[], Matcher]:
+        """A maker of fresh matchers of `grammar` (one per choice), or a 400 naming
+        response_format when it does not compile."""
+        try:
+            vocab = vocabulary(self.tokenizer, self.engine.config.vocab_size,
+                               self.engine.stop_ids)
+            Matcher(grammar, vocab)
+        except GenerateError as e:
+            raise OpenAIError(400, f"response_format: {e}", "response_format") from None
+        return lambda: Matcher(grammar, vocab)
 
     # ------------------------------------------------------------------------ responses
 

@@ -80,6 +80,7 @@ from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name
 from llama_jax.decode.batching import TOP_LOGPROBS
 from llama_jax.decode.decoder import (decoder_params, resolve_decode_impl, rows_cache_bytes,
                                       server_shape)
+from llama_jax.decode.grammar import masks
 from llama_jax.decode.rows import Emitted, row_key
 from llama_jax.decode.sampling import SamplingParams, Strategy
 from llama_jax.decode.speculate import speculation
@@ -109,7 +110,9 @@ COUNTERS = {"prefill_chunks": "Prefill programs run",
             "speculative_drafted_tokens": "Guesses verified by speculative decoding",
             "speculative_accepted_tokens": "Guesses speculative decoding kept",
             "preemptions": "Rows preempted (their pages given back, their requests queued "
-                           "again) when the KV cache's pages ran short"}
+                           "again) when the KV cache's pages ran short",
+            "constrained_requests": "Requests decoded under a grammar (response_format)",
+            "grammar_mask_seconds": "Host time spent computing constrained rows' token masks"}
 
 
 @dataclasses.dataclass
@@ -276,7 +279,7 @@ class Engine:
                                                 request.top_p, request.min_p)
             self.end_bound[b], self.last_end[b] = n, n + request.max_tokens - 1
             first = self.programs.insert(b, job.logits, job.prompt, request.max_tokens,
-                                         sampling, key_1)
+                                         sampling, key_1, self._first_mask(request))
             self.owners[b] = request
             if self.verify is not None:
                 self.verify.inserted(b, self.programs_dispatched)
@@ -311,8 +314,35 @@ class Engine:
                 self._recover(job.requests, e)
         return done
 
+    def _first_mask(self, request: Request) -> np.ndarray | None:
+        """A constrained request's mask for its first token, its grammar back at its start
+        (a preempted request decodes anew); None for one without a grammar."""
+        if request.matcher is None:
+            return None
+        if not request.replay and not request.generated:
+            self.counters["constrained_requests"] += 1
+        request.matcher.reset()
+        return self._masks([request])
+
+    def _masks(self, requests: Sequence[Request | None]) -> np.ndarray:
+        """The rows' packed masks (grammar.py: every token allowed for a row without a
+        grammar), their host time counted."""
+        start = time.perf_counter()
+        matchers = [None if r is None else r.matcher for r in requests]
+        words = next(m for m in matchers if m is not None).vocab.words
+        out = masks(matchers, words)
+        self.counters["grammar_mask_seconds"] += time.perf_counter() - start
+        return out
+
+    def _constrained(self) -> bool:
+        """Whether a row decoding is under a grammar: it needs each token read before the
+        next step's mask, one step a program."""
+        return any(self._decoding(b) and self.owners[b].matcher is not None
+                   for b in range(self.max_batch))
+
     def _dispatch(self) -> _Program:
-        """`steps` decode steps of every row, under the strategy its requests need."""
+        """`steps` decode steps of every row, under the strategy its requests need (one step
+        among the tokens each may take, while a row is constrained)."""
         self._grow()
         live = [r for b, r in enumerate(self.owners) if self._decoding(b)]
         strategy = Strategy(draw=any(r.strategy.draw for r in live),
@@ -320,12 +350,17 @@ class Engine:
         verify = self.verify is not None and self.verify.worth_verifying(
             self.programs_dispatched, np.asarray([self._decoding(b)
                                                   for b in range(self.max_batch)]))
+        masks_BW = self._masks([r if self._decoding(b) else None
+                                for b, r in enumerate(self.owners)]) \
+            if self._constrained() else None
         emitted = self.programs.decode(
             self.allocator.tables.array(self.owners, self.width), strategy,
-            TOP_LOGPROBS if any(r.top_logprobs for r in live) else 0, verify)
-        self.end_bound = [min(e + self.shape.advance, last) if self._decoding(b) else e
+            TOP_LOGPROBS if any(r.top_logprobs for r in live) else 0, verify, masks_BW)
+        steps, advance = (1, 1) if masks_BW is not None else (self.shape.steps,
+                                                               self.shape.advance)
+        self.end_bound = [min(e + advance, last) if self._decoding(b) else e
                           for b, (e, last) in enumerate(zip(self.end_bound, self.last_end))]
-        self.dispatched = [n + self.shape.steps for n in self.dispatched]
+        self.dispatched = [n + steps for n in self.dispatched]
         self.programs_dispatched += 1
         return _Program(emitted, list(self.owners), number=self.programs_dispatched - 1)
 
@@ -348,6 +383,9 @@ class Engine:
     def check(self, request: Request) -> None:
         """Raises GenerateError, naming the lengths or the value, if `request` cannot run."""
         check_request(request, self.config.vocab_size, self.max_seq_len)
+        if request.matcher is not None and self.spec is not None:
+            raise GenerateError("a speculating server does not decode under a grammar yet "
+                                "(response_format): serve without --speculate for it")
 
     def submit(self, request: Request) -> None:
         """Queues `request` (raises QueueFull when `max_queue` requests already wait, or
@@ -542,6 +580,9 @@ class Engine:
                 return
             self._admit()
             pending.extend(self._prefill_some(self._any_decoding()))
+            constrained = self._constrained()
+            while constrained and pending:  # the next masks follow every token so far
+                self._collect_next(pending)
             decoding = self._any_decoding()
             if decoding:
                 try:
@@ -552,15 +593,18 @@ class Engine:
             # Read a program's tokens once the next one is queued behind it (the device runs
             # that one meanwhile), or when nothing else will be queued.
             while pending and (len(pending) > 1 or not decoding):
-                program = pending.popleft()
-                try:
-                    self._collect(program)
-                except Exception as e:
-                    log.exception("a program failed")
-                    self._recover(program.owners, e)
+                self._collect_next(pending)
             if not pending and self.idle() and not self._stopping.is_set():
                 self._wake.wait(0.5)
                 self._wake.clear()
+
+    def _collect_next(self, pending: collections.deque[_Program]) -> None:
+        program = pending.popleft()
+        try:
+            self._collect(program)
+        except Exception as e:
+            log.exception("a program failed")
+            self._recover(program.owners, e)
 
     def _drain_queue(self) -> list[Request]:
         """Every request waiting or being prefilled, taken off the engine."""

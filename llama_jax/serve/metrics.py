@@ -20,8 +20,10 @@ share it).
   counters `llama_jax_prefill_chunks_total` (prefill programs run),
   `llama_jax_prefix_cache_lookups_total` (prompts looked up), `llama_jax_prefix_cache_
   hits_total` (those that restored at least one block), `llama_jax_prefix_cache_hit_tokens_
-  total` (the tokens they restored, counted when the prompt is admitted) and
-  `llama_jax_preemptions_total` (rows preempted when the pages ran short).
+  total` (the tokens they restored, counted when the prompt is admitted),
+  `llama_jax_preemptions_total` (rows preempted when the pages ran short),
+  `llama_jax_constrained_requests_total` (requests decoded under a grammar) and
+  `llama_jax_grammar_mask_seconds_total` (the host time their token masks took).
 """
 
 from __future__ import annotations

@@ -103,13 +103,15 @@ class Programs:
                 {"config": config, "draft": draft, "placement": self.placement})
 
     def insert(self, b: int, logits_1V: jax.Array, prompt: Sequence[int], max_new: int,
-               sampling: SamplingParams, key_1: jax.Array) -> Emitted:
-        """A prefilled prompt into row `b`, with its first token."""
+               sampling: SamplingParams, key_1: jax.Array, mask_1W: np.ndarray | None = None
+               ) -> Emitted:
+        """A prefilled prompt into row `b`, with its first token (among those `mask_1W`
+        allows: a constrained request's)."""
         # the guesses read the row's tokens beside its cache
         prompt_1S = padded_row(prompt, self.shape.cache_len) if self.spec else None
         self.rows, first = self._run(batching.insert, self.rows, logits_1V, np.int32(b),
                                      np.int32(len(prompt)), np.int32(max_new), sampling, key_1,
-                                     prompt_1S)
+                                     prompt_1S, mask_1W)
         return first
 
     def copy_pages(self, from_pages: Sequence[int], to_pages: Sequence[int]) -> None:
@@ -117,19 +119,23 @@ class Programs:
                               np.asarray(to_pages, np.int32))
 
     def decode(self, pages_BN: np.ndarray, strategy: Strategy, top: int,
-               verify: bool = False) -> Emitted:
+               verify: bool = False, masks_BW: np.ndarray | None = None) -> Emitted:
         """`shape.steps` decode steps (speculating: rounds, verifying or not) of every row
-        over the pages of `pages_BN`."""
-        fn, args, static = self._decode_call(pages_BN, strategy, top, verify)
-        self.rows, emitted = self._run(fn, *args, **static)
+        over the pages of `pages_BN`; with `masks_BW` (constrained rows, decode/grammar.py),
+        one step among the tokens they allow."""
+        self.rows = self.rows.replace(mask_BW=masks_BW)
+        fn, args, static = self._decode_call(pages_BN, strategy, top, verify,
+                                             1 if masks_BW is not None else self.shape.steps)
+        rows, emitted = self._run(fn, *args, **static)
+        self.rows = rows.replace(mask_BW=None)  # the next program's rows: as compiled
         return emitted
 
-    def _decode_call(self, pages_BN, strategy, top, verify):
+    def _decode_call(self, pages_BN, strategy, top, verify, n_steps=None):
         program, args, spec = ((batching.decode, (), {}) if self.spec is None else (
             batching.speculate, (self.draft_params,), {"spec": self.spec, "verify": verify}))
         return (program, (self.rows, self.params, *args, pages_BN),
-                {"config": self.config, "n_steps": self.shape.steps, "strategy": strategy,
-                 "top": top, "placement": self.placement, **spec})
+                {"config": self.config, "n_steps": n_steps or self.shape.steps,
+                 "strategy": strategy, "top": top, "placement": self.placement, **spec})
 
     def warm_up(self, widths: Sequence[int]) -> None:
         """Compiles the programs a server meets, as many at once as there are CPU cores:

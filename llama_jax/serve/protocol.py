@@ -4,8 +4,8 @@ Fields follow the OpenAI API reference (completions and chat completions); `top_
 are extra fields, as in vLLM. Types are strict (a string where a number goes is refused, not
 converted), unknown fields are ignored (clients send fields such as `user`), and fields this
 server cannot honour (penalties, `logit_bias`, `suffix`, `best_of` above `n`, tools and
-function calls, a `response_format` other than text) are refused when set, never silently
-dropped.
+function calls) are refused when set, never silently dropped. A chat request's
+`response_format` (`json_object`, `json_schema`) constrains its answer (`response_grammar`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from llama_jax.decode.grammar import Grammar
 
 MAX_STOPS = 4  # OpenAI's limit on stop strings
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on a completion's `logprobs`
@@ -133,8 +135,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # Chat fields this server cannot honour yet: refused when they ask for something (a 400
-    # naming the field), never dropped: a client asking for a tool call or a JSON schema must
-    # not get free text back.
+    # naming the field), never dropped: a client asking for a tool call must not get free
+    # text back.
     tools: Any = None
     functions: Any = None
     tool_choice: Any = None
@@ -158,17 +160,43 @@ class ChatCompletionRequest(_Sampling):
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, value):
-        if value not in (None, {"type": "text"}):
-            raise ValueError("response_format is not supported by this server (only "
-                             "{\"type\": \"text\"})")
+    def _known_format(cls, value):
+        response_grammar(value)  # the shape checked here; the schema when it compiles
         return value
 
     @property
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def grammar(self) -> Grammar | None:
+        """What `response_format` constrains the answer to (None: free text)."""
+        return response_grammar(self.response_format)
+
     def chat_messages(self) -> list[dict]:
         """The messages as {"role", "content"} with text content ("developer" is "system")."""
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in self.messages]
+
+
+def response_grammar(value: Any) -> Grammar | None:
+    """The grammar of a chat request's `response_format`, as OpenAI defines it: `{"type":
+    "text"}` (none), `{"type": "json_object"}` (any JSON object) or `{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}`; a ValueError naming what is wrong."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar.json_object()
+    if kind != "json_schema":
+        raise ValueError("response_format must be {\"type\": \"text\"}, {\"type\": "
+                         "\"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
+                         "{\"name\": ..., \"schema\": {...}}}")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise ValueError("response_format.json_schema must be an object with a \"name\"")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise ValueError("response_format.json_schema.schema must be a JSON object")
+    return Grammar.json_schema(schema)

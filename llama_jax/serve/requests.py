@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from llama_jax.decode.batching import TOP_LOGPROBS
+from llama_jax.decode.grammar import Matcher
 from llama_jax.decode.rows import Emitted
 from llama_jax.decode.sampling import Strategy, check_settings
 from llama_jax.decode.step import NO_TOKEN, check_prompt
@@ -67,6 +68,9 @@ class Request:
     accepted_tokens: int = dataclasses.field(default=0, init=False)
     # Preempted and decoding anew: its first tokens, delivered already, still to skip.
     replay: int = dataclasses.field(default=0, init=False)
+    # Constrained (a chat request's response_format): its grammar's place, which decides what
+    # its row may take next (decode/grammar.py); the engine resets it when the row starts.
+    matcher: Matcher | None = None
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -102,6 +106,8 @@ def read_row(e: Emitted, b: int, request: Request, stops: set[int]) -> tuple[Chu
     for k, token in enumerate(e.tokens_BK[b].tolist()):
         if token == NO_TOKEN:
             break
+        if request.matcher is not None and token not in stops:  # replayed tokens too
+            request.matcher.accept(token)
         if request.replay:  # delivered before it was preempted
             request.replay -= 1
             continue
