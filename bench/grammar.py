@@ -18,7 +18,12 @@ Measured, per library and vocabulary:
 - coverage: of a list of JSON-Schema features, those that compile and accept a valid
   instance.
 
-Prints a table; BENCHMARKS.md records it.
+With `--decode CHECKPOINT` (the demo model, `make demo`), the cost of constraining in
+`generate`: a batch of 8 prompts decoded free (one program for the whole decode), free one
+step per program (the host round trip a constrained batch takes per token) and under a
+JSON schema; rounds alternate, medians of the time per decode step of the batch.
+
+Prints tables; BENCHMARKS.md records them.
 """
 
 from __future__ import annotations
@@ -213,11 +218,54 @@ def measure(library, tokenizer, rounds: int) -> dict:
             "covered": covered}
 
 
+DECODE_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 40}, "summary": {"type": "string", "maxLength": 160},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 5}},
+    "required": ["title", "summary", "tags"], "additionalProperties": False}
+PROMPTS = ["The os module", "How to read a file", "Classes in Python", "The json module",
+           "Regular expressions", "Threads and processes", "The logging module", "Decorators"]
+
+
+def decode_costs(checkpoint: str, rounds: int, max_new: int = 64) -> None:
+    """Milliseconds per decode step of a batch of 8: free, free one step a program,
+    constrained (a step is one token of every row still going)."""
+    import llama_jax
+
+    config, params = llama_jax.load_checkpoint(checkpoint)
+    tokenizer = llama_jax.load_tokenizer(checkpoint)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    cases = {"free, one program": dict(chunk_steps=None),
+             "free, one step a program": dict(chunk_steps=1),
+             "json schema (one step a program, masks)": dict(json_schema=DECODE_SCHEMA,
+                                                            tokenizer=tokenizer)}
+    per_step: dict[str, list[float]] = {name: [] for name in cases}
+    for r in range(rounds + 1):  # the first round compiles
+        for name, extra in cases.items():
+            start, steps, longest = time.perf_counter(), 0, [0] * len(prompts)
+            for chunk, _ in llama_jax.stream(config, params, prompts, max_new,
+                                             temperature=0.7, seed=r, **extra):
+                steps += 1
+                longest = [n + len(t) for n, t in zip(longest, chunk)]
+            if r:  # one program: as many steps as the longest row took
+                steps = max(longest) if extra.get("chunk_steps", 1) is None else steps
+                per_step[name].append((time.perf_counter() - start) / steps)
+    base = statistics.median(per_step["free, one step a program"])
+    print("| batch 8, demo model | ms per step | vs free, one step a program |")
+    print("|---|---|---|")
+    for name, times in per_step.items():
+        t = statistics.median(times)
+        print(f"| {name} | {1e3 * t:.2f} | {base / t:.2f}x |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
+    parser.add_argument("--decode", metavar="CHECKPOINT",
+                        help="also measure constrained decoding's cost on this checkpoint")
     args = parser.parse_args()
+    if args.decode:
+        decode_costs(args.decode, args.rounds)
     print("| vocabulary | library | vocabulary build | 20-property schema compile | "
           "mask per token | valid instance walked | coverage |")
     print("|---|---|---|---|---|---|---|")

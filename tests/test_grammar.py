@@ -1,6 +1,6 @@
 """Constrained decoding (decode/grammar.py): random-init models write schema-valid JSON for
 every seed with the grammar (and do not without it), over a SentencePiece vocabulary with byte
-fallback and a byte-level BPE one; rows with different grammars and rows without one share a
+fallback, a byte-level BPE one and LLaMA 3's tiktoken one; rows with different grammars and rows without one share a
 batch (an unconstrained row decodes as it does alone); constrained greedy decoding is the
 reference loop (the model over the whole prefix each step, float64 masked argmax); regexes
 and Lark grammars hold; bad schemas and arguments are refused naming them."""
@@ -8,6 +8,7 @@ and Lark grammars hold; bad schemas and arguments are refused naming them."""
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -35,12 +36,15 @@ OTHER = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 
          "minItems": 1, "maxItems": 4}
 
 
-@pytest.fixture(scope="module", params=["sentencepiece", "byte_level"])
+@pytest.fixture(scope="module", params=["sentencepiece", "byte_level", "tiktoken"])
 def model(request, tmp_path_factory):
     """A random-init model over a real vocabulary, and its tokenizer."""
     directory = tmp_path_factory.mktemp(request.param)
     if request.param == "sentencepiece":  # byte fallback: any text, byte by byte
         (directory / "tokenizer.model").write_bytes(stdlib_tokenizer()[0])
+    elif request.param == "tiktoken":  # LLaMA 3's 128K-token file
+        llama_models = pytest.importorskip("llama_models")
+        directory = Path(llama_models.__file__).parent / "llama3"
     else:
         test_json_tokenizer = pytest.importorskip("test_json_tokenizer")
         test_json_tokenizer.save(test_json_tokenizer.byte_level(), directory / "tok",
@@ -138,3 +142,15 @@ def test_bad_grammars_and_arguments_are_refused_naming_them(model):
     with pytest.raises(GenerateError, match="speculative decoding does not take a grammar"):
         generate(config, params, prompts, 8, json_schema=SCHEMA, tokenizer=tokenizer,
                  speculate="ngram")
+
+
+def test_a_model_without_stop_ids_ends_constrained_rows_at_the_tokenizers_eos(model):
+    """A grammar's end must end its row: without the model's stop ids (the demo model has
+    none), the tokenizer's end of sequence ends the batch's rows."""
+    config, params, tokenizer = model
+    bare = dataclasses.replace(config, eos_ids=())
+    prompts = [tokenizer.encode("x"), tokenizer.encode("y")]
+    out = llama_jax.generate(bare, params, prompts, 80, json_schema=[OTHER, None],
+                             tokenizer=tokenizer)
+    jsonschema.validate(json.loads(tokenizer.decode(out[0])), OTHER)
+    assert len(out[0]) < 80

@@ -273,8 +273,8 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     stops = stop_table(config, stop_tokens)
 
     B, T, N = bucket(len(prompts), 1), bucket(longest), bucket(max_new)
-    constrained = Constrained.of(row_grammars(len(prompts), grammar, json_schema, regex),
-                                 tokenizer, config.vocab_size, stops, B)
+    constrained, stops = _constrained(config, row_grammars(len(prompts), grammar, json_schema,
+                                                           regex), tokenizer, stops, B)
     if constrained is not None and (speculate is not None or draft is not None):
         raise GenerateError("speculative decoding does not take a grammar yet: decode "
                             "constrained rows without speculate or draft")
@@ -333,6 +333,15 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
                            draft_params, strategy=strategy, spec=spec, verify=verify)
         start = time.perf_counter()
         state = decode(params, state, n_steps, draft_params)
+
+
+def _constrained(config: ModelConfig, grammars: list, tokenizer: Tokenizer | None,
+                 stops: list[int], B: int) -> tuple[Constrained | None, list[int]]:
+    """The batch's grammars (None without any) and its stop ids: a model without stop ids
+    stops constrained rows at the tokenizer's end of sequence, where a grammar ends."""
+    if any(g is not None for g in grammars) and stops == [NO_TOKEN] and tokenizer is not None:
+        stops = stop_table(config, tokenizer.eos_ids)
+    return Constrained.of(grammars, tokenizer, config.vocab_size, stops, B), stops
 
 
 def _fitting(config: ModelConfig, longest: int, max_new_tokens: int,

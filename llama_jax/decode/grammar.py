@@ -6,12 +6,12 @@ generates is valid by construction.
                       tokenizer=tokenizer)                                    # .json_object()
 
 A grammar is compiled by llguidance (bench/grammar.py measured it against outlines-core: it
-compiles a 20-property schema in about a millisecond where an up-front automaton over the
-vocabulary takes seconds, fills a mask in tens of microseconds, and covers more of JSON
-Schema) against a `Vocabulary`: the tokenizer's tokens as bytes (`Tokenizer.token_bytes`, so
+compiles a 20-property schema in 2 ms where outlines-core's up-front automaton over the
+vocabulary takes 0.1 to 3.4 s, fills a mask in about 10 µs, and covers more of JSON Schema)
+against a `Vocabulary`: the tokenizer's tokens as bytes (`Tokenizer.token_bytes`, so
 SentencePiece with byte fallback, tiktoken and byte-level BPE alike; control tokens by name,
 marked special, so a grammar never produces one by accident) and the ids that end a row. Built
-once per tokenizer and set of ending ids (about a second for 128K tokens), then cached.
+once per tokenizer and set of ending ids (under a second for 128K tokens), then cached.
 
 A row's `Matcher` follows the tokens chosen and fills, before each step, its row of the packed
 mask: int32 words `[W = ceil(V / 32)]`, bit `v % 32` of word `v // 32` set where token v is
@@ -151,9 +151,10 @@ _VOCABULARIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def vocabulary(tokenizer: Tokenizer, vocab_size: int, stop_ids: Sequence[int]) -> Vocabulary:
     """The (cached) Vocabulary of `tokenizer` for a model of `vocab_size` ending rows at
     `stop_ids` (at least one)."""
-    if not stop_ids:
+    if not stop_ids or min(stop_ids) < 0:  # no stop id, or the stop table's "none"
         raise GenerateError("constrained decoding needs a stop token to end a row whose "
-                            "grammar is complete (the model has no EOS id; give stop_tokens)")
+                            "grammar is complete (neither the model nor the tokenizer has an "
+                            "EOS id: give stop_tokens)")
     kept = _VOCABULARIES.setdefault(tokenizer, {})
     key = (vocab_size, tuple(stop_ids))
     if key not in kept:
