@@ -156,12 +156,12 @@ def speculate(rows: Rows, params: Params, draft_params: Params | None,
               ) -> tuple[Rows, Emitted]:
     """`n_steps` speculative rounds of every row (`rows.speculative_round`; rows with
     `lookup`) over its pages `pages_BN`: each row's tokens of the rounds, from column 0, and
-    its guesses verified and kept so far. With `verify`, every round runs a verify pass, in which the rows worth it
-    (`speculate.worth_verifying` of their deciding rates) verify their guesses; without,
-    every round is a plain step (the host chooses, by `speculate.worth_a_pass` of the rates
-    the program before the last returned). The guesses are prompt lookup's, or a draft
-    model's (`draft_params`, its cache in the rows; without `verify`, one step of it a round
-    keeps its cache in step)."""
+    its guesses verified and kept so far. With `verify`, every round runs a verify pass, in
+    which the rows worth it (`speculate.worth_verifying` of their deciding rates) verify
+    their guesses; without, every round is a plain step (the host chooses, by
+    `speculate.worth_a_pass` of the rates the program before the last returned). The
+    guesses are prompt lookup's, or a draft model's (`draft_params`, its cache in the rows;
+    without `verify`, one step of it a round keeps its cache in step)."""
     with placed(placement):
         rows, emitted = _scan_rounds(config, params, draft_params,
                                      _with_tables(rows, pages_BN), n_steps, spec, verify,
