@@ -143,25 +143,26 @@ def chat_splits(train: str, val: str | None, val_fraction: float, template: Chat
     `truncate`."""
     def read(path: str, splits: tuple[str, ...]) -> ConversationSet:
         if shards.is_prepared(path):
-            return _prepared(path, splits, template, tokenizer, seq_len, truncate)
+            return _conversations(_opened(path, template, tokenizer), splits, seq_len,
+                                  truncate)
         return ConversationSet.of(read_conversations(path, template, tokenizer, seq_len,
                                                      truncate), path)
 
     if val is not None:
         return ChatSplits(read(train, ("train",)), read(val, shards.SPLITS), val)
-    if shards.is_prepared(train):
-        return ChatSplits(read(train, ("train",)), read(train, ("val",)),
-                          f"the val split of {train}")
+    if shards.is_prepared(train):  # opened and checked once for both splits
+        prepared = _opened(train, template, tokenizer)
+        return ChatSplits(*(_conversations(prepared, (name,), seq_len, truncate)
+                            for name in shards.SPLITS), f"the val split of {train}")
     train_chats, val_chats = split(read_conversations(train, template, tokenizer, seq_len,
                                                       truncate), val_fraction)
     return ChatSplits(ConversationSet.of(train_chats, train),
                       ConversationSet.of(val_chats, train), f"held out of {train}")
 
 
-def _prepared(path: str, splits: tuple[str, ...], template: ChatTemplate,
-              tokenizer: Tokenizer, seq_len: int, truncate: bool) -> ConversationSet:
-    """Splits of a prepared chat dataset, checked against the run: encoded by this tokenizer
-    and template, no conversation too long for a row unless `truncate`, at least one."""
+def _opened(path: str, template: ChatTemplate, tokenizer: Tokenizer) -> shards.PreparedData:
+    """A prepared chat dataset, checked against the run: encoded by this tokenizer and
+    template."""
     prepared = shards.open_prepared(path, "chat")
     meta = prepared.meta
     for what, theirs, ours in (
@@ -171,16 +172,24 @@ def _prepared(path: str, splits: tuple[str, ...], template: ChatTemplate,
             raise DataError(f"{path}: prepared with another {what} than the run's (the "
                             "init_from checkpoint's); prepare it again with --chat set to "
                             "that checkpoint")
+    return prepared
+
+
+def _conversations(prepared: shards.PreparedData, splits: tuple[str, ...], seq_len: int,
+                   truncate: bool) -> ConversationSet:
+    """Splits of a prepared chat dataset: at least one conversation, none too long for a row
+    unless `truncate`."""
     tokens, assistant, starts = shards.conversation_arrays(prepared, splits)
-    found = ConversationSet(tokens, assistant, starts, f"{path} ({'+'.join(splits)})")
+    found = ConversationSet(tokens, assistant, starts,
+                            f"{prepared.root} ({'+'.join(splits)})")
     if not len(found):
         raise DataError(f"{found.where}: no conversations (prepare with --val-fraction > 0, "
                         "or set task.val)")
-    longest = int(found.lengths().max())
-    if longest > seq_len + 1 and not truncate:
-        c = int(np.argmax(found.lengths()))
-        raise DataError(f"{found.where}: conversation {c} has {longest} tokens, more than "
-                        f"train.seq_len + 1 = {seq_len + 1}; raise train.seq_len or set "
+    lengths = found.lengths()
+    if lengths.max() > seq_len + 1 and not truncate:
+        c = int(np.argmax(lengths))
+        raise DataError(f"{found.where}: conversation {c} has {int(lengths[c])} tokens, more "
+                        f"than train.seq_len + 1 = {seq_len + 1}; raise train.seq_len or set "
                         "task.truncate: true")
     return found
 
