@@ -118,10 +118,10 @@ def constraint(args: argparse.Namespace, tokenizer) -> dict:
     if args.json_schema and args.regex:
         raise GenerateError("give --json-schema or --regex, not both")
     if args.regex:
-        grammar = Grammar.regex(args.regex)
+        grammar = Grammar.regex(args.regex).checked()
     elif args.json_schema:
         try:
-            grammar = Grammar.json_schema(Path(args.json_schema).read_text())
+            grammar = Grammar.json_schema(Path(args.json_schema).read_text()).checked()
         except OSError as e:
             raise GenerateError(f"--json-schema {args.json_schema}: {e.strerror}") from None
         except GenerateError as e:

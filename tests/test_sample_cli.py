@@ -132,7 +132,7 @@ def test_json_schema_and_regex_constrain_the_streamed_output(checkpoint, tmp_pat
 @pytest.mark.parametrize("argv, message", [
     (["--json-schema", "/nonexistent.json"], "--json-schema /nonexistent.json: No such file"),
     (["--json-schema", "SCHEMA", "--regex", "a"], "give --json-schema or --regex, not both"),
-    (["--json-schema", "SCHEMA"], "json schema: Invalid type: strin"),
+    (["--json-schema", "SCHEMA"], "schema.json: json schema: Invalid type: strin"),
     (["--regex", "(ab"], "regex: "),
 ])
 def test_bad_constraints_are_one_line_and_exit_2(checkpoint, tmp_path, argv, message, capsys):

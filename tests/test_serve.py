@@ -423,12 +423,26 @@ BAD_REQUESTS = [
                           "top_logprobs": 21}, 400, "top_logprobs"),
     *(("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                             field: value}, 400, field) for field, value in (
-        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-        ("tool_choice", "required"), ("functions", [{"name": "f"}]),
+        ("functions", [{"name": "f"}]), ("function_call", "auto"),
         ("response_format", {"type": "xml"}),
         ("response_format", {"type": "json_schema"}),
         ("response_format", {"type": "json_schema",
                              "json_schema": {"name": "x", "schema": {"type": "strin"}}}))),
+    *(("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                            **fields}, 400, param) for fields, param in (
+        ({"tool_choice": "required"}, None),  # no tools to call
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+         "tools.0.function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": {"type": "function", "function": {"name": "g"}}}, None),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+          "response_format": {"type": "json_object"}}, None))),
+    ("chat/completions", {"model": "tiny", "messages": [
+        {"role": "user", "content": "x"}, {"role": "tool", "content": "1"}]}, 400, "messages.1"),
+    ("chat/completions", {"model": "tiny", "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{1"}}]}]},
+     400, "messages.1.tool_calls.0.function.arguments"),
 ]
 
 

@@ -10,6 +10,9 @@
   `<|eot_id|>`, then the assistant's header), LLaMA 2's `[INST]` turns for a SentencePiece one
   (a system message folded into the first user turn between `<<SYS>>` markers; turns must
   alternate user, assistant, ..., user).
+
+Tools (OpenAI's function definitions) are rendered by the template where it renders them, and
+in a system message of our own otherwise (data/tool_calls.py).
 """
 
 from __future__ import annotations
@@ -19,12 +22,26 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from llama_jax.data.chat_template import load_chat_template
+from llama_jax.data.tool_calls import ToolFormat, tool_format, tool_prompt
 from llama_jax.data.tokenizer import Llama3Tokenizer, Tokenizer
 from llama_jax.errors import GenerateError
 
 ROLES = ("system", "user", "assistant")
-# A message is {"role": ..., "content": text}; a chat format turns a list of them into ids.
-ChatFormat = Callable[[Sequence[dict]], list[int]]
+
+
+class ChatFormat:
+    """A checkpoint's chat format: `format(messages, tools=None)` is the prompt's ids. Messages
+    are {"role", "content"}, and for tool calling an assistant's `tool_calls` (OpenAI's, with
+    `arguments` as a dict) and `tool` messages with the results; `tools` are OpenAI's function
+    definitions. `tool_format` says how the model writes a call (data/tool_calls.py)."""
+
+    def __init__(self, encode: Callable[[Sequence[dict], dict], list[int]],
+                 tool_format: ToolFormat):
+        self._encode, self.tool_format = encode, tool_format
+
+    def __call__(self, messages: Sequence[dict], tools: Sequence[dict] | None = None
+                 ) -> list[int]:
+        return self._encode(*tool_prompt(self.tool_format, messages, tools))
 
 
 def chat_format(checkpoint: str | Path, tokenizer: Tokenizer) -> ChatFormat:
@@ -32,10 +49,10 @@ def chat_format(checkpoint: str | Path, tokenizer: Tokenizer) -> ChatFormat:
     module doc)."""
     template = load_chat_template(checkpoint) if Path(checkpoint).exists() else None
     if template is not None:
-        return lambda messages: encode_with_special_tokens(tokenizer, template.render(messages))
-    if isinstance(tokenizer, Llama3Tokenizer):
-        return lambda messages: llama3_chat(tokenizer, messages)
-    return lambda messages: llama2_chat(tokenizer, messages)
+        return ChatFormat(lambda messages, extra: encode_with_special_tokens(
+            tokenizer, template.render(messages, **extra)), tool_format(template.text))
+    meta = llama3_chat if isinstance(tokenizer, Llama3Tokenizer) else llama2_chat
+    return ChatFormat(lambda messages, _: meta(tokenizer, messages), tool_format(None))
 
 
 def llama3_chat(tokenizer: Tokenizer, messages: Sequence[dict]) -> list[int]:

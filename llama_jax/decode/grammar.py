@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.tool_calls import ToolFormat
 from llama_jax.errors import GenerateError
 
 ALL_ALLOWED = -1  # a mask word with every bit set: a row without a grammar
@@ -42,6 +43,7 @@ _SPECIAL = b"\xff"
 # JSON written as `json.dumps` writes it (what OpenAI's models write): ", " and ": " between
 # items, no other whitespace. A model left free to add whitespace may add it forever.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a tool's arguments by default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +80,12 @@ class Grammar:
     @classmethod
     def lark(cls, grammar: str) -> Grammar:
         return cls("lark", grammar)
+
+    def checked(self) -> Grammar:
+        """The grammar, once llguidance found no error in it, before any vocabulary: a
+        GenerateError saying what is wrong (as a Matcher of it would)."""
+        _validated(self, None)
+        return self
 
     def describe(self) -> str:
         return {"json_schema": "json schema", "regex": "regex", "lark": "grammar"}[self.kind]
@@ -178,9 +186,14 @@ def _compiled(grammar: Grammar) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _checked(grammar: Grammar, vocab: Vocabulary) -> str:
-    """The compiled grammar, or a GenerateError saying why llguidance refuses it."""
+    return _validated(grammar, vocab.lltokenizer)
+
+
+def _validated(grammar: Grammar, lltokenizer) -> str:
+    """The compiled grammar, or a GenerateError saying why llguidance refuses it (over
+    `lltokenizer`'s tokens, or none)."""
     compiled = _compiled(grammar)
-    error = _llguidance().LLMatcher.validate_grammar(compiled, vocab.lltokenizer)
+    error = _llguidance().LLMatcher.validate_grammar(compiled, lltokenizer)
     if error and not error.startswith("WARNING"):
         raise GenerateError(f"{grammar.describe()}: {' '.join(error.split())}")
     return compiled
@@ -269,6 +282,40 @@ def allowed(mask_BW: jax.Array, vocab_size: int) -> jax.Array:
     v_V = jnp.arange(vocab_size, dtype=jnp.int32)
     words_BV = jnp.take(mask_BW, v_V // 32, axis=1)
     return (jnp.right_shift(words_BV, v_V % 32) & 1).astype(bool)
+
+
+def call_grammar(form: ToolFormat, tools: Sequence[dict], name: str | None = None,
+                 parallel: bool = True, content_schema: dict | None = None) -> Grammar:
+    """An answer that is calls of `tools`, each call's arguments valid under its function's
+    parameter schema: one call of the function `name` when given (as vLLM makes a named
+    tool_choice), else one or, when `parallel`, more; or, with `content_schema`, a JSON value
+    of that schema instead."""
+    parallel = parallel and name is None
+    chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    call = {"anyOf": [{"type": "object", "properties": {
+        "name": {"const": f["name"]}, form.arguments: f.get("parameters") or EMPTY_PARAMETERS},
+        "required": ["name", form.arguments], "additionalProperties": False} for f in chosen]}
+    if form.listed:
+        items = {"type": "array", "items": call, "minItems": 1, **({} if parallel else
+                                                                  {"maxItems": 1})}
+        rules = [f"calls: {_literal(form.open)} {_json(items)} {_literal(form.close)}"]
+    else:
+        block = (f"{_literal(form.open + chr(10))} {_json(call)} {_literal(chr(10) + form.close)}"
+                 if form.open else _json(call))
+        separator = _literal("\n" if form.open else "; ")
+        rules = [f"call: {block}", f"calls: call ({separator} call)*" if parallel else
+                 "calls: call"]
+    start = "start: calls" if content_schema is None else f"start: calls | {_json(content_schema)}"
+    return Grammar.lark("\n".join([start, *rules]))
+
+
+def _json(schema: dict) -> str:
+    """A Lark rule's JSON value of `schema`, written as `json.dumps` writes JSON."""
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_STYLE})
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
 
 
 def row_grammars(n_rows: int, grammar: Any = None, json_schema: Any = None,

@@ -30,10 +30,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from llama_jax.data.tokenizer import Tokenizer
 from llama_jax.errors import GenerateError
 from llama_jax.data.chat import ChatFormat
+from llama_jax.serve.chat_reply import ChatReply
 from llama_jax.serve.engine import Engine
 from llama_jax.serve.requests import Chunk, QueueFull, Request
 from llama_jax.serve.metrics import ServerMetrics
-from llama_jax.decode.grammar import Grammar, Matcher, vocabulary
+from llama_jax.decode.grammar import Grammar, Matcher, call_grammar, vocabulary
 from llama_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from llama_jax.serve.text import StopText
 
@@ -180,40 +181,73 @@ class Server:
 
     async def chat_completions(self, body: ChatCompletionRequest, http: HttpRequest):
         """POST /v1/chat/completions: `n` replies to the messages, in the checkpoint's chat
-        format; streamed, each reply opens with an empty assistant delta."""
+        format (with the tools, read for the calls made; serve/chat_reply.py); streamed, each
+        reply opens with an empty assistant delta."""
         self._check_model(body.model)
         try:
-            prompt = self.chat_format(body.chat_messages())
+            prompt = self.chat_format(body.chat_messages(), body.tool_definitions())
         except GenerateError as e:
             raise OpenAIError(400, str(e), "messages") from None
         limit = self._limit(prompt, body.limit, "max_completion_tokens", "messages")
         top = (body.top_logprobs or 0) if body.logprobs else 0
+        grammar, param = self._chat_grammar(body)
         choices, events = self._start([prompt], [limit], body, top, body.logprobs,
-                                      grammar=body.grammar())
+                                      grammar=grammar, grammar_param=param)
         head = _head("chatcmpl", "chat.completion", self.model_name)
+        form = self.chat_format.tool_format if body.calls_tools else None
+        replies = [ChatReply(form) for _ in choices]
 
         def logprobs(choice: Choice, first: int, last: int) -> dict | None:
             return self.chat_logprobs(choice, first, last) if body.logprobs else None
 
+        def finished(choice: Choice) -> str | None:
+            choice.finish_reason = replies[choice.index].finish_reason(choice.finish_reason)
+            return choice.finish_reason
+
         if not body.stream:
             await _finished(choices, events, http)
             return {**head, "choices": [{"index": c.index,
-                                         "message": {"role": "assistant", "content": c.text.text},
+                                         "message": replies[c.index].message(c.text.text),
                                          "logprobs": logprobs(c, 0, len(c.tokens)),
-                                         "finish_reason": c.finish_reason} for c in choices],
+                                         "finish_reason": finished(c)} for c in choices],
                     "usage": self._usage([prompt], choices)}
         opening = [{"index": c.index, "logprobs": None,
                     "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                    for c in choices]
 
         def chunks(event: Event) -> list[dict]:
-            return [{"index": event.index,
-                     "delta": {"content": event.text} if event.text else {},
-                     "logprobs": logprobs(choices[event.index], event.first, event.last),
-                     "finish_reason": event.finish_reason}] if _news(event) else []
+            if not _news(event):
+                return []
+            choice, last = choices[event.index], event.finish_reason is not None
+            out = [{"index": event.index, "delta": delta, "logprobs": None,
+                    "finish_reason": None}
+                   for delta in replies[event.index].deltas(event.text, last)] or [
+                {"index": event.index, "delta": {}, "logprobs": None, "finish_reason": None}]
+            out[0]["logprobs"] = logprobs(choice, event.first, event.last)
+            out[-1]["finish_reason"] = finished(choice) if last else None
+            return out
 
         return _streamed({**head, "object": "chat.completion.chunk"}, opening, chunks, choices,
                          events, http, body, functools.partial(self._usage, [prompt], choices))
+
+    def _chat_grammar(self, body: ChatCompletionRequest) -> tuple[Grammar | None, str]:
+        """What a chat answer is constrained to, and the request field that asked for it:
+        calls of the tools for tool_choice "required" or a named function, calls or the
+        response_format for "auto" with one, the response_format alone otherwise. Each tool's
+        parameter schema is checked first (a 400 naming the tool)."""
+        tools = body.tool_definitions() or []
+        for i, tool in enumerate(tools):
+            parameters = tool["function"].get("parameters")
+            if parameters is not None:
+                self._matcher_of(Grammar.json_schema(parameters),
+                                 f"tools[{i}].function.parameters",
+                                 f" (function {tool['function']['name']!r})")
+        content = body.grammar()
+        if not body.calls_tools or body.tool_choice in (None, "auto") and content is None:
+            return content, "response_format"
+        schema = None if content is None else json.loads(content.source)
+        return call_grammar(self.chat_format.tool_format, tools, body.called_function,
+                            body.parallel_tool_calls, schema), "tool_choice"
 
     # ------------------------------------------------------------------------ requests
 
@@ -243,14 +277,14 @@ class Server:
         return max_tokens
 
     def _start(self, prompts: list[list[int]], limits: list[int], body, top_logprobs: int,
-               per_token: bool, score_prompt: bool = False, grammar: Grammar | None = None
-               ) -> tuple[list[Choice], asyncio.Queue]:
-        """Submits `n` choices per prompt (each under `grammar`, if given); refuses all of
-        them if the queue cannot take them."""
+               per_token: bool, score_prompt: bool = False, grammar: Grammar | None = None,
+               grammar_param: str = "response_format") -> tuple[list[Choice], asyncio.Queue]:
+        """Submits `n` choices per prompt (each under `grammar`, which the request's
+        `grammar_param` asked for); refuses all of them if the queue cannot take them."""
         if body.n > self.engine.max_batch:
             raise OpenAIError(400, f"n={body.n} is more than this server's "
                                    f"{self.engine.max_batch} decode rows", "n")
-        matcher = None if grammar is None else self._matcher_of(grammar)
+        matcher = None if grammar is None else self._matcher_of(grammar, grammar_param)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
         choices = []
@@ -284,15 +318,16 @@ class Server:
             raise OpenAIError(400, str(e)) from None
         return choices, events
 
-    def _matcher_of(self, grammar: Grammar) -> Callable[[], Matcher]:
-        """A maker of fresh matchers of `grammar` (one per choice), or a 400 naming
-        response_format when it does not compile."""
+    def _matcher_of(self, grammar: Grammar, param: str, what: str = ""
+                    ) -> Callable[[], Matcher]:
+        """A maker of fresh matchers of `grammar` (one per choice), or a 400 naming the
+        request's `param` (and `what` it is) when it does not compile."""
         try:
             vocab = vocabulary(self.tokenizer, self.engine.config.vocab_size,
                                self.engine.stop_ids)
             Matcher(grammar, vocab)
         except GenerateError as e:
-            raise OpenAIError(400, f"response_format: {e}", "response_format") from None
+            raise OpenAIError(400, f"{param}{what}: {e}", param) from None
         return lambda: Matcher(grammar, vocab)
 
     # ------------------------------------------------------------------------ responses
@@ -361,8 +396,6 @@ class Server:
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(*alt) for alt in top]}
                             for t, lp, top in zip(choice.tokens[first:last],
                                                   choice.logprobs[first:last], tops)]}
-
-
 
 
 def _head(prefix: str, kind: str, model: str) -> dict:

@@ -3,13 +3,15 @@
 Fields follow the OpenAI API reference (completions and chat completions); `top_k` and `min_p`
 are extra fields, as in vLLM. Types are strict (a string where a number goes is refused, not
 converted), unknown fields are ignored (clients send fields such as `user`), and fields this
-server cannot honour (penalties, `logit_bias`, `suffix`, `best_of` above `n`, tools and
-function calls) are refused when set, never silently dropped. A chat request's
-`response_format` (`json_object`, `json_schema`) constrains its answer (`response_grammar`).
+server cannot honour (penalties, `logit_bias`, `suffix`, `best_of` above `n`, the deprecated
+`functions`) are refused when set, never silently dropped. A chat request's `response_format`
+(`json_object`, `json_schema`) constrains its answer (`response_grammar`); its `tools` and
+`tool_choice` are OpenAI's function calling (serve/api.py reads the calls).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -107,25 +109,108 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments):
+        try:
+            if isinstance(json.loads(arguments), dict):
+                return arguments
+        except json.JSONDecodeError:
+            pass
+        raise ValueError("must be the JSON text of an object")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
     @field_validator("content")
     @classmethod
     def _text_only(cls, content):
-        for part in [] if isinstance(content, str) else content:
+        for part in [] if not isinstance(content, list) else content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(f"content parts of type {part.get('type')!r} are not "
                                  "supported (only text)")
         return content
 
+    @model_validator(mode="after")
+    def _complete(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
+
     def text(self) -> str:
         """The content's text: a string, or the text parts of a list of content parts."""
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(part["text"] for part in self.content)
+
+    def as_chat(self) -> dict:
+        """The message as a chat template reads it: {"role", "content"} with text content
+        ("developer" is "system"), an assistant's calls with their arguments as dicts (as
+        transformers' templates take them), a tool message's call id and name."""
+        out = {"role": "system" if self.role == "developer" else self.role,
+               "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.role == "tool":
+            out["tool_call_id"] = self.tool_call_id
+            if self.name is not None:
+                out["name"] = self.name
+        return out
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: Function
+
+    def definition(self) -> dict:
+        """The tool as templates read it (OpenAI's shape, unset fields left out)."""
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedTool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: dict
+
+    @field_validator("function")
+    @classmethod
+    def _named(cls, function):
+        if not isinstance(function.get("name"), str):
+            raise ValueError("a named tool_choice needs function.name")
+        return function
 
 
 class ChatCompletionRequest(_Sampling):
@@ -134,28 +219,21 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # Chat fields this server cannot honour yet: refused when they ask for something (a 400
-    # naming the field), never dropped: a client asking for a tool call must not get free
-    # text back.
-    tools: Any = None
-    functions: Any = None
-    tool_choice: Any = None
-    function_call: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool = True
     response_format: Any = None
+    # OpenAI's deprecated function calling: refused (a 400 naming the field), never dropped,
+    # so a client asking for a call does not get free text back
+    functions: Any = None
+    function_call: Any = None
 
-    @field_validator("tools", "functions")
+    @field_validator("functions", "function_call")
     @classmethod
-    def _no_tools(cls, value, info):
-        if value:
-            raise ValueError(f"{info.field_name} is not supported by this server")
-        return value
-
-    @field_validator("tool_choice", "function_call")
-    @classmethod
-    def _no_tool_choice(cls, value, info):
-        if value not in (None, "none"):
-            raise ValueError(f"{info.field_name} is not supported by this server (only "
-                             "\"none\")")
+    def _deprecated(cls, value, info):
+        if value is not None:
+            raise ValueError(f"{info.field_name} is not supported by this server: use tools "
+                             "and tool_choice")
         return value
 
     @field_validator("response_format")
@@ -164,18 +242,48 @@ class ChatCompletionRequest(_Sampling):
         response_grammar(value)  # the shape checked here; the schema when it compiles
         return value
 
+    @model_validator(mode="after")
+    def _choice_of_tools(self):
+        choice = self.tool_choice
+        if choice in ("required",) or isinstance(choice, NamedTool):
+            if not self.tools:
+                raise ValueError("tool_choice names a call to make, but there are no tools")
+        if isinstance(choice, NamedTool):
+            names = [t.function.name for t in self.tools]
+            if choice.function["name"] not in names:
+                raise ValueError(f"tool_choice names the function {choice.function['name']!r}"
+                                 f", which is not in tools ({', '.join(names)})")
+        if self.calls_tools and self.tool_choice != "auto" and self.response_format and (
+                self.response_format.get("type") != "text"):
+            raise ValueError("response_format constrains the answer's text, and tool_choice "
+                             "asks for calls only: give one of them (or tool_choice \"auto\")")
+        return self
+
     @property
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer is read for tool calls (tools given, tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def called_function(self) -> str | None:
+        """The function a named tool_choice calls."""
+        return self.tool_choice.function["name"] if isinstance(self.tool_choice,
+                                                              NamedTool) else None
+
+    def tool_definitions(self) -> list[dict] | None:
+        return [t.definition() for t in self.tools] if self.tools else None
 
     def grammar(self) -> Grammar | None:
         """What `response_format` constrains the answer to (None: free text)."""
         return response_grammar(self.response_format)
 
     def chat_messages(self) -> list[dict]:
-        """The messages as {"role", "content"} with text content ("developer" is "system")."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+        """The messages as a chat template reads them (`Message.as_chat`)."""
+        return [m.as_chat() for m in self.messages]
 
 
 def response_grammar(value: Any) -> Grammar | None:
