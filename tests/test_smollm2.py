@@ -97,3 +97,26 @@ def test_a_smollm2_conversation_for_fine_tuning_is_transformers_tokens(gguf_file
     assert ours.tokens.tolist() == list(theirs)
     assistant = reference[1].decode(ours.tokens[ours.assistant].tolist())
     assert assistant == "Paris.<|im_end|>\nRome; Madrid.<|im_end|>\n"
+
+
+def test_smollm2_called_to_a_tool_fills_its_arguments_from_the_question(gguf_file):
+    """SmolLM2's template renders no tools: our format tells it the tools, and a required
+    call (the grammar) comes out as the call the question asks for."""
+    from llama_jax.data.tool_calls import ToolCallReader, joined
+    from llama_jax.decode.grammar import call_grammar
+
+    config, params = load_checkpoint(gguf_file, "float32")
+    tokenizer = load_tokenizer(gguf_file)
+    render = chat_format(gguf_file, tokenizer)
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}}]
+    prompt = render([{"role": "user", "content": "What is the weather like in Paris today?"}],
+                    tools)
+    (tokens,) = generate(config, params, [prompt], 40, tokenizer=tokenizer,
+                         grammar=call_grammar(render.tool_format, tools))
+    reader = ToolCallReader(render.tool_format)
+    content, calls = joined(reader.push(tokenizer.decode(tokens)) + reader.finish())
+    assert content is None and [c["function"] for c in calls] == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'}]
