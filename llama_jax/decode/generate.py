@@ -46,8 +46,8 @@ from llama_jax.decode.decoder import (cache_bytes_per_device, decoder_params, is
                                       resolve_decode_impl)
 from llama_jax.decode.grammar import Constrained, row_grammars
 from llama_jax.decode.sampling import SamplingParams, Strategy, check_settings
-from llama_jax.decode.rows import (Emitted, Lookup, Rows, advance, choose, row_key,
-                                   speculative_round, step)
+from llama_jax.decode.rows import (Emitted, Lookup, Proposal, Rows, advance, choose, propose,
+                                   row_key, speculative_round, step)
 from llama_jax.decode.speculate import (Speculation, put_rows, speculation, worth_a_pass,
                                         worth_verifying)
 from llama_jax.decode.step import NO_TOKEN, check_prompt, stop_table
@@ -173,13 +173,42 @@ def _decode(config: ModelConfig, params: Params, state: Decoding, n_steps: jax.A
             if spec is None:
                 rows, emitted = step(config, params, st.rows, strategy, 0)
                 n_B = (~st.rows.done_B).astype(jnp.int32)
-            else:
-                rows, emitted, n_B = speculative_round(config, params, draft_params, st.rows,
-                                                       spec, verify, worth_B, strategy, 0)
-            return i + 1, Decoding(rows, st.out.written(st.rows.step_B, emitted, n_B))
+                return i + 1, Decoding(rows, st.out.written(st.rows.step_B, emitted, n_B))
+            return i + 1, _round(config, params, draft_params, st, spec, verify, worth_B,
+                                 strategy)
 
         _, state = jax.lax.while_loop(keep_going, one, (jnp.zeros((), jnp.int32), state))
         return state
+
+
+def _round(config, params, draft_params, state: Decoding, spec, verify, worth_B, strategy,
+           proposal: Proposal | None = None, mask_BTW: jax.Array | None = None) -> Decoding:
+    """The decoding after one speculative round (`rows.speculative_round`)."""
+    rows, emitted, n_B = speculative_round(config, params, draft_params, state.rows, spec,
+                                           verify, worth_B, strategy, 0, proposal, mask_BTW)
+    return Decoding(rows, state.out.written(state.rows.step_B, emitted, n_B))
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "verify", "strategy", "placement"))
+def _propose(state: Decoding, draft_params: Params | None, *, spec: Speculation, verify: bool,
+             strategy: Strategy, placement: tuple | None) -> Proposal:
+    """The next round's guesses (`rows.propose`), for the host to mask: constrained rows."""
+    with placed(placement):
+        return propose(draft_params, state.rows, spec, verify, strategy)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "strategy", "spec", "verify",
+                                             "placement"), donate_argnames=("state",))
+def _masked_round(config: ModelConfig, params: Params, state: Decoding, proposal: Proposal,
+                  mask_BTW: jax.Array, draft_params: Params | None = None, *,
+                  strategy: Strategy, spec: Speculation, verify: bool,
+                  placement: tuple | None) -> Decoding:
+    """One speculative round over `proposal`'s guesses, each position's token among those
+    `mask_BTW` allows (`Constrained.guessed_masks`)."""
+    with placed(placement):
+        worth_B = worth_verifying(state.rows.lookup.hit_rate_B, ~state.rows.done_B, spec)
+        return _round(config, params, draft_params, state, spec, verify, worth_B, strategy,
+                      proposal, mask_BTW)
 
 
 # Compiled prefill/decode programs by signature, least recently used first. Bounded: every
@@ -264,7 +293,8 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     given. The host chooses between rounds that verify and plain ones per program of
     `chunk_steps` rounds (`SPECULATIVE_CHUNK` when None), by the rows' rates then.
     Constrained decoding (grammar.py `row_grammars`, with `tokenizer`): `json_schema`,
-    `regex` or `grammar`; such a batch yields after every token (the host writes the masks)."""
+    `regex` or `grammar`; such a batch yields after every token or speculative round (the
+    host writes the masks; speculating, of each position of the round's guesses)."""
     _validate(config, prompts, max_new_tokens, temperature, top_k, top_p, min_p)
     try:
         cache_dtype = cache_dtype_name(cache_dtype, config.compute_dtype)
@@ -278,9 +308,6 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
     B, T, N = bucket(len(prompts), 1), bucket(longest), bucket(max_new)
     constrained, stops = _constrained(config, row_grammars(len(prompts), grammar, json_schema,
                                                            regex), tokenizer, stops, B)
-    if constrained is not None and (speculate is not None or draft is not None):
-        raise GenerateError("speculative decoding does not take a grammar yet: decode "
-                            "constrained rows without speculate or draft")
     if draft is not None and min_accepted is None:
         min_accepted = 0.0  # a draft model's guesses are verified every round
     spec = speculation(config, speculate, num_speculative_tokens, ngram, draft, B,
@@ -324,18 +351,41 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
         done_B = np.asarray(state.rows.done_B)
         if bool(np.all(done_B)):
             return
-        if constrained is not None:  # the next step's masks, after the tokens just taken
+        if constrained is not None:  # after the tokens just taken
             constrained.follow(new[0])
-            state = state.replace(rows=state.rows.replace(mask_BW=constrained.mask()))
-        # A round verifies when its rows' rates say so (the host's choice, as a server's).
-        verify = spec is not None and worth_a_pass(np.asarray(state.rows.lookup.hit_rate_B),
-                                                   ~done_B, spec)
-        n_steps = np.int32(1 if constrained is not None else
-                           chunk_steps or (N if spec is None else SPECULATIVE_CHUNK))
-        decode = _compiled(_decode, stats, mesh_config, config, params, state, n_steps,
-                           draft_params, strategy=strategy, spec=spec, verify=verify)
         start = time.perf_counter()
-        state = decode(params, state, n_steps, draft_params)
+        state = _next_program(config, params, state, draft_params, done_B, constrained, spec,
+                              strategy, stats, mesh_config,
+                              chunk_steps or (N if spec is None else SPECULATIVE_CHUNK))
+
+
+def _next_program(config: ModelConfig, params: Params, state: Decoding,
+                  draft_params: Params | None, done_B: np.ndarray,
+                  constrained: Constrained | None, spec: Speculation | None,
+                  strategy: Strategy, stats: GenerationStats,
+                  mesh_config: MeshConfig | None, steps: int) -> Decoding:
+    """The decoding after the next program: `steps` steps (or speculative rounds), one for a
+    constrained batch after the host wrote its masks (a speculating one: the guesses first,
+    then the round over them and the masks they lead to). A round verifies when its rows'
+    rates say so (the host's choice, as a server's)."""
+    verify = spec is not None and worth_a_pass(np.asarray(state.rows.lookup.hit_rate_B),
+                                               ~done_B, spec)
+
+    def compiled(fn, *args):
+        return _compiled(fn, stats, mesh_config, *args, strategy=strategy, spec=spec,
+                         verify=verify)
+
+    if constrained is not None and spec is not None:
+        proposal = compiled(_propose, state, draft_params)(state, draft_params)
+        mask_BTW = constrained.guessed_masks(np.asarray(proposal.guess_BK),
+                                             np.asarray(proposal.n_guess_B))
+        args = (config, params, state, proposal, mask_BTW, draft_params)
+        return compiled(_masked_round, *args)(*args[1:])
+    if constrained is not None:
+        state = state.replace(rows=state.rows.replace(mask_BW=constrained.mask()))
+    n_steps = np.int32(1 if constrained is not None else steps)
+    args = (config, params, state, n_steps, draft_params)
+    return compiled(_decode, *args)(*args[1:])
 
 
 def _constrained(config: ModelConfig, grammars: list, tokenizer: Tokenizer | None,

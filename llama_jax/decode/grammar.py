@@ -221,6 +221,15 @@ class Matcher:
         """How many of these tokens, in order, the grammar would take from here."""
         return self._matcher.validate_tokens([int(t) for t in tokens])
 
+    def allows(self, words_W: np.ndarray, token: int) -> bool:
+        """Whether the mask `words_W` (one `fill` wrote) allows `token`."""
+        return bool((int(words_W[token // 32]) >> (token % 32)) & 1)
+
+    def rollback(self, n: int) -> None:
+        """Back before the last `n` tokens taken."""
+        if n:
+            self._matcher.rollback(n)
+
     def reset(self) -> None:
         """Back to the grammar's start (a preempted request decodes anew)."""
         self._matcher.reset()
@@ -239,8 +248,8 @@ class Constrained:
     """The grammars of a batch's rows (`matchers`, None where a row has none): the masks of
     their next step, and the tokens they took."""
 
-    def __init__(self, matchers: list[Matcher | None], words: int):
-        self.matchers, self.words = matchers, words
+    def __init__(self, matchers: list[Matcher | None], words: int, stop_ids: Sequence[int]):
+        self.matchers, self.words, self.stop_ids = matchers, words, frozenset(stop_ids)
 
     @classmethod
     def of(cls, grammars: Sequence[Grammar | None], tokenizer: Tokenizer | None,
@@ -254,11 +263,32 @@ class Constrained:
                                 "grammar is over text, and the tokens' text comes from it")
         vocab = vocabulary(tokenizer, vocab_size, stop_ids)
         matchers = [None if g is None else Matcher(g, vocab) for g in grammars]
-        return cls(matchers + [None] * (batch - len(matchers)), vocab.words)
+        return cls(matchers + [None] * (batch - len(matchers)), vocab.words, stop_ids)
 
     def mask(self) -> np.ndarray:
         """int32 `[B, W]`: what each row may take next."""
         return masks(self.matchers, self.words)
+
+    def guessed_masks(self, guess_BK: np.ndarray, n_guess_B: np.ndarray) -> np.ndarray:
+        """int32 `[B, K + 1, W]`: what each row may take at each position of a speculative
+        round over its guesses: position j's mask after the row's first j guesses (every bit
+        set past a guess the grammar forbids, or a stop: the row keeps no guess there). The
+        grammars are left where they were."""
+        B, K = guess_BK.shape
+        out_BTW = np.full((B, K + 1, self.words), ALL_ALLOWED, np.int32)
+        for b, matcher in enumerate(self.matchers):
+            if matcher is None:
+                continue
+            matcher.fill(out_BTW[b, 0])
+            taken = 0
+            for j, token in enumerate(guess_BK[b, :n_guess_B[b]].tolist()):
+                if token in self.stop_ids or not matcher.allows(out_BTW[b, j], token):
+                    break
+                matcher.accept(token)
+                taken += 1
+                matcher.fill(out_BTW[b, j + 1])
+            matcher.rollback(taken)
+        return out_BTW
 
     def follow(self, new_tokens: Sequence[Sequence[int]]) -> None:
         """Each row's grammar after the tokens the row took (its first rows')."""
@@ -278,10 +308,19 @@ def masks(matchers: Sequence[Matcher | None], words: int) -> np.ndarray:
 
 
 def allowed(mask_BW: jax.Array, vocab_size: int) -> jax.Array:
-    """The packed masks unpacked: bool `[B, V]`, True where token v's bit is set."""
+    """The packed masks unpacked: bool `[B, V]` (any leading axes: `[B, T, W]` gives
+    `[B, T, V]`), True where token v's bit is set."""
     v_V = jnp.arange(vocab_size, dtype=jnp.int32)
-    words_BV = jnp.take(mask_BW, v_V // 32, axis=1)
+    words_BV = jnp.take(mask_BW, v_V // 32, axis=-1)
     return (jnp.right_shift(words_BV, v_V % 32) & 1).astype(bool)
+
+
+def masked(logits_BV: jax.Array, mask_BW: jax.Array | None) -> jax.Array:
+    """The logits with -inf where the masks forbid the token (as they are without masks);
+    any leading axes, as `allowed`."""
+    if mask_BW is None:
+        return logits_BV
+    return jnp.where(allowed(mask_BW, logits_BV.shape[-1]), logits_BV, -jnp.inf)
 
 
 def call_grammar(form: ToolFormat, tools: Sequence[dict], name: str | None = None,

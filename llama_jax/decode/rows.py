@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from llama_jax.config import ModelConfig
-from llama_jax.decode.grammar import allowed
+from llama_jax.decode.grammar import masked
 from llama_jax.decode.sampling import SamplingParams, Strategy, sample
 from llama_jax.decode.speculate import (HIT_RATE_START, Speculation, cut, draft_proposals,
                                         ngram_proposals, put_rows, token_logprobs,
@@ -99,9 +99,7 @@ def choose(logits_BV, key_B, step_B, sampling, strategy: Strategy, top: int, mas
     the log-probabilities of its model distribution (before temperature, filters and the
     mask): of the token, and of the `top` most likely ones."""
     keys_B = jax.vmap(jax.random.fold_in)(key_B, step_B)
-    allowed_BV = logits_BV if mask_BW is None else jnp.where(
-        allowed(mask_BW, logits_BV.shape[-1]), logits_BV, -jnp.inf)
-    token_B = sample(allowed_BV, keys_B, sampling, strategy)
+    token_B = sample(masked(logits_BV, mask_BW), keys_B, sampling, strategy)
     logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32))
     logprob_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], -1)[:, 0]
     top_logprobs_Bn, top_ids_Bn = jax.lax.top_k(logprobs_BV, top)
@@ -132,45 +130,65 @@ def step(config: ModelConfig, params: Params, rows: Rows, strategy: Strategy, to
     return advance(rows.replace(cache=cache), token_B, active_B), emitted
 
 
-def _guesses(rows: Rows, end_B, draft_params, spec: Speculation, verify: bool, strategy,
-             key_B):
-    """Each row's guesses from its last token at its cache end `end_B` (k; a draft's in a
-    round that does not verify: its first only, which keeps the draft's cache in step and
-    its hit rate going), how many it has, the draft's distributions (None for prompt
-    lookup) and the draft's cache."""
+@struct.dataclass
+class Proposal:
+    """A round's guesses per row (`[B, K]`), how many each row has, the draft's distributions
+    they were drawn from (None for prompt lookup) and the draft's cache after them."""
+
+    guess_BK: jax.Array
+    n_guess_B: jax.Array
+    q_BKV: jax.Array | None
+    draft_cache: KVCache | None
+
+
+def _round_start(rows: Rows, spec: Speculation) -> tuple[jax.Array, jax.Array]:
+    """Where each row's round starts (a row that is done still takes part in the pass: its
+    writes are kept in the cache) and its three keys (the draft's, the verify's, the plain
+    step's)."""
+    T, S = spec.k + 1, rows.cache.max_len
+    end_B = jnp.where(~rows.done_B, rows.cache.end, jnp.minimum(rows.cache.end, S - T))
+    keys_B3 = jax.vmap(lambda key: jax.random.split(key, 3))(
+        jax.vmap(jax.random.fold_in)(rows.key_B, rows.step_B))
+    return end_B, keys_B3
+
+
+def propose(draft_params: Params | None, rows: Rows, spec: Speculation, verify: bool,
+            strategy: Strategy) -> Proposal:
+    """Each row's guesses from its last token (k; a draft's in a round that does not verify:
+    its first only, which keeps the draft's cache in step and its hit rate going)."""
+    end_B, keys_B3 = _round_start(rows, spec)
     k, tokens_BS = spec.k, rows.lookup.tokens_BS
     if spec.method == "ngram":
         guess_BK, n_guess_B = ngram_proposals(tokens_BS, end_B + 1, k, *spec.ngram)
-        return guess_BK, n_guess_B, None, None
+        return Proposal(guess_BK, n_guess_B, None, None)
     k = k if verify else 1
     before_B = jnp.take_along_axis(tokens_BS, jnp.maximum(end_B - 1, 0)[:, None], 1)[:, 0]
     guess_BK, q_BKV, draft_cache = draft_proposals(
         spec.draft_config, draft_params, rows.draft_cache, end_B, before_B, rows.last_B,
-        rows.sampling, k, strategy, key_B)
-    return guess_BK, jnp.full_like(end_B, k), q_BKV, draft_cache
+        rows.sampling, k, strategy, keys_B3[:, 0])
+    return Proposal(guess_BK, jnp.full_like(end_B, k), q_BKV, draft_cache)
 
 
 def speculative_round(config: ModelConfig, params: Params, draft_params: Params | None,
                       rows: Rows, spec: Speculation, verify: bool, worth_B: jax.Array,
-                      strategy: Strategy, top: int) -> tuple[Rows, Emitted, jax.Array]:
-    """One round of every row (rows with `lookup`): guesses (prompt lookup's, or the draft
-    model's from its cache), then, with `verify`, one pass of the model in which the rows
-    `worth_B` with guesses verify them and the others take a plain step; without, a plain
-    step of every row. Returns the rows advanced each by its own count `n_B` (1 to k + 1;
-    0 for a row done), and the round's tokens (the first `n_B` of each row emitted)."""
-    T = spec.k + 1
-    S = rows.cache.max_len
+                      strategy: Strategy, top: int, proposal: Proposal | None = None,
+                      mask_BTW: jax.Array | None = None) -> tuple[Rows, Emitted, jax.Array]:
+    """One round of every row (rows with `lookup`): guesses (`proposal`, or `propose`'s now:
+    prompt lookup's, or the draft model's from its cache), then, with `verify`, one pass of
+    the model in which the rows `worth_B` with guesses verify them and the others take a
+    plain step; without, a plain step of every row. Constrained rows choose among what
+    `mask_BTW` allows at each position (`Constrained.guessed_masks` of the proposal's
+    guesses). Returns the rows advanced each by its own count `n_B` (1 to k + 1; 0 for a row
+    done), and the round's tokens (the first `n_B` of each row emitted)."""
     lookup, active_B = rows.lookup, ~rows.done_B
-    # A row that is done still takes part in the pass: keep its writes in the cache.
-    end_B = jnp.where(active_B, rows.cache.end, jnp.minimum(rows.cache.end, S - T))
-    keys_B3 = jax.vmap(lambda key: jax.random.split(key, 3))(
-        jax.vmap(jax.random.fold_in)(rows.key_B, rows.step_B))
-    guess_BK, n_guess_B, q_BKV, draft_cache = _guesses(
-        rows, end_B, draft_params, spec, verify, strategy, keys_B3[:, 0])
-    proposing_B = active_B & (n_guess_B > 0)
-    v = verify_or_step(config, params, rows.cache.replace(end=end_B), rows.last_B, guess_BK,
-                       q_BKV, n_guess_B, rows.sampling, strategy, keys_B3[:, 1:],
-                       worth_B & proposing_B, run_pass=verify)
+    end_B, keys_B3 = _round_start(rows, spec)
+    if proposal is None:
+        proposal = propose(draft_params, rows, spec, verify, strategy)
+    proposing_B = active_B & (proposal.n_guess_B > 0)
+    v = verify_or_step(config, params, rows.cache.replace(end=end_B), rows.last_B,
+                       proposal.guess_BK, proposal.q_BKV, proposal.n_guess_B, rows.sampling,
+                       strategy, keys_B3[:, 1:], worth_B & proposing_B, run_pass=verify,
+                       mask_BTW=mask_BTW)
     n_B, stopped_B = cut(v.tokens_BT, v.n_B, rows.max_new_B - rows.step_B, rows.done_B,
                          rows.stop_S[None, None, :])
     top_logprobs_BTn, top_ids_BTn = jax.lax.top_k(v.logprobs_BTV, top)
@@ -180,12 +198,12 @@ def speculative_round(config: ModelConfig, params: Params, draft_params: Params 
     lookup = lookup.replace(
         tokens_BS=put_rows(lookup.tokens_BS, end_B + 1, v.tokens_BT, n_B),
         hit_rate_B=updated_rate(lookup.hit_rate_B, v.hit_B, proposing_B),
-        drafted_B=lookup.drafted_B + jnp.where(verified_B, n_guess_B, 0),
+        drafted_B=lookup.drafted_B + jnp.where(verified_B, proposal.n_guess_B, 0),
         accepted_B=lookup.accepted_B + jnp.where(verified_B, v.kept_B, 0))
     step_B = rows.step_B + n_B
     last_B = jnp.take_along_axis(v.tokens_BT, jnp.maximum(n_B - 1, 0)[:, None], 1)[:, 0]
     rows = rows.replace(
         cache=v.cache.replace(end=end_B + n_B), last_B=jnp.where(n_B > 0, last_B, rows.last_B),
-        step_B=step_B, lookup=lookup, draft_cache=draft_cache,
+        step_B=step_B, lookup=lookup, draft_cache=proposal.draft_cache,
         done_B=rows.done_B | (active_B & (stopped_B | (step_B >= rows.max_new_B))))
     return rows, emitted, n_B

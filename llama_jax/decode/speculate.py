@@ -23,6 +23,7 @@ import numpy as np
 
 from llama_jax.config import ModelConfig
 from llama_jax.decode.acceptance import accept
+from llama_jax.decode.grammar import masked
 from llama_jax.decode.sampling import SamplingParams, Strategy, filter_logits, sample
 from llama_jax.decode.step import next_logits
 from llama_jax.model.kv_cache import KVCache
@@ -223,10 +224,13 @@ class Verified(NamedTuple):
 def verify_or_step(config: ModelConfig, params: Params, cache: KVCache, last_B: jax.Array,
                    guess_BK: jax.Array, q_BKV: jax.Array | None, n_guess_B: jax.Array,
                    sampling: SamplingParams, strategy: Strategy, keys_B2: jax.Array,
-                   verifying_B: jax.Array, run_pass: bool) -> Verified:
+                   verifying_B: jax.Array, run_pass: bool, mask_BTW: jax.Array | None = None
+                   ) -> Verified:
     """With `run_pass`, one target pass over each row's last token and guesses, in which the
     rows `verifying_B` verify their guesses (`accept`, with the rows' first keys) and the
-    others take a plain step (their second keys); without, a plain decode step of all. A
+    others take a plain step (their second keys); without, a plain decode step of all. Tokens
+    are chosen among those `mask_BTW` allows at each position (constrained rows, grammar.py:
+    a guess it forbids is never kept); log-probabilities are the model's. A
     row's tokens do not depend on what its neighbours do. Which one runs is the caller's
     static choice, never a `lax.cond`: XLA:CPU copies a cache that is a cond's operand in
     and out of it (a server ran 0.72x as fast)."""
@@ -239,9 +243,11 @@ def verify_or_step(config: ModelConfig, params: Params, cache: KVCache, last_B: 
         tokens_BT = jnp.concatenate([last_B[:, None], guess_BK], axis=1)
         h_BTD, verified_cache, _ = apply(config, params, tokens_BT, cache=cache)
         logits_BTV = lm_head(config, params, h_BTD)
-        tokens_BT, n_B = accept(logits_BTV, guess_BK, q_BKV, sampling, strategy, keys_B2[:, 0])
+        allowed_BTV = masked(logits_BTV, mask_BTW)
+        tokens_BT, n_B = accept(allowed_BTV, guess_BK, q_BKV, sampling, strategy,
+                                keys_B2[:, 0])
         kept_B, hit_B = jnp.minimum(n_B - 1, n_guess_B), n_B > 1
-        token_B = sample(logits_BTV[:, 0], keys_B2[:, 1], sampling, strategy)
+        token_B = sample(allowed_BTV[:, 0], keys_B2[:, 1], sampling, strategy)
         tokens_BT = jnp.where(verifying_B[:, None], tokens_BT, token_B[:, None])
         n_B = jnp.where(verifying_B, n_B, 1)
         kept_B = jnp.where(verifying_B, kept_B, 0)
@@ -251,7 +257,8 @@ def verify_or_step(config: ModelConfig, params: Params, cache: KVCache, last_B: 
 
     def plain():
         logits_BV, stepped_cache = next_logits(config, params, last_B, cache)
-        token_B = sample(logits_BV, keys_B2[:, 1], sampling, strategy)
+        token_B = sample(masked(logits_BV, None if mask_BTW is None else mask_BTW[:, 0]),
+                         keys_B2[:, 1], sampling, strategy)
         B, V = logits_BV.shape
         logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32))
         return Verified(jnp.broadcast_to(token_B[:, None], (B, T)), jnp.ones_like(token_B),
