@@ -328,6 +328,7 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
             None if constrained is None else constrained.mask())
     prefill = _compiled(_prefill, stats, mesh_config, *args, cache_len=cache_len, n_out=N,
                         cache_dtype=cache_dtype, strategy=strategy, spec=spec)
+    decoder = _Decoder(config, params, draft_params, spec, strategy, stats, mesh_config)
     start = time.perf_counter()
     state = prefill(*args[1:])
     rows = len(prompts)  # rows past len(prompts) are batch padding
@@ -354,38 +355,52 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
         if constrained is not None:  # after the tokens just taken
             constrained.follow(new[0])
         start = time.perf_counter()
-        state = _next_program(config, params, state, draft_params, done_B, constrained, spec,
-                              strategy, stats, mesh_config,
+        state = decoder.after(state, done_B, constrained,
                               chunk_steps or (N if spec is None else SPECULATIVE_CHUNK))
 
 
-def _next_program(config: ModelConfig, params: Params, state: Decoding,
-                  draft_params: Params | None, done_B: np.ndarray,
-                  constrained: Constrained | None, spec: Speculation | None,
-                  strategy: Strategy, stats: GenerationStats,
-                  mesh_config: MeshConfig | None, steps: int) -> Decoding:
-    """The decoding after the next program: `steps` steps (or speculative rounds), one for a
-    constrained batch after the host wrote its masks (a speculating one: the guesses first,
-    then the round over them and the masks they lead to). A round verifies when its rows'
-    rates say so (the host's choice, as a server's)."""
-    verify = spec is not None and worth_a_pass(np.asarray(state.rows.lookup.hit_rate_B),
-                                               ~done_B, spec)
+class _Decoder:
+    """A stream's decode programs, each compiled (or found compiled) once: a stream's shapes
+    do not change, so its per-token programs skip the executable lookup (`_compiled`: a
+    signature of every argument, most of a millisecond a step)."""
 
-    def compiled(fn, *args):
-        return _compiled(fn, stats, mesh_config, *args, strategy=strategy, spec=spec,
-                         verify=verify)
+    def __init__(self, config: ModelConfig, params: Params, draft_params: Params | None,
+                 spec: Speculation | None, strategy: Strategy, stats: GenerationStats,
+                 mesh_config: MeshConfig | None):
+        self.config, self.params, self.draft_params = config, params, draft_params
+        self.spec, self.strategy, self.stats, self.mesh_config = spec, strategy, stats, \
+            mesh_config
+        self._programs: dict = {}
 
-    if constrained is not None and spec is not None:
-        proposal = compiled(_propose, state, draft_params)(state, draft_params)
-        mask_BTW = constrained.guessed_masks(np.asarray(proposal.guess_BK),
-                                             np.asarray(proposal.n_guess_B))
-        args = (config, params, state, proposal, mask_BTW, draft_params)
-        return compiled(_masked_round, *args)(*args[1:])
-    if constrained is not None:
-        state = state.replace(rows=state.rows.replace(mask_BW=constrained.mask()))
-    n_steps = np.int32(1 if constrained is not None else steps)
-    args = (config, params, state, n_steps, draft_params)
-    return compiled(_decode, *args)(*args[1:])
+    def _run(self, fn, verify: bool, *args, configured: bool = True):
+        """`fn` over `args` (after the model config, a static argument, when `configured`)."""
+        key = (fn, verify)
+        if key not in self._programs:
+            static = (self.config,) * configured
+            self._programs[key] = _compiled(fn, self.stats, self.mesh_config, *static, *args,
+                                            strategy=self.strategy, spec=self.spec,
+                                            verify=verify)
+        return self._programs[key](*args)
+
+    def after(self, state: Decoding, done_B: np.ndarray, constrained: Constrained | None,
+              steps: int) -> Decoding:
+        """The decoding after the next program: `steps` steps (or speculative rounds), one for
+        a constrained batch after the host wrote its masks (a speculating one: the guesses
+        first, then the round over them and the masks they lead to). A round verifies when
+        its rows' rates say so (the host's choice, as a server's)."""
+        spec, params, draft_params = self.spec, self.params, self.draft_params
+        verify = spec is not None and worth_a_pass(np.asarray(state.rows.lookup.hit_rate_B),
+                                                   ~done_B, spec)
+        if constrained is not None and spec is not None:
+            proposal = self._run(_propose, verify, state, draft_params, configured=False)
+            mask_BTW = constrained.guessed_masks(np.asarray(proposal.guess_BK),
+                                                 np.asarray(proposal.n_guess_B))
+            return self._run(_masked_round, verify, params, state, proposal, mask_BTW,
+                             draft_params)
+        if constrained is not None:
+            state = state.replace(rows=state.rows.replace(mask_BW=constrained.mask()))
+        n_steps = np.int32(1 if constrained is not None else steps)
+        return self._run(_decode, verify, params, state, n_steps, draft_params)
 
 
 def _constrained(config: ModelConfig, grammars: list, tokenizer: Tokenizer | None,
