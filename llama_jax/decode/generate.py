@@ -46,8 +46,8 @@ from llama_jax.decode.decoder import (cache_bytes_per_device, decoder_params, is
                                       resolve_decode_impl)
 from llama_jax.decode.grammar import Constrained, row_grammars
 from llama_jax.decode.sampling import SamplingParams, Strategy, check_settings
-from llama_jax.decode.rows import (Emitted, Lookup, Proposal, Rows, advance, choose, propose,
-                                   row_key, speculative_round, step)
+from llama_jax.decode.rows import (Emitted, Lookup, Proposal, Rows, advance, choose, forward,
+                                   pick, propose, row_key, speculative_round, step)
 from llama_jax.decode.speculate import (Speculation, put_rows, speculation, worth_a_pass,
                                         worth_verifying)
 from llama_jax.decode.step import NO_TOKEN, check_prompt, stop_table
@@ -171,14 +171,37 @@ def _decode(config: ModelConfig, params: Params, state: Decoding, n_steps: jax.A
         def one(carry):
             i, st = carry
             if spec is None:
-                rows, emitted = step(config, params, st.rows, strategy, 0)
-                n_B = (~st.rows.done_B).astype(jnp.int32)
-                return i + 1, Decoding(rows, st.out.written(st.rows.step_B, emitted, n_B))
+                return i + 1, _stepped(st, *step(config, params, st.rows, strategy, 0))
             return i + 1, _round(config, params, draft_params, st, spec, verify, worth_B,
                                  strategy)
 
         _, state = jax.lax.while_loop(keep_going, one, (jnp.zeros((), jnp.int32), state))
         return state
+
+
+def _stepped(state: Decoding, rows: Rows, emitted: Emitted) -> Decoding:
+    """The decoding after a step to `rows` that emitted `emitted` (a token of each row that
+    was not done)."""
+    n_B = (~state.rows.done_B).astype(jnp.int32)
+    return Decoding(rows, state.out.written(state.rows.step_B, emitted, n_B))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "placement"),
+                   donate_argnames=("cache",))
+def _forward(config: ModelConfig, params: Params, cache, last_B: jax.Array, done_B: jax.Array,
+             *, placement: tuple | None):
+    """`rows.forward`: the cache after the rows' last tokens, and their next logits."""
+    with placed(placement):
+        return forward(config, params, cache, last_B, done_B)
+
+
+@functools.partial(jax.jit, static_argnames=("strategy", "placement"),
+                   donate_argnames=("state",))
+def _pick(state: Decoding, logits_BV: jax.Array, *, strategy: Strategy,
+          placement: tuple | None) -> Decoding:
+    """`rows.pick`: the rows' tokens from `_forward`'s logits, among what their masks allow."""
+    with placed(placement):
+        return _stepped(state, *pick(state.rows, logits_BV, strategy, 0))
 
 
 def _round(config, params, draft_params, state: Decoding, spec, verify, worth_B, strategy,
@@ -330,7 +353,7 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
                         cache_dtype=cache_dtype, strategy=strategy, spec=spec)
     decoder = _Decoder(config, params, draft_params, spec, strategy, stats, mesh_config)
     start = time.perf_counter()
-    state = prefill(*args[1:])
+    state = decoder.started(prefill(*args[1:]), constrained)
     rows = len(prompts)  # rows past len(prompts) are batch padding
     emitted_B = np.zeros(rows, np.int64)
     while True:
@@ -362,7 +385,11 @@ def stream(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]]
 class _Decoder:
     """A stream's decode programs, each compiled (or found compiled) once: a stream's shapes
     do not change, so its per-token programs skip the executable lookup (`_compiled`: a
-    signature of every argument, most of a millisecond a step)."""
+    signature of every argument, most of a millisecond a step).
+
+    A constrained batch (without speculation) runs a step as two programs, `rows.forward` and
+    `rows.pick`, and the forward of the next step is dispatched as soon as its pick is: the
+    device runs the model while the host reads the tokens and computes the next masks."""
 
     def __init__(self, config: ModelConfig, params: Params, draft_params: Params | None,
                  spec: Speculation | None, strategy: Strategy, stats: GenerationStats,
@@ -371,36 +398,50 @@ class _Decoder:
         self.spec, self.strategy, self.stats, self.mesh_config = spec, strategy, stats, \
             mesh_config
         self._programs: dict = {}
+        self._logits_BV: jax.Array | None = None  # the dispatched forward's
 
-    def _run(self, fn, verify: bool, *args, configured: bool = True):
+    def _run(self, fn, *args, configured: bool = True, **static):
         """`fn` over `args` (after the model config, a static argument, when `configured`)."""
-        key = (fn, verify)
+        key = (fn, tuple(sorted(static.items())))
         if key not in self._programs:
-            static = (self.config,) * configured
-            self._programs[key] = _compiled(fn, self.stats, self.mesh_config, *static, *args,
-                                            strategy=self.strategy, spec=self.spec,
-                                            verify=verify)
+            config = (self.config,) * configured
+            self._programs[key] = _compiled(fn, self.stats, self.mesh_config, *config, *args,
+                                            **static)
         return self._programs[key](*args)
+
+    def started(self, state: Decoding, constrained: Constrained | None) -> Decoding:
+        """The decoding after prefill; a constrained batch's first forward dispatched."""
+        return state if constrained is None or self.spec is not None else self._forward(state)
+
+    def _forward(self, state: Decoding) -> Decoding:
+        rows = state.rows
+        cache, self._logits_BV = self._run(_forward, self.params, rows.cache, rows.last_B,
+                                           rows.done_B)
+        return state.replace(rows=rows.replace(cache=cache))
 
     def after(self, state: Decoding, done_B: np.ndarray, constrained: Constrained | None,
               steps: int) -> Decoding:
         """The decoding after the next program: `steps` steps (or speculative rounds), one for
-        a constrained batch after the host wrote its masks (a speculating one: the guesses
-        first, then the round over them and the masks they lead to). A round verifies when
-        its rows' rates say so (the host's choice, as a server's)."""
+        a constrained batch after the host wrote its masks (the pick after the forward that
+        ran meanwhile; speculating: the guesses first, then the round over them and the masks
+        they lead to). A round verifies when its rows' rates say so (the host's choice, as a
+        server's)."""
         spec, params, draft_params = self.spec, self.params, self.draft_params
+        if constrained is not None and spec is None:
+            state = state.replace(rows=state.rows.replace(mask_BW=constrained.mask()))
+            state = self._run(_pick, state, self._logits_BV, configured=False,
+                              strategy=self.strategy)
+            return self._forward(state)
         verify = spec is not None and worth_a_pass(np.asarray(state.rows.lookup.hit_rate_B),
                                                    ~done_B, spec)
-        if constrained is not None and spec is not None:
-            proposal = self._run(_propose, verify, state, draft_params, configured=False)
+        static = dict(strategy=self.strategy, spec=spec, verify=verify)
+        if constrained is not None:
+            proposal = self._run(_propose, state, draft_params, configured=False, **static)
             mask_BTW = constrained.guessed_masks(np.asarray(proposal.guess_BK),
                                                  np.asarray(proposal.n_guess_B))
-            return self._run(_masked_round, verify, params, state, proposal, mask_BTW,
-                             draft_params)
-        if constrained is not None:
-            state = state.replace(rows=state.rows.replace(mask_BW=constrained.mask()))
-        n_steps = np.int32(1 if constrained is not None else steps)
-        return self._run(_decode, verify, params, state, n_steps, draft_params)
+            return self._run(_masked_round, params, state, proposal, mask_BTW, draft_params,
+                             **static)
+        return self._run(_decode, params, state, np.int32(steps), draft_params, **static)
 
 
 def _constrained(config: ModelConfig, grammars: list, tokenizer: Tokenizer | None,

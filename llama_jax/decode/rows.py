@@ -118,16 +118,31 @@ def advance(rows: Rows, token_B, active_B) -> Rows:
 def step(config: ModelConfig, params: Params, rows: Rows, strategy: Strategy, top: int
          ) -> tuple[Rows, Emitted]:
     """One token for every row not done: the model over its last token at its own end, the
-    LM head, and the token drawn with its key for this step. A row that is done stays where
-    it ended (writing there, unseen)."""
+    LM head (`forward`), and the token drawn with its key for this step (`pick`). A row that
+    is done stays where it ended (writing there, unseen)."""
+    cache, logits_BV = forward(config, params, rows.cache, rows.last_B, rows.done_B)
+    return pick(rows.replace(cache=cache), logits_BV, strategy, top)
+
+
+def forward(config: ModelConfig, params: Params, cache: KVCache, last_B: jax.Array,
+            done_B: jax.Array) -> tuple[KVCache, jax.Array]:
+    """The first half of a step: the rows' cache after each one's last token `last_B` (a row
+    that is done keeps its end) and the logits of its next token `[B, V]`. Apart from `pick`,
+    a constrained decoder runs it while the host computes the masks."""
+    logits_BV, stepped = next_logits(config, params, last_B, cache)
+    return stepped.replace(end=jnp.where(done_B, cache.end, stepped.end)), logits_BV
+
+
+def pick(rows: Rows, logits_BV: jax.Array, strategy: Strategy, top: int
+         ) -> tuple[Rows, Emitted]:
+    """The second half of a step: each row's token from `forward`'s logits (among those
+    `rows.mask_BW` allows), and the rows after it."""
     active_B = ~rows.done_B
-    logits_BV, cache = next_logits(config, params, rows.last_B, rows.cache)
-    cache = cache.replace(end=jnp.where(active_B, cache.end, rows.cache.end))
     token_B, logprob_B, top_ids_Bn, top_logprobs_Bn = choose(
         logits_BV, rows.key_B, rows.step_B, rows.sampling, strategy, top, rows.mask_BW)
     emitted = Emitted(jnp.where(active_B, token_B, NO_TOKEN)[:, None], logprob_B[:, None],
                       top_ids_Bn[:, None], top_logprobs_Bn[:, None])
-    return advance(rows.replace(cache=cache), token_B, active_B), emitted
+    return advance(rows, token_B, active_B), emitted
 
 
 @struct.dataclass
