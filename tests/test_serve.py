@@ -559,10 +559,11 @@ def test_a_full_queue_answers_429_and_sigterm_drains(checkpoint):
 
 @pytest.fixture(scope="module", params=["ngram", "draft"])
 def speculating(checkpoint, request):
-    """A server guessing by prompt lookup, every round verifying; or by a draft model: the
-    model itself, whose every guess is kept while its cache holds the rows' contexts."""
-    how = (["--speculate", "ngram", "--speculate-min-accepted", "0"] if request.param == "ngram"
-           else ["--draft-checkpoint", str(checkpoint)])
+    """A server guessing by prompt lookup or by a draft model (the model itself, whose every
+    guess is kept while its cache holds the rows' contexts), every round verifying."""
+    how = ["--speculate-min-accepted", "0", *(["--speculate", "ngram"] if request.param ==
+                                               "ngram" else ["--draft-checkpoint",
+                                                             str(checkpoint)])]
     live = Live(checkpoint, "--max-batch", str(SLOTS), "--prefill-chunk", str(CHUNK),
                 "--num-speculative-tokens", "3", *how)
     live.method = request.param
@@ -619,10 +620,20 @@ def test_a_speculating_server_cuts_stop_strings_exactly(speculating, model):
     assert "".join(pieces) == out.choices[0].text
 
 
-def test_a_speculating_server_refuses_a_response_format_for_now(speculating):
-    """Speculation does not check guesses against a grammar yet: a 400 naming that, not free
-    text where JSON was asked for."""
-    with pytest.raises(openai.BadRequestError, match="does not decode under a grammar yet"):
-        speculating.client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=8,
-            response_format={"type": "json_object"})
+def test_a_speculating_server_decodes_under_a_grammar_as_generate_does(speculating, model):
+    """A json_schema request, greedy: the speculating server's answer is `generate`'s
+    constrained greedy answer on the chat prompt. Guesses were verified and kept; the draft
+    (the model, guessing without the grammar) had some refused."""
+    config, params, tokenizer = model
+    messages = [{"role": "user", "content": '{"age": 3, "pets": ["cat"]}'}]
+    prompt = llama2_chat(tokenizer, messages)
+    n = MAX_SEQ_LEN - len(prompt) - 4  # a verify pass writes k + 1 positions past the end
+    (tokens,) = generate(config, params, [prompt], n, json_schema=PERSON, tokenizer=tokenizer)
+    reply = speculating.client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=n, temperature=0.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
+    assert reply.choices[0].message.content == continuation(tokenizer, prompt, tokens)
+    details = reply.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0
+    if speculating.method == "draft":
+        assert details.rejected_prediction_tokens > 0

@@ -19,7 +19,9 @@ prompt is written into its pages once, and a row that ends gives its pages back.
 - `speculate`: K speculative rounds of every row instead (`rows.speculative_round`, the
   round `generate` takes), for a server that speculates: each row guesses from its own
   tokens (prompt lookup) or by a draft model (whose cache the rows hold beside the model's),
-  one pass verifies, and each row advances by what it kept (1 to k + 1 tokens a round).
+  one pass verifies, and each row advances by what it kept (1 to k + 1 tokens a round);
+- `guesses`: a round's guesses alone, for constrained rows: the host writes each guessed
+  position's mask before `speculate` runs that round.
 
 A request's tokens do not depend on its companions (rows.py). `lower_programs` lowers the
 largest of these programs without running anything, for `llama_jax.aot` to compile for
@@ -35,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from llama_jax.config import MeshConfig, ModelConfig
-from llama_jax.decode.rows import (Emitted, Lookup, Rows, advance, choose, speculative_round,
-                                   step)
+from llama_jax.decode.rows import (Emitted, Lookup, Proposal, Rows, advance, choose, propose,
+                                   speculative_round, step)
 from llama_jax.decode.sampling import SamplingParams, Strategy
 from llama_jax.decode.speculate import HIT_RATE_START, Speculation, put_rows, worth_verifying
 from llama_jax.decode.step import NO_TOKEN
@@ -119,7 +121,8 @@ def decode(rows: Rows, params: Params, pages_BN: jax.Array, *, config: ModelConf
 
 
 def _scan_rounds(config, params, draft_params, rows: Rows, n_rounds: int, spec: Speculation,
-                 verify: bool, strategy, top):
+                 verify: bool, strategy, top, proposal: Proposal | None = None,
+                 mask_BTW: jax.Array | None = None):
     T = spec.k + 1
     B = rows.last_B.shape[0]
     # Which rows verify their guesses is decided for the whole program by their own rates as
@@ -132,7 +135,8 @@ def _scan_rounds(config, params, draft_params, rows: Rows, n_rounds: int, spec: 
     def one(carry, _):
         rows, count_B, out = carry
         rows, emitted, n_B = speculative_round(config, params, draft_params, rows, spec,
-                                               verify, worth_B, strategy, top)
+                                               verify, worth_B, strategy, top, proposal,
+                                               mask_BTW)
         out = jax.tree.map(lambda buffer, values: put_rows(buffer, count_B, values, n_B),
                            out, emitted)
         return (rows, count_B + n_B, out), None
@@ -151,9 +155,10 @@ def _scan_rounds(config, params, draft_params, rows: Rows, n_rounds: int, spec: 
 @functools.partial(jax.jit, static_argnames=("config", "n_steps", "spec", "verify", "strategy",
                                              "top", "placement"), donate_argnames=("rows",))
 def speculate(rows: Rows, params: Params, draft_params: Params | None,
-              pages_BN: jax.Array, *, config: ModelConfig, n_steps: int, spec: Speculation,
-              verify: bool, strategy: Strategy, top: int, placement: tuple | None
-              ) -> tuple[Rows, Emitted]:
+              pages_BN: jax.Array, proposal: Proposal | None = None,
+              mask_BTW: jax.Array | None = None, *, config: ModelConfig, n_steps: int,
+              spec: Speculation, verify: bool, strategy: Strategy, top: int,
+              placement: tuple | None) -> tuple[Rows, Emitted]:
     """`n_steps` speculative rounds of every row (`rows.speculative_round`; rows with
     `lookup`) over its pages `pages_BN`: each row's tokens of the rounds, from column 0, and
     its guesses verified and kept so far. With `verify`, every round runs a verify pass, in
@@ -161,12 +166,24 @@ def speculate(rows: Rows, params: Params, draft_params: Params | None,
     their guesses; without, every round is a plain step (the host chooses, by
     `speculate.worth_a_pass` of the rates the program before the last returned). The
     guesses are prompt lookup's, or a draft model's (`draft_params`, its cache in the rows;
-    without `verify`, one step of it a round keeps its cache in step)."""
+    without `verify`, one step of it a round keeps its cache in step). Constrained rows: one
+    round (`n_steps` 1) over `proposal`'s guesses (`guesses`'s), each position's token among
+    those `mask_BTW` allows (decode/grammar.py `Constrained.guessed_masks`)."""
     with placed(placement):
         rows, emitted = _scan_rounds(config, params, draft_params,
                                      _with_tables(rows, pages_BN), n_steps, spec, verify,
-                                     strategy, top)
+                                     strategy, top, proposal, mask_BTW)
         return _between_programs(rows), emitted
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "verify", "strategy", "placement"))
+def guesses(rows: Rows, draft_params: Params | None, pages_BN: jax.Array, *,
+            spec: Speculation, verify: bool, strategy: Strategy, placement: tuple | None
+            ) -> Proposal:
+    """The next round's guesses of every row over its pages (`rows.propose`), for the host
+    to write the masks of constrained rows' positions before `speculate` runs the round."""
+    with placed(placement):
+        return propose(draft_params, _with_tables(rows, pages_BN), spec, verify, strategy)
 
 
 def chunk_plan(n: int, start: int, chunk: int, max_len: int) -> list[tuple[int, int]]:

@@ -80,7 +80,7 @@ from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name
 from llama_jax.decode.batching import TOP_LOGPROBS
 from llama_jax.decode.decoder import (decoder_params, resolve_decode_impl, rows_cache_bytes,
                                       server_shape)
-from llama_jax.decode.grammar import masks
+from llama_jax.decode.grammar import Constrained
 from llama_jax.decode.rows import Emitted, row_key
 from llama_jax.decode.sampling import SamplingParams, Strategy
 from llama_jax.decode.speculate import speculation
@@ -324,13 +324,17 @@ class Engine:
         request.matcher.reset()
         return self._masks([request])
 
-    def _masks(self, requests: Sequence[Request | None]) -> np.ndarray:
-        """The rows' packed masks (grammar.py: every token allowed for a row without a
-        grammar), their host time counted."""
+    def _masks(self, requests: Sequence[Request | None],
+               guessed: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """The rows' packed masks `[B, W]` (grammar.py: every token allowed for a row without
+        a grammar); with `guessed`, a round's guesses and how many of each row's are real,
+        `[B, K + 1, W]` at each position of the round (`Constrained.guessed_masks`). Their
+        host time is counted."""
         start = time.perf_counter()
         matchers = [None if r is None else r.matcher for r in requests]
         words = next(m for m in matchers if m is not None).vocab.words
-        out = masks(matchers, words)
+        rows = Constrained(matchers, words, self.stop_ids)
+        out = rows.mask() if guessed is None else rows.guessed_masks(*guessed)
         self.counters["grammar_mask_seconds"] += time.perf_counter() - start
         return out
 
@@ -350,14 +354,18 @@ class Engine:
         verify = self.verify is not None and self.verify.worth_verifying(
             self.programs_dispatched, np.asarray([self._decoding(b)
                                                   for b in range(self.max_batch)]))
-        masks_BW = self._masks([r if self._decoding(b) else None
-                                for b, r in enumerate(self.owners)]) \
-            if self._constrained() else None
+        rows = [r if self._decoding(b) else None for b, r in enumerate(self.owners)]
+        constrained = self._constrained()
+        masks_BW = self._masks(rows) if constrained and self.spec is None else None
+        guessed = (lambda *guesses: self._masks(rows, guesses)) if constrained and self.spec \
+            else None
         emitted = self.programs.decode(
             self.allocator.tables.array(self.owners, self.width), strategy,
-            TOP_LOGPROBS if any(r.top_logprobs for r in live) else 0, verify, masks_BW)
-        steps, advance = (1, 1) if masks_BW is not None else (self.shape.steps,
-                                                               self.shape.advance)
+            TOP_LOGPROBS if any(r.top_logprobs for r in live) else 0, verify, masks_BW,
+            guessed)
+        # a constrained program: one step, or one round of at most k + 1 tokens
+        steps, advance = ((1, self.shape.advance // self.shape.steps) if constrained else
+                          (self.shape.steps, self.shape.advance))
         self.end_bound = [min(e + advance, last) if self._decoding(b) else e
                           for b, (e, last) in enumerate(zip(self.end_bound, self.last_end))]
         self.dispatched = [n + steps for n in self.dispatched]
@@ -383,9 +391,6 @@ class Engine:
     def check(self, request: Request) -> None:
         """Raises GenerateError, naming the lengths or the value, if `request` cannot run."""
         check_request(request, self.config.vocab_size, self.max_seq_len)
-        if request.matcher is not None and self.spec is not None:
-            raise GenerateError("a speculating server does not decode under a grammar yet "
-                                "(response_format): serve without --speculate for it")
 
     def submit(self, request: Request) -> None:
         """Queues `request` (raises QueueFull when `max_queue` requests already wait, or

@@ -9,10 +9,9 @@ import logging
 import os
 import time
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from llama_jax.config import ModelConfig
@@ -63,9 +62,11 @@ class Programs:
     @staticmethod
     def _key(fn, args, static) -> tuple:
         """A program's cache key: the function, its static arguments and its arguments' shapes
-        (and shardings: on a mesh, programs lay out their outputs by the sharding rules)."""
+        and dtypes (each its own: `jnp.result_type` costs ~10 µs a leaf, and a program's
+        arguments hold the model's hundreds) and shardings (on a mesh, programs lay out their
+        outputs by the sharding rules)."""
         return (fn, tuple(sorted(static.items())), tuple(
-            (np.shape(x), jnp.result_type(x), getattr(x, "sharding", None))
+            (np.shape(x), getattr(x, "dtype", type(x)), getattr(x, "sharding", None))
             for x in jax.tree.leaves(args)))
 
     def _compile(self, fn, args, static):
@@ -119,13 +120,24 @@ class Programs:
                               np.asarray(to_pages, np.int32))
 
     def decode(self, pages_BN: np.ndarray, strategy: Strategy, top: int,
-               verify: bool = False, masks_BW: np.ndarray | None = None) -> Emitted:
+               verify: bool = False, masks_BW: np.ndarray | None = None,
+               guessed_masks: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
+               ) -> Emitted:
         """`shape.steps` decode steps (speculating: rounds, verifying or not) of every row
         over the pages of `pages_BN`; with `masks_BW` (constrained rows, decode/grammar.py),
-        one step among the tokens they allow."""
+        one step among the tokens they allow; speculating with `guessed_masks` (constrained
+        rows' masks at each position of their guesses `[B, K]`, `n_guess_B` of each row's
+        real), one round: the guesses, then the round under their masks."""
         self.rows = self.rows.replace(mask_BW=masks_BW)
+        constrained = masks_BW is not None or guessed_masks is not None
         fn, args, static = self._decode_call(pages_BN, strategy, top, verify,
-                                             1 if masks_BW is not None else self.shape.steps)
+                                             1 if constrained else self.shape.steps)
+        if guessed_masks is not None:
+            proposal = self._run(batching.guesses, self.rows, self.draft_params, pages_BN,
+                                 spec=self.spec, verify=verify, strategy=strategy,
+                                 placement=self.placement)
+            args += (proposal, guessed_masks(np.asarray(proposal.guess_BK),
+                                             np.asarray(proposal.n_guess_B)))
         rows, emitted = self._run(fn, *args, **static)
         self.rows = rows.replace(mask_BW=None)  # the next program's rows: as compiled
         return emitted
