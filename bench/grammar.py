@@ -1,7 +1,7 @@
 """Which grammar library constrained decoding uses: llguidance against outlines-core, on the
 same vocabularies, schemas and token walks, in one process.
 
-    python bench/grammar.py [--rounds 3] [--gguf FILE]
+    python bench/grammar.py [--rounds 3] [--gguf FILE] [--decode CKPT] [--serve CKPT]
 
 Vocabularies: SmolLM2-135M's byte-level BPE (49,152 tokens, from the GGUF `make chat`
 fetches), LLaMA 3's tiktoken BPE (128,256, from the llama-models package) and a SentencePiece
@@ -21,7 +21,9 @@ Measured, per library and vocabulary:
 With `--decode CHECKPOINT` (the demo model, `make demo`), the cost of constraining in
 `generate`: a batch of 8 prompts decoded free (one program for the whole decode), free one
 step per program (the host round trip a constrained batch takes per token) and under a
-JSON schema; rounds alternate, medians of the time per decode step of the batch.
+JSON schema; rounds alternate, medians of the time per decode step of the batch. With
+`--serve CHECKPOINT`, the same in a server: 8 chat requests at once, free against under the
+schema (`response_format`), tokens per second.
 
 Prints tables; BENCHMARKS.md records them.
 """
@@ -249,12 +251,65 @@ def decode_costs(checkpoint: str, rounds: int, max_new: int = 64) -> None:
             if r:  # one program: as many steps as the longest row took
                 steps = max(longest) if extra.get("chunk_steps", 1) is None else steps
                 per_step[name].append((time.perf_counter() - start) / steps)
-    base = statistics.median(per_step["free, one step a program"])
-    print("| batch 8, demo model | ms per step | vs free, one step a program |")
+    print_medians("batch 8, demo model | ms per step", "free, one step a program",
+                  {name: [1e3 * t for t in times] for name, times in per_step.items()},
+                  rates=False)
+
+
+def serve_costs(checkpoint: str, rounds: int, max_new: int = 64) -> None:
+    """Tokens per second of one server (`python -m llama_jax.serve`, 8 slots) answering 8
+    chat requests at once, free against under a JSON schema (`response_format`), rounds
+    alternating; medians."""
+    import asyncio
+
+    import openai
+
+    from serve import Server, free_port
+
+    port = free_port()
+    server = Server([sys.executable, "-m", "llama_jax.serve", "--checkpoint", checkpoint,
+                     "--port", str(port), "--served-model-name", "bench", "--max-batch", "8",
+                     "--log-level", "warning"], port, "serving bench on ")
+    api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                             max_retries=0, timeout=600)
+    formats = {"free": None, "json schema": {"type": "json_schema", "json_schema": {
+        "name": "doc", "schema": DECODE_SCHEMA}}}
+
+    async def burst(response_format, seed: int) -> float:
+        start = time.perf_counter()
+        replies = await asyncio.gather(*(api.chat.completions.create(
+            model="bench", messages=[{"role": "user", "content": p}], max_tokens=max_new,
+            temperature=0.7, seed=seed + i, **({"response_format": response_format}
+                                               if response_format else {}))
+            for i, p in enumerate(PROMPTS)))
+        return sum(r.usage.completion_tokens for r in replies) / (time.perf_counter() - start)
+
+    rates: dict[str, list[float]] = {name: [] for name in formats}
+
+    async def measure() -> None:
+        for r in range(rounds + 1):  # the first round compiles the masked programs
+            for name, response_format in formats.items():
+                rate = await burst(response_format, r)
+                if r:
+                    rates[name].append(rate)
+
+    try:
+        asyncio.run(measure())
+    finally:
+        server.stop()
+    print_medians("server, 8 chat requests at once, demo model | tokens/s", "free", rates,
+                  rates=True)
+
+
+def print_medians(head: str, base: str, values: dict[str, list[float]], rates: bool) -> None:
+    """A table of each case's median and its speed against case `base` (`rates`: the values
+    are rates, higher is faster; else times)."""
+    medians_ = {name: statistics.median(v) for name, v in values.items()}
+    print(f"| {head} | vs {base} |")
     print("|---|---|---|")
-    for name, times in per_step.items():
-        t = statistics.median(times)
-        print(f"| {name} | {1e3 * t:.2f} | {base / t:.2f}x |")
+    for name, m in medians_.items():
+        ratio = m / medians_[base] if rates else medians_[base] / m
+        print(f"| {name} | {m:.2f} | {ratio:.2f}x |")
 
 
 def main() -> int:
@@ -263,9 +318,13 @@ def main() -> int:
     parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
     parser.add_argument("--decode", metavar="CHECKPOINT",
                         help="also measure constrained decoding's cost on this checkpoint")
+    parser.add_argument("--serve", metavar="CHECKPOINT",
+                        help="also measure a server's tokens/s under a JSON schema")
     args = parser.parse_args()
     if args.decode:
         decode_costs(args.decode, args.rounds)
+    if args.serve:
+        serve_costs(args.serve, args.rounds)
     print("| vocabulary | library | vocabulary build | 20-property schema compile | "
           "mask per token | valid instance walked | coverage |")
     print("|---|---|---|---|---|---|---|")

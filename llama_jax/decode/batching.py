@@ -16,6 +16,8 @@ prompt is written into its pages once, and a row that ends gives its pages back.
 - `copy_pages`: pages copied into others (a prompt's last page, for each further choice of
   it, which writes its own tokens there);
 - `decode`: K decode steps of every row (`rows.step`, the step `generate` takes);
+- `forward` and `pick`: a step in two programs (`rows.forward`, `rows.pick`), for a
+  constrained server: the host computes the masks while the forward runs;
 - `speculate`: K speculative rounds of every row instead (`rows.speculative_round`, the
   round `generate` takes), for a server that speculates: each row guesses from its own
   tokens (prompt lookup) or by a draft model (whose cache the rows hold beside the model's),
@@ -39,6 +41,7 @@ import numpy as np
 from llama_jax.config import MeshConfig, ModelConfig
 from llama_jax.decode.rows import (Emitted, Lookup, Proposal, Rows, advance, choose, propose,
                                    speculative_round, step)
+from llama_jax.decode.rows import forward as rows_forward, pick as rows_pick
 from llama_jax.decode.sampling import SamplingParams, Strategy
 from llama_jax.decode.speculate import HIT_RATE_START, Speculation, put_rows, worth_verifying
 from llama_jax.decode.step import NO_TOKEN
@@ -106,6 +109,32 @@ def _scan_steps(config, params, rows: Rows, n_steps: int, strategy, top):
 
     rows, emitted_K = jax.lax.scan(one, rows, length=n_steps)
     return rows, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), emitted_K)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "placement"), donate_argnames=("rows",))
+def forward(rows: Rows, params: Params, pages_BN: jax.Array, *, config: ModelConfig,
+            placement: tuple | None) -> tuple[Rows, jax.Array]:
+    """The first half of a decode step of every row over its pages (`rows.forward`): the
+    rows with their last tokens in the cache, and their next logits `[B, V]`, which `pick`
+    takes. Apart, a constrained server runs it while the host computes the masks."""
+    with placed(placement):
+        rows = _with_tables(rows, pages_BN)
+        cache, logits_BV = rows_forward(config, params, rows.cache, rows.last_B, rows.done_B)
+        return _between_programs(rows.replace(cache=cache)), logits_BV
+
+
+@functools.partial(jax.jit, static_argnames=("strategy", "top", "placement"),
+                   donate_argnames=("rows",))
+def pick(rows: Rows, logits_BV: jax.Array, skip_B: jax.Array, mask_BW: jax.Array, *,
+         strategy: Strategy, top: int, placement: tuple | None) -> tuple[Rows, Emitted]:
+    """The second half of a decode step (`rows.pick`): each row's token from `forward`'s
+    logits, among those `mask_BW` allows. The rows `skip_B` (inserted since that forward:
+    its logits are not of their tokens) take none this time."""
+    with placed(placement):
+        held = rows.replace(done_B=rows.done_B | skip_B, mask_BW=mask_BW)
+        picked, emitted = rows_pick(held, logits_BV, strategy, top)
+        return picked.replace(done_B=jnp.where(skip_B, rows.done_B, picked.done_B),
+                              mask_BW=None), emitted
 
 
 @functools.partial(jax.jit, static_argnames=("config", "n_steps", "strategy", "top",

@@ -80,7 +80,7 @@ from llama_jax.config import MeshConfig, ModelConfig, cache_dtype_name
 from llama_jax.decode.batching import TOP_LOGPROBS
 from llama_jax.decode.decoder import (decoder_params, resolve_decode_impl, rows_cache_bytes,
                                       server_shape)
-from llama_jax.decode.grammar import Constrained
+from llama_jax.decode.grammar import ALL_ALLOWED, Constrained
 from llama_jax.decode.rows import Emitted, row_key
 from llama_jax.decode.sampling import SamplingParams, Strategy
 from llama_jax.decode.speculate import speculation
@@ -216,8 +216,9 @@ class Engine:
     def _room(self, b: int) -> int:
         """The cache positions row `b` may write up to in the next dispatch (a verify pass
         writes its guesses past the row's end)."""
-        return (min(self.end_bound[b] + self.shape.advance, self.last_end[b])
-                + self.shape.speculative_tokens)
+        # a constrained step may run two forwards (the first, and the next step's)
+        advance = max(self.shape.advance, 2) if self._constrained() else self.shape.advance
+        return min(self.end_bound[b] + advance, self.last_end[b]) + self.shape.speculative_tokens
 
     def _demands(self) -> list[tuple[Request, int]]:
         """Each row decoding's request, and the positions its next dispatch may write."""
@@ -355,22 +356,42 @@ class Engine:
             self.programs_dispatched, np.asarray([self._decoding(b)
                                                   for b in range(self.max_batch)]))
         rows = [r if self._decoding(b) else None for b, r in enumerate(self.owners)]
-        constrained = self._constrained()
-        masks_BW = self._masks(rows) if constrained and self.spec is None else None
-        guessed = (lambda *guesses: self._masks(rows, guesses)) if constrained and self.spec \
-            else None
-        emitted = self.programs.decode(
-            self.allocator.tables.array(self.owners, self.width), strategy,
-            TOP_LOGPROBS if any(r.top_logprobs for r in live) else 0, verify, masks_BW,
-            guessed)
-        # a constrained program: one step, or one round of at most k + 1 tokens
-        steps, advance = ((1, self.shape.advance // self.shape.steps) if constrained else
-                          (self.shape.steps, self.shape.advance))
+        constrained, skipped = self._constrained(), set(self.programs.fresh)
+        tables = self.allocator.tables.array(self.owners, self.width)
+        top = TOP_LOGPROBS if any(r.top_logprobs for r in live) else 0
+        if self.spec is None and (constrained or self.programs.forwarded):
+            emitted, advance = self._split_step(rows, constrained, tables, strategy, top)
+            steps = 1
+        else:
+            guessed = (lambda *guesses: self._masks(rows, guesses)) if constrained else None
+            emitted = self.programs.decode(tables, strategy, top, verify, guessed)
+            # a constrained program: one round of at most k + 1 tokens
+            steps, advance = ((1, self.shape.advance // self.shape.steps) if constrained else
+                              (self.shape.steps, self.shape.advance))
         self.end_bound = [min(e + advance, last) if self._decoding(b) else e
                           for b, (e, last) in enumerate(zip(self.end_bound, self.last_end))]
-        self.dispatched = [n + steps for n in self.dispatched]
+        self.dispatched = [n + (b not in skipped) * steps for b, n in enumerate(self.dispatched)]
         self.programs_dispatched += 1
         return _Program(emitted, list(self.owners), number=self.programs_dispatched - 1)
+
+    def _split_step(self, rows: list[Request | None], constrained: bool, tables: np.ndarray,
+                    strategy: Strategy, top: int) -> tuple[Emitted, int]:
+        """A constrained step in two programs (`Programs.forward`, `Programs.pick`): the pick
+        among the masks the host computed while the forward ran, then the next forward, which
+        runs while the host reads this pick's tokens and computes the next masks (the first
+        forward first). Once no row is constrained, the last forward's pick alone. Returns the
+        pick's tokens and the positions the rows advance by (the forwards')."""
+        advance = 0
+        if not self.programs.forwarded:
+            self.programs.forward(tables)
+            advance += 1
+        masks_BW = (self._masks(rows) if constrained else np.full(
+            (self.max_batch, -(-self.config.vocab_size // 32)), ALL_ALLOWED, np.int32))
+        emitted = self.programs.pick(masks_BW, strategy, top)
+        if constrained:
+            self.programs.forward(tables)
+            advance += 1
+        return emitted, advance
 
     def widths(self) -> list[int]:
         """The table widths (pages) a program may attend over."""

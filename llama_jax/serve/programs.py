@@ -44,6 +44,8 @@ class Programs:
 
     def reset(self) -> None:
         """Empty rows over an empty pool."""
+        self._logits_BV: jax.Array | None = None  # of a `forward` not yet picked from
+        self._fresh: set[int] = set()  # rows inserted since that forward
         s = self.shape
         self.rows = self._run(batching.empty_rows, self.stop_ids, config=self.config,
                               batch=s.max_batch, n_pages=s.n_pages, page_size=s.page_size,
@@ -59,15 +61,17 @@ class Programs:
         """Whether the rows went with a program that did not finish (they were donated)."""
         return any(x.is_deleted() for x in jax.tree.leaves(self.rows))
 
-    @staticmethod
-    def _key(fn, args, static) -> tuple:
+    def _key(self, fn, args, static) -> tuple:
         """A program's cache key: the function, its static arguments and its arguments' shapes
-        and dtypes (each its own: `jnp.result_type` costs ~10 µs a leaf, and a program's
-        arguments hold the model's hundreds) and shardings (on a mesh, programs lay out their
-        outputs by the sharding rules)."""
+        and dtypes (each its own: `jnp.result_type` costs ~10 µs a leaf) and shardings (on a
+        mesh, programs lay out their outputs by the sharding rules); the model's parameters
+        (and the draft's), which never change, by name: a decoder's hundreds of leaves cost
+        most of a millisecond a program."""
+        named = [("params",) if a is self.params else ("draft",) if (
+            a is self.draft_params and a is not None) else a for a in args]
         return (fn, tuple(sorted(static.items())), tuple(
             (np.shape(x), getattr(x, "dtype", type(x)), getattr(x, "sharding", None))
-            for x in jax.tree.leaves(args)))
+            for x in jax.tree.leaves(named)))
 
     def _compile(self, fn, args, static):
         """The executable of `fn(*args, **static)`, compiled on first use."""
@@ -110,6 +114,8 @@ class Programs:
         allows: a constrained request's)."""
         # the guesses read the row's tokens beside its cache
         prompt_1S = padded_row(prompt, self.shape.cache_len) if self.spec else None
+        if self.forwarded:
+            self._fresh.add(b)
         self.rows, first = self._run(batching.insert, self.rows, logits_1V, np.int32(b),
                                      np.int32(len(prompt)), np.int32(max_new), sampling, key_1,
                                      prompt_1S, mask_1W)
@@ -120,26 +126,51 @@ class Programs:
                               np.asarray(to_pages, np.int32))
 
     def decode(self, pages_BN: np.ndarray, strategy: Strategy, top: int,
-               verify: bool = False, masks_BW: np.ndarray | None = None,
+               verify: bool = False,
                guessed_masks: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
                ) -> Emitted:
         """`shape.steps` decode steps (speculating: rounds, verifying or not) of every row
-        over the pages of `pages_BN`; with `masks_BW` (constrained rows, decode/grammar.py),
-        one step among the tokens they allow; speculating with `guessed_masks` (constrained
-        rows' masks at each position of their guesses `[B, K]`, `n_guess_B` of each row's
-        real), one round: the guesses, then the round under their masks."""
-        self.rows = self.rows.replace(mask_BW=masks_BW)
-        constrained = masks_BW is not None or guessed_masks is not None
-        fn, args, static = self._decode_call(pages_BN, strategy, top, verify,
-                                             1 if constrained else self.shape.steps)
+        over the pages of `pages_BN`; speculating with `guessed_masks` (constrained rows'
+        masks, decode/grammar.py, at each position of their guesses `[B, K]`, `n_guess_B`
+        of each row's real), one round: the guesses, then the round under their masks.
+        (Constrained rows without speculation: `forward` and `pick`.)"""
+        fn, args, static = self._decode_call(
+            pages_BN, strategy, top, verify,
+            1 if guessed_masks is not None else self.shape.steps)
         if guessed_masks is not None:
             proposal = self._run(batching.guesses, self.rows, self.draft_params, pages_BN,
                                  spec=self.spec, verify=verify, strategy=strategy,
                                  placement=self.placement)
             args += (proposal, guessed_masks(np.asarray(proposal.guess_BK),
                                              np.asarray(proposal.n_guess_B)))
-        rows, emitted = self._run(fn, *args, **static)
-        self.rows = rows.replace(mask_BW=None)  # the next program's rows: as compiled
+        self.rows, emitted = self._run(fn, *args, **static)
+        return emitted
+
+    @property
+    def forwarded(self) -> bool:
+        """Whether a `forward` ran that no `pick` took yet."""
+        return self._logits_BV is not None
+
+    @property
+    def fresh(self) -> set[int]:
+        """The rows the next `pick` skips: inserted after the forward it picks from."""
+        return self._fresh
+
+    def forward(self, pages_BN: np.ndarray) -> None:
+        """The first half of a decode step of every row over its pages (`batching.forward`),
+        run while the host computes the masks of its second half."""
+        self.rows, self._logits_BV = self._run(batching.forward, self.rows, self.params,
+                                               pages_BN, config=self.config,
+                                               placement=self.placement)
+
+    def pick(self, masks_BW: np.ndarray, strategy: Strategy, top: int) -> Emitted:
+        """The second half (`batching.pick`): each row's token among those `masks_BW` allows,
+        but for the rows inserted since the forward."""
+        skip_B = np.isin(np.arange(self.shape.max_batch), list(self._fresh))
+        self.rows, emitted = self._run(batching.pick, self.rows, self._logits_BV, skip_B,
+                                       masks_BW, strategy=strategy, top=top,
+                                       placement=self.placement)
+        self._logits_BV, self._fresh = None, set()
         return emitted
 
     def _decode_call(self, pages_BN, strategy, top, verify, n_steps=None):
