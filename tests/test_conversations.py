@@ -222,8 +222,8 @@ def test_the_scored_only_head_gives_the_dense_losses_and_gradients(tokenizer, lo
 
 @pytest.fixture(scope="module")
 def chat_run(tmp_path_factory):
-    """A chat fine-tuning run of 60 steps from a tiny checkpoint without a chat template, and
-    the same run's model untrained (one step at a negligible learning rate)."""
+    """A chat fine-tuning run of 30 steps from a tiny checkpoint without a chat template (its
+    outcome holds the untrained model's validation metrics too, from before step 1)."""
     import yaml
 
     from checkpoints import tiny_checkpoint_with_tokenizer
@@ -234,17 +234,14 @@ def chat_run(tmp_path_factory):
     tree = {"init_from": str(pretrained),
             "task": {"kind": "chat", "train": chats(root / "train.jsonl", 96, 0),
                      "val": chats(root / "val.jsonl", 16, 1)},
-            "train": {"seq_len": 256, "batch_size": 8, "steps": 60, "learning_rate": 3e-3,
-                      "warmup_steps": 5, "log_every": 10, "eval_every": 60,
-                      "checkpoint_every": 60}}
+            "train": {"seq_len": 256, "batch_size": 8, "steps": 30, "learning_rate": 3e-3,
+                      "warmup_steps": 5, "log_every": 10, "eval_every": 30,
+                      "checkpoint_every": 30}}
     (root / "chat.yaml").write_text(yaml.safe_dump(tree))
     run = finetune.load_run_config(root / "chat.yaml")
     logged = []
-    untrained = trainer.train(dataclasses.replace(run, train=dataclasses.replace(
-        run.train, steps=1, learning_rate=1e-9, warmup_steps=0, eval_every=1)),
-        root / "untrained", log=logged.append, progress=False)
     outcome = trainer.train(run, root / "run", log=logged.append, progress=False)
-    return run, root, outcome, untrained, logged
+    return run, root, outcome, logged
 
 
 def test_a_chat_run_learns_its_conversations_and_keeps_its_format(chat_run):
@@ -254,23 +251,24 @@ def test_a_chat_run_learns_its_conversations_and_keeps_its_format(chat_run):
     checkpoint of it chats in that format."""
     from llama_jax.data.chat_template import load_chat_template
 
-    run, root, outcome, untrained, logged = chat_run
+    run, root, outcome, logged = chat_run
     assert run.model.head == "lm" and run.task.packing and not run.task.truncate
     assert any("task chat (ChatML" in line and "96 training conversations" in line
                for line in logged), logged
-    assert outcome.val_loss < 0.6 * untrained.val_loss, (outcome.val_loss, untrained.val_loss)
+    untrained = outcome.val_metrics_before["val_loss"]
+    assert outcome.val_loss < 0.6 * untrained, (outcome.val_loss, untrained)
     assert "<|im_start|>" in load_chat_template(root / "run").text
     assert (root / "run" / "tokenizer.model").is_file()
 
 
 def test_a_chat_run_resumes_exactly(chat_run):
-    """Stopped at step 30 and resumed: the same parameters as the run that went on."""
+    """Stopped at step 15 and resumed: the same parameters as the run that went on."""
     import chex
 
     from llama_jax.training import trainer
 
-    run, root, _, _, _ = chat_run
-    first = trainer.train(run, root / "resumed", stop_at=30, log=lambda _: None,
+    run, root, _, _ = chat_run
+    first = trainer.train(run, root / "resumed", stop_at=15, log=lambda _: None,
                           progress=False)
     assert first.stopped_by == "stop_at"
     trainer.train(run, root / "resumed", log=lambda _: None, progress=False)

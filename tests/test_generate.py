@@ -87,12 +87,12 @@ def test_greedy_equals_step_by_step_argmax_and_logprobs_match(params):
     prompt = prompts([7], seed=4)[0]
     tokens, logprobs = generate(TINY, params["gqa"], [prompt], 12, stop_tokens=[],
                                 cache_dtype="float32", return_logprobs=True)
-    sequence = list(prompt)
-    for _ in range(12):
-        logits = forward(TINY, params["gqa"], np.array([sequence]))[0, -1]
-        sequence.append(int(jnp.argmax(logits)))
-    assert tokens[0] == sequence[len(prompt):]
-    full = jax.nn.log_softmax(forward(TINY, params["gqa"], np.array([sequence[:-1]]))[0])
+    assert len(tokens[0]) == 12
+    sequence = list(prompt) + tokens[0]
+    # causal: one forward pass over the whole sequence gives every step's logits
+    logits = forward(TINY, params["gqa"], np.array([sequence[:-1]]))[0]
+    assert np.argmax(logits[len(prompt) - 1:], axis=-1).tolist() == tokens[0]
+    full = jax.nn.log_softmax(logits)
     expected = [float(full[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens[0])]
     np.testing.assert_allclose(logprobs[0], expected, rtol=1e-4, atol=1e-5)
 

@@ -136,10 +136,11 @@ def check_it_predicts(root: Path, examples: list, outcome):
         predict.main(["--checkpoint", str(root / "run"), "--input", str(root / "val.jsonl"),
                       "--max-len", "16"])
     config, params = llama_jax.load_checkpoint(root / "run")
+    forward = jax.jit(llama_jax.forward, static_argnums=0)  # once per example length
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     assert len(lines) == len(examples)
     for line, example in zip(lines, examples):
-        logits_O = np.asarray(llama_jax.forward(config, params, example["tokens"][None]))[0]
+        logits_O = np.asarray(forward(config, params, example["tokens"][None]))[0]
         assert line == {"tags": [t for t, logit in zip(TAGS, logits_O) if logit > 0]}
     expected = (f"loss {outcome.val_metrics['val_loss']:.4f} label_accuracy "
                 f"{outcome.val_metrics['val_label_accuracy']:.4f}")
