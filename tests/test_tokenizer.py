@@ -2,6 +2,7 @@
 tokenizer against Meta's own implementation (the llama-models package ships both file and code)."""
 
 import io
+import itertools
 from pathlib import Path
 
 import pytest
@@ -46,11 +47,17 @@ def test_text_stream_continues_the_prompt_exactly(sp_model):
     character."""
     tok = load_tokenizer(sp_model)
     ids = tok.encode(TEXT, bos=False)
-    for cut in (1, 7, 23):
+    for cut, n in itertools.product((1, 7, 23), (1, 2, 3)):  # n ids a push
         stream = TextStream(tok, ids[:cut])
-        pieces = [stream.push(ids[i:i + 2]) for i in range(cut, len(ids), 2)]
+        pieces = [stream.push(ids[i:i + n]) for i in range(cut, len(ids), n)]
         assert all("\ufffd" not in piece for piece in pieces)
         assert tok.decode(ids[:cut]) + "".join(pieces) + stream.flush() == TEXT
+    # a control token (no text of its own) amid the text, a word's space after it
+    at = next(i for i in range(10, len(ids)) if tok.token_bytes(ids[i]).startswith(b" "))
+    with_control = ids[:at] + [tok.bos_id] + ids[at:]
+    stream = TextStream(tok, with_control[:1])
+    pieces = [stream.push([i]) for i in with_control[1:]]
+    assert tok.decode(with_control[:1]) + "".join(pieces) + stream.flush() == TEXT
 
 
 @pytest.fixture(scope="module")

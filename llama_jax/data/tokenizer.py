@@ -256,15 +256,17 @@ class TextStream:
     """Turns a growing list of token ids into text increments for printing as they arrive.
     Holds back a trailing partial UTF-8 character (decoded as U+FFFD) until it completes.
 
-    The ids are decoded after `context` (the prompt) and only the text past the context's own
-    decoding is returned: SentencePiece drops the space of a sequence's first piece, so a
-    continuation decoded alone would lose the space between the prompt and its first word.
+    The ids are decoded after a context and only the text past the context's own decoding is
+    returned: SentencePiece drops the space of a sequence's first piece, so a continuation
+    decoded alone would lose the space between the prompt and its first word. The context is
+    the prompt at first, then the last token whose text is out: each push decodes a few ids,
+    not the whole sequence (which made a long answer's streaming quadratic).
     """
 
     def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()):
         self._tokenizer = tokenizer
-        self._ids: list[int] = list(context)
-        self._printed = len(tokenizer.decode(self._ids))
+        self._ids: list[int] = list(context)  # the context, then the ids whose text is not out
+        self._printed = len(tokenizer.decode(self._ids))  # characters of their text out
 
     def push(self, ids: Sequence[int]) -> str:
         self._ids += ids
@@ -272,7 +274,16 @@ class TextStream:
         stable = len(text.rstrip("\ufffd"))
         new = text[self._printed:stable]
         self._printed = max(self._printed, stable)
+        if stable == len(text) == self._printed:  # every id's text is out
+            self._restart(self._ids[-1:])
         return new
+
+    def _restart(self, context: list[int]) -> None:
+        """Decodes after `context` from now on, unless it has no text of its own (a control
+        token: SentencePiece would then drop the next piece's space)."""
+        printed = len(self._tokenizer.decode(context))
+        if printed:
+            self._ids, self._printed = context, printed
 
     def flush(self) -> str:
         text = self._tokenizer.decode(self._ids)

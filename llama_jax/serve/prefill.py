@@ -6,7 +6,6 @@ computes is kept in the prefix cache."""
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 from typing import Sequence
 
@@ -105,7 +104,7 @@ class PrefillQueue:
 
     def drop(self, job: PrefillJob) -> None:
         """Forgets `job` and frees the rows and pages it reserved."""
-        with contextlib.suppress(ValueError):
+        if job in self.jobs:  # (a deque's failed remove formats the job: its logits fetched)
             self.jobs.remove(job)
         self.allocator.release(job, job.spares)
         job.spares = []
