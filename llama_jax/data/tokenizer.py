@@ -252,6 +252,9 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int) -> bytes:
     return model.getvalue()
 
 
+_RESTART_AFTER = 16  # ids (context included) a TextStream decodes before it moves its context
+
+
 class TextStream:
     """Turns a growing list of token ids into text increments for printing as they arrive.
     Holds back a trailing partial UTF-8 character (decoded as U+FFFD) until it completes.
@@ -259,7 +262,7 @@ class TextStream:
     The ids are decoded after a context and only the text past the context's own decoding is
     returned: SentencePiece drops the space of a sequence's first piece, so a continuation
     decoded alone would lose the space between the prompt and its first word. The context is
-    the prompt at first, then the last token whose text is out: each push decodes a few ids,
+    the prompt at first, then a recent token whose text is out: each push decodes a few ids,
     not the whole sequence (which made a long answer's streaming quadratic).
     """
 
@@ -274,7 +277,9 @@ class TextStream:
         stable = len(text.rstrip("\ufffd"))
         new = text[self._printed:stable]
         self._printed = max(self._printed, stable)
-        if stable == len(text) == self._printed:  # every id's text is out
+        # every id's text is out: decode after the last from now on (every so many ids: a
+        # decode is mostly a call's cost, and this one decodes the new context)
+        if stable == len(text) == self._printed and len(self._ids) > _RESTART_AFTER:
             self._restart(self._ids[-1:])
         return new
 

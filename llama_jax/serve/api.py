@@ -32,6 +32,7 @@ from llama_jax.errors import GenerateError
 from llama_jax.data.chat import ChatFormat
 from llama_jax.serve.chat_reply import ChatReply
 from llama_jax.serve.engine import Engine
+from llama_jax.serve.outbox import Outbox
 from llama_jax.serve.requests import Chunk, QueueFull, Request
 from llama_jax.serve.metrics import ServerMetrics
 from llama_jax.decode.grammar import Grammar, Matcher, call_grammar, vocabulary
@@ -62,8 +63,8 @@ class Choice:
     """One choice: its engine request, and its tokens, log-probabilities and text so far."""
 
     def __init__(self, index: int, prompt: Sequence[int], stops: Sequence[str],
-                 tokenizer: Tokenizer, events: asyncio.Queue, loop: asyncio.AbstractEventLoop,
-                 per_token: bool, metrics: ServerMetrics):
+                 tokenizer: Tokenizer, events: asyncio.Queue, outbox: Outbox, per_token: bool,
+                 metrics: ServerMetrics):
         self.index, self.prompt = index, list(prompt)
         self._metrics, self._since = metrics, time.perf_counter()  # submission, then delivery
         self.text = StopText(tokenizer, prompt, stops)
@@ -75,7 +76,7 @@ class Choice:
         self.limit: int | None = None  # tokens to keep (0: the prompt's scores alone)
         self.prompt_logprobs: list[float] = []
         self.prompt_top: list[list[tuple[int, float]]] = []
-        self._events, self._loop = events, loop
+        self._events, self._outbox = events, outbox
         self._per_token = per_token or bool(stops)  # find the token a stop string ends in
         self.request: Request | None = None
         self.echo = ""  # a completion with `echo`: its prompt's text, sent before its own
@@ -109,8 +110,8 @@ class Choice:
             now = time.perf_counter()
             self._metrics.delivered(first == 0, len(self.tokens) - first, now - self._since)
             self._since = now
-        self._loop.call_soon_threadsafe(self._events.put_nowait, Event(
-            self.index, text, first, len(self.tokens), self.finish_reason, chunk.error))
+        self._outbox.post(self._events, Event(self.index, text, first, len(self.tokens),
+                                              self.finish_reason, chunk.error))
         return self.text.stopped
 
 
@@ -124,6 +125,7 @@ class Server:
         self.chat_format = chat_format
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine)
+        self._outbox: Outbox | None = None  # of the event loop serving the requests
 
     # ------------------------------------------------------------------------ endpoints
 
@@ -286,12 +288,14 @@ class Server:
                                    f"{self.engine.max_batch} decode rows", "n")
         matcher = None if grammar is None else self._matcher_of(grammar, grammar_param)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        if self._outbox is None or self._outbox.loop is not loop:
+            self._outbox = Outbox(loop)
         seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
         choices = []
         for p, (prompt, limit) in enumerate(zip(prompts, limits)):
             for j in range(body.n):
-                choice = Choice(len(choices), prompt, body.stops, self.tokenizer, events, loop,
-                                per_token, self.metrics)
+                choice = Choice(len(choices), prompt, body.stops, self.tokenizer, events,
+                                self._outbox, per_token, self.metrics)
                 if limit == 0:  # the prompt alone: one token is decoded and dropped
                     choice.limit, limit = 0, 1
                 choice.request = Request(
