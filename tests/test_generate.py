@@ -2,6 +2,7 @@
 equals transformers, the sampling filters, seeds, stop tokens, the cache layout and bad input."""
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -132,7 +133,7 @@ def test_sampled_tokens_lie_inside_the_filtered_sets():
     for setting in settings:
         params = SamplingParams.broadcast(4, temperature=0.8, **setting)
         allowed = _reference_allowed(np.asarray(logits) / 0.8, **setting)
-        draw = jax.jit(lambda k: sample(logits, k, params, Strategy(draw=True, sort=True)))
+        draw = jax.jit(lambda k: sample(logits, k, params, Strategy(draw=True, truncate=True)))
         seen = np.stack([np.asarray(draw(jax.random.key(i))) for i in range(300)])  # [300, 4]
         for b in range(4):
             assert set(seen[:, b]) <= allowed[b], setting
@@ -154,6 +155,28 @@ def _reference_allowed(scaled, top_k=0, top_p=1.0, min_p=0.0):
     return out
 
 
+def test_the_filters_keep_the_reference_sets_row_by_row():
+    """Every row its own top-k, top-p and min-p, in one filter of the batch: the tokens kept are
+    the float64 reference's, and ties at a threshold all stay."""
+    rng = np.random.default_rng(9)
+    settings = [dict(top_k=k, top_p=p, min_p=m) for k, p, m in
+                itertools.product((0, 1, 7, 300), (1.0, 0.9, 0.3, 0.01), (0.0, 0.05))]
+    logits = (rng.standard_normal((len(settings), 300))
+              * rng.uniform(0.5, 4, (len(settings), 1))).astype(np.float32)
+    params = SamplingParams(temperature=jnp.full(len(settings), 0.7),
+                            **{name: jnp.asarray([s[name] for s in settings], dtype)
+                               for name, dtype in (("top_k", jnp.int32), ("top_p", jnp.float32),
+                                                   ("min_p", jnp.float32))})
+    kept = np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), params, truncate=True)))
+    for b, setting in enumerate(settings):
+        assert set(np.flatnonzero(kept[b])) == _reference_allowed(logits[b:b + 1] / 0.7,
+                                                                  **setting)[0], setting
+    ties = jnp.asarray([[3.0, 1.0, 3.0, 0.0, 3.0, 2.0]])
+    for setting, expected in ((dict(top_k=2), [0, 2, 4]), (dict(top_p=0.5), [0, 2, 4])):
+        out = filter_logits(ties, SamplingParams.broadcast(1, temperature=1.0, **setting), True)
+        assert np.flatnonzero(np.isfinite(np.asarray(out[0]))).tolist() == expected, setting
+
+
 def test_argmax_is_the_first_index_of_the_maximum():
     rng = np.random.default_rng(12)
     ties = jnp.asarray(rng.integers(-3, 4, (16, 257)), jnp.float32)  # many tied maxima
@@ -168,7 +191,7 @@ def test_a_draw_is_jax_categorical_and_greedy_rows_stay_greedy():
     params = params.replace(temperature=jnp.asarray([1.0, 0.0, 1.0, 0.0]))
     for i in range(20):
         key = jax.random.key(i)
-        drawn = np.asarray(sample(logits, key, params, Strategy(draw=True, sort=False)))
+        drawn = np.asarray(sample(logits, key, params, Strategy(draw=True, truncate=False)))
         expected = np.asarray(jax.random.categorical(key, logits))
         np.testing.assert_array_equal(drawn[[0, 2]], expected[[0, 2]])
         np.testing.assert_array_equal(drawn[[1, 3]], np.argmax(np.asarray(logits), -1)[[1, 3]])
@@ -176,7 +199,7 @@ def test_a_draw_is_jax_categorical_and_greedy_rows_stay_greedy():
 
 def test_filter_keeps_everything_when_off():
     logits = jnp.asarray(np.random.default_rng(8).standard_normal((2, 50)), jnp.float32)
-    out = filter_logits(logits, SamplingParams.broadcast(2, temperature=1.0), sort=True)
+    out = filter_logits(logits, SamplingParams.broadcast(2, temperature=1.0), truncate=True)
     assert np.isfinite(np.asarray(out)).all()
 
 

@@ -21,11 +21,11 @@ import jax.numpy as jnp
 from llama_jax.decode.sampling import SamplingParams, Strategy, argmax, filter_logits
 
 
-def target_probs(logits_BTV: jax.Array, sampling: SamplingParams, sort: bool) -> jax.Array:
+def target_probs(logits_BTV: jax.Array, sampling: SamplingParams, truncate: bool) -> jax.Array:
     """Each position's distribution `[B, T, V]` under its row's sampling settings."""
     B, T, V = logits_BTV.shape
     per_position = jax.tree.map(lambda a: jnp.repeat(a, T), sampling)
-    filtered = filter_logits(logits_BTV.reshape(B * T, V), per_position, sort)
+    filtered = filter_logits(logits_BTV.reshape(B * T, V), per_position, truncate)
     return jax.nn.softmax(filtered, axis=-1).reshape(B, T, V)
 
 
@@ -40,7 +40,7 @@ def accept(logits_BTV: jax.Array, guess_BK: jax.Array, q_BKV: jax.Array | None,
     greedy_BT = argmax(logits_BTV.reshape(B * T, V)).reshape(B, T)
     kept_BK = guess_BK == greedy_BT[:, :-1]
     if strategy.draw:
-        p_BTV = target_probs(logits_BTV, sampling, strategy.sort)
+        p_BTV = target_probs(logits_BTV, sampling, strategy.truncate)
         keys_B2 = jax.vmap(lambda key: jax.random.split(key))(key_B)
         u_BK = jax.vmap(lambda key: jax.random.uniform(key, (T - 1,)))(keys_B2[:, 0])
         q_at_guess_BKV = (jax.nn.one_hot(guess_BK, V, dtype=p_BTV.dtype) if q_BKV is None

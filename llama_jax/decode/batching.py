@@ -57,10 +57,10 @@ from llama_jax.shapes import bucket
 TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (OpenAI's limit)
 # The strategy of a prefill: it samples one token per request, so it always takes every path
 # and compiles once per shape.
-PREFILL_STRATEGY = Strategy(draw=True, sort=True)
+PREFILL_STRATEGY = Strategy(draw=True, truncate=True)
 # The decode strategy that takes every path (a batch with a row using top-k or top-p), with
 # top log-probabilities: the largest decode program.
-WIDEST_STRATEGY = Strategy(draw=True, sort=True)
+WIDEST_STRATEGY = Strategy(draw=True, truncate=True)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "batch", "n_pages", "page_size",

@@ -4,7 +4,7 @@ Every setting is a per-row array, so one compiled decoder serves a batch of requ
 different settings. Filters apply in the order of Hugging Face's logits processors: temperature,
 then top-k, then top-p on what top-k kept, then min-p. A row with temperature 0 is greedy.
 What the batch needs is a static `Strategy`: an all-greedy batch compiles no random draw, and
-sorting the vocabulary (for top-k / top-p) is compiled only when some row uses it.
+the top-k / top-p thresholds' search is compiled only when some row uses it.
 """
 
 from __future__ import annotations
@@ -50,14 +50,14 @@ def check_settings(temperature: float, top_k: int, top_p: float, min_p: float) -
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """Static (trace-time) needs of a batch: `draw` if some row samples (temperature > 0),
-    `sort` if some row that samples uses top-k or top-p."""
+    `truncate` if some row that samples uses top-k or top-p."""
     draw: bool
-    sort: bool
+    truncate: bool
 
     @classmethod
     def of(cls, temperature: float, top_k: int, top_p: float) -> "Strategy":
         draw = temperature > 0
-        return cls(draw=draw, sort=draw and (top_k > 0 or top_p < 1.0))
+        return cls(draw=draw, truncate=draw and (top_k > 0 or top_p < 1.0))
 
 
 def argmax(x_BV: jax.Array) -> jax.Array:
@@ -69,23 +69,46 @@ def argmax(x_BV: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(x_BV == max_B1, index_V, x_BV.shape[-1] - 1), axis=-1)
 
 
-def filter_logits(logits_BV: jax.Array, params: SamplingParams, sort: bool) -> jax.Array:
+def _ordered(x: jax.Array) -> jax.Array:
+    """float32 as uint32 of the same order (-inf lowest, -0 just below +0)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _least(holds, B: int) -> jax.Array:
+    """Per row, the least uint32 `t` for which `holds(t)` ([B] bools) is true: a bisection,
+    `holds` false below some value and true from it on (and at 2^32 - 1)."""
+    def halve(_, bounds):
+        low_B, high_B = bounds
+        mid_B = low_B + (high_B - low_B) // 2
+        true_B = holds(mid_B)
+        return jnp.where(true_B, low_B, mid_B + 1), jnp.where(true_B, mid_B, high_B)
+
+    bounds = (jnp.zeros((B,), jnp.uint32), jnp.full((B,), 2**32 - 1, jnp.uint32))
+    return jax.lax.fori_loop(0, 32, halve, bounds)[1]
+
+
+def filter_logits(logits_BV: jax.Array, params: SamplingParams, truncate: bool) -> jax.Array:
     """Temperature-scaled logits with the tokens outside the top-k / top-p / min-p sets at -inf.
-    `sort` (static) must be True if any row uses top-k or top-p."""
+    `truncate` (static) must be True if any row uses top-k or top-p.
+
+    Top-k keeps the values from the k-th largest up, and top-p the smallest prefix (largest
+    first) of those whose probability mass reaches top_p: from the least value above which
+    less than top_p of the mass lies. Both thresholds are searched for (32 halvings of the
+    values' bit patterns, each a pass over the row), not sorted: XLA:CPU sorts 8 rows of 8,192
+    logits in ~10 ms, ten times the search. Ties at a threshold all stay."""
     scaled_BV = logits_BV / jnp.maximum(params.temperature, 1e-6)[:, None]
-    if sort:
-        sorted_BV = jnp.flip(jnp.sort(scaled_BV, axis=-1), axis=-1)  # descending
-        rank_V = jnp.arange(scaled_BV.shape[-1])
-        k_B = jnp.where(params.top_k > 0, params.top_k, scaled_BV.shape[-1])
-        sorted_BV = jnp.where(rank_V[None] < k_B[:, None], sorted_BV, _REMOVED)
-        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
-        mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        within_p_BV = (mass_before_BV < params.top_p[:, None]) | (params.top_p[:, None] >= 1.0)
-        keep_BV = within_p_BV & (sorted_BV > _REMOVED)
-        n_keep_B = jnp.maximum(jnp.sum(keep_BV, axis=-1), 1)
-        threshold_B = jnp.take_along_axis(sorted_BV, (n_keep_B - 1)[:, None], axis=-1)
-        scaled_BV = jnp.where(scaled_BV >= threshold_B, scaled_BV, _REMOVED)
+    if truncate:
+        (B, V), order_BV = scaled_BV.shape, _ordered(scaled_BV)
+        k_B = jnp.where(params.top_k > 0, params.top_k, V)
+        top_k_B = _least(lambda t_B: jnp.sum(order_BV > t_B[:, None], -1) < k_B, B)
+        probs_BV = jax.nn.softmax(
+            jnp.where(order_BV >= top_k_B[:, None], scaled_BV, _REMOVED), axis=-1)
+        top_p_B = _least(lambda t_B: jnp.sum(jnp.where(order_BV > t_B[:, None], probs_BV, 0.0),
+                                             -1) < params.top_p, B)
+        top_p_B = jnp.where(params.top_p >= 1.0, 0, top_p_B)  # (a mass of 1 may round above)
+        scaled_BV = jnp.where(order_BV >= jnp.maximum(top_k_B, top_p_B)[:, None], scaled_BV,
+                              _REMOVED)
     # min-p: p >= min_p · p_max  <=>  logit >= max logit + log(min_p).
     floor_B = jnp.max(scaled_BV, axis=-1) + jnp.log(jnp.maximum(params.min_p, 1e-30))
     return jnp.where(scaled_BV >= floor_B[:, None], scaled_BV, _REMOVED)
@@ -105,5 +128,5 @@ def sample(logits_BV: jax.Array, key: jax.Array, params: SamplingParams,
         gumbel_BV = jax.vmap(lambda k: jax.random.gumbel(k, (V,), logits_BV.dtype))(key)
     else:
         gumbel_BV = jax.random.gumbel(key, logits_BV.shape, logits_BV.dtype)
-    drawn_B = argmax(filter_logits(logits_BV, params, strategy.sort) + gumbel_BV)
+    drawn_B = argmax(filter_logits(logits_BV, params, strategy.truncate) + gumbel_BV)
     return jnp.where(params.temperature > 0, drawn_B, greedy_B)

@@ -187,7 +187,7 @@ def draft_proposals(config: ModelConfig, params: Params, cache: KVCache, end_B: 
     def draw(logits_BV, i):
         keys_B = jax.vmap(jax.random.fold_in, (0, None))(key_B, i)
         token_B = sample(logits_BV, keys_B, sampling, strategy)
-        q_BV = (jax.nn.softmax(filter_logits(logits_BV, sampling, strategy.sort), -1)
+        q_BV = (jax.nn.softmax(filter_logits(logits_BV, sampling, strategy.truncate), -1)
                 if strategy.draw else None)
         return token_B, q_BV
 

@@ -351,7 +351,7 @@ class Engine:
         self._grow()
         live = [r for b, r in enumerate(self.owners) if self._decoding(b)]
         strategy = Strategy(draw=any(r.strategy.draw for r in live),
-                            sort=any(r.strategy.sort for r in live))
+                            truncate=any(r.strategy.truncate for r in live))
         verify = self.verify is not None and self.verify.worth_verifying(
             self.programs_dispatched, np.asarray([self._decoding(b)
                                                   for b in range(self.max_batch)]))

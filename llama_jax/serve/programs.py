@@ -204,9 +204,9 @@ class Programs:
                 calls.append(self._prefill_call(*chunk, True))
         for width in widths:
             pages_BN = np.full((s.max_batch, width), NO_PAGE, np.int32)
-            for draw, sort in ((False, False), (True, False), (True, True)):
+            for draw, truncate in ((False, False), (True, False), (True, True)):
                 for verify in (False, True) if self.spec else (False,):
-                    calls.append(self._decode_call(pages_BN, Strategy(draw, sort), 0, verify))
+                    calls.append(self._decode_call(pages_BN, Strategy(draw, truncate), 0, verify))
         # XLA compiles outside the GIL. Chunks of one table width and length share a program.
         unique = {self._key(*call): call for call in calls}.values()
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
