@@ -59,9 +59,10 @@ def _train(config: Path, workdir: Path, steps: int, processes: int) -> None:
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU multi-process test")
 def test_two_processes_train_checkpoint_and_resume_like_one_with_any_count(corpus_dir, tmp_path):
-    """Two processes checkpoint at step 2; the run resumed by two, by one and by four
-    processes (the data position is one for all) logs the uninterrupted run's losses. It reads
-    a mixture of two raw corpora, which each process prepares into the same cache at once."""
+    """Two processes checkpoint at step 2; the run resumed by two and by four processes (the
+    data position is one for all) logs the uninterrupted run's losses (one process's). It
+    reads a mixture of two raw corpora, which each process prepares into the same cache at
+    once."""
     sources = [{"path": str(corpus_dir), "weight": 2}, {"path": str(corpus_dir / "sub"),
                                                           "weight": 1}]
     run = RunConfig(**RUN, data=DataConfig(sources=sources))
@@ -70,8 +71,7 @@ def test_two_processes_train_checkpoint_and_resume_like_one_with_any_count(corpu
     _train(config, tmp_path / "two", steps=2, processes=2)  # checkpoint at 2 ...
     assert run_dir.Checkpoints(tmp_path / "two", run.train).latest_step() == 2
     assert (tmp_path / "two" / "checkpoints" / "2" / "data_state").is_dir()
-    for processes in (1, 4):
-        shutil.copytree(tmp_path / "two", tmp_path / f"from-two-by-{processes}")
+    shutil.copytree(tmp_path / "two", tmp_path / "from-two-by-4")
     _train(config, tmp_path / "two", steps=4, processes=2)  # ... restored by both processes
     _train(config, tmp_path / "one", steps=4, processes=1)
     (_, two), (_, one) = load_checkpoint(tmp_path / "two"), load_checkpoint(tmp_path / "one")
@@ -79,7 +79,7 @@ def test_two_processes_train_checkpoint_and_resume_like_one_with_any_count(corpu
     for a, b in zip(jax.tree.leaves(two), jax.tree.leaves(one)):
         assert relative_error(a, b) < 1e-5
     reference = metrics.read(tmp_path / "one" / run_dir.METRICS)
-    for processes in (2, 1, 4):
+    for processes in (2, 4):
         workdir = tmp_path / ("two" if processes == 2 else f"from-two-by-{processes}")
         if processes != 2:
             _train(config, workdir, steps=4, processes=processes)

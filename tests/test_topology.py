@@ -133,8 +133,10 @@ def test_a_tpu_step_keeps_bf16_matmuls_where_the_cpu_widens_them(tiny_run):
     assert len(tpu) == len(cpu) and all("bf16" in pair for pair in tpu), set(tpu)
 
 
-@pytest.mark.parametrize("name", ["v5e:2x2", "v5p:2x2x1"])
-def test_a_tpu_step_runs_splash_as_mosaic_kernels_within_the_plan(tiny_run, name):
+def test_a_tpu_step_runs_splash_as_mosaic_kernels_within_the_plan(tiny_run):
+    """On a v5p slice, the pods' chip (a v5e slice's step compiles from the command line, in
+    test_json_report_and_bad_topology_from_the_command_line)."""
+    name = "v5p:2x2x1"
     report = compile_training(tiny_run, name)
     step, evaluation = report.programs
     assert report.platform == "tpu" and report.fits
@@ -327,12 +329,6 @@ def test_a_server_compiled_for_a_tpu_holds_its_part_of_the_cache():
     shape = dict(max_batch=8, max_seq_len=256, cache_dtype="int8")
     alone = compile_serving(config, "v5e:2x2", decode_impl="scan", **shape)
     split = compile_serving(config, "v5e:2x2", mesh=MeshConfig(data=2, tensor=2), **shape)
-    # the compute dtype `auto` chose on this CPU host is chosen again for the TPUs, and the
-    # cache's default dtype follows it
-    auto = load_run_config("configs/tiny.yaml", [t for t in TINY if "compute" not in t]).model
-    assert auto.compute_dtype == "float32"
-    bf16 = compile_serving(auto, "v5e-1", max_batch=1, max_seq_len=64)
-    assert bf16.cache_dtype == "bfloat16" and bf16.fits
     assert (alone.decode_impl, split.decode_impl) == ("scan", "unrolled")
     for report in (alone, split):
         assert report.platform == "tpu" and report.fits, render_serving(report)
@@ -348,10 +344,12 @@ def test_a_server_compiled_for_a_tpu_holds_its_part_of_the_cache():
 def test_a_tpu_servers_decode_steps_read_pages_with_the_pallas_kernel():
     """A bf16 server of 128-feature heads on one v5e chip: its decode program reads the pool
     in place with Pallas's paged attention kernel (a Mosaic call, lowered for the chip);
-    its prefill chunks gather."""
-    config = load_run_config("configs/tiny.yaml", [t for t in TINY if "heads" not in t] +
+    its prefill chunks gather. The compute dtype `auto` chose on this CPU host (float32) is
+    chosen again for the TPU (bfloat16), and the cache's default dtype follows it."""
+    config = load_run_config("configs/tiny.yaml", [t for t in TINY if "heads" not in t
+                                                   and "compute" not in t] +
                              ["model.n_heads=2", "model.n_kv_heads=1"]).model
-    assert config.H == 128
+    assert config.H == 128 and config.compute_dtype == "float32"
     tpu_devices("v5e-1")
     report = compile_serving(config, "v5e-1", max_batch=2, max_seq_len=64)
     assert report.cache_dtype == "bfloat16" and report.fits, render_serving(report)
