@@ -77,16 +77,3 @@ def fresh_compilation_caches():
 def corpus_dir(tmp_path_factory) -> Path:
     return make_corpus(tmp_path_factory.mktemp("corpus"))
 
-
-# The slowest files, slowest first (seconds under `make test`, 2026-11-29). xdist hands whole
-# files to its workers in collection order as they free up; one of these left for last keeps
-# one worker busy for a minute or more while the other idles.
-SLOWEST_FIRST = ["test_topology.py", "test_xla_clock.py", "test_lora_runs.py",
-                 "test_multihost.py", "test_train.py", "test_grammar.py", "test_speculate.py",
-                 "test_serve_engine.py", "test_serve.py", "test_sharding.py",
-                 "test_default_codegen.py", "test_conversations.py"]
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
