@@ -76,4 +76,3 @@ def fresh_compilation_caches():
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory) -> Path:
     return make_corpus(tmp_path_factory.mktemp("corpus"))
-
