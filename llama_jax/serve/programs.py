@@ -68,8 +68,8 @@ class Programs:
         mesh, programs lay out their outputs by the sharding rules); the model's parameters
         (and the draft's), which never change, by name, and off a mesh the rows too, which
         every program returns in the structure they came in: hashing their ~25 leaves (the
-        demo model's) cost ~0.3 ms a program, 5-10% of a constrained step. (On a mesh, programs lay the rows out
-        differently: the first has them replicated.)"""
+        demo model's) cost ~0.3 ms a program, 5-10% of a constrained step. (On a mesh,
+        programs lay the rows out differently: the first has them replicated.)"""
         named = [("params",) if a is self.params else ("draft",) if (
             a is self.draft_params and a is not None) else ("rows",) if (
             a is self.rows and a is not None and self.placement is None) else a for a in args]
