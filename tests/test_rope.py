@@ -146,3 +146,22 @@ def test_bf16_inputs_rotate_in_fp32_and_return_bf16():
     assert out.dtype == jnp.bfloat16
     assert relative_error(out, apply_rope(jnp.asarray(x), cos, sin)) < 1e-2
     assert math.isfinite(float(jnp.sum(out)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_gradient_is_the_cotangent_rotated_back(dtype):
+    """The backward pass rotates the cotangent by -angle, as the float64 transpose of the
+    rotation does (the rotation is orthogonal), in the input's dtype."""
+    c = head_config(16)
+    rng = np.random.default_rng(5)
+    x, ct = (rng.standard_normal((2, 6, 3, 16)).astype(np.float32) for _ in range(2))
+    positions = rng.integers(0, 5000, (2, 6))
+    cos, sin = rope_cos_sin(c, jnp.asarray(positions, jnp.int32))
+    _, pull = jax.vjp(lambda x: apply_rope(x, cos, sin), jnp.asarray(x, dtype))
+    (d_x,) = pull(jnp.asarray(ct, dtype))
+    assert d_x.dtype == dtype
+    ct64 = np.asarray(jnp.asarray(ct, dtype), np.float64)
+    c64, s64 = (np.asarray(a, np.float64)[:, :, None] for a in (cos, sin))
+    half = ct64[..., :8], ct64[..., 8:]
+    want = np.concatenate([half[0] * c64 + half[1] * s64, half[1] * c64 - half[0] * s64], -1)
+    assert relative_error(d_x, want) < (1e-6 if dtype == "float32" else 1e-2)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -420,3 +421,37 @@ def test_slices_close_their_rings_as_the_real_ones(name, wrap):
     """Wraparound links: every side of a 3-D slice of 4x4x4 chips and up, a 16-chip side of a
     2-D one (Google's slice shapes, as MaxText's compile table has them)."""
     assert topology.parse(name).wrap == wrap
+
+
+def test_the_fences_hold_in_a_tpu_program_and_change_no_number():
+    """`ops.fenced` (the gated MLP's hidden state and its backward pass, a block norm's
+    gradient) is an optimization barrier in a program for a TPU and nothing elsewhere. Traced
+    for a TPU and run here: the loss and every gradient as the CPU's program has them, and the
+    MLP's as autodiff of the plain expression has them."""
+    from llama_jax.model.params import init_params
+    from llama_jax.nn.mlp import apply_mlp
+    from llama_jax.training.step import loss_sums
+    config = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=48,
+                         attention_impl="xla")
+    params = init_params(config, jax.random.key(0))
+    window = jax.random.randint(jax.random.key(1), (2, 17), 2, 64)
+    loss = jax.value_and_grad(lambda p: loss_sums(config, p, window, 1, 1e-2)[0])
+    here = loss(params)
+    with target.compiling_for(tpu_devices()):
+        there = loss(params)
+        lowered = jax.jit(loss).lower(params).as_text()
+    assert "optimization_barrier" in lowered
+    assert "optimization_barrier" not in jax.jit(loss).lower(params).as_text()
+    for a, b in zip(jax.tree.leaves(here), jax.tree.leaves(there)):
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
+
+    x = jax.random.normal(jax.random.key(2), (2, 5, 32))
+    p = jax.tree.map(lambda w: w[0], params["groups"][0]["mlp"])  # the first layer's
+
+    def plain(p, x):
+        return (jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
+    with target.compiling_for(tpu_devices()):
+        got = jax.grad(lambda p, x: jnp.sum(apply_mlp(config, p, x) ** 2), (0, 1))(p, x)
+    want = jax.grad(lambda p, x: jnp.sum(plain(p, x) ** 2), (0, 1))(p, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()

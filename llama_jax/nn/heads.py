@@ -24,6 +24,7 @@ objective's sums, its metrics and its prediction lines (eval/predict.py). A new 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import TYPE_CHECKING, Callable
 
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llama_jax.nn.ops import cast_weight, einsum_f32, einsum_f32_narrow_grads, row_tiled
+from llama_jax.nn.ops import cast_weight, einsum_f32, einsum_f32_grads, row_tiled
 from llama_jax.nn.registry import Registry
 from llama_jax.quant import is_int8
 from llama_jax.parallel.sharding import constrain
@@ -40,6 +41,9 @@ from llama_jax.spec import bias, weight
 if TYPE_CHECKING:
     from llama_jax.config import ModelConfig
 
+# Positions per run of the LM head's forward pass in training (`lm_head_log_z_and_target`): a
+# run's fp32 logits at V = 128K take 1 GiB a row, half the whole log-softmax kept in bf16 at 8K
+LOSS_RUN = 2048
 
 @dataclasses.dataclass(frozen=True)
 class Task:
@@ -116,16 +120,88 @@ def _count(sums: dict) -> float:
 
 
 def lm_head(config: ModelConfig, params: dict, h_BTD: jax.Array) -> jax.Array:
-    """fp32 logits: the loss and sampling want them in full precision. Their gradient reaches
-    the head's two backward matmuls in the compute dtype (`einsum_f32_narrow_grads`)."""
-    if config.tie_embeddings:
-        equation, w = "BTD,VD->BTV", params["embed"]["table"]
-    else:
-        equation, w = "BTD,DV->BTV", params["lm_head"]["w"]
-    w = cast_weight(w, h_BTD.dtype)
-    matmul = einsum_f32 if is_int8(w) else einsum_f32_narrow_grads
-    logits_BTV = row_tiled(lambda h: matmul(equation, h, w), h_BTD, 1)  # `ops.MIN_ROWS`
+    """fp32 logits: sampling and scoring want them in full precision. (Training's loss runs
+    the same matmul inside `training/cross_entropy.py`'s own backward rule.)"""
+    equation, w = lm_head_matmul(config, params, h_BTD.dtype)
+    logits_BTV = row_tiled(lambda h: einsum_f32(equation, h, w), h_BTD, 1)  # `ops.MIN_ROWS`
     return constrain(logits_BTV, ("batch", "seq", "vocab"))
+
+
+def lm_head_matmul(config: ModelConfig, params: dict, dtype) -> tuple[str, jax.Array]:
+    """The LM head's einsum and its weight in the compute `dtype`: the untied head, or the
+    embedding table (tied)."""
+    if config.tie_embeddings:
+        return "BTD,VD->BTV", cast_weight(params["embed"]["table"], dtype)
+    return "BTD,DV->BTV", cast_weight(params["lm_head"]["w"], dtype)
+
+
+def lm_head_log_z_and_target(config: ModelConfig, params: dict, h_BTD: jax.Array,
+                             targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """fp32 `(log Z, target logit)` `[B, T]` of the LM head's fp32 logits, for the loss.
+
+    The forward pass computes the logits LOSS_RUN positions at a time (a loop over runs), so
+    that one run's fp32 logits exist beside the whole log-softmax, which the backward pass
+    keeps in the compute dtype: it takes the softmax as `exp(log-softmax)`, in bf16 off by
+    at most 2^-9 of p·|log p| <= 2^-9/e an entry, what rounding the logits' gradient to bf16
+    (for the head's two bf16 backward matmuls) costs anyway. Not the logits themselves in
+    bf16: their rounding grows with their size, and a softmax near 1 would lose its gradient.
+    LLaMA-3 8B at 8K tokens a chip on XLA:TPU's clock: 6.9 GiB peak, where keeping the fp32
+    logits took 9.3. A frozen int8 head has no weight gradient: its logits are differentiated
+    as they are."""
+    equation, w = lm_head_matmul(config, params, h_BTD.dtype)
+    if is_int8(w):
+        logits_BTV = lm_head(config, params, h_BTD)
+        target_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+        return jax.nn.logsumexp(logits_BTV, axis=-1), target_BT
+    runs = max(1, h_BTD.shape[1] // LOSS_RUN)
+    return _log_z_and_target(equation, runs, h_BTD, w, targets_BT)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _log_z_and_target(equation: str, runs: int, h_BTD: jax.Array, w: jax.Array,
+                      targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return _loss_forward(equation, runs, h_BTD, w, targets_BT)[0]
+
+
+def _loss_forward(equation, runs, h_BTD, w, targets_BT):
+    """One run of C positions after another, each writing its part of the whole-length
+    results in place (a last run that would overhang the end starts earlier, recomputing a
+    few positions: the same values)."""
+    B, T, _ = h_BTD.shape
+    C = -(-T // runs)
+    # gathered whole (over FSDP) once, not once per run
+    w = constrain(w, tuple("vocab" if c == "V" else None for c in equation.split(",")[1][:2]))
+
+    def run(i, outs):
+        start = jnp.minimum(i * C, T - C)
+        h_BCD = jax.lax.dynamic_slice_in_dim(h_BTD, start, C, axis=1)
+        targets_BC = jax.lax.dynamic_slice_in_dim(targets_BT, start, C, axis=1)
+        logits_BCV = constrain(einsum_f32(equation, h_BCD, w), ("batch", "seq", "vocab"))
+        log_z_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+        target_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
+        log_p_BCV = (logits_BCV - log_z_BC[..., None]).astype(h_BTD.dtype)
+        return tuple(jax.lax.dynamic_update_slice_in_dim(whole, part, start, axis=1)
+                     for whole, part in zip(outs, (log_z_BC, target_BC, log_p_BCV)))
+
+    V = w.shape[equation.split(",")[1].index("V")]
+    outs = (jnp.zeros((B, T), jnp.float32), jnp.zeros((B, T), jnp.float32),
+            constrain(jnp.zeros((B, T, V), h_BTD.dtype), ("batch", "seq", "vocab")))
+    log_z_BT, target_BT, log_p_BTV = jax.lax.fori_loop(0, runs, run, outs)
+    return (log_z_BT, target_BT), (h_BTD, w, log_p_BTV, targets_BT)
+
+
+def _loss_backward(equation, runs, residuals, cotangents):
+    h_BTD, w, log_p_BTV, targets_BT = residuals
+    d_log_z_BT, d_target_BT = cotangents
+    vocab_V = jnp.arange(log_p_BTV.shape[-1])
+    d_logits_BTV = (jnp.exp(log_p_BTV.astype(jnp.float32)) * d_log_z_BT[..., None]
+                    + jnp.where(vocab_V == targets_BT[..., None], d_target_BT[..., None], 0))
+    d_logits_BTV = constrain(d_logits_BTV.astype(h_BTD.dtype), ("batch", "seq", "vocab"))
+    d_h_BTD, d_w = einsum_f32_grads(equation, h_BTD, w, d_logits_BTV)
+    return d_h_BTD, d_w, None
+
+
+_log_z_and_target.defvjp(_loss_forward, _loss_backward)
 
 
 def real_tokens(config: ModelConfig, tokens_BT: jax.Array) -> jax.Array:

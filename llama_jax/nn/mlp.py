@@ -14,11 +14,12 @@ any hidden-width letter and any leading axes: the MoE experts (nn/moe.py) stack 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Callable
 
 import jax
 
-from llama_jax.nn.ops import linear
+from llama_jax.nn.ops import fenced, linear
 from llama_jax.nn.registry import Registry
 from llama_jax.parallel.sharding import constrain
 from llama_jax.spec import bias, weight
@@ -83,7 +84,7 @@ def ffn(kind: str, p: dict, x, up, down, bias_of=lambda name: None):
     `bias_of(name)`."""
     up_x, mlp = up(x, p["w_up"], bias_of("b_up")), MLPS[kind]
     if mlp.gated:
-        hidden = mlp.activation(up(x, p["w_gate"], bias_of("b_gate"))) * up_x
+        hidden = _glu(mlp.activation, up(x, p["w_gate"], bias_of("b_gate")), up_x)
     else:
         hidden = mlp.activation(up_x)
     return down(hidden.astype(x.dtype), p["w_down"], bias_of("b_down"))
@@ -97,3 +98,28 @@ def apply_mlp(config: ModelConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
     def down(h_BTF, w_FD, b_D):
         return linear("BTF,FD->BTD", h_BTF, w_FD, b_D)
     return ffn(config.dense_mlp, p, x_BTD, up, down, p.get)
+
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _glu(activation: Callable[[jax.Array], jax.Array], gate: jax.Array,
+         up: jax.Array) -> jax.Array:
+    """`activation(gate) * up`, the gated MLP's hidden state, with its backward pass as one
+    elementwise pass of its own: both gradients from the gate, up and incoming gradient,
+    written once. Left to itself, XLA:TPU fuses pieces of that pass into the matmuls around
+    it, recomputing the activation and its derivative per matmul tile (LLaMA-3 8B's training
+    step on XLA:TPU's clock: 1.5 ms a layer more; `ops.fenced`). The values are autodiff's."""
+    return fenced(activation(gate) * up)
+
+
+def _glu_forward(activation, gate, up):
+    return _glu(activation, gate, up), (gate, up)
+
+
+def _glu_backward(activation, residuals, d_hidden):
+    gate, up, d_hidden = fenced((*residuals, d_hidden))
+    activated, pull = jax.vjp(activation, gate)
+    return fenced((pull(d_hidden * up)[0], d_hidden * activated))
+
+
+_glu.defvjp(_glu_forward, _glu_backward)

@@ -8,7 +8,6 @@ they are constant along (`_int8_einsum`), so no dequantized copy of the weight i
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable
 
@@ -76,30 +75,15 @@ def matmul_precision(a: jax.Array, b: jax.Array) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if wide else jax.lax.Precision.DEFAULT
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def einsum_f32_narrow_grads(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """`einsum_f32` whose backward pass takes the cotangent in the operands' dtype: for 16-bit
-    operands the two backward matmuls are 16-bit ones (fp32 accumulation), as for every other
-    matmul of a bf16 step, rather than fp32 cotangent x bf16 weight. Forward: the fp32 result
-    of `einsum_f32`. For the LM head, whose fp32 logits the loss wants: its backward matmuls
-    over the vocabulary are the step's largest. Needs each index in the output or in both
-    operands (a matmul)."""
-    return einsum_f32(equation, a, b)
-
-
-def _narrow_forward(equation, a, b):
-    return einsum_f32(equation, a, b), (a, b)
-
-
-def _narrow_backward(equation, operands, ct):
-    a, b = operands
+def einsum_f32_grads(equation: str, a: jax.Array, b: jax.Array, ct: jax.Array
+                     ) -> tuple[jax.Array, jax.Array]:
+    """The gradients of `einsum_f32(equation, a, b)` for the cotangent `ct`, each in its
+    operand's dtype: two matmuls with fp32 accumulation, whose operands are `ct` as given and
+    the other operand (pass a 16-bit `ct` for 16-bit matmuls). Needs each index in the output
+    or in both operands (a matmul)."""
     (lhs, rhs), out = equation.split("->")[0].split(","), equation.split("->")[1]
-    ct = ct.astype(a.dtype)
     return (einsum_f32(f"{out},{rhs}->{lhs}", ct, b).astype(a.dtype),
             einsum_f32(f"{lhs},{out}->{rhs}", a, ct).astype(b.dtype))
-
-
-einsum_f32_narrow_grads.defvjp(_narrow_forward, _narrow_backward)
 
 
 def _widened_on_cpu(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -226,3 +210,21 @@ def lookup(table_VD: jax.Array | Int8, tokens: jax.Array, dtype) -> jax.Array:
         rows = jnp.take(table_VD.values, tokens, axis=0).astype(jnp.float32)
         return (rows * jnp.take(table_VD.scale, tokens, axis=0)).astype(dtype)
     return jnp.take(table_VD, tokens, axis=0).astype(dtype)
+
+
+def fenced(x):
+    """`x` (an array or a tuple of them), materialised as it is before any use when compiling
+    for a TPU (`optimization_barrier`): XLA:TPU cannot fuse the ops that make it into the ops
+    that use it. Where XLA:TPU's own clock prices such fusions dearer than the memory pass they
+    save (an elementwise chain recomputed in a matmul's prologue or epilogue, per tile), a
+    fence gets the cheaper program. Elsewhere unmeasured, so left to XLA."""
+    return jax.lax.optimization_barrier(x) if target.platform() == "tpu" else x
+
+
+@jax.custom_vjp
+def fenced_cotangent(x: jax.Array) -> jax.Array:
+    """`x`; in the backward pass its cotangent is `fenced`."""
+    return x
+
+
+fenced_cotangent.defvjp(lambda x: (x, None), lambda _, ct: (fenced(ct),))

@@ -27,16 +27,18 @@ bias per layer, b·T per token, except under the recomputing policies.
 Heads and the FFN width are divided by the tensor axis when the activation rules shard them.
 Kept besides: the embedded input, b·D per token (split as the block input); with the dropless
 MoE dispatch on a mesh and no remat, each layer's experts, gathered in the compute dtype.
-Working set on top, two parts: the loss's — the fp32 logits, their softmax and its gradient,
-3·4·V per token (over tensor when the vocabulary is sharded; under `loss_chunk` C, for C
-positions of each row instead of T, plus the head's fp32 gradient 4·D·V, which the pieces add
-to, unsharded over fsdp) — and the backward pass of one layer: its activations (recomputed
-under remat), for the blockwise paths a few fp32 tiles of scores (3·4·N·block_q·block_kv per
-row), the dropless path's gathered experts and their gradient. On TPUs (`LOGIT_BYTES`,
-`SHARED_WORKING_SETS`) XLA fuses the softmax into the gradient (2·4·V per token), the two parts
-share memory (the larger counts), and the layer FSDP gathers (weights in the compute dtype,
-their fp32 gradient) counts with the layer's part; on CPUs the parts add, as XLA:CPU's
-buffers do. The figures are estimates; `python -m llama_jax.plan.info` prints them,
+Working set on top, two parts: the loss's — the log-softmax kept in the compute dtype and the
+logits' gradient, 2·b·V per token, plus one run's fp32 logits, 4·V per position of a run of
+`nn.heads.LOSS_RUN` (over tensor when the vocabulary is sharded; under `loss_chunk` C, for C
+positions of each row: the fp32 logits, their softmax and its gradient, 3·4·V, plus the head's
+fp32 gradient 4·D·V, which the pieces add to, unsharded over fsdp) — and the backward pass of
+one layer: its activations (recomputed under remat), for the blockwise paths a few fp32 tiles
+of scores (3·4·N·block_q·block_kv per row), the dropless path's gathered experts and their
+gradient. On TPUs (`FUSED_LOGIT_GRADIENTS`, `LOGIT_BYTES`, `SHARED_WORKING_SETS`) XLA computes
+the logits' gradient inside the head's matmuls (b·V per token; a chunk's softmax inside its
+gradient, 2·4·V), the two parts share memory (the larger counts), and the layer FSDP gathers
+(weights in the compute dtype, their fp32 gradient) counts with the layer's part; on CPUs the
+parts add, as XLA:CPU's buffers do. The figures are estimates; `python -m llama_jax.plan.info` prints them,
 tests/test_memory.py checks them against XLA's `compiled.memory_analysis()` on CPU, and
 bench/pods.py against XLA:TPU's peak per chip for pod-scale runs (docs/scale-out.md).
 """
@@ -52,17 +54,21 @@ from llama_jax.config import MeshConfig, ModelConfig
 from llama_jax.parallel.sharding import MESH_AXES
 from llama_jax.nn.attention.dot_product import chosen_attention, one_block
 from llama_jax.nn.attention.mixers import mixer_of
+from llama_jax.nn.heads import LOSS_RUN
 from llama_jax.nn.mlp import MLPS
 from llama_jax.nn.moe import dispatch_of
 from llama_jax.spec import count, spec_leaves
 from llama_jax.model.params import layer_groups, param_specs
 
 
-# Bytes per logit (token x vocabulary entry) the loss holds at once: the fp32 logits, their
-# softmax and its gradient, as XLA:CPU keeps them; XLA:TPU fuses the softmax into the gradient
-# (8 fitted over the LLaMA-3 8B and 70B steps compiled for v5p slices, docs/scale-out.md).
-# GPUs are planned as CPUs until measured.
+# Bytes per logit (token x vocabulary entry) a `loss_chunk` piece holds at once: the fp32
+# logits, their softmax and its gradient, as XLA:CPU keeps them; XLA:TPU fuses the softmax into
+# the gradient (8 fitted over the LLaMA-3 8B and 70B steps compiled for v5p slices,
+# docs/scale-out.md). GPUs are planned as CPUs until measured.
 LOGIT_BYTES = {"cpu": 12, "gpu": 12, "tpu": 8}
+# Where the dense head's gradient of the logits is never written: XLA:TPU computes it inside
+# the head's two backward matmuls from the kept log-softmax (nn/heads.py)
+FUSED_LOGIT_GRADIENTS = ("tpu",)
 # Where XLA's peak is planned from the working sets as they live: the loss's logits and the
 # layers' backward pass share memory (the peak has the larger, not the sum), and the layer an
 # FSDP step gathers counts with the latter (LLaMA-3.1 405B on a v5p slice: 0.95x of XLA:TPU's
@@ -163,10 +169,13 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
     # attention's tiles; gathered experts): the larger of the two where XLA's buffers for one
     # are reused for the other (SHARED_WORKING_SETS), else both.
     vocab_ways = _ways(rules, shape, "vocab", V)
-    logits = rows * min(config.loss_chunk or seq, seq) * LOGIT_BYTES.get(
-        backend, LOGIT_BYTES["cpu"]) * V // vocab_ways
     if config.loss_chunk is not None and config.loss_chunk < seq:
-        logits += 4 * D * V // vocab_ways  # the head's gradient, summed over the pieces
+        logits = rows * config.loss_chunk * LOGIT_BYTES.get(backend, LOGIT_BYTES["cpu"]) * V
+        logits += 4 * D * V  # the head's gradient, summed over the pieces
+    else:  # the log-softmax kept, one run's fp32 logits, the logits' gradient unless fused
+        gradient = 0 if backend in FUSED_LOGIT_GRADIENTS else b
+        logits = rows * (seq * (b + gradient) + min(seq, LOSS_RUN) * 4) * V
+    logits //= vocab_ways
     layer_backward = tokens * whole_layer + rows * attn.tiles + gathered_working + (
         gathered_layer if shape["fsdp"] > 1 and backend in SHARED_WORKING_SETS else 0)
     kv_seq = seq if kv_seq is None else kv_seq

@@ -1,8 +1,9 @@
 """The LM head's next-token log-normaliser and target logit per position, for the loss.
 
-Dense (`config.loss_chunk` null): the fp32 logits `[B, T, V]` of the whole batch at once; the
-backward pass holds them, their softmax and its gradient, 3·4·V bytes per token, which at
-V = 128K and T = 8K is 12 GiB a row, more than the model's activations.
+Dense (`config.loss_chunk` null): the head's fp32 logits `[B, T, V]` of the whole batch, a
+run of positions at a time, with their log-softmax kept for the backward pass in the compute
+dtype (`nn.heads.lm_head_log_z_and_target`): in bf16, 2·V bytes per token, which at V = 128K
+and T = 8K is 2 GiB a row, as much as LLaMA-3 8B's 32 layers keep under full remat.
 
 Chunked (`loss_chunk: C`): the positions of every row are taken C at a time by a `lax.scan`
 whose body is rematerialised (`jax.checkpoint`), so only one piece's logits `[B, C, V]` ever
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from llama_jax.config import ModelConfig
-from llama_jax.nn.heads import lm_head
+from llama_jax.nn.heads import lm_head_log_z_and_target
 
 # Positions per piece of the scored-only head when `loss_chunk` is not set: small enough that
 # the skipped tail of a row is most of what is unscored, large enough for the head's matmul
@@ -98,9 +99,7 @@ def scored_log_z_and_target(config: ModelConfig, params: dict, h_BTD: jax.Array,
 
 def _piece(config: ModelConfig, params: dict, h_BCD: jax.Array,
            targets_BC: jax.Array) -> tuple[jax.Array, jax.Array]:
-    logits_BCV = lm_head(config, params, h_BCD)
-    target_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
-    return jax.nn.logsumexp(logits_BCV, axis=-1), target_BC
+    return lm_head_log_z_and_target(config, params, h_BCD, targets_BC)
 
 
 def _pieces(x_BT: jax.Array, n: int) -> jax.Array:
