@@ -187,6 +187,33 @@ def test_default_mlp_widths_keep_parameters_equal_across_kinds():
     assert len(set(sizes.values())) == 1
 
 
+@pytest.mark.parametrize("mlp, bias, remat", [("swiglu", False, "full"),
+                                               ("geglu", True, "dots_no_batch")])
+def test_a_gated_mlps_gradients_are_the_float64_ones(mlp, bias, remat):
+    """The gated MLP runs under its own backward rule (`nn.mlp._glu_down`, the hidden state
+    written beside both gradients): its gradients for every weight, bias and the input, against
+    float64 ones of the plain expression, with the up matmuls recomputed or saved."""
+    from llama_jax.model.params import init_params
+    from llama_jax.nn.mlp import MLPS, apply_mlp
+    config = ModelConfig(vocab_size=16, dim=16, n_layers=1, n_heads=2, ffn_dim=24, mlp=mlp,
+                         bias=bias, remat=remat)
+    p = jax.tree.map(lambda w: w[0], init_params(config, jax.random.key(0))["groups"][0]["mlp"])
+    p = jax.tree.map(lambda w: w + 0.1 * jax.random.normal(jax.random.key(1), w.shape), p)
+    x = jax.random.normal(jax.random.key(2), (2, 3, 16))
+    grads = jax.grad(lambda p, x: jnp.sum(jnp.sin(apply_mlp(config, p, x))), (0, 1))(p, x)
+
+    def plain(p, x):  # float64 autodiff of the plain expression
+        hidden = MLPS[mlp].activation(x @ p["w_gate"] + p.get("b_gate", 0)) * (
+            x @ p["w_up"] + p.get("b_up", 0))
+        return jnp.sum(jnp.sin(hidden @ p["w_down"] + p.get("b_down", 0)))
+    with jax.enable_x64():
+        p64, x64 = jax.tree.map(lambda a: np.asarray(a, np.float64), (p, x))
+        want = jax.grad(plain, (0, 1))(p64, x64)
+    for path, got in jax.tree_util.tree_leaves_with_path(grads):
+        wanted = dict(jax.tree_util.tree_leaves_with_path(want))[path]
+        assert relative_error(got, wanted) < 1e-5, jax.tree_util.keystr(path)
+
+
 def test_the_published_gpt2_small_parameter_count():
     assert costs.param_counts(llama_jax.load_model_config("gpt2-small")).total == 124_439_808
 

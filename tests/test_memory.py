@@ -88,9 +88,10 @@ def test_planner_cli_prints_a_training_plan(capsys):
 
 def test_the_plan_counts_the_logits_of_one_piece_under_loss_chunk(capsys):
     """LLaMA-3-8B at 8K tokens on a GPU: the dense loss keeps the bf16 log-softmax and the
-    logits' bf16 gradient, 2·2·V bytes a position, and one run's fp32 logits, 4·V for each of
-    LOSS_RUN positions; with 1K positions at a time, those positions' fp32 logits and their two
-    companions, 12·V a position, and the head's gradient."""
+    logits' bf16 gradient, 2·2·V bytes a position, one run's fp32 logits, 4·V for each of
+    LOSS_RUN positions, and the head's bf16 weight and fp32 gradient; with 1K positions at a
+    time, those positions' fp32 logits and their two companions, 12·V a position, and the
+    head's gradient."""
     args = ["llama3-8b", "--batch", "1", "--seq", "8192", "--hardware", "h100", "--json"]
     plans = []
     for extra in ([], ["--loss-chunk", "1024"]):
@@ -98,7 +99,7 @@ def test_the_plan_counts_the_logits_of_one_piece_under_loss_chunk(capsys):
         plans.append(json.loads(capsys.readouterr().out)["training"])
     V, D = 128256, 4096
     saved = plans[0]["activations_bytes"] - plans[1]["activations_bytes"]
-    assert saved == (8192 * 2 * 2 + LOSS_RUN * 4 - 1024 * 12) * V - 4 * D * V
+    assert saved == (8192 * 2 * 2 + LOSS_RUN * 4 - 1024 * 12) * V + (2 + 4 - 4) * D * V
 
 
 def test_the_cli_plans_a_bf16_first_moment(capsys):

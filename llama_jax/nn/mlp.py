@@ -78,37 +78,52 @@ def mlp_specs(config: ModelConfig, residual_scale: float) -> dict:
     return specs
 
 
-def ffn(kind: str, p: dict, x, up, down, bias_of=lambda name: None):
+def ffn(kind: str, p: dict, x, up, down, bias_of=lambda name: None,
+        recomputed: bool | None = None):
     """One MLP of `kind` on x, its matmuls by `up(x, w, b)` into the hidden width and
     `down(h, w, b)` out of it (plain, batched per expert, or grouped), with biases
-    `bias_of(name)`."""
+    `bias_of(name)`. `recomputed` (a `down` that closes over no array: whether the remat
+    policy recomputes the up matmuls in the backward pass) runs a gated MLP's hidden state
+    and W_down under one backward rule (`_glu_down`)."""
     up_x, mlp = up(x, p["w_up"], bias_of("b_up")), MLPS[kind]
-    if mlp.gated:
-        hidden = _glu(mlp.activation, up(x, p["w_gate"], bias_of("b_gate")), up_x)
-    else:
-        hidden = mlp.activation(up_x)
-    return down(hidden.astype(x.dtype), p["w_down"], bias_of("b_down"))
+    if not mlp.gated:
+        return down(mlp.activation(up_x).astype(x.dtype), p["w_down"], bias_of("b_down"))
+    gate = up(x, p["w_gate"], bias_of("b_gate"))
+    if recomputed is None:
+        hidden = _glu(mlp.activation, gate, up_x).astype(x.dtype)
+        return down(hidden, p["w_down"], bias_of("b_down"))
+    return _glu_down(mlp.activation, down, recomputed, gate, up_x, p["w_down"],
+                     bias_of("b_down"))
+
+
+# Remat policies under which a block's up matmuls run again in the backward pass
+RECOMPUTING = ("full", "attention")
 
 
 def apply_mlp(config: ModelConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
     """The dense MLP (also the MoE's shared experts: the same kind, their width from `p`)."""
-    def up(x_BTD, w_DF, b_F):
-        return constrain(linear("BTD,DF->BTF", x_BTD, w_DF, b_F), ("batch", "seq", "mlp"))
-
-    def down(h_BTF, w_FD, b_D):
-        return linear("BTF,FD->BTD", h_BTF, w_FD, b_D)
-    return ffn(config.dense_mlp, p, x_BTD, up, down, p.get)
+    return ffn(config.dense_mlp, p, x_BTD, _dense_up, _dense_down, p.get,
+               recomputed=config.remat in RECOMPUTING)
 
 
+def _dense_up(x_BTD: jax.Array, w_DF, b_F) -> jax.Array:
+    return constrain(linear("BTD,DF->BTF", x_BTD, w_DF, b_F), ("batch", "seq", "mlp"))
+
+
+def _dense_down(h_BTF: jax.Array, w_FD, b_D) -> jax.Array:
+    return linear("BTF,FD->BTD", h_BTF, w_FD, b_D)
+
+
+# The gated MLP's backward pass as one elementwise pass of its own: both gradients (and, under
+# `_glu_down`, the hidden state for W_down's gradient) from the gate, up and incoming gradient,
+# written once. Left to itself, XLA:TPU fuses pieces of that pass into the matmuls around it,
+# recomputing the activation and its derivative per matmul tile (LLaMA-3 8B's training step on
+# XLA:TPU's clock: 1.5 ms a layer more; `ops.fenced`). The values are autodiff's.
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _glu(activation: Callable[[jax.Array], jax.Array], gate: jax.Array,
          up: jax.Array) -> jax.Array:
-    """`activation(gate) * up`, the gated MLP's hidden state, with its backward pass as one
-    elementwise pass of its own: both gradients from the gate, up and incoming gradient,
-    written once. Left to itself, XLA:TPU fuses pieces of that pass into the matmuls around
-    it, recomputing the activation and its derivative per matmul tile (LLaMA-3 8B's training
-    step on XLA:TPU's clock: 1.5 ms a layer more; `ops.fenced`). The values are autodiff's."""
+    """`activation(gate) * up`, the gated MLP's hidden state."""
     return fenced(activation(gate) * up)
 
 
@@ -117,9 +132,44 @@ def _glu_forward(activation, gate, up):
 
 
 def _glu_backward(activation, residuals, d_hidden):
-    gate, up, d_hidden = fenced((*residuals, d_hidden))
-    activated, pull = jax.vjp(activation, gate)
-    return fenced((pull(d_hidden * up)[0], d_hidden * activated))
+    return fenced(_gated_grads(activation, *fenced((*residuals, d_hidden)))[1:])
 
 
 _glu.defvjp(_glu_forward, _glu_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _glu_down(activation, down, recomputed: bool, gate, up, w, b):
+    """`down(activation(gate) * up, w, b)`. Its backward pass writes the hidden state beside
+    both gradients instead of recomputing it for W_down's gradient (under full remat, in the
+    up matmul's epilogue: 0.6 ms a layer of LLaMA-3 8B on XLA:TPU's clock). Where the up
+    matmuls run again in the backward pass (`recomputed`), their outputs are fenced too, else
+    XLA fuses the pass into them; where they were saved, fencing them would copy them out of
+    the saved layers' stack."""
+    return down(fenced(activation(gate) * up), w, b)
+
+
+def _glu_down_forward(activation, down, recomputed, gate, up, w, b):
+    return _glu_down(activation, down, recomputed, gate, up, w, b), (gate, up, w, b)
+
+
+def _glu_down_backward(activation, down, recomputed, residuals, d_y):
+    gate, up, w, b = residuals
+    _, pull_hidden = jax.vjp(lambda h: down(h, w, b), gate)  # linear in h: its value unused
+    (d_hidden,) = pull_hidden(d_y)
+    if recomputed:
+        gate, up, d_hidden = fenced((gate, up, d_hidden))
+    else:
+        d_hidden = fenced(d_hidden)
+    hidden, d_gate, d_up = fenced(_gated_grads(activation, gate, up, d_hidden))
+    _, pull_weights = jax.vjp(lambda w, b: down(hidden, w, b), w, b)
+    return (d_gate, d_up, *pull_weights(d_y))
+
+
+_glu_down.defvjp(_glu_down_forward, _glu_down_backward)
+
+
+def _gated_grads(activation, gate, up, d_hidden):
+    """(hidden state, d gate, d up): the callers fence the ones they use."""
+    activated, pull = jax.vjp(activation, gate)
+    return activated * up, pull(d_hidden * up)[0], d_hidden * activated

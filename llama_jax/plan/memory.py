@@ -28,17 +28,18 @@ Heads and the FFN width are divided by the tensor axis when the activation rules
 Kept besides: the embedded input, b·D per token (split as the block input); with the dropless
 MoE dispatch on a mesh and no remat, each layer's experts, gathered in the compute dtype.
 Working set on top, two parts: the loss's — the log-softmax kept in the compute dtype and the
-logits' gradient, 2·b·V per token, plus one run's fp32 logits, 4·V per position of a run of
-`nn.heads.LOSS_RUN` (over tensor when the vocabulary is sharded; under `loss_chunk` C, for C
-positions of each row: the fp32 logits, their softmax and its gradient, 3·4·V, plus the head's
-fp32 gradient 4·D·V, which the pieces add to, unsharded over fsdp) — and the backward pass of
+logits' gradient, 2·b·V per token, one run's fp32 logits, 4·V per position of a run of
+`nn.heads.LOSS_RUN`, and the head's weight in the compute dtype and its fp32 gradient,
+(b + 4)·D·V, unsharded over fsdp (all over tensor when the vocabulary is sharded; under
+`loss_chunk` C, for C positions of each row: the fp32 logits, their softmax and its gradient,
+3·4·V, plus the head's fp32 gradient 4·D·V, which the pieces add to) — and the backward pass of
 one layer: its activations (recomputed under remat), for the blockwise paths a few fp32 tiles
 of scores (3·4·N·block_q·block_kv per row), the dropless path's gathered experts and their
-gradient. On TPUs (`FUSED_LOGIT_GRADIENTS`, `LOGIT_BYTES`, `SHARED_WORKING_SETS`) XLA computes
-the logits' gradient inside the head's matmuls (b·V per token; a chunk's softmax inside its
-gradient, 2·4·V), the two parts share memory (the larger counts), and the layer FSDP gathers
-(weights in the compute dtype, their fp32 gradient) counts with the layer's part; on CPUs the
-parts add, as XLA:CPU's buffers do. The figures are estimates; `python -m llama_jax.plan.info` prints them,
+gradient. XLA:TPU computed the logits' gradient inside the head's matmuls for LLaMA-3 8B at 8K
+tokens a chip, but wrote it at 32K: the plan counts it. On TPUs (`LOGIT_BYTES`,
+`SHARED_WORKING_SETS`) a chunk's softmax is fused into its gradient (2·4·V), the two parts share
+memory (the larger counts), and the layer FSDP gathers (weights in the compute dtype, their fp32
+gradient) counts with the layer's part; on CPUs the parts add, as XLA:CPU's buffers do. The figures are estimates; `python -m llama_jax.plan.info` prints them,
 tests/test_memory.py checks them against XLA's `compiled.memory_analysis()` on CPU, and
 bench/pods.py against XLA:TPU's peak per chip for pod-scale runs (docs/scale-out.md).
 """
@@ -66,9 +67,6 @@ from llama_jax.model.params import layer_groups, param_specs
 # the gradient (8 fitted over the LLaMA-3 8B and 70B steps compiled for v5p slices,
 # docs/scale-out.md). GPUs are planned as CPUs until measured.
 LOGIT_BYTES = {"cpu": 12, "gpu": 12, "tpu": 8}
-# Where the dense head's gradient of the logits is never written: XLA:TPU computes it inside
-# the head's two backward matmuls from the kept log-softmax (nn/heads.py)
-FUSED_LOGIT_GRADIENTS = ("tpu",)
 # Where XLA's peak is planned from the working sets as they live: the loss's logits and the
 # layers' backward pass share memory (the peak has the larger, not the sum), and the layer an
 # FSDP step gathers counts with the latter (LLaMA-3.1 405B on a v5p slice: 0.95x of XLA:TPU's
@@ -172,9 +170,9 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
     if config.loss_chunk is not None and config.loss_chunk < seq:
         logits = rows * config.loss_chunk * LOGIT_BYTES.get(backend, LOGIT_BYTES["cpu"]) * V
         logits += 4 * D * V  # the head's gradient, summed over the pieces
-    else:  # the log-softmax kept, one run's fp32 logits, the logits' gradient unless fused
-        gradient = 0 if backend in FUSED_LOGIT_GRADIENTS else b
-        logits = rows * (seq * (b + gradient) + min(seq, LOSS_RUN) * 4) * V
+    else:  # the log-softmax kept and the logits' gradient, one run's fp32 logits; the head's
+        # weight in the compute dtype and its fp32 gradient, whole over fsdp
+        logits = rows * (seq * 2 * b + min(seq, LOSS_RUN) * 4) * V + (b + 4) * D * V
     logits //= vocab_ways
     layer_backward = tokens * whole_layer + rows * attn.tiles + gathered_working + (
         gathered_layer if shape["fsdp"] > 1 and backend in SHARED_WORKING_SETS else 0)
