@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 # run's fp32 logits at V = 128K take 1 GiB a row, half the whole log-softmax kept in bf16 at 8K
 LOSS_RUN = 2048
 
+
 @dataclasses.dataclass(frozen=True)
 class Task:
     """What a task head's data, training and evaluation need of its kind.
@@ -121,7 +122,7 @@ def _count(sums: dict) -> float:
 
 def lm_head(config: ModelConfig, params: dict, h_BTD: jax.Array) -> jax.Array:
     """fp32 logits: sampling and scoring want them in full precision. (Training's loss runs
-    the same matmul inside `training/cross_entropy.py`'s own backward rule.)"""
+    the same matmul under a backward rule of its own: `lm_head_log_z_and_target`.)"""
     equation, w = lm_head_matmul(config, params, h_BTD.dtype)
     logits_BTV = row_tiled(lambda h: einsum_f32(equation, h, w), h_BTD, 1)  # `ops.MIN_ROWS`
     return constrain(logits_BTV, ("batch", "seq", "vocab"))
