@@ -209,9 +209,9 @@ def test_a_gated_mlps_gradients_are_the_float64_ones(mlp, bias, remat):
     with jax.enable_x64():
         p64, x64 = jax.tree.map(lambda a: np.asarray(a, np.float64), (p, x))
         want = jax.grad(plain, (0, 1))(p64, x64)
+    wanted = dict(jax.tree_util.tree_leaves_with_path(want))
     for path, got in jax.tree_util.tree_leaves_with_path(grads):
-        wanted = dict(jax.tree_util.tree_leaves_with_path(want))[path]
-        assert relative_error(got, wanted) < 1e-5, jax.tree_util.keystr(path)
+        assert relative_error(got, wanted[path]) < 1e-5, jax.tree_util.keystr(path)
 
 
 def test_the_published_gpt2_small_parameter_count():

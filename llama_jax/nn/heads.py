@@ -170,8 +170,9 @@ def _loss_forward(equation, runs, h_BTD, w, targets_BT):
     few positions: the same values)."""
     B, T, _ = h_BTD.shape
     C = -(-T // runs)
+    w_letters = equation.split("->")[0].split(",")[1]  # "DV", or "VD" (tied)
     # gathered whole (over FSDP) once, not once per run
-    w = constrain(w, tuple("vocab" if c == "V" else None for c in equation.split(",")[1][:2]))
+    w = constrain(w, tuple("vocab" if c == "V" else None for c in w_letters))
 
     def run(i, outs):
         start = jnp.minimum(i * C, T - C)
@@ -184,7 +185,7 @@ def _loss_forward(equation, runs, h_BTD, w, targets_BT):
         return tuple(jax.lax.dynamic_update_slice_in_dim(whole, part, start, axis=1)
                      for whole, part in zip(outs, (log_z_BC, target_BC, log_p_BCV)))
 
-    V = w.shape[equation.split(",")[1].index("V")]
+    V = w.shape[w_letters.index("V")]
     outs = (jnp.zeros((B, T), jnp.float32), jnp.zeros((B, T), jnp.float32),
             constrain(jnp.zeros((B, T, V), h_BTD.dtype), ("batch", "seq", "vocab")))
     log_z_BT, target_BT, log_p_BTV = jax.lax.fori_loop(0, runs, run, outs)

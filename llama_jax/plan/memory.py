@@ -32,16 +32,17 @@ logits' gradient, 2·b·V per token, one run's fp32 logits, 4·V per position of
 `nn.heads.LOSS_RUN`, and the head's weight in the compute dtype and its fp32 gradient,
 (b + 4)·D·V, unsharded over fsdp (all over tensor when the vocabulary is sharded; under
 `loss_chunk` C, for C positions of each row: the fp32 logits, their softmax and its gradient,
-3·4·V, plus the head's fp32 gradient 4·D·V, which the pieces add to) — and the backward pass of
-one layer: its activations (recomputed under remat), for the blockwise paths a few fp32 tiles
+3·4·V, plus the head's fp32 gradient 4·D·V, which the pieces add to) — and the backward pass
+of one layer: its activations (recomputed under remat), for the blockwise paths a few fp32 tiles
 of scores (3·4·N·block_q·block_kv per row), the dropless path's gathered experts and their
 gradient. XLA:TPU computed the logits' gradient inside the head's matmuls for LLaMA-3 8B at 8K
 tokens a chip, but wrote it at 32K: the plan counts it. On TPUs (`LOGIT_BYTES`,
 `SHARED_WORKING_SETS`) a chunk's softmax is fused into its gradient (2·4·V), the two parts share
 memory (the larger counts), and the layer FSDP gathers (weights in the compute dtype, their fp32
-gradient) counts with the layer's part; on CPUs the parts add, as XLA:CPU's buffers do. The figures are estimates; `python -m llama_jax.plan.info` prints them,
-tests/test_memory.py checks them against XLA's `compiled.memory_analysis()` on CPU, and
-bench/pods.py against XLA:TPU's peak per chip for pod-scale runs (docs/scale-out.md).
+gradient) counts with the layer's part; on CPUs the parts add, as XLA:CPU's buffers do. The
+figures are estimates; `python -m llama_jax.plan.info` prints them, tests/test_memory.py
+checks them against XLA's `compiled.memory_analysis()` on CPU, and bench/pods.py against
+XLA:TPU's peak per chip for pod-scale runs (docs/scale-out.md).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def _log_z_and_target(config: ModelConfig, params: dict, h_BTD: jax.Array,
                       targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
     T = h_BTD.shape[1]
     if config.loss_chunk is None or config.loss_chunk >= T:
-        return _piece(config, params, h_BTD, targets_BT)
+        return lm_head_log_z_and_target(config, params, h_BTD, targets_BT)
     C = config.loss_chunk
     n = -(-T // C)
     pad = n * C - T  # the last piece is padded with zero states, and its padding dropped
@@ -60,7 +60,7 @@ def _log_z_and_target(config: ModelConfig, params: dict, h_BTD: jax.Array,
 
     @jax.checkpoint
     def piece(_, xs):
-        return None, _piece(config, params, *xs)
+        return None, lm_head_log_z_and_target(config, params, *xs)
 
     _, (log_z_nBC, target_nBC) = jax.lax.scan(piece, None, (h_nBCD, targets_nBC))
     return _joined(log_z_nBC, T), _joined(target_nBC, T)
@@ -90,16 +90,12 @@ def scored_log_z_and_target(config: ModelConfig, params: dict, h_BTD: jax.Array,
             h_BCD, targets_BC, weights_BC = xs
             skipped = (jnp.zeros(targets_BC.shape, jnp.float32),) * 2
             return None, jax.lax.cond(jnp.any(weights_BC > 0), functools.partial(
-                _piece, config, params), lambda *_: skipped, h_BCD, targets_BC)
+                lm_head_log_z_and_target, config, params), lambda *_: skipped, h_BCD,
+                targets_BC)
 
         _, (log_z_nBC, target_nBC) = jax.lax.scan(piece, None, (h_nBCD, targets_nBC,
                                                                 weights_nBC))
         return _joined(log_z_nBC, T), _joined(target_nBC, T), weights_BT
-
-
-def _piece(config: ModelConfig, params: dict, h_BCD: jax.Array,
-           targets_BC: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return lm_head_log_z_and_target(config, params, h_BCD, targets_BC)
 
 
 def _pieces(x_BT: jax.Array, n: int) -> jax.Array:
