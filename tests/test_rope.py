@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from llama_jax.config import ModelConfig, RopeScaling, load_model_config
-from llama_jax.nn.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from llama_jax.nn.rope import apply_rope, inverse_frequencies, rope_cos_sin, swapped_halves
 from reference import relative_error
 import reference as ref
 
@@ -165,3 +165,14 @@ def test_the_gradient_is_the_cotangent_rotated_back(dtype):
     half = ct64[..., :8], ct64[..., 8:]
     want = np.concatenate([half[0] * c64 + half[1] * s64, half[1] * c64 - half[0] * s64], -1)
     assert relative_error(d_x, want) < (1e-6 if dtype == "float32" else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_partners_by_matmul_are_the_sliced_ones_exactly(dtype):
+    """TPU programs take each feature's partner by a permutation matmul (fp32 accumulation at
+    full precision): every value exactly the sliced one, in fp32."""
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 5, 3, 16)) * 100, dtype)
+    by_matmul, sliced = swapped_halves(x, by_matmul=True), swapped_halves(x, by_matmul=False)
+    assert by_matmul.dtype == sliced.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(by_matmul), np.asarray(sliced))
+    np.testing.assert_array_equal(np.asarray(sliced[..., :8]), np.asarray(x[..., 8:], np.float32))

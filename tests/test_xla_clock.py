@@ -6,7 +6,9 @@ team renting a slice would otherwise find out on the slice: the compute dtype fo
 (bf16 on TPUs), presets load from an installed wheel, unrolled layers keep their remat.
 """
 
+import contextlib
 import dataclasses
+import io
 import re
 import shutil
 import subprocess
@@ -423,9 +425,36 @@ def test_slices_close_their_rings_as_the_real_ones(name, wrap):
     assert topology.parse(name).wrap == wrap
 
 
+@pytest.mark.parametrize("remat", ["dots", "dots_no_batch", "dots_with_attention"])
+def test_the_saving_policies_keep_the_rotated_queries_and_keys_alone(remat):
+    """The policies that save projections save RoPE's outputs in place of the q and k
+    projections, not beside them, and nothing of the rotation itself (in a TPU program each
+    feature's partner is a matmul's output, which they would otherwise save, in fp32)."""
+    from llama_jax.model.params import init_params
+    from llama_jax.training.step import loss_sums
+    config = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=48,
+                         attention_impl="chunked", attention_block_q=8, attention_block_kv=8,
+                         remat=remat, scan_layers=False)
+    params = init_params(config, jax.random.key(0))
+    window = jax.random.randint(jax.random.key(1), (2, 17), 2, 64)
+    printed = io.StringIO()
+    with target.compiling_for(tpu_devices()), contextlib.redirect_stdout(printed):
+        jax.ad_checkpoint.print_saved_residuals(
+            lambda p: loss_sums(config, p, window, 1, 0.0)[0], params)
+    saved = printed.getvalue().splitlines()
+    assert not any("swapped_halves" in line for line in saved)
+    # [B, T, N, H], as attention's output: one query array a layer, RoPE's (named "query"
+    # too where attention's inputs and output are saved)
+    queries = [line for line in saved if line.startswith("f32[2,16,2,16]")
+               and "named 'attention'" not in line]
+    assert len(queries) == config.n_layers
+    assert all("named 'rotated'" in line or "named 'query'" in line for line in queries)
+
+
 def test_the_fences_hold_in_a_tpu_program_and_change_no_number():
     """`ops.fenced` (the gated MLP's hidden state and its backward pass, a block norm's
-    gradient) is an optimization barrier in a program for a TPU and nothing elsewhere. Traced
+    gradient) is an optimization barrier in a program for a TPU and nothing elsewhere, and
+    RoPE takes its partner features by a matmul there (`rope.swapped_halves`). Traced
     for a TPU and run here: the loss and every gradient as the CPU's program has them, and the
     MLP's as autodiff of the plain expression has them."""
     from llama_jax.model.params import init_params
@@ -441,7 +470,11 @@ def test_the_fences_hold_in_a_tpu_program_and_change_no_number():
         there = loss(params)
         lowered = jax.jit(loss).lower(params).as_text()
     assert "optimization_barrier" in lowered
-    assert "optimization_barrier" not in jax.jit(loss).lower(params).as_text()
+    on_cpu = jax.jit(loss).lower(params).as_text()
+    assert "optimization_barrier" not in on_cpu
+    # RoPE's partners by a permutation matmul: q and k, forward and backward (in the layers'
+    # scanned body, written once)
+    assert lowered.count("dot_general") == on_cpu.count("dot_general") + 2 * 2
     for a, b in zip(jax.tree.leaves(here), jax.tree.leaves(there)):
         assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
 

@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.ad_checkpoint import checkpoint_name
 
 from llama_jax.nn.registry import Registry
-from llama_jax.nn.rope import apply_rope, cos_sin, rope_cos_sin
+from llama_jax.nn.rope import ROTATED_NAME, apply_rope, cos_sin, rope_cos_sin
 from llama_jax.spec import weight
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ class Rotation:
     sin_BTh: jax.Array
 
     def apply(self, x_BTNH: jax.Array) -> jax.Array:
-        return apply_rope(x_BTNH, self.cos_BTh, self.sin_BTh)
+        return checkpoint_name(apply_rope(x_BTNH, self.cos_BTh, self.sin_BTh), ROTATED_NAME)
 
 
 def rotation(config: ModelConfig, positions_BT: jax.Array) -> Rotation | None:
