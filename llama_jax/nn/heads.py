@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from llama_jax.config import ModelConfig
 
 # Positions per run of the LM head's forward pass in training (`lm_head_log_z_and_target`): a
-# run's fp32 logits at V = 128K take 1 GiB a row, half the whole log-softmax kept in bf16 at 8K
+# run's fp32 logits at V = 128K take 1 GiB a row, half the whole shifted logits kept in bf16 at 8K
 LOSS_RUN = 2048
 
 

@@ -27,7 +27,7 @@ bias per layer, b·T per token, except under the recomputing policies.
 Heads and the FFN width are divided by the tensor axis when the activation rules shard them.
 Kept besides: the embedded input, b·D per token (split as the block input); with the dropless
 MoE dispatch on a mesh and no remat, each layer's experts, gathered in the compute dtype.
-Working set on top, two parts: the loss's — the log-softmax kept in the compute dtype and the
+Working set on top, two parts: the loss's — the shifted logits kept in the compute dtype and the
 logits' gradient, 2·b·V per token, one run's fp32 logits, 4·V per position of a run of
 `nn.heads.LOSS_RUN`, and the head's weight in the compute dtype and its fp32 gradient,
 (b + 4)·D·V, unsharded over fsdp (all over tensor when the vocabulary is sharded; under
@@ -171,7 +171,7 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
     if config.loss_chunk is not None and config.loss_chunk < seq:
         logits = rows * config.loss_chunk * LOGIT_BYTES.get(backend, LOGIT_BYTES["cpu"]) * V
         logits += 4 * D * V  # the head's gradient, summed over the pieces
-    else:  # the log-softmax kept and the logits' gradient, one run's fp32 logits; the head's
+    else:  # the shifted logits kept and the logits' gradient, one run's fp32 logits; the head's
         # weight in the compute dtype and its fp32 gradient, whole over fsdp
         logits = rows * (seq * 2 * b + min(seq, LOSS_RUN) * 4) * V + (b + 4) * D * V
     logits //= vocab_ways

@@ -1,7 +1,7 @@
 """The LM head's next-token log-normaliser and target logit per position, for the loss.
 
 Dense (`config.loss_chunk` null): the head's fp32 logits `[B, T, V]` of the whole batch, a
-run of positions at a time, with their log-softmax kept for the backward pass in the compute
+run of positions at a time, kept shifted by their maximum for the backward pass in the compute
 dtype (`nn.heads.lm_head_log_z_and_target`): in bf16, 2·V bytes per token, which at V = 128K
 and T = 8K is 2 GiB a row, as much as LLaMA-3 8B's 32 layers keep under full remat.
 
