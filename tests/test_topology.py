@@ -128,9 +128,15 @@ def test_a_tpu_step_keeps_bf16_matmuls_where_the_cpu_widens_them(tiny_run):
     run = dataclasses.replace(tiny_run, model=tiny_run.model.with_execution(
         attention_impl="xla"))
     cpu = dot_operand_types(lowered_step(run, jax.devices()[:4]))
-    tpu = dot_operand_types(lowered_step(run, tpu_devices("v5e:2x2")))
+    tpu_text = lowered_step(run, tpu_devices("v5e:2x2"))
+    tpu = dot_operand_types(tpu_text)
     assert cpu and all(pair == ("f32", "f32") for pair in cpu), set(cpu)
-    assert len(tpu) == len(cpu) and all("bf16" in pair for pair in tpu), set(tpu)
+    assert all("bf16" in pair for pair in tpu), set(tpu)
+    # besides the CPU's matmuls, RoPE's partners by a permutation matmul ([H, H], bf16)
+    H = run.model.H
+    rotations = len(re.findall(rf"stablehlo\.dot_general [^\n]*, tensor<{H}x{H}xbf16>\)",
+                               tpu_text))
+    assert rotations > 0 and len(tpu) == len(cpu) + rotations
 
 
 def test_a_tpu_step_runs_splash_as_mosaic_kernels_within_the_plan(tiny_run):
