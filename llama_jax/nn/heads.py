@@ -143,14 +143,14 @@ def lm_head_log_z_and_target(config: ModelConfig, params: dict, h_BTD: jax.Array
     The forward pass computes the logits LOSS_RUN positions at a time (a loop over runs), so
     that one run's fp32 logits exist beside the whole shifted logits `s = logits − max`, which
     the backward pass keeps in the compute dtype: it takes the softmax as `exp(s − log Σ e^s)`.
-    Every s but the max's (exactly 0) lies in [log p, 0], so bf16 puts it off by at most
-    2^-9·|log p| and p by 2^-9 of p·|log p| <= 2^-9/e an entry, what rounding the logits'
-    gradient to bf16 (for the head's two bf16 backward matmuls) costs anyway. Not the logits
-    themselves in bf16: their rounding grows with their size, and a softmax near 1 would lose
-    its gradient. Shifting, not normalising, lets one pass over a run's logits both sum e^s
-    and write s. LLaMA-3 8B at 8K tokens a chip on XLA:TPU's clock: 6.9 GiB peak, where
-    keeping the fp32 logits took 9.3. A frozen int8 head has no weight gradient: its logits
-    are differentiated as they are."""
+    Every s lies in [log p, 0] (s = log p + log Σ e^s, a sum of at least e^0), so bf16 puts it
+    off by at most 2^-9·|log p| and p by 2^-9 of p·|log p| <= 2^-9/e an entry, what rounding
+    the logits' gradient to bf16 (for the head's two bf16 backward matmuls) costs anyway. Not
+    the logits themselves in bf16: their rounding grows with their size, and a softmax near 1
+    would lose its gradient. Shifting, not normalising, lets one pass over a run's logits
+    both sum e^s and write s. LLaMA-3 8B at 8K tokens a chip on XLA:TPU's clock: 6.9 GiB
+    peak, where keeping the fp32 logits took 9.3. A frozen int8 head has no weight gradient:
+    its logits are differentiated as they are."""
     equation, w = lm_head_matmul(config, params, h_BTD.dtype)
     if is_int8(w):
         logits_BTV = lm_head(config, params, h_BTD)
