@@ -425,18 +425,24 @@ def test_slices_close_their_rings_as_the_real_ones(name, wrap):
     assert topology.parse(name).wrap == wrap
 
 
+def small_step(**execution):
+    """A 2-layer GQA model with a gated MLP, its random parameters and a window of 2 x 17
+    random tokens, for a training step's loss."""
+    from llama_jax.model.params import init_params
+    config = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=48,
+                         **execution)
+    return (config, init_params(config, jax.random.key(0)),
+            jax.random.randint(jax.random.key(1), (2, 17), 2, 64))
+
+
 @pytest.mark.parametrize("remat", ["dots", "dots_no_batch", "dots_with_attention"])
 def test_the_saving_policies_keep_the_rotated_queries_and_keys_alone(remat):
     """The policies that save projections save RoPE's outputs in place of the q and k
     projections, not beside them, and nothing of the rotation itself (in a TPU program each
     feature's partner is a matmul's output, which they would otherwise save, in fp32)."""
-    from llama_jax.model.params import init_params
     from llama_jax.training.step import loss_sums
-    config = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=48,
-                         attention_impl="chunked", attention_block_q=8, attention_block_kv=8,
-                         remat=remat, scan_layers=False)
-    params = init_params(config, jax.random.key(0))
-    window = jax.random.randint(jax.random.key(1), (2, 17), 2, 64)
+    config, params, window = small_step(attention_impl="chunked", attention_block_q=8,
+                                        attention_block_kv=8, remat=remat, scan_layers=False)
     printed = io.StringIO()
     with target.compiling_for(tpu_devices()), contextlib.redirect_stdout(printed):
         jax.ad_checkpoint.print_saved_residuals(
@@ -457,13 +463,9 @@ def test_the_fences_hold_in_a_tpu_program_and_change_no_number():
     RoPE takes its partner features by a matmul there (`rope.swapped_halves`). Traced
     for a TPU and run here: the loss and every gradient as the CPU's program has them, and the
     MLP's as autodiff of the plain expression has them."""
-    from llama_jax.model.params import init_params
     from llama_jax.nn.mlp import apply_mlp
     from llama_jax.training.step import loss_sums
-    config = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=48,
-                         attention_impl="xla")
-    params = init_params(config, jax.random.key(0))
-    window = jax.random.randint(jax.random.key(1), (2, 17), 2, 64)
+    config, params, window = small_step(attention_impl="xla")
     loss = jax.value_and_grad(lambda p: loss_sums(config, p, window, 1, 1e-2)[0])
     here = loss(params)
     with target.compiling_for(tpu_devices()):
