@@ -187,20 +187,26 @@ def test_default_mlp_widths_keep_parameters_equal_across_kinds():
     assert len(set(sizes.values())) == 1
 
 
-@pytest.mark.parametrize("mlp, bias, remat", [("swiglu", False, "full"),
-                                               ("geglu", True, "dots_no_batch")])
-def test_a_gated_mlps_gradients_are_the_float64_ones(mlp, bias, remat):
+@pytest.mark.parametrize("mlp, bias, remat, platform", [
+    ("swiglu", False, "full", "cpu"), ("geglu", True, "dots_no_batch", "cpu"),
+    ("swiglu", False, "full", "gpu"), ("geglu", True, "dots_no_batch", "gpu")])
+def test_a_gated_mlps_gradients_are_the_float64_ones(mlp, bias, remat, platform, monkeypatch):
     """The gated MLP runs under its own backward rule (`nn.mlp._glu_down`, the hidden state
     written beside both gradients): its gradients for every weight, bias and the input, against
-    float64 ones of the plain expression, with the up matmuls recomputed or saved."""
+    float64 ones of the plain expression, with the up matmuls recomputed or saved. Traced for a
+    GPU, a few tokens' gate and up are one matmul over both matrices (`nn.mlp._merges`)."""
     from llama_jax.model.params import init_params
     from llama_jax.nn.mlp import MLPS, apply_mlp
+    from llama_jax.parallel import target
+    monkeypatch.setattr(target, "platform", lambda: platform)
     config = ModelConfig(vocab_size=16, dim=16, n_layers=1, n_heads=2, ffn_dim=24, mlp=mlp,
                          bias=bias, remat=remat)
     p = jax.tree.map(lambda w: w[0], init_params(config, jax.random.key(0))["groups"][0]["mlp"])
     p = jax.tree.map(lambda w: w + 0.1 * jax.random.normal(jax.random.key(1), w.shape), p)
     x = jax.random.normal(jax.random.key(2), (2, 3, 16))
     grads = jax.grad(lambda p, x: jnp.sum(jnp.sin(apply_mlp(config, p, x))), (0, 1))(p, x)
+    forward = str(jax.make_jaxpr(lambda p, x: apply_mlp(config, p, x))(p, x))  # nested too
+    assert forward.count("dot_general[") == (2 if platform == "gpu" else 3), forward
 
     def plain(p, x):  # float64 autodiff of the plain expression
         hidden = MLPS[mlp].activation(x @ p["w_gate"] + p.get("b_gate", 0)) * (

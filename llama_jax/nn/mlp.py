@@ -18,10 +18,14 @@ import functools
 from typing import TYPE_CHECKING, Callable
 
 import jax
+import jax.numpy as jnp
 
+from llama_jax.nn.lora import is_lora
 from llama_jax.nn.ops import fenced, linear
 from llama_jax.nn.registry import Registry
+from llama_jax.parallel import sharding, target
 from llama_jax.parallel.sharding import constrain
+from llama_jax.quant import is_int8
 from llama_jax.spec import bias, weight
 
 if TYPE_CHECKING:
@@ -79,16 +83,22 @@ def mlp_specs(config: ModelConfig, residual_scale: float) -> dict:
 
 
 def ffn(kind: str, p: dict, x, up, down, bias_of=lambda name: None,
-        recomputed: bool | None = None):
+        recomputed: bool | None = None, merged: bool = False):
     """One MLP of `kind` on x, its matmuls by `up(x, w, b)` into the hidden width and
     `down(h, w, b)` out of it (plain, batched per expert, or grouped), with biases
     `bias_of(name)`. `recomputed` (a `down` that closes over no array: whether the remat
     policy recomputes the up matmuls in the backward pass) runs a gated MLP's hidden state
-    and W_down under one backward rule (`_glu_down`)."""
-    up_x, mlp = up(x, p["w_up"], bias_of("b_up")), MLPS[kind]
+    and W_down under one backward rule (`_glu_down`). `merged`: a gated MLP's gate and up
+    matmuls run as one, over both matrices side by side (float ones, unsplit by a mesh)."""
+    mlp = MLPS[kind]
     if not mlp.gated:
+        up_x = up(x, p["w_up"], bias_of("b_up"))
         return down(mlp.activation(up_x).astype(x.dtype), p["w_down"], bias_of("b_down"))
-    gate = up(x, p["w_gate"], bias_of("b_gate"))
+    if merged:
+        gate, up_x = _gate_and_up(p, x, up, bias_of)
+    else:
+        gate, up_x = (up(x, p[w], bias_of(b)) for w, b in (("w_gate", "b_gate"),
+                                                           ("w_up", "b_up")))
     if recomputed is None:
         hidden = _glu(mlp.activation, gate, up_x).astype(x.dtype)
         return down(hidden, p["w_down"], bias_of("b_down"))
@@ -96,6 +106,10 @@ def ffn(kind: str, p: dict, x, up, down, bias_of=lambda name: None,
                      bias_of("b_down"))
 
 
+# Tokens up to which a GPU runs a gated MLP's gate and up as one matmul (`_merges`): below
+# ~295 (an H100's 989 TFLOP/s of bf16 over its 3.35 TB/s), a matmul reads its weights longer
+# than it computes with them.
+MERGED_ROWS = 256
 # Remat policies under which a block's up matmuls run again in the backward pass
 RECOMPUTING = ("full", "attention")
 
@@ -103,7 +117,32 @@ RECOMPUTING = ("full", "attention")
 def apply_mlp(config: ModelConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
     """The dense MLP (also the MoE's shared experts: the same kind, their width from `p`)."""
     return ffn(config.dense_mlp, p, x_BTD, _dense_up, _dense_down, p.get,
-               recomputed=config.remat in RECOMPUTING)
+               recomputed=config.remat in RECOMPUTING, merged=_merges(p, x_BTD))
+
+
+def _gate_and_up(p: dict, x, up, bias_of):
+    """A gated MLP's gate and up projections by one `up` over `[W_gate | W_up]`."""
+    F = p["w_up"].shape[-1]
+    biases = (bias_of("b_gate"), bias_of("b_up"))
+    both = up(x, jnp.concatenate((p["w_gate"], p["w_up"]), axis=-1),
+              None if biases[0] is None else jnp.concatenate(biases, axis=-1))
+    return both[..., :F], both[..., F:]
+
+
+def _merges(p: dict, x_BTD: jax.Array) -> bool:
+    """Whether a dense gated MLP's gate and up run as one matmul (`ffn(merged=True)`): on a
+    GPU, for at most `MERGED_ROWS` tokens (a decode step's or verify pass's), its float
+    matrices whole on one device. XLA:GPU reads the two matrices side by side inside the GEMM
+    (no copy is made; its dot merger does the same for q, k and v) but merges two dots itself
+    only up to 32 MiB each, and LLaMA-3 8B's gate and up are 112 MiB: merged, a decode step
+    launches one kernel a layer fewer. A training step's gradient would come back as one
+    matrix to split (XLA:GPU's clock: LLaMA-3.2 1B's step 0.5% slower); on a mesh splitting
+    their width, the concatenation would move them."""
+    mesh = sharding.active_mesh()
+    return ("w_gate" in p and target.platform() == "gpu"
+            and x_BTD.shape[0] * x_BTD.shape[1] <= MERGED_ROWS
+            and not any(is_int8(p[w]) or is_lora(p[w]) for w in ("w_gate", "w_up"))
+            and (mesh is None or mesh.size == 1))
 
 
 def _dense_up(x_BTD: jax.Array, w_DF, b_F) -> jax.Array:
