@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from llama_jax.nn.norms import rms_norm
-from llama_jax.nn.ops import dense, einsum_f32, einsum_f32_grads
+from llama_jax.nn.ops import dense, einsum_f32, einsum_f32_grads, lookup
 from reference import relative_error
 import reference as ref
 
@@ -115,3 +115,18 @@ def test_einsum_grads_are_autodiffs_for_a_cotangent_in_the_operands_dtype(equati
                              pull_reference(rounded.astype(jnp.float32))):
             assert got.dtype == dtype
             np.testing.assert_array_equal(got.astype(jnp.float32), want.astype(jnp.float32))
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_an_embedding_lookups_gradient_is_autodiffs(dtype):
+    """`lookup`'s own backward rule (the rows moved before they are widened) gives autodiff's
+    gradient of the plain take, every repeated token's rows summed in the table's fp32."""
+    table = jax.random.normal(jax.random.key(0), (11, 6))
+    tokens = jax.random.randint(jax.random.key(1), (3, 9), 0, 11)  # repeats among 27
+    weights = jax.random.normal(jax.random.key(2), (3, 9, 6))
+
+    def loss(take):
+        return lambda t: jnp.sum(jnp.sin(take(t)).astype(jnp.float32) * weights)
+    got = jax.grad(loss(lambda t: lookup(t, tokens, dtype)))(table)
+    want = jax.grad(loss(lambda t: jnp.take(t, tokens, axis=0).astype(dtype)))(table)
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(got, want)

@@ -431,6 +431,11 @@ def test_fsdp_gathers_weights_by_all_gather_on_a_torus():
     assert gathered.keys() == layer, gathered
     assert all(2 <= n for n in gathered.values()), gathered  # the forward and its recomputation
     assert reduced and all("transpose(" in name for name in reduced), reduced  # gradients only
+    # the embedding's gradient rows reach the table's layout in bf16, widened after the move
+    # (`nn.ops.lookup`; the partitioner moved them in fp32: twice the bytes)
+    moved = re.findall(r"= (\w+)\[[^\n]* all-to-all\([^\n]*op_name=\"([^\"]*)\"", text)
+    assert any("transpose(" in name for _, name in moved), moved  # the backward's
+    assert all(dtype == "bf16" for dtype, _ in moved), moved
 
 
 def _weight_collectives(text: str, layer: set) -> tuple[dict, list]:

@@ -91,14 +91,13 @@ def ffn(kind: str, p: dict, x, up, down, bias_of=lambda name: None,
     and W_down under one backward rule (`_glu_down`). `merged`: a gated MLP's gate and up
     matmuls run as one, over both matrices side by side (float ones, unsplit by a mesh)."""
     mlp = MLPS[kind]
-    if not mlp.gated:
-        up_x = up(x, p["w_up"], bias_of("b_up"))
-        return down(mlp.activation(up_x).astype(x.dtype), p["w_down"], bias_of("b_down"))
     if merged:
         gate, up_x = _gate_and_up(p, x, up, bias_of)
-    else:
-        gate, up_x = (up(x, p[w], bias_of(b)) for w, b in (("w_gate", "b_gate"),
-                                                           ("w_up", "b_up")))
+    else:  # up before gate: in the other order XLA:CPU plans a training step's buffers apart
+        up_x = up(x, p["w_up"], bias_of("b_up"))
+        if not mlp.gated:
+            return down(mlp.activation(up_x).astype(x.dtype), p["w_down"], bias_of("b_down"))
+        gate = up(x, p["w_gate"], bias_of("b_gate"))
     if recomputed is None:
         hidden = _glu(mlp.activation, gate, up_x).astype(x.dtype)
         return down(hidden, p["w_down"], bias_of("b_down"))
