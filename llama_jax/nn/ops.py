@@ -215,24 +215,24 @@ def lookup(table_VD: jax.Array | Int8, tokens: jax.Array, dtype) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _rows(table_VD: jax.Array, tokens_BT: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """A float table's rows for tokens `[B, T]`, in `dtype`. Its gradient is autodiff's
-    (each token's row of the cotangent scatter-added into the table's dtype), with the rows
-    moved to the table's layout in the dtype they arrive in, before they are widened: the
-    partitioner moves them (an all-to-all under FSDP) after the widening otherwise, twice the
-    bytes of bf16 rows for the same values. LLaMA-3 8B on a v5p-512: 0.06 GiB a step."""
-    return jnp.take(table_VD, tokens_BT, axis=0).astype(dtype)
+def _rows(table_VD: jax.Array, tokens: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """A float table's rows for `tokens`, in `dtype`. Its gradient is autodiff's (each
+    token's row of the cotangent scatter-added into the table's dtype), with the rows moved to
+    the table's layout in the dtype they arrive in, before they are widened: the partitioner
+    moves them (an all-to-all under FSDP) after the widening otherwise, twice the bytes of bf16
+    rows for the same values. LLaMA-3 8B on a v5p-512: 0.06 GiB a step."""
+    return jnp.take(table_VD, tokens, axis=0).astype(dtype)
 
 
-def _rows_forward(table_VD, tokens_BT, dtype):
-    return _rows(table_VD, tokens_BT, dtype), (table_VD, tokens_BT)
+def _rows_forward(table_VD, tokens, dtype):
+    return _rows(table_VD, tokens, dtype), (table_VD, tokens)
 
 
-def _rows_backward(dtype, residuals, d_rows_BTD):
-    table_VD, tokens_BT = residuals
+def _rows_backward(dtype, residuals, d_rows):
+    table_VD, tokens = residuals
     # to the table's layout: every row, the width split as the table's is
-    d_rows_BTD = constrain(d_rows_BTD, (None, None, "embed"), table="weight_rules")
-    return jnp.zeros_like(table_VD).at[tokens_BT].add(d_rows_BTD.astype(table_VD.dtype)), None
+    d_rows = constrain(d_rows, (None,) * tokens.ndim + ("embed",), table="weight_rules")
+    return jnp.zeros_like(table_VD).at[tokens].add(d_rows.astype(table_VD.dtype)), None
 
 
 _rows.defvjp(_rows_forward, _rows_backward)
