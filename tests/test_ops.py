@@ -130,3 +130,21 @@ def test_an_embedding_lookups_gradient_is_autodiffs(dtype):
     want = jax.grad(loss(lambda t: jnp.take(t, tokens, axis=0).astype(dtype)))(table)
     assert got.dtype == jnp.float32
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("platform, padded", [("tpu", {1: True, 2: True}),
+                                              ("gpu", {1: True, 2: False})])
+def test_a_decode_steps_one_row_matmuls_are_padded_where_the_compiler_wants_them(
+        platform, padded, monkeypatch):
+    """A one-row matmul runs on 8 rows (`ops.row_tiled`), its result the float64 one; on a GPU
+    only where it contracts one axis: XLA:GPU keeps W_O's, over heads x features, a GEMM."""
+    from llama_jax.parallel import target
+    monkeypatch.setattr(target, "platform", lambda: platform)
+    rng = np.random.default_rng(0)
+    for equation, x_shape, w_shape, n_in in [("BTD,DNH->BTNH", (1, 1, 16), (16, 4, 8), 1),
+                                             ("BTNH,NHD->BTD", (1, 1, 4, 8), (4, 8, 16), 2)]:
+        x, w = randn(rng, *x_shape), randn(rng, *w_shape)
+        jaxpr = str(jax.make_jaxpr(lambda x, w: dense(equation, x, w))(x, w))
+        assert ("pad[" in jaxpr) == padded[n_in], (platform, equation, jaxpr)
+        want = np.einsum(equation, x.astype(np.float64), w.astype(np.float64))
+        assert relative_error(dense(equation, jnp.asarray(x), jnp.asarray(w)), want) < 1e-6

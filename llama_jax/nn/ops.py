@@ -123,16 +123,21 @@ def grouped_f32(rows: jax.Array, w_EIO: jax.Array | Int8, sizes_E: jax.Array) ->
 # the K/V weights to memory in fp32 before reducing them (2x the weights' bytes, each way);
 # with 8 rows it runs GEMM fusions (q/k/v merged into one, int8 weights dequantized inside
 # them): XLA:GPU's clock priced a 2-layer LLaMA-3 8B's unrolled step on an H100 at 1.18x its
-# floor before, 1.04x after.
+# floor before, 1.04x after. A matmul contracting two axes (W_O's, over heads x features)
+# XLA:GPU runs as a GEMM fusion at one row too, so it is not padded there: the pad was a
+# kernel of its own (LLaMA-3 8B's batch-1 step: one kernel a layer fewer, bf16 or int8).
 MIN_ROWS = 8
 
 
 def row_tiled(matmul: Callable[[jax.Array], jax.Array], x: jax.Array, n_in: int) -> jax.Array:
     """`matmul(x)`; in a program compiled for an accelerator, when `x`'s rows (every axis but
     its last `n_in`, the contracted ones) are fewer than MIN_ROWS, computed on `x` with zero
-    rows added along its first axis up to that many, the result's added rows dropped."""
+    rows added along its first axis up to that many, the result's added rows dropped (on a
+    GPU, only for a matmul contracting one axis)."""
     per_lead = math.prod(x.shape[1:x.ndim - n_in])
-    if target.platform() == "cpu" or x.shape[0] * per_lead >= MIN_ROWS:
+    platform = target.platform()
+    if (platform == "cpu" or x.shape[0] * per_lead >= MIN_ROWS
+            or (platform == "gpu" and n_in > 1)):
         return matmul(x)
     extra = -(-MIN_ROWS // per_lead) - x.shape[0]
     return matmul(jnp.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1)))[:x.shape[0]]
