@@ -133,10 +133,10 @@ def _merges(p: dict, x_BTD: jax.Array) -> bool:
     GPU, for at most `MERGED_ROWS` tokens (a decode step's or verify pass's), its float
     matrices whole on one device. XLA:GPU reads the two matrices side by side inside the GEMM
     (no copy is made; its dot merger does the same for q, k and v) but merges two dots itself
-    only up to 32 MiB each, and LLaMA-3 8B's gate and up are 112 MiB: merged, a decode step
-    launches one kernel a layer fewer. A training step's gradient would come back as one
-    matrix to split (XLA:GPU's clock: LLaMA-3.2 1B's step 0.5% slower); on a mesh splitting
-    their width, the concatenation would move them."""
+    only where one of them is small (k and v are), and LLaMA-3 8B's gate and up are 112 MiB
+    each: merged, a decode step launches one kernel a layer fewer. A training step's gradient
+    would come back as one matrix to split (XLA:GPU's clock: LLaMA-3.2 1B's step 0.5%
+    slower); on a mesh splitting their width, the concatenation would move them."""
     mesh = sharding.active_mesh()
     return ("w_gate" in p and target.platform() == "gpu"
             and x_BTD.shape[0] * x_BTD.shape[1] <= MERGED_ROWS
