@@ -86,6 +86,30 @@ def test_planner_cli_prints_a_training_plan(capsys):
     assert plan["optimizer_bytes"] == 2 * plan["weights_bytes"]
 
 
+def test_a_tensor_parallel_plan_says_what_sequence_parallelism_would_hold(capsys):
+    """Over tensor=8 every device of a tensor group holds the residual stream of its rows whole:
+    LLaMA-3 70B at 8K tokens a device plans 89.6 GiB. The plan also gives the same run with
+    the stream's sequence split over tensor (the planner's own figure for those rules), and
+    says so only where the rules do not split it already and tensor parallelism is on."""
+    args = ["llama3-70b", "--batch", "512", "--seq", "8192", "--hardware", "v5p",
+            "--remat", "full"]
+    assert info.main([*args, "--mesh", "data=1,fsdp=64,tensor=8"]) == 0
+    assert "with sequence parallelism (mesh.activation_rules: {residual_seq: tensor})" in \
+        capsys.readouterr().out
+    kwargs = dict(batch=512, seq=8192, remat="full", compute_dtype="bfloat16",
+                  device=info.hardware.HARDWARE["v5p"], mfu=0.4, kv_dtype="bfloat16")
+    model = info.load_model_config("llama3-70b")
+    whole = info.plan_training(model, MeshConfig(data=1, fsdp=64, tensor=8), **kwargs)
+    split = info.plan_training(model, MeshConfig(data=1, fsdp=64, tensor=8,
+                                                 activation_rules={"residual_seq": "tensor"}),
+                               **kwargs)
+    assert whole["sequence_parallel_training_bytes"] == split["training_bytes"]
+    assert split["training_bytes"] < whole["training_bytes"] / 4
+    assert split["sequence_parallel_training_bytes"] is None
+    fsdp = info.plan_training(model, MeshConfig(data=1, fsdp=512), **kwargs)
+    assert fsdp["sequence_parallel_training_bytes"] is None
+
+
 def test_the_plan_counts_the_logits_of_one_piece_under_loss_chunk(capsys):
     """LLaMA-3-8B at 8K tokens on a GPU: the dense loss keeps the bf16 log-softmax and the
     logits' bf16 gradient, 2·2·V bytes a position, one run's fp32 logits, 4·V for each of

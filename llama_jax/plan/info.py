@@ -18,6 +18,7 @@ the stated MFU. `--batch` is then the global batch in sequences.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -105,9 +106,16 @@ def plan_training(config: ModelConfig, mesh: MeshConfig, *, batch: int, seq: int
     if batch % batch_ways:
         raise ConfigError(f"--batch {batch} does not split over data x fsdp x expert = "
                           f"{batch_ways}")
-    m = memory.plan_memory(config, mesh, n_devices, batch=batch, seq=seq, remat=remat,
-                           kv_batch=batch, kv_dtype=kv_dtype, backend=device.backend,
-                           mu_dtype=mu_dtype)
+    def planned(mesh: MeshConfig) -> memory.MemoryPlan:
+        return memory.plan_memory(config, mesh, n_devices, batch=batch, seq=seq, remat=remat,
+                                  kv_batch=batch, kv_dtype=kv_dtype, backend=device.backend,
+                                  mu_dtype=mu_dtype)
+    m = planned(mesh)
+    # Over tensor parallelism each device of a tensor group holds the whole residual stream
+    # unless the rules split its sequence (sequence parallelism): what that would hold
+    split = dict(mesh.activation_rules).get("residual_seq")
+    sequence_parallel = None if mesh.tensor == 1 or split else planned(dataclasses.replace(
+        mesh, activation_rules={**dict(mesh.activation_rules), "residual_seq": "tensor"})).training
     flops = costs.train_flops_per_token(config, seq) * batch * seq
     step_s = flops / (n_devices * device.peak_bf16_flops * mfu)
     return {"mesh": m.mesh, "devices": n_devices, "hardware": device.name,
@@ -119,6 +127,7 @@ def plan_training(config: ModelConfig, mesh: MeshConfig, *, batch: int, seq: int
             "gradients_bytes": m.gradients, "optimizer_bytes": m.optimizer,
             "activations_bytes": m.activations, "training_bytes": m.training,
             "fits": m.training <= device.memory_bytes, "kv_cache_bytes": m.kv_cache,
+            "sequence_parallel_training_bytes": sequence_parallel,
             "mfu": mfu, "step_flops": flops, "step_s": step_s,
             "tokens_per_s": batch * seq / step_s}
 
@@ -137,7 +146,10 @@ def render_training(t: dict, batch: int, seq: int) -> str:
         f"{format_bytes(t['gradients_bytes'])}, optimizer {format_bytes(t['optimizer_bytes'])}, "
         f"activations {format_bytes(t['activations_bytes'])}",
         f"  total {format_bytes(t['training_bytes'])} per device: {fits} in "
-        f"{format_bytes(t['device_memory_bytes'])}",
+        f"{format_bytes(t['device_memory_bytes'])}"
+        + ("" if t["sequence_parallel_training_bytes"] is None else
+           f"; {format_bytes(t['sequence_parallel_training_bytes'])} with sequence parallelism "
+           f"(mesh.activation_rules: {{residual_seq: tensor}})"),
         f"  step {t['step_s']:.3f} s at {t['mfu']:.0%} MFU = {t['tokens_per_s']:,.0f} tokens/s "
         f"({t['step_flops']:.3e} FLOPs per step, {costs.TRAIN_FLOPS_FORMULA})",
         f"  decode KV cache of B={batch} x S={seq}: {format_bytes(t['kv_cache_bytes'])} per device",
