@@ -439,7 +439,7 @@ def _library_call(i: Instruction, computations: dict[str, list[Instruction]],
         return "gemm", max(_dot_flops(i, out, operands, shapes) / peak_flops, moved(out))
     if i.opcode == "fusion":
         called = computations.get(dict(_CALLED.findall(i.rest)).get("calls"), ())
-        updated = _updated_in_place(called)
+        updated = _updated_in_place(called, shapes)
         if updated is not None:  # read: all but the array updated; written: the updates
             indices, written = updated
             return "scatter", (sum(shape_bytes(shapes.get(o, "")) for n, o in enumerate(operands)
@@ -463,12 +463,12 @@ def _library_call(i: Instruction, computations: dict[str, list[Instruction]],
     return None
 
 
-def _updated_in_place(called: list[Instruction]) -> tuple[set[int], int] | None:
+def _updated_in_place(called: list[Instruction],
+                      shapes: _Shapes) -> tuple[set[int], int] | None:
     """A scatter fusion's in-place arrays (the fusion's operand numbers) and its updates' bytes;
     None for a fusion without a scatter, or one whose scattered arrays are not the fusion's own
     operands."""
     params = {p.name: int(p.rest.split(")")[0]) for p in called if p.opcode == "parameter"}
-    shapes = {c.name: c.shape for c in called}
     indices, written = set(), 0
     for scatter in (c for c in called if c.opcode == "scatter"):
         args = _OPERANDS.findall(scatter.rest.split(")")[0])

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from llama_jax.nn.lora import is_lora
 from llama_jax.nn.ops import fenced, linear
 from llama_jax.nn.registry import Registry
-from llama_jax.parallel import sharding, target
-from llama_jax.parallel.sharding import constrain
+from llama_jax.parallel import target
+from llama_jax.parallel.sharding import active_mesh, constrain
 from llama_jax.quant import is_int8
 from llama_jax.spec import bias, weight
 
@@ -137,7 +137,7 @@ def _merges(p: dict, x_BTD: jax.Array) -> bool:
     each: merged, a decode step launches one kernel a layer fewer. A training step's gradient
     would come back as one matrix to split (XLA:GPU's clock: LLaMA-3.2 1B's step 0.5%
     slower); on a mesh splitting their width, the concatenation would move them."""
-    mesh = sharding.active_mesh()
+    mesh = active_mesh()
     return ("w_gate" in p and target.platform() == "gpu"
             and x_BTD.shape[0] * x_BTD.shape[1] <= MERGED_ROWS
             and not any(is_int8(p[w]) or is_lora(p[w]) for w in ("w_gate", "w_up"))

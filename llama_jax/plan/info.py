@@ -113,9 +113,9 @@ def plan_training(config: ModelConfig, mesh: MeshConfig, *, batch: int, seq: int
     m = planned(mesh)
     # Over tensor parallelism each device of a tensor group holds the whole residual stream
     # unless the rules split its sequence (sequence parallelism): what that would hold
-    split = dict(mesh.activation_rules).get("residual_seq")
-    sequence_parallel = None if mesh.tensor == 1 or split else planned(dataclasses.replace(
-        mesh, activation_rules={**dict(mesh.activation_rules), "residual_seq": "tensor"})).training
+    rules = dict(mesh.activation_rules)
+    sequence_parallel = None if m.mesh["tensor"] == 1 or rules.get("residual_seq") else planned(
+        dataclasses.replace(mesh, activation_rules={**rules, "residual_seq": "tensor"})).training
     flops = costs.train_flops_per_token(config, seq) * batch * seq
     step_s = flops / (n_devices * device.peak_bf16_flops * mfu)
     return {"mesh": m.mesh, "devices": n_devices, "hardware": device.name,
