@@ -11,7 +11,7 @@ from llama_jax.plan import costs, info, memory
 from llama_jax.parallel import sharding
 from llama_jax.training import trainer
 from llama_jax.config import (DataConfig, MeshConfig, MlaConfig, ModelConfig, MoeConfig,
-                              RunConfig, TrainConfig)
+                              RunConfig, TrainConfig, load_model_config)
 
 MODEL = ModelConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
                     max_seq_len=256)
@@ -78,7 +78,7 @@ def test_planner_cli_prints_a_training_plan(capsys):
                       "data=1,fsdp=8,tensor=1", "--hardware", "h100", "--remat", "full"]) == 0
     out = capsys.readouterr().out
     assert "mesh data=1,fsdp=8,tensor=1,expert=1 (8 x h100" in out and "fits in 80.0 GiB" in out
-    plan = info.plan_training(info.load_model_config("llama3-70b"), MeshConfig(data=1, fsdp=8),
+    plan = info.plan_training(load_model_config("llama3-70b"), MeshConfig(data=1, fsdp=8),
                               batch=8, seq=4096, remat="full", compute_dtype="bfloat16",
                               device=info.hardware.HARDWARE["h100"], mfu=0.4,
                               kv_dtype="bfloat16")
@@ -86,23 +86,28 @@ def test_planner_cli_prints_a_training_plan(capsys):
     assert plan["optimizer_bytes"] == 2 * plan["weights_bytes"]
 
 
-def test_a_tensor_parallel_plan_says_what_sequence_parallelism_would_hold(capsys):
-    """Over tensor=8 every device of a tensor group holds the residual stream of its rows whole:
-    LLaMA-3 70B at 8K tokens a device plans 89.6 GiB. The plan also gives the same run with
-    the stream's sequence split over tensor (the planner's own figure for those rules), and
-    says so only where the rules do not split it already and tensor parallelism is on."""
-    args = ["llama3-70b", "--batch", "512", "--seq", "8192", "--hardware", "v5p",
-            "--remat", "full"]
-    assert info.main([*args, "--mesh", "data=1,fsdp=64,tensor=8"]) == 0
+def test_a_tensor_parallel_plan_says_what_sequence_parallelism_would_hold(capsys, tmp_path):
+    """By default the residual stream's sequence is split over tensor between blocks. With
+    that turned off, every device of a tensor group holds its rows' stream whole: LLaMA-3 70B
+    at 8K tokens a device over tensor=8 plans 89.6 GiB. Such a plan also gives the same run
+    with the stream split (the planner's own figure for the default rules), and says so only
+    where the rules do not split it already and tensor parallelism is on."""
+    config = tmp_path / "no_sp.yaml"
+    config.write_text("base: llama3-70b\nmesh: {activation_rules: {residual_seq: null}}\n")
+    args = ["--batch", "512", "--seq", "8192", "--hardware", "v5p", "--remat", "full",
+            "--mesh", "data=1,fsdp=64,tensor=8"]
+    assert info.main([str(config), *args]) == 0
     assert "with sequence parallelism (mesh.activation_rules: {residual_seq: tensor})" in \
         capsys.readouterr().out
+    assert info.main(["llama3-70b", *args]) == 0
+    assert "with sequence parallelism" not in capsys.readouterr().out
     kwargs = dict(batch=512, seq=8192, remat="full", compute_dtype="bfloat16",
                   device=info.hardware.HARDWARE["v5p"], mfu=0.4, kv_dtype="bfloat16")
-    model = info.load_model_config("llama3-70b")
-    whole = info.plan_training(model, MeshConfig(data=1, fsdp=64, tensor=8), **kwargs)
-    split = info.plan_training(model, MeshConfig(data=1, fsdp=64, tensor=8,
-                                                 activation_rules={"residual_seq": "tensor"}),
+    model = load_model_config("llama3-70b")
+    whole = info.plan_training(model, MeshConfig(data=1, fsdp=64, tensor=8,
+                                                 activation_rules={"residual_seq": None}),
                                **kwargs)
+    split = info.plan_training(model, MeshConfig(data=1, fsdp=64, tensor=8), **kwargs)
     assert whole["sequence_parallel_training_bytes"] == split["training_bytes"]
     assert split["training_bytes"] < whole["training_bytes"] / 4
     assert split["sequence_parallel_training_bytes"] is None

@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -46,9 +47,9 @@ MESHES = {
     "dp8": MeshConfig(data=8), "fsdp8": MeshConfig(data=1, fsdp=8),
     "tp8": MeshConfig(data=1, tensor=8), "fsdp4-tp2": MeshConfig(data=1, fsdp=4, tensor=2),
     "dp2-fsdp2-tp2": MeshConfig(data=2, fsdp=2, tensor=2),
-    # sequence parallelism: the residual stream between blocks split over tensor too
-    "fsdp4-tp2-sp": MeshConfig(data=1, fsdp=4, tensor=2,
-                               activation_rules={"residual_seq": "tensor"}),
+    # the residual stream between blocks whole over tensor (sequence parallelism off)
+    "fsdp4-tp2-no-sp": MeshConfig(data=1, fsdp=4, tensor=2,
+                                  activation_rules={"residual_seq": None}),
     "ep8": MeshConfig(data=1, expert=8), "fsdp2-ep4": MeshConfig(data=1, fsdp=2, expert=4),
 }
 BOS = 1
@@ -129,6 +130,21 @@ def test_parameters_and_optimizer_state_are_really_split():
         mu = state.opt_state.inner_state[1][0].mu  # adamw's first moment mirrors the params
         assert sharding.bytes_per_device(mu) == sharding.bytes_per_device(state.params)
         assert jax.tree.leaves(mu)[1].sharding == jax.tree.leaves(state.params)[1].sharding
+
+
+def test_tensor_parallelism_splits_the_residual_stream_by_default():
+    """Sequence parallelism is on under tensor parallelism unless `residual_seq: null`: the
+    stream between blocks is split over tensor along its sequence, and a full-remat step,
+    which keeps that stream per layer, holds less than the same step with it whole."""
+    mesh_shape = {"data": 1, "fsdp": 4, "tensor": 2, "expert": 1}
+    axes, shape = ("batch", "residual_seq", "embed"), (8, 32, 64)
+    on, off = MESHES["fsdp4-tp2"], MESHES["fsdp4-tp2-no-sp"]
+    assert sharding.spec(axes, shape, on.activation_rules, mesh_shape) == P("fsdp", "tensor", None)
+    assert sharding.spec(axes, shape, off.activation_rules, mesh_shape) == P("fsdp", None, None)
+    model = dataclasses.replace(MODELS["gqa"], remat="full", n_layers=4)
+    temp = [_programs(model, mesh).step.memory_analysis().temp_size_in_bytes
+            for mesh in (on, off)]
+    assert temp[0] < temp[1]
 
 
 def test_mqa_keeps_its_single_kv_head_whole_under_tensor_parallelism(caplog):

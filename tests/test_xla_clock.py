@@ -106,6 +106,24 @@ def test_an_instruction_xla_could_not_price_counts_nothing():
     assert estimate.estimate(module, 1e9, peak_flops=1e12).cycles == 5 * 100 + 7
 
 
+def test_a_loop_s_trips_are_read_off_its_counter_s_start_and_step():
+    """XLA:TPU's windowed einsums unroll their loop twice and step the counter by 2 (tensor=8:
+    2 trips of `i < 4`, 4 chunks each); a counter may start past 0. Here it starts at 1 (a
+    copied constant), steps by 2 and stops before 7: 3 trips."""
+    module = MODULE.replace("%c = s32[] constant(5)", "%c = s32[] constant(7)").replace(
+        "ROOT %t = (s32[], bf16[4,8]{1,0}) tuple(%i, %ag)",
+        "%two = s32[] constant(2)\n  %next = s32[] add(%i, %two)\n"
+        "  ROOT %t = (s32[], bf16[4,8]{1,0}) tuple(%next, %ag)").replace(
+        "%w = (s32[], bf16[4,8]{1,0}) while(%a)",
+        "%one = s32[] constant(1)\n  %first = s32[] copy(%one)\n"
+        "  %x = bf16[4,8]{1,0} get-tuple-element(%a), index=1\n"
+        "  %in = (s32[], bf16[4,8]{1,0}) tuple(%first, %x)\n"
+        "  %w = (s32[], bf16[4,8]{1,0}) while(%in)")
+    step = estimate.estimate(module, 1e9, peak_flops=1e12)
+    assert step.cycles == 10 + 3 * 100 + 7 and step.unknown_loops == ()
+    assert step.collectives[0].count == 3
+
+
 def test_a_loop_without_a_constant_trip_count_is_counted_once_and_said():
     module = MODULE.replace("%c = s32[] constant(5)", "%c = s32[] get-tuple-element(%param.1), index=0")
     step = estimate.estimate(module, 1e9, peak_flops=1e12)

@@ -32,8 +32,9 @@ fusions XLA's indexing cost model is taken (its default model prices a [16, 2048
 instruction that does work.
 
 Conditionals count their most expensive branch. A loop runs its body the trip count XLA:GPU
-writes on it (`known_trip_count`) or, failing that, the constant its condition compares the
-counter with; a loop with neither counts once (reported in `unknown_loops`).
+writes on it (`known_trip_count`) or, failing that, what its counter says: the constant its
+condition compares it with, less its first value, over the step its body adds (XLA:TPU's
+windowed einsums step by 2); a loop with neither counts once (reported in `unknown_loops`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from collections import defaultdict
 from typing import Iterable
 
 # An instruction: `[ROOT] %name = SHAPE opcode(operands), attributes`; a tuple SHAPE holds spaces.
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*)$")
+_INSTRUCTION = re.compile(r"^\s+(ROOT )?%([\w.\-]+) = (.*)$")
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) ")
 _ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8\w*|c64|c128)\[([\d,]*)\]")
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
@@ -89,6 +90,7 @@ class Instruction:
     opcode: str
     shape: str  # the result's shape text (a tuple's in parentheses)
     rest: str  # operands and attributes
+    root: bool = False  # its computation's result
 
     @functools.cached_property
     def cycles(self) -> int:
@@ -134,11 +136,11 @@ def parse_module(text: str) -> tuple[dict[str, list[Instruction]], str]:
             continue
         found = _INSTRUCTION.match(line)
         if found and current is not None:
-            current.append(_instruction(found.group(1), found.group(2)))
+            current.append(_instruction(found.group(2), found.group(3), bool(found.group(1))))
     return computations, entry
 
 
-def _instruction(name: str, text: str) -> Instruction:
+def _instruction(name: str, text: str, root: bool = False) -> Instruction:
     if text.startswith("("):  # a tuple shape: up to its closing parenthesis
         depth = 0
         for end, char in enumerate(text):
@@ -149,7 +151,7 @@ def _instruction(name: str, text: str) -> Instruction:
     else:
         shape, _, rest = text.partition(" ")
     opcode, _, rest = rest.partition("(")
-    return Instruction(name, opcode, shape, rest)
+    return Instruction(name, opcode, shape, rest, root)
 
 
 def shape_bytes(shape: str) -> int:
@@ -161,27 +163,77 @@ def shape_bytes(shape: str) -> int:
     return total
 
 
-def trip_count(condition: list[Instruction]) -> int | None:
-    """A scan's trips: its condition compares the counter with a constant (`LT n`: n trips,
-    `LE n`: n + 1), the counter starting at 0 as `lax.scan` and `fori_loop` start it."""
-    constants = {i.name: int(c.group(1)) for i in condition
-                 if i.opcode == "constant" and (c := _CONSTANT.search(f"constant({i.rest}"))}
+def trip_count(condition: list[Instruction], body: list[Instruction] = (),
+               caller: list[Instruction] = (), loop: Instruction | None = None) -> int | None:
+    """A loop's trips read off its counter: the condition compares a tuple element with a
+    constant (`LT n`, or `LE n`: one more), the body adds a constant step to that element
+    (XLA:TPU's windowed einsums, unrolled twice, count 2 a trip), and the `loop`'s input tuple
+    in `caller` holds its first value where that is a constant (else 0, as `lax.scan` and
+    `fori_loop` start it)."""
+    by_name = {i.name: i for i in (*condition, *body, *caller)}
     for instruction in condition:
         if instruction.opcode != "compare":
             continue
-        operands = re.findall(r"%([\w.\-]+)", instruction.rest.split(")")[0])
-        bound = [constants[o] for o in operands if o in constants]
+        operands = [by_name.get(o) for o in _operands(instruction)]
+        bound = [_constant(o) for o in operands if _constant(o) is not None]
         direction = re.search(r"direction=(\w+)", instruction.rest)
-        if bound and direction and direction.group(1) in ("LT", "GT", "LE", "GE"):
-            return bound[0] + (direction.group(1) in ("LE", "GE"))
+        if not (bound and direction and direction.group(1) in ("LT", "GT", "LE", "GE")):
+            continue
+        end = bound[0] + (direction.group(1) in ("LE", "GE"))
+        index = next((_element(o) for o in operands if o is not None
+                      and o.opcode == "get-tuple-element"), None)
+        if index is None:
+            return end
+        step = _counter_step(body, by_name, index)
+        first = _loop_input(loop, by_name, index)
+        return max(0, -(-(end - first) // step))
     return None
 
 
+def _operands(i: Instruction) -> list[str]:
+    return re.findall(r"%([\w.\-]+)", i.rest.split(")")[0])
+
+
+def _constant(i: Instruction | None) -> int | None:
+    found = _CONSTANT.search(f"constant({i.rest}") if i is not None and \
+        i.opcode == "constant" else None
+    return int(found.group(1)) if found else None
+
+
+def _element(i: Instruction) -> int | None:
+    found = re.search(r"\bindex=(\d+)", i.rest)
+    return int(found.group(1)) if found else None
+
+
+def _counter_step(body: list[Instruction], by_name: dict[str, Instruction], index: int) -> int:
+    """What the body adds to tuple element `index` per trip (1 unless read)."""
+    root = next((i for i in body if i.root and i.opcode == "tuple"), None)
+    updated = by_name.get((_operands(root)[index:index + 1] or [""])[0]) if root else None
+    if updated is None or updated.opcode != "add":
+        return 1
+    steps = [_constant(by_name.get(o)) for o in _operands(updated)]
+    return next((s for s in steps if s), 1)
+
+
+def _loop_input(loop: Instruction | None, by_name: dict[str, Instruction], index: int) -> int:
+    """The first value of tuple element `index` of `loop`'s input: a constant, through copies;
+    0 where it is not one."""
+    init = by_name.get((_operands(loop) or [""])[0]) if loop is not None else None
+    value = by_name.get((_operands(init)[index:index + 1] or [""])[0]) \
+        if init is not None and init.opcode == "tuple" else None
+    while value is not None and value.opcode == "copy":
+        value = by_name.get((_operands(value) or [""])[0])
+    return _constant(value) or 0
+
+
 def loop_trips(loop: Instruction, computations: dict[str, list[Instruction]],
-               condition: str) -> int | None:
-    """A while loop's trips: XLA:GPU's `known_trip_count`, else its condition's constant."""
+               called: dict[str, str], caller: str) -> int | None:
+    """A while loop's trips: XLA:GPU's `known_trip_count`, else its counter's (`trip_count`)."""
     known = _KNOWN_TRIPS.search(loop.rest)
-    return int(known.group(1)) if known else trip_count(computations.get(condition, []))
+    if known:
+        return int(known.group(1))
+    return trip_count(computations.get(called["condition"], []),
+                      computations.get(called["body"], []), computations.get(caller, []), loop)
 
 
 def weights(computations: dict[str, list[Instruction]], entry: str
@@ -201,7 +253,7 @@ def weights(computations: dict[str, list[Instruction]], entry: str
         for instruction in computations.get(name, ()):
             called = dict(_CALLED.findall(instruction.rest))
             if instruction.opcode == "while":
-                trips = loop_trips(instruction, computations, called["condition"])
+                trips = loop_trips(instruction, computations, called, name)
                 if trips is None:
                     unknown.append(instruction.name)
                 visit(called["body"], times * (trips or 1))

@@ -7,7 +7,8 @@ The names below are the package's public surface.
 
 from llama_jax.dtypes import CACHE_DTYPES, DTYPES, cache_dtype_name, dtype_name
 from llama_jax.config.loading import (CONFIG_DIR, list_presets, load_config_tree,
-                                      load_model_config, load_run_tree, resolve_config_path)
+                                      load_model_config, load_run_tree, load_sections,
+                                      resolve_config_path)
 from llama_jax.config.model import (MOE, QUANTIZATIONS, REMAT_POLICIES, ROPE_SCALING_FIELDS,
                                     MlaConfig, ModelConfig, MoeConfig, RopeScaling,
                                     default_ffn_dim)
@@ -16,7 +17,7 @@ from llama_jax.config.run import (DEFAULT_CORPUS, DataConfig, LoraConfig, MeshCo
 
 __all__ = ["CACHE_DTYPES", "DTYPES", "cache_dtype_name", "dtype_name", "CONFIG_DIR",
            "list_presets", "load_config_tree", "load_model_config", "load_run_tree",
-           "resolve_config_path", "MOE", "QUANTIZATIONS", "REMAT_POLICIES",
+           "load_sections", "resolve_config_path", "MOE", "QUANTIZATIONS", "REMAT_POLICIES",
            "ROPE_SCALING_FIELDS", "MlaConfig", "ModelConfig", "MoeConfig", "RopeScaling",
            "default_ffn_dim", "DEFAULT_CORPUS", "DataConfig", "LoraConfig", "MeshConfig", "RunConfig",
            "TaskConfig", "TrainConfig", "parse_mesh"]

@@ -109,8 +109,14 @@ def load_run_tree(name_or_path: str | Path, overrides: Sequence[str] = ()
 
 def load_model_config(name_or_path: str | Path) -> ModelConfig:
     """The validated `model:` section of a config file or preset."""
+    return load_sections(name_or_path).model
+
+
+def load_sections(name_or_path: str | Path) -> RunConfig:
+    """The validated sections of a config file or preset as written (an `init_from`
+    checkpoint is not opened: the model is the file's)."""
     tree, path = load_run_tree(name_or_path)
-    return RunConfig.from_tree(tree, str(path)).model
+    return RunConfig.from_tree(tree, str(path))
 
 
 def list_presets() -> list[str]:

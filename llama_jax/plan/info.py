@@ -29,7 +29,7 @@ from llama_jax.plan.serving import ServerShape
 from llama_jax.parallel import sharding, topology
 from llama_jax.cli import add_int8_arguments, user_errors_exit
 from llama_jax.parallel.sharding import MESH_AXES
-from llama_jax.config import (DTYPES, REMAT_POLICIES, MeshConfig, ModelConfig, load_model_config,
+from llama_jax.config import (DTYPES, REMAT_POLICIES, MeshConfig, ModelConfig, load_sections,
                               parse_mesh)
 from llama_jax.config.run import MU_DTYPES
 from llama_jax.errors import ConfigError, GenerateError
@@ -253,7 +253,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 @user_errors_exit
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model = load_model_config(args.config)
+    sections = load_sections(args.config)
+    model = sections.model
     config = model.with_execution(quantize=args.quantize, quantize_head=args.quantize_head)
     seq = config.max_seq_len if args.seq is None else args.seq
     named = topology.parse(args.topology, args.slices) if args.topology else None
@@ -261,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         args.hardware = named.hardware
         args.mesh = args.mesh or f"fsdp={named.n_devices}"
     device = hardware.hardware(args.hardware or "h100")
-    mesh = parse_mesh(args.mesh) if args.mesh else None
+    # --mesh gives the sizes; the config's `mesh:` rules stay (as in the compiled plan).
+    mesh = dataclasses.replace(sections.mesh, **dict(zip(MESH_AXES, parse_mesh(
+        args.mesh).sizes))) if args.mesh else None
     batch_said = args.batch is not None
     if not batch_said:
         args.batch = sharding.batch_shards(mesh, dict(zip(MESH_AXES, mesh.sizes))) \

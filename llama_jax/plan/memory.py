@@ -74,6 +74,13 @@ LOGIT_BYTES = {"cpu": 12, "gpu": 12, "tpu": 8}
 # peak with it, 1.25x without). XLA:CPU's buffers (tests/test_memory.py) take the sum, with
 # the gathered layer inside the other terms.
 SHARED_WORKING_SETS = ("tpu",)
+# Under tensor parallelism a matmul that contracts a split axis (W_O over the heads, W_down
+# over the FFN width; in the backward pass the input projections' dX) writes its rows' whole
+# width in fp32, partial sums to be reduced over tensor. A layer's backward pass on XLA:TPU
+# holds this many such [tokens, D] fp32 buffers (LLaMA-3 70B and LLaMA-3.1 70B at 8K and 32K
+# tokens over tensor=8, with and without sequence parallelism: 0.89-1.03x of XLA's peak with
+# them, 1.13-1.32x without). XLA:CPU computes them in the compute dtype, within the terms.
+TENSOR_PARTIAL_SUMS = {"tpu": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +137,11 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
     mixer = mixer_of(config).saved_activations(config, heads,
                                                 config.K // _ways(rules, shape, "kv_heads", config.K))
     # The residual stream between blocks (each block's input; `residual_seq`), split over the
-    # sequence when the rules say so (sequence parallelism): what full remat keeps.
+    # sequence when the rules say so (sequence parallelism): what full remat keeps, and every
+    # policy keeps beside what it saves inside the block.
     residual = b * D // _ways(rules, shape, "residual_seq", seq)
+    split = _ways(rules, shape, "heads", config.N) > 1 or _ways(rules, shape, "mlp", config.F) > 1
+    partial_sums = 4 * D * TENSOR_PARTIAL_SUMS.get(backend, 0) if split else 0
     per_token = whole_layer = gathered_kept = gathered_working = gathered_layer = 0
     for group, group_specs in zip(layer_groups(config), specs["groups"]):
         mlp = _mlp_memory(config, group.moe, b, lambda width: width // _ways(
@@ -146,16 +156,18 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
             gathered_kept += layer_experts * (group.n_layers if remat == "none" else 0)
             gathered_working = max(gathered_working, 2 * layer_experts)
         layer = {
-            "none": b * (4 * D + mixer["none"]) + mlp["none"] + attn.saved,
-            "dots": b * (2 * D + mixer["dots"]) + mlp["dots"] + attn.saved_by_dots,
-            "dots_no_batch": b * (2 * D + mixer["dots_no_batch"]) + mlp["dots_no_batch"],
+            "none": residual + b * (3 * D + mixer["none"]) + mlp["none"] + attn.saved,
+            "dots": residual + b * (D + mixer["dots"]) + mlp["dots"] + attn.saved_by_dots,
+            "dots_no_batch": residual + b * (D + mixer["dots_no_batch"])
+            + mlp["dots_no_batch"],
             "full": residual,
-            "attention": b * (D + mixer["attention"]) + attn.residuals,
-            "dots_with_attention": b * (2 * D + mixer["dots_with_attention"])
+            "attention": residual + b * mixer["attention"] + attn.residuals,
+            "dots_with_attention": residual + b * (D + mixer["dots_with_attention"])
             + mlp["dots_no_batch"] + attn.residuals,
         }
         per_token += group.n_layers * layer[remat]
-        whole_layer = max(whole_layer, layer["none"])
+        # a layer's backward pass works on its input gathered whole
+        whole_layer = max(whole_layer, layer["none"] - residual + b * D + partial_sums)
         # FSDP gathers the layer being computed: its weights in the compute dtype and, in the
         # backward pass, their fp32 gradient before it is reduce-scattered (the experts of the
         # dropless path are counted above).
