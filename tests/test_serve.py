@@ -509,31 +509,32 @@ def test_response_format_constrains_every_choice_streamed_or_not(server):
 
 
 def test_constrained_and_free_requests_arriving_at_once_each_equal_generate(server, model):
-    """Greedy json_schema chats and free completions sent together, more than the slots,
-    so requests enter rows between a constrained step's forward and its pick: each answer
-    is `generate`'s alone, constrained (under the schema) or free."""
+    """Seeded sampled json_schema chats and greedy free completions sent together, more than
+    the slots, so requests enter rows between a constrained step's forward (which draws the
+    step's noise) and its pick: each answer is `generate`'s alone with its seed, constrained
+    (under the schema) or free."""
     config, params, tokenizer = model
     chats = [[{"role": "user", "content": f"Person {i}"}] for i in range(4)]
     free = [(PROMPTS[i], 6 + 5 * i) for i in range(3)]
     schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
 
-    async def chat(client, messages):
+    async def chat(client, messages, seed):
         reply = await client.chat.completions.create(
-            model="tiny", messages=messages, max_tokens=40, temperature=0.0,
+            model="tiny", messages=messages, max_tokens=40, temperature=0.9, seed=seed,
             response_format=schema)
         return reply.choices[0].message.content
 
     async def all_of_them():
         client = server.aclient()
         return await asyncio.wait_for(asyncio.gather(
-            *(chat(client, m) for m in chats), *(client.completions.create(
+            *(chat(client, m, i) for i, m in enumerate(chats)), *(client.completions.create(
                 model="tiny", prompt=p, max_tokens=n, temperature=0) for p, n in free)), 180)
 
     answers = asyncio.run(all_of_them())
-    for messages, answer in zip(chats, answers):
+    for i, (messages, answer) in enumerate(zip(chats, answers)):
         prompt = llama2_chat(tokenizer, messages)
         (tokens,) = generate(config, params, [prompt], 40, json_schema=PERSON,
-                             tokenizer=tokenizer)
+                             tokenizer=tokenizer, temperature=0.9, seed=i)
         assert answer == continuation(tokenizer, prompt, tokens)
     for (prompt, n), completion in zip(free, answers[len(chats):]):
         assert completion.choices[0].text == reference(model, tokenizer.encode(prompt), n)[2]

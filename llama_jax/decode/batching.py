@@ -41,7 +41,7 @@ import numpy as np
 from llama_jax.config import MeshConfig, ModelConfig
 from llama_jax.decode.rows import (Emitted, Lookup, Proposal, Rows, advance, choose, propose,
                                    speculative_round, step)
-from llama_jax.decode.rows import forward as rows_forward, pick as rows_pick
+from llama_jax.decode.rows import forward as rows_forward, pick as rows_pick, step_noise
 from llama_jax.decode.sampling import SamplingParams, Strategy
 from llama_jax.decode.speculate import HIT_RATE_START, Speculation, put_rows, worth_verifying
 from llama_jax.decode.step import NO_TOKEN
@@ -111,28 +111,33 @@ def _scan_steps(config, params, rows: Rows, n_steps: int, strategy, top):
     return rows, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), emitted_K)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "placement"), donate_argnames=("rows",))
+@functools.partial(jax.jit, static_argnames=("config", "draw", "placement"),
+                   donate_argnames=("rows",))
 def forward(rows: Rows, params: Params, pages_BN: jax.Array, *, config: ModelConfig,
-            placement: tuple | None) -> tuple[Rows, jax.Array]:
+            draw: bool, placement: tuple | None
+            ) -> tuple[Rows, jax.Array, jax.Array | None]:
     """The first half of a decode step of every row over its pages (`rows.forward`): the
-    rows with their last tokens in the cache, and their next logits `[B, V]`, which `pick`
-    takes. Apart, a constrained server runs it while the host computes the masks."""
+    rows with their last tokens in the cache, their next logits `[B, V]` and, where rows
+    `draw`, the noise of that draw (`rows.step_noise`; else None), which `pick` takes. Apart,
+    a constrained server runs it while the host computes the masks."""
     with placed(placement):
         rows = _with_tables(rows, pages_BN)
         cache, logits_BV = rows_forward(config, params, rows.cache, rows.last_B, rows.done_B)
-        return _between_programs(rows.replace(cache=cache)), logits_BV
+        noise_BV = step_noise(rows.key_B, rows.step_B, logits_BV) if draw else None
+        return _between_programs(rows.replace(cache=cache)), logits_BV, noise_BV
 
 
 @functools.partial(jax.jit, static_argnames=("strategy", "top", "placement"),
                    donate_argnames=("rows",))
-def pick(rows: Rows, logits_BV: jax.Array, skip_B: jax.Array, mask_BW: jax.Array, *,
-         strategy: Strategy, top: int, placement: tuple | None) -> tuple[Rows, Emitted]:
+def pick(rows: Rows, logits_BV: jax.Array, noise_BV: jax.Array | None, skip_B: jax.Array,
+         mask_BW: jax.Array, *, strategy: Strategy, top: int, placement: tuple | None
+         ) -> tuple[Rows, Emitted]:
     """The second half of a decode step (`rows.pick`): each row's token from `forward`'s
-    logits, among those `mask_BW` allows. The rows `skip_B` (inserted since that forward:
-    its logits are not of their tokens) take none this time."""
+    logits and noise (None: drawn here), among those `mask_BW` allows. The rows `skip_B`
+    (inserted since that forward: its logits are not of their tokens) take none this time."""
     with placed(placement):
         held = rows.replace(done_B=rows.done_B | skip_B, mask_BW=mask_BW)
-        picked, emitted = rows_pick(held, logits_BV, strategy, top)
+        picked, emitted = rows_pick(held, logits_BV, strategy, top, noise_BV)
         return picked.replace(done_B=jnp.where(skip_B, rows.done_B, picked.done_B),
                               mask_BW=None), emitted
 

@@ -47,7 +47,7 @@ from llama_jax.decode.decoder import (cache_bytes_per_device, decoder_params, is
 from llama_jax.decode.grammar import Constrained, row_grammars
 from llama_jax.decode.sampling import SamplingParams, Strategy, check_settings
 from llama_jax.decode.rows import (Emitted, Lookup, Proposal, Rows, advance, choose, forward,
-                                   pick, propose, row_key, speculative_round, step)
+                                   pick, propose, row_key, speculative_round, step, step_noise)
 from llama_jax.decode.speculate import (Speculation, put_rows, speculation, worth_a_pass,
                                         worth_verifying)
 from llama_jax.decode.step import NO_TOKEN, check_prompt, stop_table
@@ -186,22 +186,25 @@ def _stepped(state: Decoding, rows: Rows, emitted: Emitted) -> Decoding:
     return Decoding(rows, state.out.written(state.rows.step_B, emitted, n_B))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "placement"),
+@functools.partial(jax.jit, static_argnames=("config", "draw", "placement"),
                    donate_argnames=("cache",))
 def _forward(config: ModelConfig, params: Params, cache, last_B: jax.Array, done_B: jax.Array,
-             *, placement: tuple | None):
-    """`rows.forward`: the cache after the rows' last tokens, and their next logits."""
+             key_B: jax.Array, step_B: jax.Array, *, draw: bool, placement: tuple | None):
+    """`rows.forward`: the cache after the rows' last tokens, their next logits, and where
+    rows draw, the noise of that draw (`rows.step_noise`; else None)."""
     with placed(placement):
-        return forward(config, params, cache, last_B, done_B)
+        cache, logits_BV = forward(config, params, cache, last_B, done_B)
+        return cache, logits_BV, step_noise(key_B, step_B, logits_BV) if draw else None
 
 
 @functools.partial(jax.jit, static_argnames=("strategy", "placement"),
                    donate_argnames=("state",))
-def _pick(state: Decoding, logits_BV: jax.Array, *, strategy: Strategy,
-          placement: tuple | None) -> Decoding:
-    """`rows.pick`: the rows' tokens from `_forward`'s logits, among what their masks allow."""
+def _pick(state: Decoding, logits_BV: jax.Array, noise_BV: jax.Array | None, *,
+          strategy: Strategy, placement: tuple | None) -> Decoding:
+    """`rows.pick`: the rows' tokens from `_forward`'s logits and noise, among what their
+    masks allow."""
     with placed(placement):
-        return _stepped(state, *pick(state.rows, logits_BV, strategy, 0))
+        return _stepped(state, *pick(state.rows, logits_BV, strategy, 0, noise_BV))
 
 
 def _round(config, params, draft_params, state: Decoding, spec, verify, worth_B, strategy,
@@ -398,7 +401,8 @@ class _Decoder:
         self.spec, self.strategy, self.stats, self.mesh_config = spec, strategy, stats, \
             mesh_config
         self._programs: dict = {}
-        self._logits_BV: jax.Array | None = None  # the dispatched forward's
+        # the dispatched forward's logits and noise
+        self._forwarded: tuple[jax.Array, jax.Array | None] | None = None
 
     def _run(self, fn, *args, configured: bool = True, **static):
         """`fn` over `args` (after the model config, a static argument, when `configured`)."""
@@ -415,8 +419,10 @@ class _Decoder:
 
     def _forward(self, state: Decoding) -> Decoding:
         rows = state.rows
-        cache, self._logits_BV = self._run(_forward, self.params, rows.cache, rows.last_B,
-                                           rows.done_B)
+        cache, logits_BV, noise_BV = self._run(_forward, self.params, rows.cache, rows.last_B,
+                                               rows.done_B, rows.key_B, rows.step_B,
+                                               draw=self.strategy.draw)
+        self._forwarded = logits_BV, noise_BV
         return state.replace(rows=rows.replace(cache=cache))
 
     def after(self, state: Decoding, done_B: np.ndarray, constrained: Constrained | None,
@@ -429,7 +435,7 @@ class _Decoder:
         spec, params, draft_params = self.spec, self.params, self.draft_params
         if constrained is not None and spec is None:
             state = state.replace(rows=state.rows.replace(mask_BW=constrained.mask()))
-            state = self._run(_pick, state, self._logits_BV, configured=False,
+            state = self._run(_pick, state, *self._forwarded, configured=False,
                               strategy=self.strategy)
             return self._forward(state)
         verify = spec is not None and worth_a_pass(np.asarray(state.rows.lookup.hit_rate_B),

@@ -19,7 +19,7 @@ from flax import struct
 
 from llama_jax.config import ModelConfig
 from llama_jax.decode.grammar import masked
-from llama_jax.decode.sampling import SamplingParams, Strategy, sample
+from llama_jax.decode.sampling import SamplingParams, Strategy, gumbel_noise, sample
 from llama_jax.decode.speculate import (HIT_RATE_START, Speculation, cut, draft_proposals,
                                         ngram_proposals, put_rows, token_logprobs,
                                         updated_rate, verify_or_step)
@@ -94,12 +94,14 @@ class Emitted:
     hit_rate_B: jax.Array | None = None
 
 
-def choose(logits_BV, key_B, step_B, sampling, strategy: Strategy, top: int, mask_BW=None):
+def choose(logits_BV, key_B, step_B, sampling, strategy: Strategy, top: int, mask_BW=None,
+           noise_BV=None):
     """Each row's token of step `step_B` (among the tokens `mask_BW` allows, grammar.py) and
     the log-probabilities of its model distribution (before temperature, filters and the
-    mask): of the token, and of the `top` most likely ones."""
+    mask): of the token, and of the `top` most likely ones. `noise_BV`: the draw's noise
+    (`step_noise`), drawn already."""
     keys_B = jax.vmap(jax.random.fold_in)(key_B, step_B)
-    token_B = sample(masked(logits_BV, mask_BW), keys_B, sampling, strategy)
+    token_B = sample(masked(logits_BV, mask_BW), keys_B, sampling, strategy, noise_BV)
     logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32))
     logprob_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], -1)[:, 0]
     top_logprobs_Bn, top_ids_Bn = jax.lax.top_k(logprobs_BV, top)
@@ -133,13 +135,23 @@ def forward(config: ModelConfig, params: Params, cache: KVCache, last_B: jax.Arr
     return stepped.replace(end=jnp.where(done_B, cache.end, stepped.end)), logits_BV
 
 
-def pick(rows: Rows, logits_BV: jax.Array, strategy: Strategy, top: int
-         ) -> tuple[Rows, Emitted]:
+def step_noise(key_B: jax.Array, step_B: jax.Array, logits_BV: jax.Array) -> jax.Array:
+    """The noise of each row's draw at step `step_B` (`choose`'s, from the same keys). A
+    constrained step draws it in `forward`'s program, beside the model, which leaves `pick`
+    (the program the next forward waits for) the mask and the argmax: threefry's 8 x 8,192
+    draws are ~0.5 ms on a 2-core CPU."""
+    return gumbel_noise(jax.vmap(jax.random.fold_in)(key_B, step_B), logits_BV)
+
+
+def pick(rows: Rows, logits_BV: jax.Array, strategy: Strategy, top: int,
+         noise_BV: jax.Array | None = None) -> tuple[Rows, Emitted]:
     """The second half of a step: each row's token from `forward`'s logits (among those
-    `rows.mask_BW` allows), and the rows after it."""
+    `rows.mask_BW` allows; `noise_BV`: its draw's noise, `step_noise`, drawn already), and the
+    rows after it."""
     active_B = ~rows.done_B
     token_B, logprob_B, top_ids_Bn, top_logprobs_Bn = choose(
-        logits_BV, rows.key_B, rows.step_B, rows.sampling, strategy, top, rows.mask_BW)
+        logits_BV, rows.key_B, rows.step_B, rows.sampling, strategy, top, rows.mask_BW,
+        noise_BV)
     emitted = Emitted(jnp.where(active_B, token_B, NO_TOKEN)[:, None], logprob_B[:, None],
                       top_ids_Bn[:, None], top_logprobs_Bn[:, None])
     return advance(rows, token_B, active_B), emitted

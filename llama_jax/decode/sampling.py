@@ -114,19 +114,26 @@ def filter_logits(logits_BV: jax.Array, params: SamplingParams, truncate: bool) 
     return jnp.where(scaled_BV >= floor_B[:, None], scaled_BV, _REMOVED)
 
 
+def gumbel_noise(key: jax.Array, logits_BV: jax.Array) -> jax.Array:
+    """The Gumbel noise `sample` adds to logits like `logits_BV` (their shape and dtype) with
+    `key`: one key for the batch, or a key per row (`[B]`)."""
+    if key.ndim == 1:
+        V = logits_BV.shape[-1]
+        return jax.vmap(lambda k: jax.random.gumbel(k, (V,), logits_BV.dtype))(key)
+    return jax.random.gumbel(key, logits_BV.shape, logits_BV.dtype)
+
+
 def sample(logits_BV: jax.Array, key: jax.Array, params: SamplingParams,
-           strategy: Strategy) -> jax.Array:
+           strategy: Strategy, noise_BV: jax.Array | None = None) -> jax.Array:
     """Next token per row, int32 `[B]`: argmax where temperature is 0, else a draw from the
     filtered distribution (Gumbel-max, the same draw as `jax.random.categorical`). `key` is one
     key for the batch, or a key per row (`[B]`): then a row's draw depends on its own key
-    alone, and equals the draw of a one-row batch given that key."""
+    alone, and equals the draw of a one-row batch given that key. `noise_BV`: its noise drawn
+    already (`gumbel_noise` of the same key), by a program before this one."""
     greedy_B = argmax(logits_BV)
     if not strategy.draw:
         return greedy_B
-    if key.ndim == 1:
-        V = logits_BV.shape[-1]
-        gumbel_BV = jax.vmap(lambda k: jax.random.gumbel(k, (V,), logits_BV.dtype))(key)
-    else:
-        gumbel_BV = jax.random.gumbel(key, logits_BV.shape, logits_BV.dtype)
-    drawn_B = argmax(filter_logits(logits_BV, params, strategy.truncate) + gumbel_BV)
+    if noise_BV is None:
+        noise_BV = gumbel_noise(key, logits_BV)
+    drawn_B = argmax(filter_logits(logits_BV, params, strategy.truncate) + noise_BV)
     return jnp.where(params.temperature > 0, drawn_B, greedy_B)

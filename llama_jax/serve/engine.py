@@ -383,13 +383,13 @@ class Engine:
         pick's tokens and the positions the rows advance by (the forwards')."""
         advance = 0
         if not self.programs.forwarded:
-            self.programs.forward(tables)
+            self.programs.forward(tables, strategy)
             advance += 1
         masks_BW = (self._masks(rows) if constrained else np.full(
             (self.max_batch, -(-self.config.vocab_size // 32)), ALL_ALLOWED, np.int32))
         emitted = self.programs.pick(masks_BW, strategy, top)
         if constrained:
-            self.programs.forward(tables)
+            self.programs.forward(tables, strategy)
             advance += 1
         return emitted, advance
 

@@ -45,7 +45,8 @@ class Programs:
 
     def reset(self) -> None:
         """Empty rows over an empty pool."""
-        self._logits_BV: jax.Array | None = None  # of a `forward` not yet picked from
+        # the logits and noise of a `forward` not yet picked from
+        self._forwarded: tuple[jax.Array, jax.Array | None] | None = None
         self._fresh: set[int] = set()  # rows inserted since that forward
         s = self.shape
         self.rows = self._run(batching.empty_rows, self.stop_ids, config=self.config,
@@ -153,28 +154,30 @@ class Programs:
     @property
     def forwarded(self) -> bool:
         """Whether a `forward` ran that no `pick` took yet."""
-        return self._logits_BV is not None
+        return self._forwarded is not None
 
     @property
     def fresh(self) -> set[int]:
         """The rows the next `pick` skips: inserted after the forward it picks from."""
         return self._fresh
 
-    def forward(self, pages_BN: np.ndarray) -> None:
-        """The first half of a decode step of every row over its pages (`batching.forward`),
-        run while the host computes the masks of its second half."""
-        self.rows, self._logits_BV = self._run(batching.forward, self.rows, self.params,
-                                               pages_BN, config=self.config,
-                                               placement=self.placement)
+    def forward(self, pages_BN: np.ndarray, strategy: Strategy) -> None:
+        """The first half of a decode step of every row over its pages (`batching.forward`;
+        with the noise of its draws where `strategy` draws), run while the host computes the
+        masks of its second half."""
+        self.rows, *forwarded = self._run(batching.forward, self.rows, self.params, pages_BN,
+                                          config=self.config, draw=strategy.draw,
+                                          placement=self.placement)
+        self._forwarded = tuple(forwarded)
 
     def pick(self, masks_BW: np.ndarray, strategy: Strategy, top: int) -> Emitted:
         """The second half (`batching.pick`): each row's token among those `masks_BW` allows,
         but for the rows inserted since the forward."""
         skip_B = np.isin(np.arange(self.shape.max_batch), list(self._fresh))
-        self.rows, emitted = self._run(batching.pick, self.rows, self._logits_BV, skip_B,
+        self.rows, emitted = self._run(batching.pick, self.rows, *self._forwarded, skip_B,
                                        masks_BW, strategy=strategy, top=top,
                                        placement=self.placement)
-        self._logits_BV, self._fresh = None, set()
+        self._forwarded, self._fresh = None, set()
         return emitted
 
     def _decode_call(self, pages_BN, strategy, top, verify, n_steps=None):
