@@ -140,6 +140,33 @@ def test_constrained_greedy_is_the_masked_argmax_of_the_model_over_the_prefix(an
     assert ours == tokens and json.loads(tokenizer.decode(tokens))
 
 
+def test_a_matcher_s_copy_goes_its_own_way_from_the_same_place(model):
+    """A server copies one checked matcher per request: the copy masks as a new matcher of
+    the grammar does, token after token, and the matcher it came from stays where it was."""
+    config, _, tokenizer = model
+    vocab = vocabulary(tokenizer, config.vocab_size, config.stop_ids)
+    W = -(-config.vocab_size // 32)
+
+    def mask(matcher):
+        words = np.zeros(W, np.int32)
+        matcher.fill(words)
+        return words
+
+    start = Matcher(Grammar.json_schema(OTHER), vocab)
+    at_start = mask(start)
+    copy, new = start.copy(), Matcher(Grammar.json_schema(OTHER), vocab)
+    rng = np.random.default_rng(0)
+    for _ in range(12):
+        words = mask(new)
+        assert np.array_equal(mask(copy), words)
+        allowed = [t for t in range(config.vocab_size) if new.allows(words, t)]
+        token = int(rng.choice(allowed))
+        copy.accept(token)
+        new.accept(token)
+    assert not np.array_equal(mask(copy), at_start)
+    assert np.array_equal(mask(start), at_start)
+
+
 def test_speculation_under_a_grammar_keeps_constrained_greedy_and_valid_samples(model, request):
     """Guesses (prompt lookup's from a prompt of JSON; a draft model's, here the model itself,
     drawn without the grammar) verified among the tokens the grammar allows: greedy output is

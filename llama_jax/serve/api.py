@@ -329,10 +329,10 @@ class Server:
         try:
             vocab = vocabulary(self.tokenizer, self.engine.config.vocab_size,
                                self.engine.stop_ids)
-            Matcher(grammar, vocab)
+            start = Matcher(grammar, vocab)
         except GenerateError as e:
             raise OpenAIError(400, f"{param}{what}: {e}", param) from None
-        return lambda: Matcher(grammar, vocab)
+        return start.copy  # `start` itself is never advanced
 
     # ------------------------------------------------------------------------ responses
 
