@@ -204,7 +204,7 @@ class Matcher:
 
     def __init__(self, grammar: Grammar, vocab: Vocabulary, _state=None):
         self.grammar, self.vocab = grammar, vocab
-        self._matcher = _state or _llguidance().LLMatcher(
+        self._matcher = _state if _state is not None else _llguidance().LLMatcher(
             vocab.lltokenizer, _checked(grammar, vocab), log_level=0)
         self._check()
 

@@ -94,14 +94,19 @@ class Emitted:
     hit_rate_B: jax.Array | None = None
 
 
+def step_keys(key_B: jax.Array, step_B: jax.Array) -> jax.Array:
+    """Each row's key for its step `step_B`: its own key folded with the step."""
+    return jax.vmap(jax.random.fold_in)(key_B, step_B)
+
+
 def choose(logits_BV, key_B, step_B, sampling, strategy: Strategy, top: int, mask_BW=None,
            noise_BV=None):
     """Each row's token of step `step_B` (among the tokens `mask_BW` allows, grammar.py) and
     the log-probabilities of its model distribution (before temperature, filters and the
     mask): of the token, and of the `top` most likely ones. `noise_BV`: the draw's noise
     (`step_noise`), drawn already."""
-    keys_B = jax.vmap(jax.random.fold_in)(key_B, step_B)
-    token_B = sample(masked(logits_BV, mask_BW), keys_B, sampling, strategy, noise_BV)
+    token_B = sample(masked(logits_BV, mask_BW), step_keys(key_B, step_B), sampling, strategy,
+                     noise_BV)
     logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32))
     logprob_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], -1)[:, 0]
     top_logprobs_Bn, top_ids_Bn = jax.lax.top_k(logprobs_BV, top)
@@ -140,7 +145,7 @@ def step_noise(key_B: jax.Array, step_B: jax.Array, logits_BV: jax.Array) -> jax
     constrained step draws it in `forward`'s program, beside the model, which leaves `pick`
     (the program the next forward waits for) the mask and the argmax: threefry's 8 x 8,192
     draws are ~0.5 ms on a 2-core CPU."""
-    return gumbel_noise(jax.vmap(jax.random.fold_in)(key_B, step_B), logits_BV)
+    return gumbel_noise(step_keys(key_B, step_B), logits_BV)
 
 
 def pick(rows: Rows, logits_BV: jax.Array, strategy: Strategy, top: int,
@@ -175,7 +180,7 @@ def _round_start(rows: Rows, spec: Speculation) -> tuple[jax.Array, jax.Array]:
     T, S = spec.k + 1, rows.cache.max_len
     end_B = jnp.where(~rows.done_B, rows.cache.end, jnp.minimum(rows.cache.end, S - T))
     keys_B3 = jax.vmap(lambda key: jax.random.split(key, 3))(
-        jax.vmap(jax.random.fold_in)(rows.key_B, rows.step_B))
+        step_keys(rows.key_B, rows.step_B))
     return end_B, keys_B3
 
 
