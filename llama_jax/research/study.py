@@ -28,6 +28,7 @@ trained: the keys of the shipped studies' finished runs must not change.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -75,9 +76,11 @@ class Study:
         return f"{variant.name}-{run_key(variant, seed)}"
 
 
-# Fields (section, name) added after studies had finished runs, with their defaults: a field
-# left at its default stays out of the hash, so the runs of an unchanged variant keep their keys.
-ADDED_FIELDS = {("model", "loss_chunk"): None, ("train", "mu_dtype"): None}
+# Fields (their paths in the config) added after studies had finished runs, with their
+# defaults: a field left at its default stays out of the hash, so the runs of an unchanged
+# variant keep their keys. Sequence parallelism's rule became a default activation rule.
+ADDED_FIELDS = {("model", "loss_chunk"): None, ("train", "mu_dtype"): None,
+                ("mesh", "activation_rules", "residual_seq"): ["tensor"]}
 
 
 def run_key(variant: Variant, seed: int) -> str:
@@ -85,9 +88,10 @@ def run_key(variant: Variant, seed: int) -> str:
     file, which lives in the study's directory): equal keys train the same run."""
     config = variant.for_seed(seed).to_dict()
     config["data"]["tokenizer"] = None
-    for (section, field), default in ADDED_FIELDS.items():
-        if config[section].get(field) == default:
-            del config[section][field]
+    for (*sections, field), default in ADDED_FIELDS.items():
+        node = functools.reduce(dict.__getitem__, sections, config)
+        if node.get(field) == default:
+            del node[field]
     resolved = json.dumps(config, sort_keys=True, default=str)
     return f"s{seed}-{hashlib.sha256(resolved.encode()).hexdigest()[:8]}"
 
