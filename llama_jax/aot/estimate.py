@@ -191,7 +191,15 @@ def trip_count(condition: list[Instruction], body: list[Instruction] = (),
 
 
 def _operands(i: Instruction) -> list[str]:
-    return re.findall(r"%([\w.\-]+)", i.rest.split(")")[0])
+    """The names of `i`'s operands, in order."""
+    return _OPERANDS.findall(i.rest.split(")")[0])
+
+
+def _operand(i: Instruction | None, n: int, by_name: dict[str, Instruction]
+             ) -> Instruction | None:
+    """`i`'s operand `n` (None where `i` is None, has fewer, or it is not in `by_name`)."""
+    names = _operands(i) if i is not None else []
+    return by_name.get(names[n]) if n < len(names) else None
 
 
 def _constant(i: Instruction | None) -> int | None:
@@ -208,7 +216,7 @@ def _element(i: Instruction) -> int | None:
 def _counter_step(body: list[Instruction], by_name: dict[str, Instruction], index: int) -> int:
     """What the body adds to tuple element `index` per trip (1 unless read)."""
     root = next((i for i in body if i.root and i.opcode == "tuple"), None)
-    updated = by_name.get((_operands(root)[index:index + 1] or [""])[0]) if root else None
+    updated = _operand(root, index, by_name)
     if updated is None or updated.opcode != "add":
         return 1
     steps = [_constant(by_name.get(o)) for o in _operands(updated)]
@@ -218,11 +226,11 @@ def _counter_step(body: list[Instruction], by_name: dict[str, Instruction], inde
 def _loop_input(loop: Instruction | None, by_name: dict[str, Instruction], index: int) -> int:
     """The first value of tuple element `index` of `loop`'s input: a constant, through copies;
     0 where it is not one."""
-    init = by_name.get((_operands(loop) or [""])[0]) if loop is not None else None
-    value = by_name.get((_operands(init)[index:index + 1] or [""])[0]) \
-        if init is not None and init.opcode == "tuple" else None
+    init = _operand(loop, 0, by_name)
+    value = _operand(init, index, by_name) if init is not None and init.opcode == "tuple" \
+        else None
     while value is not None and value.opcode == "copy":
-        value = by_name.get((_operands(value) or [""])[0])
+        value = _operand(value, 0, by_name)
     return _constant(value) or 0
 
 
@@ -479,7 +487,7 @@ def _library_call(i: Instruction, computations: dict[str, list[Instruction]],
     """(kind, seconds), ours, of a GEMM (a cuBLAS call, or a fusion around a dot: XLA's
     models price those 10x apart), a cuDNN attention call, a copy (its bytes read and
     written) or an in-place scatter fusion; None for other instructions."""
-    operands = _OPERANDS.findall(i.rest.split(")")[0])
+    operands = _operands(i)
 
     def moved(result: str) -> float:  # the operands read and `result` written, in seconds
         return (sum(shape_bytes(shapes.get(o, "")) for o in operands)
@@ -499,7 +507,7 @@ def _library_call(i: Instruction, computations: dict[str, list[Instruction]],
         dots = [d for d in called if d.opcode == "dot"]
         if not dots:
             return None
-        flops = sum(_dot_flops(d, d.shape, _OPERANDS.findall(d.rest.split(")")[0]), shapes)
+        flops = sum(_dot_flops(d, d.shape, _operands(d), shapes)
                     for d in dots)
         return "gemm", max(flops / peak_flops, moved(i.shape))
     if i.target.startswith("__cudnn$fmha"):
@@ -523,7 +531,7 @@ def _updated_in_place(called: list[Instruction],
     params = {p.name: int(p.rest.split(")")[0]) for p in called if p.opcode == "parameter"}
     indices, written = set(), 0
     for scatter in (c for c in called if c.opcode == "scatter"):
-        args = _OPERANDS.findall(scatter.rest.split(")")[0])
+        args = _operands(scatter)
         n = (len(args) - 1) // 2  # scatter(arrays..., indices, updates...)
         if not all(a in params for a in args[:n]):
             return None
