@@ -140,7 +140,7 @@ def plan_memory(config: ModelConfig, mesh: MeshConfig, n_devices: int, *, batch:
     # sequence when the rules say so (sequence parallelism): what full remat keeps, and every
     # policy keeps beside what it saves inside the block.
     residual = b * D // _ways(rules, shape, "residual_seq", seq)
-    split = _ways(rules, shape, "heads", config.N) > 1 or _ways(rules, shape, "mlp", config.F) > 1
+    split = heads < config.N or _ways(rules, shape, "mlp", config.F) > 1
     partial_sums = 4 * D * TENSOR_PARTIAL_SUMS.get(backend, 0) if split else 0
     per_token = whole_layer = gathered_kept = gathered_working = gathered_layer = 0
     for group, group_specs in zip(layer_groups(config), specs["groups"]):
