@@ -234,7 +234,7 @@ def chat_run(tmp_path_factory):
     tree = {"init_from": str(pretrained),
             "task": {"kind": "chat", "train": chats(root / "train.jsonl", 96, 0),
                      "val": chats(root / "val.jsonl", 16, 1)},
-            "train": {"seq_len": 256, "batch_size": 8, "steps": 30, "learning_rate": 3e-3,
+            "train": {"seq_len": 128, "batch_size": 8, "steps": 30, "learning_rate": 3e-3,
                       "warmup_steps": 5, "log_every": 10, "eval_every": 30,
                       "checkpoint_every": 30}}
     (root / "chat.yaml").write_text(yaml.safe_dump(tree))
@@ -280,7 +280,7 @@ def test_a_bad_chat_file_stops_the_run_before_anything_is_written(chat_run, tmp_
     from llama_jax.training import trainer
 
     run = chat_run[0]
-    bad = write(tmp_path / "bad.jsonl", [{"messages": MESSAGES}, {"messages": [
+    bad = write(tmp_path / "bad.jsonl", [{"messages": MESSAGES[:3]}, {"messages": [
         {"role": "user", "content": "x"}]}])
     run = dataclasses.replace(run, task=dataclasses.replace(run.task, train=bad))
     with pytest.raises(DataError, match=r"bad\.jsonl:2: no assistant turn"):

@@ -38,7 +38,7 @@ def tree_for(root, base, **sections) -> dict:
             "lora": {"rank": 8, "alpha": 32, "dropout": 0.05, "targets": TARGETS},
             "task": {"kind": "chat", "train": str(root / "train.jsonl"),
                      "val": str(root / "val.jsonl")},
-            "train": {"seq_len": 256, "batch_size": 8, "micro_batches": 2, "steps": 40,
+            "train": {"seq_len": 128, "batch_size": 8, "micro_batches": 2, "steps": 40,
                       "learning_rate": 3e-3, "warmup_steps": 5, "log_every": 10,
                       "eval_every": 40, "checkpoint_every": 40},
             "mesh": {"data": 4, "tensor": 2}}  # the test's 8 devices; micro-batches of 4

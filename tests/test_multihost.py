@@ -3,7 +3,6 @@ with train.py, checkpoint, resume with another process count, and match a single
 
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -59,31 +58,26 @@ def _train(config: Path, workdir: Path, steps: int, processes: int) -> None:
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU multi-process test")
 def test_two_processes_train_checkpoint_and_resume_like_one_with_any_count(corpus_dir, tmp_path):
-    """Two processes checkpoint at step 2; the run resumed by two and by four processes (the
-    data position is one for all) logs the uninterrupted run's losses (one process's). It
-    reads a mixture of two raw corpora, which each process prepares into the same cache at
-    once."""
+    """Two processes checkpoint at step 2; the run resumed by four processes (the data position
+    is one for all) ends in the uninterrupted run's (one process's) checkpoint and logs its
+    losses, the two processes' first steps included. It reads a mixture of two raw corpora,
+    which each process prepares into the same cache at once."""
     sources = [{"path": str(corpus_dir), "weight": 2}, {"path": str(corpus_dir / "sub"),
                                                           "weight": 1}]
     run = RunConfig(**RUN, data=DataConfig(sources=sources))
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(run.to_dict()))
-    _train(config, tmp_path / "two", steps=2, processes=2)  # checkpoint at 2 ...
-    assert run_dir.Checkpoints(tmp_path / "two", run.train).latest_step() == 2
-    assert (tmp_path / "two" / "checkpoints" / "2" / "data_state").is_dir()
-    shutil.copytree(tmp_path / "two", tmp_path / "from-two-by-4")
-    _train(config, tmp_path / "two", steps=4, processes=2)  # ... restored by both processes
+    _train(config, tmp_path / "resumed", steps=2, processes=2)  # checkpoint at 2 ...
+    assert run_dir.Checkpoints(tmp_path / "resumed", run.train).latest_step() == 2
+    assert (tmp_path / "resumed" / "checkpoints" / "2" / "data_state").is_dir()
+    _train(config, tmp_path / "resumed", steps=4, processes=4)  # ... restored by four
     _train(config, tmp_path / "one", steps=4, processes=1)
-    (_, two), (_, one) = load_checkpoint(tmp_path / "two"), load_checkpoint(tmp_path / "one")
-    chex.assert_trees_all_equal_structs(two, one)
-    for a, b in zip(jax.tree.leaves(two), jax.tree.leaves(one)):
+    (_, four), (_, one) = load_checkpoint(tmp_path / "resumed"), load_checkpoint(tmp_path / "one")
+    chex.assert_trees_all_equal_structs(four, one)
+    for a, b in zip(jax.tree.leaves(four), jax.tree.leaves(one)):
         assert relative_error(a, b) < 1e-5
-    reference = metrics.read(tmp_path / "one" / run_dir.METRICS)
-    for processes in (2, 4):
-        workdir = tmp_path / ("two" if processes == 2 else f"from-two-by-{processes}")
-        if processes != 2:
-            _train(config, workdir, steps=4, processes=processes)
-        logged = metrics.read(workdir / run_dir.METRICS)
-        assert [r["step"] for r in logged] == [1, 2, 3, 4]
-        for a, b in zip(logged, reference):
-            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (processes, a, b)
+    logged, reference = (metrics.read(tmp_path / name / run_dir.METRICS)
+                         for name in ("resumed", "one"))
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    for a, b in zip(logged, reference):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
