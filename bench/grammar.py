@@ -2,6 +2,7 @@
 same vocabularies, schemas and token walks, in one process.
 
     python bench/grammar.py [--rounds 3] [--gguf FILE] [--decode CKPT] [--serve CKPT]
+                            [--no-libraries]
 
 Vocabularies: SmolLM2-135M's byte-level BPE (49,152 tokens, from the GGUF `make chat`
 fetches), LLaMA 3's tiktoken BPE (128,256, from the llama-models package) and a SentencePiece
@@ -26,6 +27,8 @@ JSON schema; rounds alternate, medians of the time per decode step of the batch.
 schema (`response_format`), tokens per second. Its summary is made longer than the answers
 may be, so that every row decodes its 64 tokens, as the free ones do: rows that finish early
 leave their slots idle while the longest runs, which costs tokens/s but not the mask.
+`--no-libraries` measures those costs alone (a lent GPU: `bash bench/lease.sh grammar`),
+without the libraries' table and its vocabularies.
 
 Prints tables; BENCHMARKS.md records them.
 """
@@ -324,11 +327,15 @@ def main() -> int:
                         help="also measure constrained decoding's cost on this checkpoint")
     parser.add_argument("--serve", metavar="CHECKPOINT",
                         help="also measure a server's tokens/s under a JSON schema")
+    parser.add_argument("--no-libraries", action="store_true",
+                        help="skip the libraries' comparison (with --decode / --serve)")
     args = parser.parse_args()
     if args.decode:
         decode_costs(args.decode, args.rounds)
     if args.serve:
         serve_costs(args.serve, args.rounds)
+    if args.no_libraries:
+        return 0
     print("| vocabulary | library | vocabulary build | 20-property schema compile | "
           "mask per token | valid instance walked | coverage |")
     print("|---|---|---|---|---|---|---|")

@@ -19,17 +19,28 @@
 #                                     #   own; saves the device's target description
 #   bash bench/lease.sh speculate     # ~3 min: bench/speculate.py, the verify pass on the
 #                                     #   GPU model and prompt lookup / a draft on the demo model
+#   bash bench/lease.sh grammar       # ~4 min: constrained decoding's cost on the demo model
+#                                     #   (bench/grammar.py --decode --serve): is the host's
+#                                     #   mask hidden behind the GPU's forward?
 #
-# `speculate` reads .lease/ (carried; git ignores it), which `bash bench/lease.sh prepare`
-# (with .venv's python, or $PYTHON) makes here from `make demo` and `make demo-draft`: their
-# last checkpoints without the optimizer state, and the benchmark's prompts from the demo
-# corpus (not on the device).
+# `speculate` and `grammar` read .lease/ (carried; git ignores it), which `bash bench/lease.sh
+# prepare` (with .venv's python, or $PYTHON) makes here from `make demo` and `make
+# demo-draft`: their last checkpoints without the optimizer state, and the benchmark's
+# prompts from the demo corpus (not on the device).
 #
-# Python packages the machine lacks travel as wheels in .whl/ (carried; see the device
-# notes): they are installed first when present. Results go under $OUT/STAGE (JSON, tables).
-# In the profile stage a failing profile is reported and the next one runs.
+# Python packages the machine's image lacks travel as wheels in .whl/ (carried; git ignores
+# it), installed first when present: `prepare` downloads them for the device's Python 3.12 at
+# .venv's versions. Without them every stage that trains stops at `import grain`. Results go
+# under $OUT/STAGE (JSON, tables). In the profile stage a failing profile is reported and the
+# next one runs.
 set -euo pipefail
-stages="clock profile train decode correctness 8b aot speculate prepare"
+stages="clock profile train decode correctness 8b aot speculate grammar prepare"
+# What the device's image (Python 3.12, its package list in the device notes, 2026-11) lacks of
+# what training, the grammar library and the server import, with their own needs: pip download
+# --no-deps resolves none of them.
+device_lacks="grain array-record portpicker tensorboardX llguidance fastapi starlette pydantic
+  pydantic-core typing-inspection annotated-types uvicorn openai httpx2 httpcore2 truststore
+  jiter sniffio opentelemetry-api"
 stage=${1:-clock}
 if [[ -z $stage || $stage == *" "* || " $stages " != *" $stage "* ]]; then
   echo "usage: bash bench/lease.sh STAGE, STAGE one of: $stages" >&2
@@ -46,6 +57,19 @@ if [[ $stage == prepare ]]; then  # here, not on the device
     done
   done
   "${PYTHON:-.venv/bin/python}" bench/speculate.py --checkpoint runs/demo --save-prompts .lease/prompts.json
+  rm -rf .whl
+  # shellcheck disable=SC2086  # one name a word
+  pins=$("${PYTHON:-.venv/bin/python}" -c 'import importlib.metadata as m, sys
+print(" ".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' $device_lacks)
+  platforms=""
+  for tag in manylinux1 manylinux2014 manylinux_2_17 manylinux_2_24 manylinux_2_27 \
+      manylinux_2_28 manylinux_2_31 manylinux_2_34; do
+    platforms+=" --platform ${tag}_x86_64"
+  done
+  # shellcheck disable=SC2086
+  "${PYTHON:-.venv/bin/python}" -m pip download -q --no-deps --only-binary=:all: \
+    --python-version 3.12 --implementation cp $platforms -d .whl $pins
+  du -sh .lease .whl
   exit
 fi
 out=${OUT:-.}/$stage
@@ -100,4 +124,8 @@ case $stage in
     python3 bench/speculate.py --verify-model gpu --verify-k 2 8 15 --rounds 3 \
       --checkpoint .lease/demo --draft .lease/demo-draft --prompts .lease/prompts.json \
       --out "$out/speculate.json" ;;
+  grammar)
+    mkdir -p "$out"
+    python3 bench/grammar.py --decode .lease/demo --serve .lease/demo --rounds 5 \
+      --no-libraries | tee "$out/grammar.md" ;;
 esac
