@@ -30,9 +30,10 @@
 #
 # Python packages the machine's image lacks travel as wheels in .whl/ (carried; git ignores
 # it), installed first when present: `prepare` downloads them for the device's Python 3.12 at
-# .venv's versions. Without them every stage that trains stops at `import grain`. Results go
-# under $OUT/STAGE (JSON, tables). In the profile stage a failing profile is reported and the
-# next one runs.
+# .venv's versions (2026-11-29: .lease 41 MB and .whl 14 MB, with the repository ~59 MB of
+# the 64 MiB a call carries). Without them every stage that trains stops at `import grain`.
+# Results go under $OUT/STAGE (JSON, tables). In the profile stage a failing profile is
+# reported and the next one runs.
 set -euo pipefail
 stages="clock profile train decode correctness 8b aot speculate grammar prepare"
 # What the device's image (Python 3.12, its package list in the device notes, 2026-11) lacks of
