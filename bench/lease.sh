@@ -19,6 +19,9 @@
 #                                     #   own; saves the device's target description
 #   bash bench/lease.sh speculate     # ~3 min: bench/speculate.py, the verify pass on the
 #                                     #   GPU model and prompt lookup / a draft on the demo model
+#   bash bench/lease.sh attention     # ~1 min: a decode step's attention, the XLA path against
+#                                     #   cuDNN's fused call on the cache as it is: right, and
+#                                     #   faster? (bench/decode_attention.py)
 #   bash bench/lease.sh grammar       # ~4 min: constrained decoding's cost on the demo model
 #                                     #   (bench/grammar.py --decode --serve): is the host's
 #                                     #   mask hidden behind the GPU's forward?
@@ -35,7 +38,7 @@
 # Results go under $OUT/STAGE (JSON, tables). In the profile stage a failing profile is
 # reported and the next one runs.
 set -euo pipefail
-stages="clock profile train decode correctness 8b aot speculate grammar prepare"
+stages="clock profile train decode correctness 8b aot speculate attention grammar prepare"
 # What the device's image (Python 3.12, its package list in the device notes, 2026-11) lacks of
 # what training, the grammar library and the server import, with their own needs: pip download
 # --no-deps resolves none of them.
@@ -125,6 +128,8 @@ case $stage in
     python3 bench/speculate.py --verify-model gpu --verify-k 2 8 15 --rounds 3 \
       --checkpoint .lease/demo --draft .lease/demo-draft --prompts .lease/prompts.json \
       --out "$out/speculate.json" ;;
+  attention)
+    python3 bench/decode_attention.py --out "$out/decode_attention.json" ;;
   grammar)
     mkdir -p "$out"
     python3 bench/grammar.py --decode .lease/demo --serve .lease/demo --rounds 5 \

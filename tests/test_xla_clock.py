@@ -185,7 +185,8 @@ def test_the_gpu_estimate_takes_xla_s_prices_and_adds_the_library_calls():
     assert step.unweighted_seconds == pytest.approx((10 + 2 + 3) * us)
     gemm = max(2 * 64 * 256 * 128 / peak, (64 * 128 + 128 * 256 + 64 * 256) * 2 / bandwidth)
     copy = 2 * 128 * 256 * 2 / bandwidth
-    attention = 2 * (2 * 2 * 4 * 128 * 128 * 64) * 0.5 / peak  # two causal matmuls
+    attention = max(2 * (2 * 2 * 4 * 128 * 128 * 64) * 0.5 / peak,  # two causal matmuls
+                    4 * (2 * 4 * 128 * 64) * 2 / bandwidth)  # or q, k, v read, out written
     assert step.kernel_seconds == pytest.approx(4 * (gemm + copy) + attention)
     assert dict(step.kernels) == {"gemm": 4, "copy": 4, "attention forward": 1}
     # kernels: per trip the loop fusion, the softmax, the GEMM, the side fusion, the copy;
@@ -195,6 +196,34 @@ def test_the_gpu_estimate_takes_xla_s_prices_and_adds_the_library_calls():
     assert step.clock_hz is None and step.cycles == 0
     text = "\n".join(step.report_lines())
     assert "26 kernels launched per call; 5 unpriced" in text and "XLA:GPU" in text
+
+
+# A decode step's cuDNN attention as XLA:GPU writes it (trimmed): its backend config spaced,
+# other fields before the scores' shape [B, N, T, S].
+FMHA_DECODE = """HloModule decode, is_scheduled=true
+
+ENTRY %main (q: bf16[1,32,1,128], k: bf16[1,8,256,128], v: bf16[1,8,256,128], n: s32[1]) -> bf16[1,32,1,128] {
+  %q = bf16[1,32,1,128]{3,2,1,0} parameter(0)
+  %k = bf16[1,8,256,128]{3,2,1,0} parameter(1)
+  %v = bf16[1,8,256,128]{3,2,1,0} parameter(2)
+  %n = s32[1]{0} parameter(3)
+  %fmha = (bf16[1,32,1,128]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %v, %n, %n), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"operation_queue_id": "0", "cudnn_fmha_backend_config": {"algorithm": {"algo_id": "0", "is_cudnn_frontend": true}, "fmha_scale": 0.088, "intermediate_tensor_shape": {"element_type": "BF16", "dimensions": ["1", "32", "1", "256"], "layout": {"minor_to_major": ["3", "2", "1", "0"]}}, "mask_type": "PADDING"}}
+  ROOT %out = bf16[1,32,1,128]{3,2,1,0} get-tuple-element(%fmha), index=0
+}
+"""
+
+
+@pytest.mark.parametrize("bandwidth", [1e9, 1e15])
+def test_a_cudnn_attention_call_is_priced_at_its_flops_or_its_bytes(bandwidth):
+    """Its two matmuls' FLOPs (from the scores' shape) or what it reads and writes, whichever
+    takes longer: one query a row over the cache is the bytes (a bandwidth of 1e9), and at a
+    bandwidth of 1e15 the FLOPs."""
+    peak = 1e12
+    step = estimate.estimate_gpu(FMHA_DECODE, peak, bandwidth)
+    flops = 2 * (2 * 32 * 256 * 128)  # scores and values, every key visible
+    moved = (32 * 128 + 2 * 8 * 256 * 128 + 32 * 128) * 2 + 2 * 4  # q, k, v, out; lengths
+    assert step.kernel_seconds == pytest.approx(max(flops / peak, moved / bandwidth))
+    assert dict(step.kernels) == {"attention forward": 1} and step.launches == 1
 
 
 # A decode step's cache write as XLA:GPU compiles it (trimmed): one row's keys [1, 8, 128],

@@ -60,9 +60,11 @@ _KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GPU_COST = re.compile(r'"reification_cost":(\[[^\]]*\])')
 CUSTOM_CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _OPERANDS = re.compile(r"%([\w.\-]+(?:#\d+)?)")  # `%t#3`: element 3 of the tuple %t
-_LHS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]'
+# Backend configs are JSON, written compact or spaced (XLA:GPU's cuDNN calls: `"key": [...]`,
+# other fields first).
+_LHS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]'
                               r"|lhs_contracting_dims=\{([^}]*)\}")
-_SCORES = re.compile(r'"intermediate_tensor_shape":\{"dimensions":\[([^\]]*)\]')
+_SCORES = re.compile(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]')
 # Instructions that launch no kernel on a GPU: bookkeeping, control flow (its bodies' kernels
 # count), and the halves of asynchronous pairs (the wrapped computation's kernels count).
 NO_KERNEL = frozenset((
@@ -511,15 +513,19 @@ def _library_call(i: Instruction, computations: dict[str, list[Instruction]],
                     for d in dots)
         return "gemm", max(flops / peak_flops, moved(i.shape))
     if i.target.startswith("__cudnn$fmha"):
-        scores = _SCORES.search(i.rest)
-        if not scores:
-            return "attention", 0.0
-        head = _dims(i.shape)[0][-1]
-        per_matmul = 2 * math.prod(int(d.strip('"')) for d in scores.group(1).split(",")) * head
-        causal = 0.5 if '"mask_type":"CAUSAL"' in i.rest else 1.0
+        # its matmuls' FLOPs from the scores' shape [B, N, T, S] (the output's head width),
+        # or its operands read and results written, whichever takes longer: a decode step's
+        # one query a row reads the cache at far fewer FLOPs a byte than the GPU's ratio
         backward = "Backward" in i.target
+        scores = _SCORES.search(i.rest)
+        flops = 0.0
+        if scores:
+            head = _dims(i.shape)[0][-1]
+            per_matmul = 2 * math.prod(int(d.strip('" ')) for d in scores.group(1).split(","))
+            causal = 0.5 if re.search(r'"mask_type":\s*"CAUSAL"', i.rest) else 1.0
+            flops = (5 if backward else 2) * per_matmul * head * causal
         return ("attention backward" if backward else "attention forward",
-                (5 if backward else 2) * per_matmul * causal / peak_flops)
+                max(flops / peak_flops, moved(i.shape)))
     return None
 
 
