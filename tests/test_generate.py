@@ -16,6 +16,7 @@ from llama_jax.decode.generate import GenerationStats, generate, stream
 from llama_jax.errors import GenerateError
 from llama_jax.model.kv_cache import init_cache
 from llama_jax.model.transformer import apply, unstack_layers
+from llama_jax.nn.attention import gqa
 from llama_jax.nn.heads import lm_head
 from llama_jax.decode.sampling import SamplingParams, Strategy, argmax, filter_logits, sample
 from models import BY_KV_HEADS, MLA_TINY, TINY, prompts, random_params
@@ -60,6 +61,30 @@ def test_unstacked_layers_compute_the_same(params, cache_dtype):
         h2, _ = cached(config, layers, tokens[:, 6:7], cache)
         outs.append(np.concatenate([h, h2], axis=1))
     assert isinstance(unstack_layers(p)["groups"][0], tuple)
+    assert_close(outs[1], outs[0], 1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
+def test_the_grouped_decode_step_computes_the_block_diagonal_one(params, cache_dtype,
+                                                                 monkeypatch):
+    """Per-layer caches attended in the grouped form (a GPU's, from 8,192 row-slots on:
+    gqa.grouped_decode) give the block-diagonal form's states (the CPU's), step after step,
+    an int8 cache and a left-padded row included."""
+    config, layers = CONFIGS["gqa"], unstack_layers(params["gqa"])
+    tokens = np.asarray(prompts([12, 12], seed=5))
+    outs = []
+    for grouped in (False, True):
+        monkeypatch.setattr(gqa, "grouped_decode", lambda batch, slots, grouped=grouped: grouped)
+        step = jax.jit(lambda c, p, t, cache: apply(c, p, t, cache=cache)[:2],
+                       static_argnums=0)  # traced anew for each form
+        cache = init_cache(config, 2, 16, cache_dtype, jnp.array([3, 0]), layout="per_layer")
+        h, cache = step(config, layers, tokens[:, :8], cache)
+        states = [h]
+        for t in range(8, 12):
+            h, cache = step(config, layers, tokens[:, t:t + 1], cache)
+            states.append(h)
+        states = np.concatenate(states, axis=1)
+        outs.append(np.concatenate([states[0, 3:], states[1]]))  # row 0's padding left out
     assert_close(outs[1], outs[0], 1e-5)
 
 
