@@ -156,8 +156,9 @@ class LayerCache:
     def attend(self, config: ModelConfig, q_BTNH: jax.Array, context: Context) -> jax.Array:
         """A decode step or verify pass (up to `DECODE_QUERIES` queries) by
         `decode_attention_block_diagonal`, or in the grouped form where `grouped_decode`
-        says (GPUs, long caches); longer inputs under the configured implementation. From a pool of pages, the rows' pages gathered, or read in place by
-        Pallas's TPU kernel where it applies (paged_kernel.py)."""
+        says (GPUs, long caches); longer inputs under the configured implementation. From a
+        pool of pages, the rows' pages gathered, or read in place by Pallas's TPU kernel
+        where it applies (paged_kernel.py)."""
         if context.pages is not None:
             _, T, _, H = q_BTNH.shape
             if paged_kernel.applies(T, self.dtype, H):
