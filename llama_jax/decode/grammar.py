@@ -23,6 +23,7 @@ ended stops.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -202,17 +203,19 @@ def _validated(grammar: Grammar, lltokenizer) -> str:
 class Matcher:
     """One row's place in its grammar: the mask of what may come next, and the tokens taken."""
 
-    def __init__(self, grammar: Grammar, vocab: Vocabulary, _state=None):
+    def __init__(self, grammar: Grammar, vocab: Vocabulary):
         self.grammar, self.vocab = grammar, vocab
-        self._matcher = _state if _state is not None else _llguidance().LLMatcher(
-            vocab.lltokenizer, _checked(grammar, vocab), log_level=0)
+        self._matcher = _llguidance().LLMatcher(vocab.lltokenizer, _checked(grammar, vocab),
+                                                log_level=0)
         self._check()
 
     def copy(self) -> Matcher:
         """Another matcher at this one's place: llguidance's state copied in microseconds,
         where a new matcher parses the grammar again (~0.3 ms for a JSON schema; a server
         makes one per request)."""
-        return Matcher(self.grammar, self.vocab, self._matcher.deep_copy())
+        other = copy.copy(self)
+        other._matcher = self._matcher.deep_copy()
+        return other
 
     def fill(self, words_W: np.ndarray) -> None:
         """Writes the allowed next tokens into `words_W` (int32 `[W]`, contiguous)."""
