@@ -41,7 +41,7 @@ import numpy as np
 from llama_jax.config import MeshConfig, ModelConfig
 from llama_jax.decode.rows import (Emitted, Lookup, Proposal, Rows, advance, choose, propose,
                                    speculative_round, step)
-from llama_jax.decode.rows import forward as rows_forward, pick as rows_pick, step_noise
+from llama_jax.decode.rows import forward_drawing, pick as rows_pick
 from llama_jax.decode.sampling import SamplingParams, Strategy
 from llama_jax.decode.speculate import HIT_RATE_START, Speculation, put_rows, worth_verifying
 from llama_jax.decode.step import NO_TOKEN
@@ -122,8 +122,8 @@ def forward(rows: Rows, params: Params, pages_BN: jax.Array, *, config: ModelCon
     a constrained server runs it while the host computes the masks."""
     with placed(placement):
         rows = _with_tables(rows, pages_BN)
-        cache, logits_BV = rows_forward(config, params, rows.cache, rows.last_B, rows.done_B)
-        noise_BV = step_noise(rows.key_B, rows.step_B, logits_BV) if draw else None
+        cache, logits_BV, noise_BV = forward_drawing(config, params, rows.cache, rows.last_B,
+                                                     rows.done_B, rows.key_B, rows.step_B, draw)
         return _between_programs(rows.replace(cache=cache)), logits_BV, noise_BV
 
 

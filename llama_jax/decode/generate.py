@@ -46,8 +46,9 @@ from llama_jax.decode.decoder import (cache_bytes_per_device, decoder_params, is
                                       resolve_decode_impl)
 from llama_jax.decode.grammar import Constrained, row_grammars
 from llama_jax.decode.sampling import SamplingParams, Strategy, check_settings
-from llama_jax.decode.rows import (Emitted, Lookup, Proposal, Rows, advance, choose, forward,
-                                   pick, propose, row_key, speculative_round, step, step_noise)
+from llama_jax.decode.rows import (Emitted, Lookup, Proposal, Rows, advance, choose,
+                                   forward_drawing, pick, propose, row_key, speculative_round,
+                                   step)
 from llama_jax.decode.speculate import (Speculation, put_rows, speculation, worth_a_pass,
                                         worth_verifying)
 from llama_jax.decode.step import NO_TOKEN, check_prompt, stop_table
@@ -193,8 +194,7 @@ def _forward(config: ModelConfig, params: Params, cache, last_B: jax.Array, done
     """`rows.forward`: the cache after the rows' last tokens, their next logits, and where
     rows draw, the noise of that draw (`rows.step_noise`; else None)."""
     with placed(placement):
-        cache, logits_BV = forward(config, params, cache, last_B, done_B)
-        return cache, logits_BV, step_noise(key_B, step_B, logits_BV) if draw else None
+        return forward_drawing(config, params, cache, last_B, done_B, key_B, step_B, draw)
 
 
 @functools.partial(jax.jit, static_argnames=("strategy", "placement"),

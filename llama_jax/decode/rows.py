@@ -140,6 +140,15 @@ def forward(config: ModelConfig, params: Params, cache: KVCache, last_B: jax.Arr
     return stepped.replace(end=jnp.where(done_B, cache.end, stepped.end)), logits_BV
 
 
+def forward_drawing(config: ModelConfig, params: Params, cache: KVCache, last_B: jax.Array,
+                    done_B: jax.Array, key_B: jax.Array, step_B: jax.Array, draw: bool
+                    ) -> tuple[KVCache, jax.Array, jax.Array | None]:
+    """A split step's first program: `forward`, and where the rows `draw`, the noise of their
+    draw at step `step_B` (`step_noise`; else None), which `pick` then takes."""
+    cache, logits_BV = forward(config, params, cache, last_B, done_B)
+    return cache, logits_BV, step_noise(key_B, step_B, logits_BV) if draw else None
+
+
 def step_noise(key_B: jax.Array, step_B: jax.Array, logits_BV: jax.Array) -> jax.Array:
     """The noise of each row's draw at step `step_B` (`choose`'s, from the same keys). A
     constrained step draws it in `forward`'s program, beside the model, which leaves `pick`
